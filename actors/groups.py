@@ -1,0 +1,134 @@
+"""The roles as Ray actors: start them, spread work over them, sync weights, tear them down."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+import ray
+
+from actors.learner import LearnerActor
+from actors.reward import RewardActor
+from actors.rollout import RolloutActor
+from rlpipe.config import Config
+from rlpipe.types import Completion, Group, Prompt, TrainBatch
+
+# Ray sets OMP_NUM_THREADS to an actor's logical CPU share (1); the roles take turns in synchronous mode,
+# so each may use every core while it runs.
+_THREADS_ENV = {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}
+
+
+def start_ray(cfg: Config) -> None:
+    """Join `ray.address`, or start a private local cluster bound to loopback."""
+    if ray.is_initialized():
+        return
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, log_to_driver=True)
+        return
+    ray.init(
+        address="local",  # never silently join a cluster named by RAY_ADDRESS
+        num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, actors_needed(cfg)),
+        include_dashboard=cfg.ray.dashboard,
+        dashboard_host="127.0.0.1",
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+    )
+
+
+def actors_needed(cfg: Config) -> int:
+    return cfg.train.num_learners + cfg.rollout.num_engines + cfg.reward.num_workers
+
+
+class Roles:
+    """Handles to the learner, the rollout engines and the reward workers."""
+
+    def __init__(self, cfg: Config, model_path: str, tokenizer_path: str | None = None):
+        self.cfg = cfg
+        self.learner = LearnerActor.options(num_cpus=1, runtime_env=_THREADS_ENV).remote(model_path, cfg)
+        self.engines = [
+            RolloutActor.options(num_cpus=1, runtime_env=_THREADS_ENV).remote(
+                model_path, cfg.rollout, cfg.run.seed + index, tokenizer_path
+            )
+            for index in range(cfg.rollout.num_engines)
+        ]
+        specs = [asdict(spec) for spec in cfg.reward.functions]
+        self.rewarders = [
+            RewardActor.options(num_cpus=1).remote(specs, cfg.reward.timeout_s) for _ in range(cfg.reward.num_workers)
+        ]
+        # Surface a bad model folder or reward path now rather than at the first step.
+        ray.get([self.learner.policy_version.remote()] + [e.policy_version.remote() for e in self.engines])
+        self.policy_version = 0
+
+    def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[Group]:
+        shares = _split(prompts, len(self.engines))
+        futures = [e.generate.remote(share, n, **sampling) for e, share in zip(self.engines, shares) if share]
+        completions: list[list[Completion]] = [c for part in ray.get(futures) for c in part]
+        return [Group(prompt, group) for prompt, group in zip(prompts, completions)]
+
+    def score(self, groups: list[Group]) -> tuple[dict[str, int], dict[str, str]]:
+        """Fill each group's rewards; returns failures per reward function and the first error of each."""
+        shares = [s for s in _split(groups, len(self.rewarders)) if s]
+        futures = []
+        for worker, share in zip(self.rewarders, shares):
+            samples = [(g, c) for g in share for c in g.completions]
+            columns = {key: [g.prompt.columns[key] for g, _ in samples] for key in share[0].prompt.columns}
+            futures.append(
+                worker.score.remote([g.prompt.question for g, _ in samples], [c.text for _, c in samples], columns)
+            )
+        failures: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        for share, result in zip(shares, ray.get(futures)):
+            start = 0
+            for group in share:
+                window = slice(start, start + len(group.completions))
+                group.rewards = result.totals[window]
+                group.reward_parts = {name: values[window] for name, values in result.per_function.items()}
+                start = window.stop
+            for name, count in result.failures.items():
+                failures[name] = failures.get(name, 0) + count
+            for name, message in result.first_errors.items():
+                errors.setdefault(name, message)
+        return failures, errors
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        return ray.get(self.learner.train_step.remote(batch))
+
+    def sync_weights(self, probe: Group) -> dict[str, float]:
+        """Push the learner's weights to every engine as the next policy version, then check them.
+
+        The check replays one sampled sequence: every engine's logprobs must now equal the learner's
+        (`sync/probe_max_abs`), and `sync/policy_shift` shows how far they moved from the logprobs the
+        engine reported when it sampled, so a sync that silently did nothing cannot pass unnoticed.
+        """
+        self.policy_version += 1
+        payload = self.learner.weights_payload.remote()  # stays in the object store; engines read it directly
+        ray.get([e.update_weights.remote(payload, self.policy_version) for e in self.engines])
+        completion = probe.completions[0]
+        tokens = probe.prompt.token_ids + completion.token_ids
+        learner = ray.get(self.learner.sequence_logprobs.remote(tokens))
+        engines = ray.get([e.sequence_logprobs.remote(tokens) for e in self.engines])
+        start = len(probe.prompt.token_ids)
+        return {
+            "sync/probe_max_abs": max(abs(a - b) for engine in engines for a, b in zip(engine[1:], learner[1:])),
+            "sync/policy_shift": max(
+                (abs(a - b) for a, b in zip(engines[0][start:], completion.logprobs)), default=0.0
+            ),
+        }
+
+    def export(self, out_dir: str) -> str:
+        return ray.get(self.learner.export.remote(out_dir))
+
+    def shutdown(self) -> None:
+        for handle in [self.learner, *self.engines, *self.rewarders]:
+            ray.kill(handle)
+
+
+def _split(items: list, parts: int) -> list[list]:
+    """Contiguous, near-equal shares, so results concatenate back in order."""
+    base, extra = divmod(len(items), parts)
+    shares, start = [], 0
+    for index in range(parts):
+        stop = start + base + (1 if index < extra else 0)
+        shares.append(items[start:stop])
+        start = stop
+    return shares

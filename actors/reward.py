@@ -1,0 +1,16 @@
+"""Ray actor running the configured reward functions (rewards/runner.py does the work)."""
+
+from __future__ import annotations
+
+import ray
+
+from rewards import RewardResult, RewardRunner
+
+
+@ray.remote
+class RewardActor:
+    def __init__(self, specs: list[dict], timeout_s: float):
+        self.runner = RewardRunner(specs, timeout_s=timeout_s)
+
+    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> RewardResult:
+        return self.runner.score(prompts, completions, columns)

@@ -1,0 +1,10 @@
+"""Reward functions, their registry and the runner that scores batches with them.
+
+Plain Python on purpose: this package imports neither `rlpipe`, `actors` nor `ray`, so it runs in any
+worker. Built-ins (`rewards.math`, `rewards.reasoning_gym`) import their heavy dependencies only when loaded.
+"""
+
+from rewards.registry import RewardConfigError, load_reward
+from rewards.runner import RewardResult, RewardRunner
+
+__all__ = ["RewardConfigError", "RewardResult", "RewardRunner", "load_reward"]

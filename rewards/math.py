@@ -1,0 +1,82 @@
+"""Built-in rewards for math problems with a single final answer (GSM8K, MATH style datasets).
+
+The model's answer is taken from the completion by `rewards.extract.extract_answer` (last `\\boxed{}`,
+else after `####`, else `<answer>` tags, else the last number); the reference from the `answer` column
+(after `####` if present, else the whole string).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+from math_verify import parse, verify
+
+from rewards.extract import extract_answer, gold_answer
+
+# Plain numbers are compared exactly, up to float printing noise (0.30000000000000004 == 0.3); a looser
+# relative tolerance would accept a wrong last digit in a large integer.
+_FLOAT_NOISE = 1e-9
+
+
+def numeric_answer(
+    prompts: list[str], completions: list[str], answer: list[Any], **_: Any
+) -> list[float | None]:
+    """1.0 when the extracted answer equals the reference numerically or symbolically (`\\frac{1}{2}` ==
+    `0.5`), else 0.0; None for a row without a reference answer."""
+    return [
+        None if gold is None else float(_equivalent(extract_answer(completion), gold_answer(str(gold))))
+        for completion, gold in zip(completions, answer, strict=True)
+    ]
+
+
+def exact_match(
+    prompts: list[str], completions: list[str], answer: list[Any], **_: Any
+) -> list[float | None]:
+    """1.0 when the extracted answer equals the reference string exactly (after stripping), else 0.0;
+    None for a row without a reference answer."""
+    scores: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        if gold is None:
+            scores.append(None)
+            continue
+        predicted = extract_answer(completion)
+        scores.append(float(predicted is not None and predicted.strip() == gold_answer(str(gold))))
+    return scores
+
+
+def _equivalent(predicted: str | None, gold: str) -> bool:
+    if predicted is None:
+        return False
+    predicted_number, gold_number = _as_number(predicted), _as_number(gold)
+    if predicted_number is not None and gold_number is not None:
+        # Two plain numbers: skip sympy, which is orders of magnitude slower and agrees here.
+        return predicted_number == gold_number or math.isclose(
+            predicted_number, gold_number, rel_tol=_FLOAT_NOISE, abs_tol=_FLOAT_NOISE
+        )
+    return _math_verify_equal(predicted, gold)
+
+
+def _as_number(text: str) -> Fraction | None:
+    cleaned = text.strip().replace(",", "").replace("\\$", "").replace("$", "").rstrip(".").strip()
+    try:
+        return Fraction(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _math_verify_equal(predicted: str, gold: str) -> bool:
+    # Timeouts off: math-verify's own timeout uses signal.alarm, which raises outside the main thread,
+    # and the reward runner already bounds each call. Wrapping in \boxed{} makes math-verify read the
+    # whole extracted string as one LaTeX expression ("x+1" is not found in bare text).
+    parsed_gold = parse(_as_boxed(gold), parsing_timeout=None)
+    parsed_predicted = parse(_as_boxed(predicted), parsing_timeout=None)
+    if not parsed_gold or not parsed_predicted:
+        return False
+    return verify(parsed_gold, parsed_predicted, timeout_seconds=None)
+
+
+def _as_boxed(answer: str) -> str:
+    # Dollar signs are either math delimiters or currency; neither may end up inside \boxed{}.
+    return "\\boxed{" + answer.replace("\\$", "").replace("$", "") + "}"

@@ -1,0 +1,92 @@
+"""Resolve a reward function from the name written in config.
+
+Accepted names:
+  - an import path `"package.module:function"` (the attribute may be dotted: `"mod:Class.method"`),
+  - a built-in short name (see `BUILTIN_REWARDS`),
+  - a name registered by an installed package under the entry-point group `rlpipe.rewards`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+ENTRY_POINT_GROUP = "rlpipe.rewards"
+
+# Built-ins are named by import path so that loading `rewards` does not import math-verify or
+# reasoning-gym until a config asks for them.
+BUILTIN_REWARDS = {
+    "numeric_answer": "rewards.math:numeric_answer",
+    "exact_match": "rewards.math:exact_match",
+    "reasoning_gym": "rewards.reasoning_gym:verifier",
+}
+
+
+class RewardConfigError(ValueError):
+    """A reward function named in config cannot be used. The message is one line naming the culprit."""
+
+
+def load_reward(path: str) -> Callable:
+    """Return the callable named by `path` (an import path, built-in name or entry-point name)."""
+    if not isinstance(path, str) or not path.strip():
+        raise RewardConfigError(
+            f"reward name {path!r} is empty or not a string; expected 'package.module:function'"
+        )
+    path = path.strip()
+    if ":" not in path:
+        return _load_short_name(path)
+
+    module_name, _, attribute_path = path.partition(":")
+    if not module_name or not attribute_path:
+        raise RewardConfigError(f"reward path {path!r} is malformed; expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # the user's module may fail to import with any error, not only ImportError
+        raise RewardConfigError(
+            f"reward path {path!r}: cannot import module {module_name!r}: {describe_error(err)}"
+        ) from err
+
+    target = module
+    for attribute in attribute_path.split("."):
+        try:
+            target = getattr(target, attribute)
+        except AttributeError:
+            raise RewardConfigError(
+                f"reward path {path!r}: {type(target).__name__} {getattr(target, '__name__', '')!r} "
+                f"has no attribute {attribute!r}"
+            ) from None
+    if not callable(target):
+        raise RewardConfigError(f"reward path {path!r}: {type(target).__name__} object is not callable")
+    return target
+
+
+def _load_short_name(name: str) -> Callable:
+    if name in BUILTIN_REWARDS:
+        return load_reward(BUILTIN_REWARDS[name])
+    registered = entry_points(group=ENTRY_POINT_GROUP, name=name)
+    if not registered:
+        raise RewardConfigError(
+            f"reward name {name!r} is not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) nor registered "
+            f"under entry-point group {ENTRY_POINT_GROUP!r}; an import path looks like 'pkg.module:function'"
+        )
+    entry_point = next(iter(registered))
+    try:
+        target = entry_point.load()
+    except Exception as err:
+        raise RewardConfigError(
+            f"reward name {name!r}: entry point {entry_point.value!r} failed to load: {describe_error(err)}"
+        ) from err
+    if not callable(target):
+        raise RewardConfigError(f"reward name {name!r}: entry point {entry_point.value!r} is not callable")
+    return target
+
+
+def display_name(path: str) -> str:
+    """Short name used in metrics: the function part of an import path, or the short name itself."""
+    return path.strip().rpartition(":")[2].rpartition(".")[2]
+
+
+def describe_error(err: BaseException) -> str:
+    """`Type: message` on one line."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"

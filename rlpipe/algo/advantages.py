@@ -1,0 +1,128 @@
+"""Group-relative advantages for GRPO-style training.
+
+Samples are laid out *group-contiguous*: a batch of ``N = num_groups * group_size``
+rewards where samples ``[g * group_size, (g + 1) * group_size)`` are the completions
+of prompt ``g``.
+
+A reward of NaN means "this sample could not be scored" (verifier crash, timeout,
+...). Such samples are not evidence about the prompt, so they are left out of every
+statistic and receive advantage 0 (no gradient signal either way).
+
+All standard deviations here are *population* standard deviations
+(``unbiased=False``, divide by the number of valid samples ``n`` rather than
+``n - 1``): with small groups (e.g. 4) the Bessel correction changes the scale
+noticeably, and the population form is what "normalise the group to unit variance"
+means literally.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["group_advantages", "uniform_groups"]
+
+_SCALES = ("group", "batch", "none")
+
+
+def _grouped(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Reshape ``rewards [N]`` to ``[num_groups, group_size]`` and return it with
+    the validity mask (``~isnan``) of the same shape. Validates the layout."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"number of rewards ({rewards.numel()}) is not a multiple of "
+            f"group_size ({group_size})"
+        )
+    # Integer/bool rewards are legal input; statistics need floating point.
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    if torch.isinf(rewards).any():
+        raise ValueError("rewards must be finite or NaN (unscored); got +/-inf")
+    grouped = rewards.detach().view(-1, group_size)
+    return grouped, ~torch.isnan(grouped)
+
+
+def _uniform(grouped: Tensor, valid: Tensor) -> Tensor:
+    """``[G]`` bool: valid rewards of the group are all equal, or < 2 are valid."""
+    inf = torch.tensor(float("inf"), dtype=grouped.dtype, device=grouped.device)
+    hi = torch.where(valid, grouped, -inf).amax(dim=-1)
+    lo = torch.where(valid, grouped, inf).amin(dim=-1)
+    return (valid.sum(dim=-1) < 2) | (hi == lo)
+
+
+def uniform_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """Flag groups that carry no learning signal (DAPO's dynamic-sampling filter).
+
+    Args:
+        rewards: ``[N]`` float rewards, group-contiguous, NaN = unscored.
+        group_size: completions per prompt; ``N`` must be a multiple of it.
+
+    Returns:
+        ``[num_groups]`` bool tensor, True where the group's valid (non-NaN)
+        rewards are all exactly equal or where fewer than 2 rewards are valid.
+        Group-relative advantages are identically 0 for such groups.
+    """
+    grouped, valid = _grouped(rewards, group_size)
+    return _uniform(grouped, valid)
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-6
+) -> Tensor:
+    """GRPO advantages: each reward minus its group's mean, optionally rescaled.
+
+    Args:
+        rewards: ``[N]`` rewards, group-contiguous (``N = num_groups * group_size``).
+            NaN marks an unscored sample: it gets advantage 0 and is excluded from
+            its group's mean/std and from the batch std.
+        group_size: completions per prompt.
+        scale: how the centred reward ``r - mean(group)`` is divided:
+            ``"group"``: by (population std of the group's valid rewards + eps) --
+            the original GRPO normalisation;
+            ``"batch"``: by (population std of *all* valid rewards in the batch +
+            eps) -- a single scale for the whole batch, so easy/hard prompts are
+            not re-weighted against each other;
+            ``"none"``: no division (Dr. GRPO, which removes the per-group std
+            because it biases updates towards low-variance prompts).
+        eps: added to the std before dividing, for numerical safety.
+
+    Returns:
+        ``[N]`` advantages in the rewards' floating dtype (detached). Exactly 0 for
+        NaN samples and for every sample of a group whose valid rewards are all
+        equal (including groups with fewer than 2 valid samples): centring makes
+        those 0 mathematically, and forcing it avoids amplifying float rounding
+        (e.g. ``mean([0.1] * 3) != 0.1``) by a tiny std.
+
+    Raises:
+        ValueError: unknown ``scale``, bad shape/group_size, or infinite rewards.
+    """
+    if scale not in _SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {_SCALES}")
+    grouped, valid = _grouped(rewards, group_size)
+    zeros = torch.zeros_like(grouped)
+
+    count = valid.sum(dim=-1, keepdim=True)
+    safe_count = count.clamp_min(1)  # all-NaN group: numerator is 0 anyway
+    mean = torch.where(valid, grouped, zeros).sum(dim=-1, keepdim=True) / safe_count
+    centred = torch.where(valid, grouped - mean, zeros)
+    centred = torch.where(_uniform(grouped, valid).unsqueeze(-1), zeros, centred)
+
+    if scale == "none":
+        adv = centred
+    else:
+        if scale == "group":
+            std = (centred.square().sum(dim=-1, keepdim=True) / safe_count).sqrt()
+        else:  # "batch": one std over every valid reward in the batch
+            flat, flat_valid = grouped.reshape(-1), valid.reshape(-1)
+            n = flat_valid.sum().clamp_min(1)
+            b_mean = torch.where(flat_valid, flat, 0.0).sum() / n
+            std = (torch.where(flat_valid, flat - b_mean, 0.0).square().sum() / n).sqrt()
+        denom = std + eps
+        # denom can only be 0 with eps=0 and a zero std, i.e. when every centred
+        # value in its scope is already 0; divide by 1 there instead of 0 -> NaN.
+        adv = centred / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return adv.reshape(-1)

@@ -1,0 +1,67 @@
+"""`rlpipe train` and `rlpipe config show`: a recipe plus key=value overrides."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rewards import RewardConfigError
+from rlpipe.config import ConfigError, help_text, load_config
+
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlpipe", description="GRPO post-training with Ray, vLLM and torch")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, summary in (
+        ("train", "run GRPO post-training"),
+        ("config", "print the resolved config (`rlpipe config show [RECIPE] [key=value ...]`)"),
+    ):
+        sub = commands.add_parser(
+            name,
+            help=summary,
+            description=summary,
+            epilog=help_text(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if name == "config":
+            sub.add_argument("action", choices=["show"])
+        sub.add_argument("recipe", nargs="?", help=f"YAML recipe (default: {DEFAULT_RECIPE.name})")
+        sub.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        if name == "train":
+            sub.add_argument("--address", help="join this Ray cluster (same as ray.address=...)")
+    return parser
+
+
+def _resolve(args) -> "Config":  # noqa: F821 - imported lazily for start-up speed
+    recipe, overrides = args.recipe, list(args.overrides)
+    # `rlpipe train train.steps=3`: the first positional is an override, not a recipe.
+    if recipe is not None and "=" in recipe and not Path(recipe).exists():
+        recipe, overrides = None, [recipe, *overrides]
+    if getattr(args, "address", None):
+        overrides.append(f"ray.address={args.address}")
+    return load_config(recipe or DEFAULT_RECIPE, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = _resolve(args)
+        if args.command == "config":
+            import yaml
+
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
+        from rlpipe.controller import train
+
+        train(cfg)
+        return 0
+    except (ConfigError, RewardConfigError) as err:
+        print(f"rlpipe: config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""One typed config tree for rlpipe: a YAML recipe plus `section.key=value` overrides.
+
+Every key is a dataclass field with a default and a one-line meaning (`help` metadata), so
+`rlpipe train --help` can list them all and an error can always name the key at fault.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line and names the key."""
+
+
+def _key(default: Any, help: str) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class RunConfig:
+    name: str = _key("grpo", "run name; outputs go to <output_dir>/<name>")
+    output_dir: str = _key("runs", "parent directory of run directories")
+    seed: int = _key(0, "seed for the sampler, the learner and the rollout engine")
+    overwrite: bool = _key(False, "allow reusing a run directory that already holds metrics")
+
+
+@dataclass
+class ModelConfig:
+    path: str = _key(
+        "builtin:smollm2-135m-instruct",
+        "Hugging Face folder (config.json + safetensors + tokenizer), or builtin:smollm2-135m-instruct",
+    )
+    tokenizer: str | None = _key(None, "tokenizer folder when it is not inside model.path")
+    dtype: Literal["float32", "bfloat16"] = _key("float32", "learner parameter and compute dtype")
+
+
+@dataclass
+class DataConfig:
+    source: Literal["reasoning_gym", "file"] = _key("reasoning_gym", "where prompts come from")
+    task: str = _key("basic_arithmetic", "reasoning-gym task name (source=reasoning_gym)")
+    task_args: dict = _key({}, "keyword arguments of the reasoning-gym task config")
+    size: int = _key(2000, "number of reasoning-gym training examples to generate")
+    path: str | None = _key(None, "json/jsonl/parquet/arrow file or folder (source=file)")
+    split: str = _key("train", "dataset split to read (source=file)")
+    prompt_field: str = _key("question", "column holding the prompt text")
+    system_prompt: str | None = _key(None, "system message put before every prompt")
+    max_prompt_tokens: int = _key(256, "prompts longer than this (after templating) are rejected")
+    eval_size: int = _key(64, "held-out prompts for the greedy before/after evaluation (0 disables)")
+    eval_path: str | None = _key(None, "held-out file (source=file); default: the last eval_size rows")
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = _key(8, "completions sampled per prompt")
+    max_tokens: int = _key(128, "maximum completion length in tokens")
+    temperature: float = _key(1.0, "sampling temperature")
+    top_p: float = _key(1.0, "nucleus sampling threshold")
+    dtype: Literal["float32", "bfloat16"] = _key("float32", "rollout engine dtype")
+    num_engines: int = _key(1, "number of vLLM rollout engines (one Ray actor each)")
+    kv_cache_gib: int = _key(1, "KV-cache space per CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = _key(0.3, "vLLM memory fraction (on CPU, of the NUMA node)")
+    max_model_len: int = _key(512, "vLLM context length (prompt + completion)")
+    in_process: bool = _key(True, "run the engine inside the actor process (fast start) instead of a child process")
+
+
+@dataclass
+class RewardFunctionConfig:
+    name: str = _key("rewards.reasoning_gym:verifier", "import path pkg.mod:fn, or a built-in name")
+    weight: float = _key(1.0, "weight of this function in the total reward")
+    kwargs: dict = _key({}, "keyword arguments passed on every call")
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardFunctionConfig] = _key(
+        [RewardFunctionConfig()], "reward functions: list of {name, weight, kwargs}"
+    )
+    timeout_s: float = _key(30.0, "time limit per reward function call")
+    num_workers: int = _key(1, "reward actors")
+    success_threshold: float = _key(1.0, "a sample with total reward >= this counts as correct (accuracy)")
+
+
+@dataclass
+class AlgoConfig:
+    advantage_scale: Literal["group", "batch", "none"] = _key(
+        "group", "divide advantages by the group's std, the batch's std, or nothing (Dr. GRPO)"
+    )
+    clip_low: float = _key(0.2, "PPO clip epsilon below 1")
+    clip_high: float = _key(0.28, "PPO clip epsilon above 1 (clip-higher)")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = _key(
+        "token-mean", "how per-token losses are averaged"
+    )
+    kl_beta: float = _key(0.0, "weight of the KL penalty to a frozen reference model (0: no reference model)")
+    kl_estimator: Literal["k1", "k2", "k3"] = _key("k3", "KL estimator")
+    tis_cap: float | None = _key(2.0, "cap of the truncated importance weight learner/rollout (null: off)")
+    drop_uniform_groups: bool = _key(False, "skip groups whose rewards are all equal (no signal)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _key(12, "GRPO steps")
+    prompts_per_step: int = _key(8, "prompts drawn per step (each yields group_size samples)")
+    mini_batch_size: int | None = _key(None, "samples per optimizer step (null: the whole step's samples)")
+    micro_batch_size: int = _key(8, "samples per forward/backward (gradient accumulation)")
+    lr: float = _key(1e-6, "peak learning rate")
+    lr_schedule: Literal["constant", "cosine"] = _key("constant", "after warm-up")
+    warmup_steps: int = _key(0, "optimizer steps of linear warm-up")
+    min_lr_ratio: float = _key(0.1, "cosine floor as a fraction of lr")
+    weight_decay: float = _key(0.0, "AdamW weight decay")
+    betas: list[float] = _key([0.9, 0.999], "AdamW betas")
+    grad_clip: float = _key(1.0, "max gradient norm (0: off)")
+    num_learners: int = _key(1, "learner ranks")
+
+
+@dataclass
+class RayConfig:
+    address: str | None = _key(None, "join this Ray cluster; null starts a local one on 127.0.0.1")
+    num_cpus: int | None = _key(None, "logical CPUs of the local cluster (null: enough for the actors)")
+    dashboard: bool = _key(False, "start the Ray dashboard (bound to 127.0.0.1)")
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = _key(True, "also write TensorBoard event files")
+    plot: bool = _key(True, "write reward/accuracy PNG plots at the end")
+    export: bool = _key(True, "export the trained model as an HF folder at the end")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.train.prompts_per_step * self.rollout.group_size
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- building from data
+
+
+def _type_hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check `value` against a field's type hint, converting only where YAML is ambiguous."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0]
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = args or (Any,)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (1e-3) as strings
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported config type {hint!r}")
+
+
+def _build(cls, data: Any, prefix: str = ""):
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = _type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for name in data:
+        if name not in names:
+            where = f"{prefix}.{name}" if prefix else str(name)
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(names))})")
+    values = {}
+    for name, value in data.items():
+        where = f"{prefix}.{name}" if prefix else name
+        values[name] = _coerce(value, hints[name], where)
+    return cls(**values)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"{text}: an override must look like section.key=value")
+    dotted, raw = text.split("=", 1)
+    if not dotted:
+        raise ConfigError(f"{text}: an override must look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return dotted.split("."), value
+
+
+def _set_path(tree: dict, path: list[str], value: Any, dotted: str) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ConfigError(f"{path}: malformed YAML{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Recipe file, then `a.b=value` overrides, then type checks and cross-key validation."""
+    tree = load_yaml(recipe) if recipe else {}
+    for text in overrides:
+        path, value = _parse_override(text)
+        _set_path(tree, path, value, text.split("=", 1)[0])
+    config = _build(Config, tree)
+    validate(config)
+    return config
+
+
+def validate(cfg: Config) -> None:
+    """Combinations a type check cannot see. Each message names the key to change."""
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    need(cfg.rollout.group_size >= 2, f"rollout.group_size: must be >= 2 for group advantages, got {cfg.rollout.group_size}")
+    need(cfg.train.prompts_per_step >= 1, "train.prompts_per_step: must be >= 1")
+    need(cfg.train.steps >= 0, "train.steps: must be >= 0")
+    need(cfg.train.micro_batch_size >= 1, "train.micro_batch_size: must be >= 1")
+    need(cfg.rollout.max_tokens >= 1, "rollout.max_tokens: must be >= 1")
+    need(cfg.rollout.temperature >= 0, "rollout.temperature: must be >= 0")
+    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p: must be in (0, 1]")
+    need(cfg.rollout.num_engines >= 1, "rollout.num_engines: must be >= 1")
+    need(cfg.reward.num_workers >= 1, "reward.num_workers: must be >= 1")
+    need(cfg.reward.timeout_s > 0, "reward.timeout_s: must be > 0")
+    need(len(cfg.reward.functions) >= 1, "reward.functions: at least one reward function is needed")
+    need(cfg.train.lr > 0, "train.lr: must be > 0")
+    need(len(cfg.train.betas) == 2, "train.betas: needs two values")
+    need(cfg.algo.clip_low >= 0 and cfg.algo.clip_high >= 0, "algo.clip_low/clip_high: must be >= 0")
+    need(cfg.algo.kl_beta >= 0, "algo.kl_beta: must be >= 0")
+    need(cfg.algo.tis_cap is None or cfg.algo.tis_cap > 0, "algo.tis_cap: must be > 0 or null")
+    need(
+        cfg.rollout.max_tokens + cfg.data.max_prompt_tokens <= cfg.rollout.max_model_len,
+        f"rollout.max_model_len: {cfg.rollout.max_model_len} is shorter than data.max_prompt_tokens "
+        f"+ rollout.max_tokens = {cfg.data.max_prompt_tokens + cfg.rollout.max_tokens}",
+    )
+    mini = cfg.train.mini_batch_size or cfg.samples_per_step
+    need(
+        cfg.samples_per_step % mini == 0,
+        f"train.mini_batch_size: {mini} does not divide the step's {cfg.samples_per_step} samples "
+        f"(prompts_per_step x group_size)",
+    )
+    need(
+        mini % cfg.train.micro_batch_size == 0,
+        f"train.micro_batch_size: {cfg.train.micro_batch_size} does not divide the mini-batch of {mini} samples",
+    )
+    need(cfg.train.num_learners == 1, "train.num_learners: only 1 learner rank is supported so far")
+    if cfg.data.source == "file":
+        need(bool(cfg.data.path), "data.path: required when data.source is 'file'")
+
+
+# ---------------------------------------------------------------- help text
+
+
+def describe(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, meaning) for every key, in declaration order."""
+    rows = []
+    hints = _type_hints(cls)
+    instance = cls()
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows.extend(describe(hint, key + "."))
+            continue
+        default = getattr(instance, f.name)
+        if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
+            default = [dataclasses.asdict(d) for d in default]
+        rows.append((key, yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n..."), f.metadata.get("help", "")))
+    return rows
+
+
+def help_text() -> str:
+    rows = describe()
+    width = max(len(k) for k, _, _ in rows)
+    lines = ["config keys (override any with key=value, e.g. train.steps=20):"]
+    for key, default, meaning in rows:
+        lines.append(f"  {key:<{width}}  {meaning}  [default: {default}]")
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""The GRPO loop (synchronous): sample prompts → generate → score → advantages → train → sync weights."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import yaml
+
+from rlpipe.algo import group_advantages, uniform_groups
+from rlpipe.config import Config, ConfigError
+from rlpipe.data import PromptSet, Sampler, load_rows
+from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics
+from rlpipe.models.builtin import resolve_model_path
+from rlpipe.types import Group, TrainBatch
+from rewards import RewardRunner
+
+
+def train(cfg: Config) -> dict:
+    from actors.groups import Roles, start_ray
+
+    # Everything that can be wrong with the input is checked before a run directory or a cluster exists.
+    model_path = resolve_model_path(cfg.model.path)
+    check_model(model_path)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
+    RewardRunner([asdict(f) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s)
+    train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
+    train_set = PromptSet(train_rows, tokenizer, cfg.data)
+    eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows))
+    train_set.prompts(range(len(train_set)))  # rejects over-long prompts up front
+    sampler = Sampler(len(train_set), cfg.run.seed)
+    run_dir = prepare_run_dir(cfg)
+    log = MetricsLogger(run_dir, cfg.train.steps, tensorboard=cfg.metrics.tensorboard)
+
+    start_ray(cfg)
+    roles = Roles(cfg, model_path, cfg.model.tokenizer)
+    summary = {"eval_before": evaluate(roles, eval_set, cfg)}
+    log.note(f"held-out accuracy before training: {summary['eval_before']}")
+    for step in range(1, cfg.train.steps + 1):
+        clock = Clock()
+        with clock("generate"):
+            groups = roles.generate(train_set.prompts(sampler.next(cfg.train.prompts_per_step)), cfg.rollout.group_size)
+        with clock("reward"):
+            failures, errors = roles.score(groups)
+        for name, message in errors.items():
+            log.note(f"reward function {name} failed on some samples: {message}")
+        batch, batch_stats = make_train_batch(groups, cfg, pad_id=tokenizer.pad_token_id or 0)
+        with clock("train"):
+            train_metrics = roles.train(batch) if batch is not None else {}
+        with clock("sync"):
+            sync_metrics = roles.sync_weights(probe=groups[0]) if batch is not None else {}
+        generated = sum(len(c.token_ids) for g in groups for c in g.completions)
+        metrics = {
+            **rollout_metrics(groups, cfg.reward.success_threshold),
+            **{f"reward/failures/{name}": float(count) for name, count in failures.items()},
+            **batch_stats,
+            **train_metrics,
+            **sync_metrics,
+            **clock.metrics(),
+            "tokens_per_s/generate": generated / max(clock.seconds["generate"], 1e-9),
+            "policy_version": float(roles.policy_version),
+        }
+        log.log(step, metrics)
+    summary["eval_after"] = evaluate(roles, eval_set, cfg)
+    log.note(f"held-out accuracy after training: {summary['eval_after']} (before: {summary['eval_before']})")
+    if cfg.metrics.export:
+        summary["export"] = roles.export(str(run_dir / "export"))
+        log.note(f"trained model exported to {summary['export']}")
+    if cfg.metrics.plot:
+        summary["plot"] = str(plot_curves(log.history, run_dir / "curves.png"))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.close()
+    roles.shutdown()
+    return summary
+
+
+def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[TrainBatch | None, dict]:
+    """Group-relative advantages; unscored samples and (optionally) signal-free groups are left out."""
+    rewards = torch.tensor([math.nan if r is None else r for g in groups for r in g.rewards], dtype=torch.float32)
+    advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage_scale)
+    keep = ~rewards.isnan()
+    if cfg.algo.drop_uniform_groups:
+        keep &= ~uniform_groups(rewards, cfg.rollout.group_size).repeat_interleave(cfg.rollout.group_size)
+    samples = [(g.prompt, c) for g in groups for c in g.completions]
+    chosen = [i for i in range(len(samples)) if keep[i]]
+    stats = {"samples_trained": float(len(chosen)), "advantage/abs_mean": float(advantages[keep].abs().mean()) if chosen else 0.0}
+    if not chosen:
+        return None, stats
+    batch = TrainBatch.from_sequences(
+        [samples[i][0].token_ids for i in chosen],
+        [samples[i][1].token_ids for i in chosen],
+        [samples[i][1].logprobs for i in chosen],
+        advantages[chosen].tolist(),
+        pad_id=pad_id,
+    )
+    return batch, stats
+
+
+def evaluate(roles, eval_set: PromptSet, cfg: Config) -> float | None:
+    """Greedy held-out accuracy: the share of prompts whose one completion reaches the success threshold."""
+    if len(eval_set) == 0:
+        return None
+    groups = roles.generate(eval_set.prompts(range(len(eval_set))), 1, temperature=0.0)
+    roles.score(groups)
+    return rollout_metrics(groups, cfg.reward.success_threshold)["accuracy"]
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    run_dir = cfg.run_dir
+    if (run_dir / "metrics.jsonl").exists():
+        if not cfg.run.overwrite:
+            raise ConfigError(f"run.name: {run_dir} already holds a run (choose another run.name or set run.overwrite=true)")
+        shutil.rmtree(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"run.output_dir: cannot create {run_dir}: {err.strerror}") from None
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return run_dir
+
+
+def check_model(path: str) -> None:
+    from rlpipe.models import ModelConfig, read_hf_config
+
+    try:
+        ModelConfig.from_hf(read_hf_config(path))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.path: {err}") from None
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.path: {path} is not a folder")
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Clock:
+    """Wall time of each phase of a step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.started = time.monotonic()
+
+    def __call__(self, phase: str):
+        clock = self
+
+        class _Phase:
+            def __enter__(self):
+                self.t0 = time.monotonic()
+
+            def __exit__(self, *exc):
+                clock.seconds[phase] = clock.seconds.get(phase, 0.0) + time.monotonic() - self.t0
+
+        return _Phase()
+
+    def metrics(self) -> dict[str, float]:
+        return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": time.monotonic() - self.started}

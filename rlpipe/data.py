@@ -1,0 +1,157 @@
+"""Prompt sources, chat templating and a resumable seeded sampler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlpipe.config import ConfigError, DataConfig
+from rlpipe.types import Prompt
+
+_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+# Offset between the training and the held-out reasoning-gym seeds, so the two sets are drawn independently.
+_EVAL_SEED_OFFSET = 1_000_003
+
+
+def load_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows); every row has the prompt field plus the columns rewards see."""
+    if cfg.source == "reasoning_gym":
+        return _reasoning_gym_rows(cfg, seed)
+    rows = _file_rows(cfg.path, cfg.split, cfg.prompt_field)
+    if cfg.eval_path:
+        return rows, _file_rows(cfg.eval_path, cfg.split, cfg.prompt_field)[: cfg.eval_size]
+    if cfg.eval_size and cfg.eval_size >= len(rows):
+        raise ConfigError(f"data.eval_size: {cfg.eval_size} leaves no training rows in {cfg.path} ({len(rows)} rows)")
+    cut = len(rows) - cfg.eval_size
+    return rows[:cut], rows[cut:]
+
+
+def _reasoning_gym_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
+    import reasoning_gym
+
+    def make(size: int, task_seed: int) -> list[dict]:
+        try:
+            dataset = reasoning_gym.create_dataset(cfg.task, size=size, seed=task_seed, **cfg.task_args)
+        except Exception as err:  # the library raises several types for unknown tasks and bad arguments
+            raise ConfigError(f"data.task: reasoning-gym cannot build {cfg.task!r}: {err}") from None
+        # `entry` carries the metadata the task's own verifier needs.
+        return [{"question": e["question"], "answer": str(e["answer"]), "entry": e} for e in dataset]
+
+    if cfg.prompt_field != "question":
+        raise ConfigError("data.prompt_field: reasoning-gym rows use 'question'")
+    train = make(cfg.size, seed)
+    held_out = []
+    if cfg.eval_size:
+        seen = {row["question"] for row in train}
+        candidates = make(cfg.eval_size * 4, seed + _EVAL_SEED_OFFSET)
+        held_out = [row for row in candidates if row["question"] not in seen][: cfg.eval_size]
+    return train, held_out
+
+
+def _file_rows(path: str, split: str, prompt_field: str) -> list[dict]:
+    import datasets
+
+    location = Path(path)
+    if not location.exists():
+        raise ConfigError(f"data.path: {path} does not exist")
+    files = sorted(p for p in location.rglob("*") if p.suffix in _FILE_FORMATS) if location.is_dir() else [location]
+    if not files:
+        raise ConfigError(f"data.path: no {'/'.join(sorted(_FILE_FORMATS))} files in {path}")
+    formats = {_FILE_FORMATS.get(f.suffix) for f in files}
+    if None in formats or len(formats) != 1:
+        raise ConfigError(f"data.path: {path} must hold files of one format among {', '.join(sorted(_FILE_FORMATS))}")
+    try:
+        table = datasets.load_dataset(formats.pop(), data_files={split: [str(f) for f in files]}, split=split)
+    except Exception as err:  # datasets wraps parser errors in several exception types
+        raise ConfigError(f"data.path: cannot read {path}: {str(err).splitlines()[0]}") from None
+    if len(table) == 0:
+        raise ConfigError(f"data.path: {path} has no rows")
+    if prompt_field not in table.column_names:
+        raise ConfigError(
+            f"data.prompt_field: {prompt_field!r} is not a column of {path} (columns: {', '.join(table.column_names)})"
+        )
+    rows = table.to_list()
+    for index, row in enumerate(rows):
+        if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
+            raise ConfigError(f"data.prompt_field: row {index} of {path} has no text in {prompt_field!r}")
+    return rows
+
+
+def render_prompt(tokenizer, question: str, system_prompt: str | None) -> list[int]:
+    """Token ids of the chat-templated prompt, ending where the assistant's reply begins."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"model.tokenizer: {tokenizer.name_or_path} has no chat template")
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template already holds any BOS token; adding special tokens again would double it.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class PromptSet:
+    """Dataset rows turned into templated prompts, with stable sample ids (the row index)."""
+
+    def __init__(self, rows: list[dict], tokenizer, cfg: DataConfig, id_offset: int = 0):
+        self.rows = rows
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.id_offset = id_offset
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def prompt(self, index: int) -> Prompt:
+        row = self.rows[index]
+        token_ids = render_prompt(self.tokenizer, row[self.cfg.prompt_field], self.cfg.system_prompt)
+        if len(token_ids) > self.cfg.max_prompt_tokens:
+            raise ConfigError(
+                f"data.max_prompt_tokens: row {index} has {len(token_ids)} prompt tokens, more than "
+                f"{self.cfg.max_prompt_tokens}"
+            )
+        columns = {k: v for k, v in row.items() if k != self.cfg.prompt_field}
+        return Prompt(self.id_offset + index, row[self.cfg.prompt_field], token_ids, columns)
+
+    def prompts(self, indices) -> list[Prompt]:
+        return [self.prompt(int(i)) for i in indices]
+
+
+class Sampler:
+    """Seeded epoch-wise shuffling whose position can be saved and restored exactly."""
+
+    def __init__(self, size: int, seed: int):
+        if size <= 0:
+            raise ConfigError("data: the training set is empty")
+        self.size = size
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.size)
+
+    def next(self, count: int) -> list[int]:
+        picked = []
+        while len(picked) < count:
+            if self.position == self.size:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            take = min(count - len(picked), self.size - self.position)
+            picked.extend(int(i) for i in self._order[self.position : self.position + take])
+            self.position += take
+        return picked
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["size"] != self.size or state["seed"] != self.seed:
+            raise ValueError(
+                f"sampler state is for {state['size']} rows with seed {state['seed']}, "
+                f"not {self.size} rows with seed {self.seed}"
+            )
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,112 @@
+"""The one logging path: per-step metrics to JSONL and TensorBoard, a live line per step, plots at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rlpipe.types import Group
+
+
+def rollout_metrics(groups: list[Group], success_threshold: float) -> dict[str, float]:
+    """Reward, accuracy and length statistics of a step's scored groups."""
+    rewards = [r for g in groups for r in g.rewards]
+    scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
+    lengths = np.array([len(c.token_ids) for g in groups for c in g.completions], dtype=np.float64)
+    truncated = [c.finish_reason == "length" for g in groups for c in g.completions]
+    out = {
+        "reward/mean": float(scored.mean()) if scored.size else math.nan,
+        "reward/std": float(scored.std()) if scored.size else math.nan,
+        "reward/unscored": float(len(rewards) - scored.size),
+        "accuracy": float((scored >= success_threshold).sum() / max(1, len(rewards))),
+        "completion_len/mean": float(lengths.mean()) if lengths.size else 0.0,
+        "completion_len/max": float(lengths.max()) if lengths.size else 0.0,
+        "truncated_fraction": float(np.mean(truncated)) if truncated else 0.0,
+    }
+    for name in groups[0].reward_parts if groups else ():
+        values = [v for g in groups for v in g.reward_parts[name] if v is not None]
+        out[f"reward/{name}"] = float(np.mean(values)) if values else math.nan
+    return out
+
+
+class MetricsLogger:
+    """Writes every step's metrics to metrics.jsonl (and TensorBoard) in the run directory and prints a line."""
+
+    SHOWN = (
+        ("reward/mean", "reward", "{:.3f}"),
+        ("accuracy", "acc", "{:.2f}"),
+        ("completion_len/mean", "len", "{:.0f}"),
+        ("logprob_gap/mean_abs", "gap", "{:.1e}"),
+        ("loss", "loss", "{:+.4f}"),
+        ("time/step", "s", "{:.1f}"),
+    )
+
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool = True, stream=sys.stdout):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.total_steps = total_steps
+        self.stream = stream
+        self.history: list[dict] = []
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.started = time.monotonic()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **metrics}
+        self.history.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+        self.stream.write(self.format_line(step, metrics) + "\n")
+        self.stream.flush()
+
+    def format_line(self, step: int, metrics: dict[str, float]) -> str:
+        elapsed = time.monotonic() - self.started
+        eta = elapsed / max(1, len(self.history)) * max(0, self.total_steps - step)
+        parts = [f"step {step}/{self.total_steps}"]
+        parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in self.SHOWN if key in metrics]
+        parts.append(f"eta {eta / 60:.1f}m")
+        return " | ".join(parts)
+
+    def note(self, message: str) -> None:
+        self.stream.write(message + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def plot_curves(history: list[dict], out_png: Path, keys=("reward/mean", "accuracy")) -> Path | None:
+    """A PNG with one panel per metric against the step; None when there is nothing to plot."""
+    if not history:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
+    for ax, key in zip(np.atleast_1d(axes), keys):
+        points = [(h["step"], h[key]) for h in history if key in h and h[key] is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,15 @@
+"""Model definitions whose state-dict names equal Hugging Face's, and HF folder I/O (safetensors only)."""
+
+from rlpipe.models.hf import load_model, load_state_dict, read_hf_config, save_model
+from rlpipe.models.llama import CausalLM, ModelConfig
+from rlpipe.models.registry import build_model
+
+__all__ = [
+    "CausalLM",
+    "ModelConfig",
+    "build_model",
+    "load_model",
+    "load_state_dict",
+    "read_hf_config",
+    "save_model",
+]

@@ -1,0 +1,235 @@
+"""Hugging Face model folders: config.json plus safetensors weights, single-file or sharded with an index.
+
+Only safetensors are read: pickle checkpoints (`pytorch_model.bin`) can run arbitrary code when loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rlpipe.models.llama import CausalLM
+from rlpipe.models.registry import build_model
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+PICKLE_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+# Files a model folder needs besides weights and config to be usable for generation: tokenizer, chat template,
+# sampling defaults.
+COMPANION_FILE_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template*",
+    "generation_config.json",
+)
+COMPANION_DIRECTORIES = ("additional_chat_templates",)
+
+# Old checkpoints stored RoPE tables, which are recomputed from the config.
+_IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """The config.json of a Hugging Face model folder, as a dict."""
+    config_file = Path(path) / CONFIG_FILE
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{config_file} not found: {path} is not a Hugging Face model folder") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, found {type(config).__name__}")
+    return config
+
+
+def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor in the folder's safetensors file(s), floating-point ones cast to `dtype` when given."""
+    state: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(Path(path)):
+        with safe_open(file, framework="pt") as tensors:
+            for name in tensors.keys():
+                tensor = tensors.get_tensor(name)
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                state[name] = tensor
+    return state
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index_file = folder / SAFETENSORS_INDEX_FILE
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{index_file} is not a valid safetensors index ({error!r})") from None
+        shards = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [shard.name for shard in shards if not shard.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index_file} lists shards that are not there: {', '.join(missing[:3])}")
+        return shards
+    if (folder / SAFETENSORS_FILE).is_file():
+        return [folder / SAFETENSORS_FILE]
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a directory")
+    pickled = sorted(file.name for pattern in PICKLE_WEIGHT_PATTERNS for file in folder.glob(pattern))
+    if pickled:
+        raise FileNotFoundError(
+            f"{folder} has only pickle weights ({', '.join(pickled[:3])}); safetensors is required because pickle "
+            f"files can run code when loaded. Convert once with transformers: "
+            f"AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder)"
+        )
+    raise FileNotFoundError(f"{folder} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX_FILE}")
+
+
+def load_model(
+    path: str | os.PathLike, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
+) -> CausalLM:
+    """The model of a Hugging Face folder with its weights; `dtype=None` keeps the stored dtypes."""
+    hf_config = read_hf_config(path)
+    # Built on the meta device so no memory goes to random weights that the checkpoint replaces anyway.
+    with torch.device("meta"):
+        model = build_model(hf_config)
+    state = load_state_dict(path, dtype)
+    for name in [name for name in state if name.endswith(_IGNORED_CHECKPOINT_SUFFIXES)]:
+        del state[name]
+    if model.config.tie_word_embeddings:
+        # Some tied checkpoints still carry a copy of the embedding as lm_head; the embedding is authoritative.
+        state.pop("lm_head.weight", None)
+    _check_weights_match(model, state, path)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device)
+
+
+def _check_weights_match(model: CausalLM, state: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    misshapen = [
+        f"{name} {tuple(state[name].shape)} (expected {tuple(tensor.shape)})"
+        for name, tensor in expected.items()
+        if name in state and state[name].shape != tensor.shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing ({', '.join(missing[:4])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected ({', '.join(unexpected[:4])})")
+    if misshapen:
+        problems.append(f"{len(misshapen)} with the wrong shape ({', '.join(misshapen[:4])})")
+    if problems:
+        raise ValueError(f"weights in {path} do not fit its config.json: {'; '.join(problems)}")
+
+
+def save_model(
+    model: CausalLM,
+    hf_config: dict,
+    out_dir: str | os.PathLike,
+    *,
+    source_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = 2**31,
+    overwrite: bool = False,
+) -> Path:
+    """Write `model` as a Hugging Face folder that transformers and vLLM load: config.json (with its dtype set
+    to the weights'), safetensors shards of at most `max_shard_bytes` (one tensor larger than that gets a shard
+    of its own), and tokenizer / chat template / generation config copied from `source_dir`.
+
+    The folder is assembled next to `out_dir` and renamed into place, so `out_dir` never holds a partial model.
+    An existing `out_dir` is an error unless `overwrite`.
+    """
+    out_dir = Path(out_dir)
+    if type(model.config).from_hf(hf_config) != model.config:
+        raise ValueError("hf_config describes a different architecture than the model being saved")
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
+
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
+    staging_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging_dir.mkdir(parents=True)
+    try:
+        _write_weights(state, staging_dir, max_shard_bytes)
+        config = dict(hf_config)
+        config["dtype"] = _predominant_dtype_name(state)
+        if "torch_dtype" in config:  # the name transformers 4.x reads; keep it in step for older readers
+            config["torch_dtype"] = config["dtype"]
+        (staging_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if source_dir is not None:
+            _copy_companion_files(Path(source_dir), staging_dir)
+        _move_into_place(staging_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(staging_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in state.items():
+        tensor_bytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + tensor_bytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += tensor_bytes
+
+    metadata = {"format": "pt"}  # the format tag transformers writes and checks on load
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SAFETENSORS_FILE), metadata=metadata)
+        return
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        shard_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / shard_name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, shard_name))
+    index = {
+        "metadata": {
+            "total_size": sum(t.numel() * t.element_size() for t in state.values()),
+            "total_parameters": sum(t.numel() for t in state.values()),
+        },
+        "weight_map": weight_map,
+    }
+    (folder / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _predominant_dtype_name(state: dict[str, torch.Tensor]) -> str:
+    """The dtype holding most parameters, the one readers should load the model in."""
+    counts = Counter()
+    for tensor in state.values():
+        counts[tensor.dtype] += tensor.numel()
+    dtype = counts.most_common(1)[0][0]
+    return str(dtype).removeprefix("torch.")
+
+
+def _copy_companion_files(source_dir: Path, destination: Path) -> None:
+    for pattern in COMPANION_FILE_PATTERNS:
+        for file in source_dir.glob(pattern):
+            if file.is_file():
+                shutil.copy2(file, destination / file.name)
+    for name in COMPANION_DIRECTORIES:
+        if (source_dir / name).is_dir():
+            shutil.copytree(source_dir / name, destination / name)
+
+
+def _move_into_place(staging_dir: Path, out_dir: Path) -> None:
+    if not out_dir.exists():
+        staging_dir.rename(out_dir)
+        return
+    retired_dir = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+    out_dir.rename(retired_dir)
+    staging_dir.rename(out_dir)
+    shutil.rmtree(retired_dir)

@@ -1,0 +1,432 @@
+"""Llama-family decoder-only causal LM (Llama, Mistral, Qwen2, Qwen3) in plain torch.
+
+The module tree mirrors Hugging Face's (`model.layers[i].self_attn.q_proj`, ...), so `state_dict()` names are
+exactly the names in HF safetensors files and in vLLM's weight loaders: checkpoints load and weights sync with
+no renaming table. Numerics follow HF's modeling code (fp32 RMSNorm statistics, fp32 RoPE tables cast to the
+activation dtype) so that log-probs agree with HF and vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+# HF fills these from the config class when config.json omits them; the values differ per family.
+_DEFAULT_MAX_POSITION_EMBEDDINGS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+_QWEN3_DEFAULT_HEAD_DIM = 128
+_SILU_NAMES = ("silu", "swish")  # HF's ACT2FN maps both names to SiLU
+_REQUIRED_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of one Llama-family model; `from_hf` reads it from a Hugging Face config.json dict."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None  # None: plain multi-head attention (as many kv heads as query heads)
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for plain RoPE, else HF's scaling parameters with a "rope_type", e.g. {"rope_type": "linear", "factor": 2.0}
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    # One of FULL_ATTENTION / SLIDING_ATTENTION per layer; empty means every layer attends to the full prefix.
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"
+    # Only shapes fresh (untrained) weights, so two configs describing the same architecture compare equal.
+    initializer_range: float = field(default=0.02, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        if not self.layer_types:
+            self.layer_types = (FULL_ATTENTION,) * self.num_layers
+        self.layer_types = tuple(self.layer_types)
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "default":
+            self.rope_scaling = None
+
+        if self.hidden_act not in _SILU_NAMES:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}: only 'silu' is implemented")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown_layer_types = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown_layer_types:
+            raise ValueError(f"unsupported layer types {sorted(unknown_layer_types)}")
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        _validate_rope_scaling(self.rope_scaling)
+
+    @classmethod
+    def from_hf(cls, hf_config: dict) -> ModelConfig:
+        """Read a Hugging Face config.json dict, in the transformers 5 layout (`rope_parameters`) or the older
+        one (top-level `rope_theta` + `rope_scaling`)."""
+        model_type = hf_config.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+
+        def required(key: str):
+            if hf_config.get(key) is None:
+                raise ValueError(f"{model_type} config is missing {key!r}")
+            return hf_config[key]
+
+        hidden_size = required("hidden_size")
+        num_heads = required("num_attention_heads")
+        num_layers = required("num_hidden_layers")
+        max_position_embeddings = hf_config.get(
+            "max_position_embeddings", _DEFAULT_MAX_POSITION_EMBEDDINGS[model_type]
+        )
+        default_head_dim = _QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" else hidden_size // num_heads
+        rope_theta, rope_scaling = _rope_settings(hf_config, max_position_embeddings)
+        attention_bias = bool(hf_config.get("attention_bias", False))
+        sliding_window, layer_types = _attention_windows(hf_config, model_type, num_layers)
+
+        return cls(
+            vocab_size=required("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=required("intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+            head_dim=hf_config.get("head_dim") or default_head_dim,
+            rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            # Qwen2 hard-codes biases on q/k/v only; Llama and Qwen3 put `attention_bias` on all four projections.
+            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
+            o_proj_bias=model_type in ("llama", "qwen3") and attention_bias,
+            mlp_bias=model_type == "llama" and bool(hf_config.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            hidden_act=hf_config.get("hidden_act", "silu"),
+            initializer_range=hf_config.get("initializer_range", 0.02),
+        )
+
+
+def _rope_settings(hf_config: dict, max_position_embeddings: int) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either config.json layout, with HF's precedence and defaults."""
+    # transformers 5 folds a legacy `rope_scaling` into `rope_parameters` and lets it win over an existing one.
+    parameters = dict(hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {})
+    if any(isinstance(value, dict) for value in parameters.values()):
+        raise ValueError("per-layer-type rope parameters are not supported")
+    partial_rotary_factor = parameters.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    if partial_rotary_factor != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial_rotary_factor} is not supported")
+
+    rope_theta = float(parameters.pop("rope_theta", None) or hf_config.get("rope_theta") or 10000.0)
+    rope_type = parameters.pop("rope_type", None) or parameters.get("type") or "default"
+    parameters.pop("type", None)
+    parameters.pop("partial_rotary_factor", None)
+    if rope_type == "default":
+        return rope_theta, None
+    if rope_type in ("llama3", "yarn"):
+        parameters.setdefault("original_max_position_embeddings", max_position_embeddings)
+    if rope_type == "yarn" and parameters.get("factor") is None:
+        parameters["factor"] = max_position_embeddings / parameters["original_max_position_embeddings"]
+    return rope_theta, {"rope_type": rope_type, **parameters}
+
+
+def _validate_rope_scaling(rope_scaling: dict | None) -> None:
+    if rope_scaling is None:
+        return
+    rope_type = rope_scaling.get("rope_type")
+    if rope_type == "dynamic":
+        raise ValueError(
+            "unsupported rope type 'dynamic': Hugging Face rescales it per batch while vLLM uses one fixed table, "
+            "so learner and rollout log-probs would disagree"
+        )
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    missing = [key for key in _REQUIRED_ROPE_KEYS.get(rope_type, ()) if rope_scaling.get(key) is None]
+    if missing:
+        raise ValueError(f"rope type {rope_type!r} needs {', '.join(missing)} in its rope parameters")
+
+
+def _attention_windows(hf_config: dict, model_type: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) the way each family's HF attention applies them."""
+    window = hf_config.get("sliding_window")
+    if model_type == "mistral" and window:
+        return window, (SLIDING_ATTENTION,) * num_layers
+    if model_type in ("qwen2", "qwen3") and hf_config.get("use_sliding_window") and window:
+        layer_types = hf_config.get("layer_types") or [
+            SLIDING_ATTENTION if index >= hf_config.get("max_window_layers", 28) else FULL_ATTENTION
+            for index in range(num_layers)
+        ]
+        return window, tuple(layer_types)
+    return None, (FULL_ATTENTION,) * num_layers
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] in fp32 on CPU, attention_scaling for cos/sin), computed with the same float
+    operations in the same order as transformers so the tables agree bit for bit."""
+    dim = config.head_dim
+    theta = config.rope_theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
+    wavelength_bases = theta**exponents
+    inv_freq = 1.0 / wavelength_bases
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inverse_frequencies(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inverse_frequencies(wavelength_bases, dim, theta, scaling)
+    raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+
+
+def _llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: keep short wavelengths, divide long ones by `factor`, and blend in between."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    original_context = scaling["original_max_position_embeddings"]
+    long_wavelength = original_context / low_freq_factor
+    short_wavelength = original_context / high_freq_factor
+
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > long_wavelength, inv_freq / factor, inv_freq)
+    blend = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    in_between = ~(wavelength < short_wavelength) & ~(wavelength > long_wavelength)
+    return torch.where(in_between, blended, scaled)
+
+
+def _yarn_inverse_frequencies(
+    wavelength_bases: torch.Tensor, dim: int, theta: float, scaling: dict
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies by `factor`, keep high ones, ramp linearly between the dimensions where
+    the original context holds `beta_fast` and `beta_slow` rotations; cos/sin get scaled by `attention_factor`."""
+    factor = scaling["factor"]
+    original_context = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def dimension_for_rotations(rotations: float) -> float:
+        return (dim * math.log(original_context / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    ramp_start = dimension_for_rotations(beta_fast)
+    ramp_end = dimension_for_rotations(beta_slow)
+    if scaling.get("truncate", True):
+        ramp_start, ramp_end = math.floor(ramp_start), math.ceil(ramp_end)
+    ramp_start, ramp_end = max(ramp_start, 0), min(ramp_end, dim - 1)
+    if ramp_start == ramp_end:
+        ramp_end += 0.001  # a zero-width ramp would divide by zero
+
+    dimension_index = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = torch.clamp((dimension_index - ramp_start) / (ramp_end - ramp_start), 0, 1)
+    extrapolation_weight = 1 - ramp
+    extrapolated = 1.0 / wavelength_bases
+    interpolated = 1.0 / (factor * wavelength_bases)
+    inv_freq = interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32, then back to the input dtype before the weight, as HF does.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: `.to(dtype)`, `to_empty()` and meta-device construction must never
+        # touch it, since it has to stay the fp32 values HF computes on CPU.
+        self.inv_freq, self.attention_scaling = rope_inverse_frequencies(config)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [B or 1, T, head_dim] in `dtype`."""
+        inv_freq = self.inv_freq.to(position_ids.device)
+        angles = position_ids[..., None].float() * inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        cos = angles.cos() * self.attention_scaling
+        sin = angles.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D] rotated by pairing dimension i with i + D/2 (HF's "rotate_half" layout)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, sliding_window: int | None) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.kv_groups = config.num_heads // config.num_kv_heads
+        self.sliding_window = sliding_window
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        per_head = (batch, length, -1, self.head_dim)
+        q = self.q_proj(x).view(per_head)
+        k = self.k_proj(x).view(per_head)
+        v = self.v_proj(x).view(per_head)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.kv_groups > 1:
+            # Explicit repetition rather than sdpa's enable_gqa: every compile backend (inductor, XLA) lowers it.
+            k = k.repeat_interleave(self.kv_groups, dim=1)
+            v = v.repeat_interleave(self.kv_groups, dim=1)
+        if self.sliding_window is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            window_mask = _sliding_causal_mask(length, self.sliding_window, x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def _sliding_causal_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """[T, T] bool, True where query i may attend key j: j <= i and i - j < window."""
+    positions = torch.arange(length, device=device)
+    distance = positions[:, None] - positions[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        is_sliding = config.layer_types[layer_index] == SLIDING_ATTENTION
+        self.self_attn = Attention(config, config.sliding_window if is_sliding else None)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """HF's `model.` prefix: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM over right-padded batches: padding only follows real tokens, so causal attention alone
+    keeps it from influencing them and no attention mask is taken."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        # Tied models have no lm_head at all, so state_dict() matches HF checkpoints, which omit it.
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Fresh weights as HF initialises them: N(0, initializer_range) matrices, zero biases, unit norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [B, T, H], the input of the output projection."""
+        return self.model(input_ids, position_ids)
+
+    def output_embedding(self) -> torch.Tensor:
+        """The output projection's weight [V, H]: lm_head, or the input embedding when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] for token ids [B, T]; position_ids default to 0..T-1 for every row."""
+        return F.linear(self.hidden_states(input_ids, position_ids), self.output_embedding())

@@ -1,0 +1,94 @@
+"""What flows between the roles: prompts → completions → scored groups → a padded train batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Prompt:
+    sample_id: int  # stable index of the dataset row, so a resumed or retried step names the same sample
+    question: str  # the raw prompt text, as reward functions see it
+    token_ids: list[int]  # chat-templated, tokenized prompt, as the engine and the learner see it
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other fields (e.g. answer), for rewards
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # the rollout engine's logprob of each sampled token
+    text: str
+    finish_reason: str  # "stop" or "length"
+    policy_version: int
+
+
+@dataclass
+class Group:
+    """One prompt with its group_size completions and, once scored, their rewards."""
+
+    prompt: Prompt
+    completions: list[Completion]
+    rewards: list[float | None] = field(default_factory=list)  # None: no reward function could score it
+    reward_parts: dict[str, list[float | None]] = field(default_factory=dict)
+
+
+@dataclass
+class TrainBatch:
+    """Prompt+completion sequences, right-padded; every per-token tensor is aligned with input_ids.
+
+    Position t of a per-token tensor refers to the token input_ids[:, t] (predicted from the tokens before it),
+    so position 0 never carries a loss.
+    """
+
+    input_ids: torch.Tensor  # [N, T] long
+    completion_mask: torch.Tensor  # [N, T] bool: True where the token was sampled by the policy
+    rollout_logprobs: torch.Tensor  # [N, T] float32, 0 outside the completion
+    advantages: torch.Tensor  # [N] float32
+    lengths: torch.Tensor  # [N] long: prompt + completion tokens
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def slice(self, start: int, stop: int) -> "TrainBatch":
+        """Rows [start, stop), trimmed to their longest sequence so padding is not computed."""
+        width = int(self.lengths[start:stop].max())
+        return TrainBatch(
+            input_ids=self.input_ids[start:stop, :width],
+            completion_mask=self.completion_mask[start:stop, :width],
+            rollout_logprobs=self.rollout_logprobs[start:stop, :width],
+            advantages=self.advantages[start:stop],
+            lengths=self.lengths[start:stop],
+        )
+
+    @classmethod
+    def from_sequences(
+        cls,
+        prompts: list[list[int]],
+        completions: list[list[int]],
+        rollout_logprobs: list[list[float]],
+        advantages: list[float],
+        pad_id: int = 0,
+    ) -> "TrainBatch":
+        n = len(prompts)
+        lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+        width = max(lengths)
+        input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.bool)
+        logprobs = torch.zeros((n, width), dtype=torch.float32)
+        for row, (prompt, completion, lps) in enumerate(zip(prompts, completions, rollout_logprobs)):
+            start, stop = len(prompt), len(prompt) + len(completion)
+            input_ids[row, :start] = torch.tensor(prompt, dtype=torch.long)
+            if completion:
+                input_ids[row, start:stop] = torch.tensor(completion, dtype=torch.long)
+                logprobs[row, start:stop] = torch.tensor(lps, dtype=torch.float32)
+            mask[row, start:stop] = True
+        return cls(
+            input_ids=input_ids,
+            completion_mask=mask,
+            rollout_logprobs=logprobs,
+            advantages=torch.tensor(advantages, dtype=torch.float32),
+            lengths=torch.tensor(lengths, dtype=torch.long),
+        )

@@ -1,0 +1,59 @@
+"""Reward functions with known behaviour, loaded by import path in tests/unit/test_rewards.py."""
+
+import asyncio
+import math
+import time
+
+SLOW_SECONDS = 3.0
+NOT_A_FUNCTION = 42
+
+
+def length(prompts, completions, **_):
+    return [float(len(completion)) for completion in completions]
+
+
+def constant(prompts, completions, value=1.0, **_):
+    return [value] * len(completions)
+
+
+def with_extras(prompts, completions, **_):
+    return [{"score": 0.5, "length": len(completion), "format_ok": True} for completion in completions]
+
+
+def raising(prompts, completions, **_):
+    return [1.0 / 0 for _ in completions]
+
+
+def slow(prompts, completions, **_):
+    time.sleep(SLOW_SECONDS)
+    return [1.0] * len(completions)
+
+
+def short_by_one(prompts, completions, **_):
+    return [1.0] * (len(completions) - 1)
+
+
+def nan_first(prompts, completions, **_):
+    return [math.nan] + [1.0] * (len(completions) - 1)
+
+
+def none_first(prompts, completions, **_):
+    return [None] + [1.0] * (len(completions) - 1)
+
+
+def echo_column(prompts, completions, answer, **_):
+    return [float(value) for value in answer]
+
+
+async def async_length(prompts, completions, **_):
+    await asyncio.sleep(0.01)
+    return [float(len(completion)) for completion in completions]
+
+
+async def async_slow(prompts, completions, **_):
+    await asyncio.sleep(SLOW_SECONDS)
+    return [1.0] * len(completions)
+
+
+def scalar(prompts, completions, **_):
+    return 1.0

@@ -1,0 +1,335 @@
+"""rlpipe.models against transformers: tiny random checkpoints written by `save_pretrained` must load by name and
+give the same logits; our own folders must load back, also in transformers."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from rlpipe.models import CausalLM, ModelConfig, build_model, load_model, load_state_dict, read_hf_config, save_model
+
+TOLERANCE = 1e-4
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    # Larger than HF's 0.02 so attention and RoPE visibly move the logits and a mistake cannot hide under 1e-4.
+    initializer_range=0.1,
+)
+# original_max_position_embeddings=64 puts some of head_dim 16's frequencies on each side of the llama3 blend.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+VARIANTS = {
+    "llama-llama3-untied": (LlamaConfig, LlamaForCausalLM, dict(rope_parameters=LLAMA3_ROPE)),
+    "llama-linear-biases-tied": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2-tied": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3-tied": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen3-untied-yarn": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        dict(
+            head_dim=24,
+            max_position_embeddings=128,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "mistral-sliding-window": (MistralConfig, MistralForCausalLM, dict(sliding_window=5)),
+    "qwen2-sliding-window-from-layer-1": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    ),
+}
+
+
+def make_hf_model(variant: str, **overrides):
+    config_class, model_class, variant_overrides = VARIANTS[variant]
+    torch.manual_seed(0)
+    # HF's eager attention is an independent reference for our scaled_dot_product_attention path.
+    config = config_class(**TINY, **{**variant_overrides, **overrides}, attn_implementation="eager")
+    model = model_class(config).eval()
+    with torch.no_grad():
+        # HF starts biases at 0 and norms at 1; random values make a dropped bias or norm show in the logits.
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.5)
+            elif "norm" in name:
+                parameter.normal_(1.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """variant -> (transformers model, folder it was saved to), built once per module."""
+    saved = {}
+
+    def get(variant):
+        if variant not in saved:
+            model = make_hf_model(variant)
+            folder = tmp_path_factory.mktemp(variant)
+            model.save_pretrained(folder)
+            saved[variant] = (model, folder)
+        return saved[variant]
+
+    return get
+
+
+def random_ids(length=12):
+    return torch.randint(0, TINY["vocab_size"], (2, length), generator=torch.Generator().manual_seed(1))
+
+
+def max_abs_diff(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(variant, checkpoints):
+    hf_model, folder = checkpoints(variant)
+    model = load_model(folder)
+    ids = random_ids()
+    # Different offsets per row, as when rows continue from prompts of different lengths.
+    shifted_positions = torch.arange(12).expand(2, 12) + torch.tensor([[3], [40]])
+    with torch.no_grad():
+        assert max_abs_diff(model(ids), hf_model(ids).logits) < TOLERANCE
+        shifted = model(ids, position_ids=shifted_positions)
+        assert max_abs_diff(shifted, hf_model(ids, position_ids=shifted_positions).logits) < TOLERANCE
+        via_hidden = model.hidden_states(ids, shifted_positions) @ model.output_embedding().T
+        assert max_abs_diff(via_hidden, shifted) < TOLERANCE
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_state_dict_names_are_the_checkpoint_names(variant, checkpoints):
+    _, folder = checkpoints(variant)
+    model = load_model(folder)
+    assert set(model.state_dict()) == set(load_state_dict(folder))
+    tied = read_hf_config(folder)["tie_word_embeddings"]
+    assert ("lm_head.weight" in model.state_dict()) != tied
+    assert (model.output_embedding() is model.model.embed_tokens.weight) == tied
+
+
+def test_expected_parameters_per_family(checkpoints):
+    names = {variant: set(load_model(checkpoints(variant)[1]).state_dict()) for variant in VARIANTS}
+    assert "model.layers.1.self_attn.q_norm.weight" in names["qwen3-tied"]
+    assert "model.layers.1.self_attn.q_proj.bias" in names["qwen2-tied"]
+    assert "model.layers.1.self_attn.o_proj.bias" not in names["qwen2-tied"]
+    llama_biases = {"model.layers.1.self_attn.o_proj.bias", "model.layers.1.mlp.up_proj.bias"}
+    assert llama_biases <= names["llama-linear-biases-tied"]
+    assert not any(name.endswith(".bias") for name in names["llama-llama3-untied"])
+
+
+def test_bfloat16_logits_match_transformers_sdpa(checkpoints):
+    """In bf16 every rounding step counts; learner and rollout log-probs agree only if these do."""
+    _, folder = checkpoints("qwen3-untied-yarn")
+    hf_model = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    model = load_model(folder, dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = model(random_ids())
+        assert logits.dtype == torch.bfloat16
+        assert max_abs_diff(logits, hf_model(random_ids()).logits) <= 2e-2  # about one bf16 step at |logit| ~ 3
+
+
+def test_tolerance_catches_a_wrong_rope(checkpoints):
+    """The parity tolerance is meaningful: dropping llama3 scaling moves the logits far past it."""
+    _, folder = checkpoints("llama-llama3-untied")
+    model = load_model(folder)
+    unscaled_config = {**read_hf_config(folder), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    unscaled = build_model(unscaled_config)
+    unscaled.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert max_abs_diff(model(random_ids()), unscaled(random_ids())) > 100 * TOLERANCE
+
+
+def test_sharded_checkpoint_loads(checkpoints, tmp_path):
+    hf_model, _ = checkpoints("qwen3-untied-yarn")
+    hf_model.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert not (tmp_path / "model.safetensors").exists()
+    with torch.no_grad():
+        assert max_abs_diff(load_model(tmp_path)(random_ids()), hf_model(random_ids()).logits) < TOLERANCE
+
+
+def test_save_model_round_trip(checkpoints, tmp_path):
+    _, folder = checkpoints("qwen2-tied")
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        (source / name).write_text("{}")
+    model = load_model(folder)
+    hf_config = read_hf_config(folder)
+    out = tmp_path / "export"
+
+    save_model(model, hf_config, out, source_dir=source, max_shard_bytes=40_000)
+
+    assert (out / "model.safetensors.index.json").is_file()
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= {
+        file.name for file in out.iterdir()
+    }
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["export", "source"]  # no staging leftovers
+    reloaded = load_model(out)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    with torch.no_grad():
+        hf_reloaded = Qwen2ForCausalLM.from_pretrained(out).eval()
+        assert max_abs_diff(hf_reloaded(random_ids()).logits, model(random_ids())) < TOLERANCE
+
+
+def test_save_model_records_dtype_and_refuses_to_clobber(checkpoints, tmp_path):
+    _, folder = checkpoints("llama-llama3-untied")
+    model = load_model(folder, dtype=torch.bfloat16)
+    out = tmp_path / "export"
+    hf_config = {**read_hf_config(folder), "torch_dtype": "float32"}
+
+    save_model(model, hf_config, out)
+
+    saved_config = read_hf_config(out)
+    assert saved_config["dtype"] == saved_config["torch_dtype"] == "bfloat16"
+    assert (out / "model.safetensors").is_file()
+    reloaded = load_model(out, dtype=None)
+    assert reloaded.output_embedding().dtype == torch.bfloat16
+    with pytest.raises(FileExistsError, match="overwrite"):
+        save_model(model, hf_config, out)
+    save_model(model.float(), hf_config, out, overwrite=True)
+    assert read_hf_config(out)["dtype"] == "float32"
+
+
+def test_save_model_rejects_a_config_of_another_architecture(checkpoints, tmp_path):
+    _, folder = checkpoints("qwen2-tied")
+    wrong_config = {**read_hf_config(folder), "num_hidden_layers": 3}
+    with pytest.raises(ValueError, match="different architecture"):
+        save_model(load_model(folder), wrong_config, tmp_path / "export")
+
+
+def test_pickle_only_folder_is_refused(checkpoints, tmp_path):
+    _, folder = checkpoints("qwen2-tied")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(FileNotFoundError, match="safetensors is required"):
+        load_model(tmp_path)
+
+
+def test_weights_that_do_not_fit_the_config_are_listed(checkpoints, tmp_path):
+    _, folder = checkpoints("llama-llama3-untied")
+    state = load_state_dict(folder)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    state["model.layers.1.mlp.extra.weight"] = torch.zeros(1)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"1 missing \(model.layers.1.mlp.up_proj.weight\).*1 unexpected"):
+        load_model(tmp_path)
+
+
+def test_tied_checkpoint_with_lm_head_copy_loads(checkpoints, tmp_path):
+    _, folder = checkpoints("qwen3-tied")
+    state = load_state_dict(folder)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    assert "lm_head.weight" not in load_model(tmp_path).state_dict()
+
+
+def test_config_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        read_hf_config(tmp_path)
+
+
+def test_unsupported_model_type_is_named():
+    with pytest.raises(ValueError, match="'gpt2'.*llama.*qwen3"):
+        build_model({"model_type": "gpt2"})
+
+
+def test_architectures_stand_in_for_a_missing_model_type(checkpoints):
+    _, folder = checkpoints("qwen3-tied")
+    config = read_hf_config(folder)
+    del config["model_type"]
+    assert build_model(config).config == ModelConfig.from_hf(read_hf_config(folder))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (dict(hidden_act="gelu"), "gelu"),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}), "longrope"),
+        (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "dynamic"),
+        (dict(rope_scaling={"type": "linear"}), "factor"),
+    ],
+)
+def test_unsupported_settings_are_named(overrides, named):
+    hf_config = {"model_type": "llama", **TINY, **overrides}
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf(hf_config)
+
+
+@pytest.mark.parametrize(
+    "legacy",
+    [
+        {"rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
+        {"rope_theta": 1e6, "rope_scaling": None},
+        {"rope_scaling": {"type": "yarn", "factor": 4.0}, "max_position_embeddings": 4096},
+    ],
+)
+def test_legacy_rope_layout_reads_as_transformers_5_rewrites_it(legacy):
+    """config.json files written before transformers 5 carry `rope_theta` + `rope_scaling`; transformers 5 turns
+    them into `rope_parameters`. Both files must give the same ModelConfig."""
+    legacy_config = {"model_type": "llama", **TINY, **legacy}
+    rewritten = LlamaConfig(**legacy_config).to_dict()
+    assert "rope_parameters" in rewritten and "rope_theta" not in rewritten
+    assert ModelConfig.from_hf(legacy_config) == ModelConfig.from_hf(rewritten)
+
+
+def test_fresh_model_builds_and_runs():
+    hf_config = {"model_type": "qwen3", **TINY, "head_dim": 32, "tie_word_embeddings": True}
+    torch.manual_seed(0)
+    model = build_model(hf_config)
+    assert isinstance(model, CausalLM)
+    assert model.model.layers[0].self_attn.q_norm.weight.eq(1).all()
+    logits = model(random_ids())
+    assert logits.shape == (2, 12, TINY["vocab_size"])
+    logits.logsumexp(-1).mean().backward()
+    assert all(parameter.grad is not None for parameter in model.parameters())
+    with torch.device("meta"):
+        assert build_model(hf_config).output_embedding().is_meta

@@ -1,0 +1,343 @@
+"""Tests for the `rewards` package: answer extraction, built-in rewards, the registry and the runner."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import math
+import time
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+
+import rewards.registry
+from rewards import RewardConfigError, RewardResult, RewardRunner, load_reward
+from rewards.extract import after_hashes, extract_answer, gold_answer, last_boxed, last_line, last_number
+from rewards.math import exact_match, numeric_answer
+from rewards.reasoning_gym import verifier
+from tests.unit import reward_fixtures
+
+FIXTURES = "tests.unit.reward_fixtures"
+
+
+def spec(function: str, weight: float = 1.0, **kwargs) -> dict:
+    return {"name": f"{FIXTURES}:{function}", "weight": weight, "kwargs": kwargs}
+
+
+# --------------------------------------------------------------------------- #
+# extraction
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),
+        (r"\boxed{1} first, then \boxed{ {a}^{ {2} } }", "{a}^{ {2} }"),
+        (r"the set \boxed{\{1, 2\}}", r"\{1, 2\}"),
+        (r"\boxed{3} and a truncated \boxed{4", "3"),
+        (r"\fbox{7}", "7"),
+        ("no box here", None),
+    ],
+)
+def test_last_boxed_balances_braces(text, expected):
+    assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("costs $1,234.50 in total.", "1234.50"),
+        ("the temperature drops to -7.", "-7"),
+        ("from 10-3 we get 7 apples", "7"),
+        ("x2 is not a number but .5 is", ".5"),
+        ("1,234,567 people", "1234567"),
+        ("no digits", None),
+    ],
+)
+def test_last_number(text, expected):
+    assert last_number(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"#### 5 <answer>6</answer> \boxed{7} then 8", "7"),
+        ("<answer>6</answer>\n#### 5\nthen 8", "5"),
+        ("work... <answer> 6 </answer> then 8", "6"),
+        ("first 3, then 1,234.", "1234"),
+        ("nothing numeric", None),
+    ],
+)
+def test_extract_answer_order_is_boxed_hashes_tags_number(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_gold_and_line_helpers():
+    assert gold_answer("She pays 3 * 4 = 12.\n#### 1,234") == "1,234"
+    assert gold_answer(r" \frac{1}{2} ") == r"\frac{1}{2}"
+    assert after_hashes("#### \n") == ""
+    assert last_line("reasoning\n\nAnswer: 42\n\n") == "42"
+    assert last_line("**Final answer:** 42") == "42"
+    assert last_line("Answers vary") == "Answers vary"
+
+
+# --------------------------------------------------------------------------- #
+# built-in math rewards
+# --------------------------------------------------------------------------- #
+
+
+def test_numeric_answer():
+    completions = [
+        r"Half of it: \boxed{\frac{1}{2}}",
+        "Total is 1,234.",
+        "#### -3.50",
+        "<answer>x+1</answer>",
+        "It is 131073015",
+        "I don't know",
+    ]
+    golds = ["0.5", "Reasoning.\n#### 1234", "-3.5", "1+x", "-131073014", "3"]
+    assert numeric_answer([""] * 6, completions, answer=golds) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_numeric_answer_without_reference_is_unscored():
+    assert numeric_answer(["", ""], ["4", "4"], answer=[None, 4]) == [None, 1.0]
+
+
+def test_exact_match_compares_extracted_strings():
+    completions = [r"\boxed{0.5}", r"\boxed{1/2}", r"\boxed{Yes}", "#### 72"]
+    golds = ["0.5", "0.5", "yes", "Steps.\n#### 72"]
+    assert exact_match([""] * 4, completions, answer=golds) == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_math_verify_runs_outside_the_main_thread():
+    # The runner calls every function in a worker thread, where signal-based timeouts would raise.
+    runner = RewardRunner([{"name": "rewards.math:numeric_answer"}])
+    result = runner.score(["q"], [r"\boxed{\frac{1}{2}}"], {"answer": ["0.5"]})
+    assert result.first_errors == {}
+    assert result.totals == [1.0]
+
+
+# --------------------------------------------------------------------------- #
+# reasoning-gym verifier
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def arithmetic_entries():
+    reasoning_gym = pytest.importorskip("reasoning_gym")
+    return list(reasoning_gym.create_dataset("basic_arithmetic", size=5, seed=1))
+
+
+def test_reasoning_gym_scores_real_entries(arithmetic_entries):
+    correct = [f"Let me compute.\n<answer>{entry['answer']}</answer>" for entry in arithmetic_entries]
+    wrong = [f"<answer>{int(entry['answer']) + 1}</answer>" for entry in arithmetic_entries]
+    prompts = [entry["question"] for entry in arithmetic_entries]
+    assert verifier(prompts, correct, entry=arithmetic_entries) == [1.0] * 5
+    assert verifier(prompts, wrong, entry=arithmetic_entries) == [0.0] * 5
+
+
+def test_reasoning_gym_extraction_fallbacks(arithmetic_entries):
+    entry = arithmetic_entries[0]
+    answer = entry["answer"]
+    completions = [
+        rf"The result is \boxed{{{answer}}}",
+        f"Working...\nAnswer: {answer}",
+        f"Working...\nso the result is {answer}.",
+        # Tags are authoritative: a right number elsewhere does not rescue a wrong tagged answer.
+        f"<answer>0</answer> though maybe {answer}",
+        # Partial credit from the scorer (reference contained in a longer answer) is not a reward.
+        f"<answer>I think {answer}</answer>",
+    ]
+    assert verifier([""] * 5, completions, entry=[entry] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_reasoning_gym_accepts_json_entries_and_short_name(arithmetic_entries):
+    entry = arithmetic_entries[1]
+    verify_fn = load_reward("reasoning_gym")
+    assert verify_fn([""], [f"<answer>{entry['answer']}</answer>"], entry=[json.dumps(entry)]) == [1.0]
+
+
+# --------------------------------------------------------------------------- #
+# registry
+# --------------------------------------------------------------------------- #
+
+
+def test_load_reward_import_path_and_builtins():
+    assert load_reward(f"{FIXTURES}:length") is reward_fixtures.length
+    assert load_reward("numeric_answer") is numeric_answer
+    assert load_reward("rewards.math:exact_match") is exact_match
+    assert load_reward("exact_match") is exact_match
+    assert load_reward("reasoning_gym") is verifier
+
+
+@pytest.mark.parametrize(
+    "path, cause",
+    [
+        ("no_colon_here", "not a built-in"),
+        (":length", "malformed"),
+        (f"{FIXTURES}:", "malformed"),
+        ("no_such_module_xyz.rewards:fn", "cannot import module 'no_such_module_xyz.rewards': ModuleNotFound"),
+        (f"{FIXTURES}:missing_fn", "has no attribute 'missing_fn'"),
+        (f"{FIXTURES}:NOT_A_FUNCTION", "not callable"),
+    ],
+)
+def test_load_reward_errors_are_one_line_naming_the_path(path, cause):
+    with pytest.raises(RewardConfigError) as raised:
+        load_reward(path)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert repr(path) in message
+    assert cause in message
+
+
+def test_load_reward_finds_entry_points(monkeypatch):
+    registered = EntryPoint(name="my_length", value=f"{FIXTURES}:length", group="rlpipe.rewards")
+
+    def fake_entry_points(group, name):
+        return [registered] if (group, name) == ("rlpipe.rewards", "my_length") else []
+
+    monkeypatch.setattr(rewards.registry, "entry_points", fake_entry_points)
+    assert load_reward("my_length") is reward_fixtures.length
+    with pytest.raises(RewardConfigError, match="rlpipe.rewards"):
+        load_reward("someone_elses")
+
+
+# --------------------------------------------------------------------------- #
+# runner
+# --------------------------------------------------------------------------- #
+
+PROMPTS = ["p1", "p2"]
+COMPLETIONS = ["a", "bcd"]
+
+
+def test_weighted_sum_of_two_functions():
+    runner = RewardRunner([spec("length", weight=2.0), spec("constant", weight=0.5, value=3.0)])
+    result = runner.score(PROMPTS, COMPLETIONS, {})
+    assert isinstance(result, RewardResult)
+    assert result.per_function == {"length": [1.0, 3.0], "constant": [3.0, 3.0]}
+    assert result.totals == [2.0 * 1 + 0.5 * 3, 2.0 * 3 + 0.5 * 3]
+    assert result.failures == {"length": 0, "constant": 0}
+    assert result.first_errors == {}
+
+
+def test_columns_are_passed_and_kwargs_take_precedence():
+    runner = RewardRunner([spec("echo_column"), spec("echo_column", answer=[7, 8])])
+    result = runner.score(PROMPTS, COMPLETIONS, {"answer": ["1", "2"]})
+    assert result.per_function == {"echo_column": [1.0, 2.0], "echo_column_2": [7.0, 8.0]}
+
+
+def test_dict_returns_give_scores_and_extras():
+    result = RewardRunner([spec("with_extras")]).score(PROMPTS, COMPLETIONS, {})
+    assert result.totals == [0.5, 0.5]
+    assert result.extras == {"with_extras/length": [1, 3], "with_extras/format_ok": [True, True]}
+
+
+def test_raising_function_unscores_its_samples_and_is_logged_once(caplog):
+    runner = RewardRunner([spec("constant"), spec("raising")])
+    with caplog.at_level(logging.DEBUG, logger="rewards"):
+        first = runner.score(PROMPTS, COMPLETIONS, {})
+        runner.score(PROMPTS, COMPLETIONS, {})
+    assert first.totals == [None, None]
+    assert first.per_function["constant"] == [1.0, 1.0]
+    assert first.failures == {"constant": 0, "raising": 2}
+    assert first.first_errors["raising"].startswith("raising: ZeroDivisionError")
+    records = [record for record in caplog.records if record.name == "rewards"]
+    assert [record.levelno for record in records] == [logging.WARNING, logging.DEBUG]
+    assert records[0].exc_info is not None
+
+
+def test_slow_function_times_out_without_waiting_for_it():
+    runner = RewardRunner([spec("constant"), spec("slow")], timeout_s=0.3)
+    started = time.monotonic()
+    result = runner.score(PROMPTS, COMPLETIONS, {})
+    assert time.monotonic() - started < reward_fixtures.SLOW_SECONDS / 2
+    assert result.totals == [None, None]
+    assert result.failures["slow"] == 2
+    assert result.first_errors == {"slow": "slow: timed out after 0.3s"}
+
+
+def test_async_functions_are_awaited_with_the_same_timeout():
+    runner = RewardRunner([spec("async_length"), spec("async_slow")], timeout_s=0.3)
+    started = time.monotonic()
+    result = runner.score(PROMPTS, COMPLETIONS, {})
+    assert time.monotonic() - started < reward_fixtures.SLOW_SECONDS / 2
+    assert result.per_function == {"async_length": [1.0, 3.0], "async_slow": [None, None]}
+    assert result.first_errors == {"async_slow": "async_slow: timed out after 0.3s"}
+
+
+@pytest.mark.parametrize(
+    "function, per_function, failures, error",
+    [
+        ("short_by_one", [None, None], 2, "short_by_one: returned 1 values for 2 samples"),
+        ("scalar", [None, None], 2, "scalar: returned float, expected a list of 2 scores"),
+        ("nan_first", [None, 1.0], 1, "nan_first: returned NaN for sample 0"),
+        ("none_first", [None, 1.0], 1, "none_first: returned None for sample 0"),
+    ],
+)
+def test_invalid_returns_are_unscored_not_zero(function, per_function, failures, error):
+    result = RewardRunner([spec(function)]).score(PROMPTS, COMPLETIONS, {})
+    assert result.per_function[function] == per_function
+    assert result.totals == per_function
+    assert result.failures[function] == failures
+    assert result.first_errors[function] == error
+
+
+def test_empty_batch():
+    result = RewardRunner([spec("length")]).score([], [], {})
+    assert result.totals == [] and result.per_function == {"length": []}
+
+
+def test_misaligned_batch_is_a_caller_error():
+    runner = RewardRunner([spec("length")])
+    with pytest.raises(ValueError, match="column 'answer' has 1 values for 2 completions"):
+        runner.score(PROMPTS, COMPLETIONS, {"answer": ["1"]})
+
+
+@pytest.mark.parametrize(
+    "bad_spec, cause",
+    [
+        ({"weight": 1.0}, "missing 'name'"),
+        ({"name": f"{FIXTURES}:length", "weight": "heavy"}, "'weight' must be a finite number"),
+        ({"name": f"{FIXTURES}:length", "weight": math.inf}, "'weight' must be a finite number"),
+        ({"name": f"{FIXTURES}:length", "wieght": 2.0}, "unknown key(s) wieght"),
+        ({"name": f"{FIXTURES}:length", "kwargs": [1]}, "'kwargs' must be a mapping"),
+        (f"{FIXTURES}:length", "expected a mapping"),
+    ],
+)
+def test_invalid_specs_fail_in_the_constructor_naming_the_spec(bad_spec, cause):
+    with pytest.raises(RewardConfigError) as raised:
+        RewardRunner([spec("length"), bad_spec])
+    message = str(raised.value)
+    assert message.startswith(f"reward spec #1 {bad_spec!r}: ")
+    assert cause in message
+    assert "\n" not in message
+
+
+def test_unloadable_function_fails_in_the_constructor():
+    with pytest.raises(RewardConfigError, match="has no attribute 'missing_fn'"):
+        RewardRunner([spec("missing_fn")])
+
+
+def test_runner_needs_functions_and_a_positive_timeout():
+    with pytest.raises(RewardConfigError, match="no reward functions configured"):
+        RewardRunner([])
+    with pytest.raises(RewardConfigError, match="timeout_s"):
+        RewardRunner([spec("length")], timeout_s=0)
+
+
+def test_rewards_package_imports_no_framework_code():
+    forbidden = {"rlpipe", "actors", "ray"}
+    package_dir = Path(rewards.registry.__file__).parent
+    for source in package_dir.glob("*.py"):
+        tree = ast.parse(source.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                roots = {node.module.split(".")[0]}
+            else:
+                continue
+            assert not roots & forbidden, f"{source.name} imports {roots & forbidden}"
