@@ -168,8 +168,35 @@ def _type_hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+@dataclass(frozen=True)
+class _OverrideText:
+    """An override's right-hand side, parsed only once the field's type is known."""
+
+    text: str
+
+    def resolve(self, hint: Any) -> Any:
+        # Text keys take the text as typed: `data.system_prompt=Answer: 42` or `run.name=001` must not
+        # become a mapping or an integer, and `#` must not start a YAML comment there.
+        if _accepts_text(hint) and self.text not in ("null", "~"):
+            return self.text
+        try:
+            return yaml.safe_load(self.text) if self.text != "" else ""
+        except yaml.YAMLError:
+            return self.text
+
+
+def _accepts_text(hint: Any) -> bool:
+    if hint is str:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_accepts_text(arg) for arg in typing.get_args(hint))
+    return False
+
+
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Check `value` against a field's type hint, converting only where YAML is ambiguous."""
+    if isinstance(value, _OverrideText):
+        value = value.resolve(hint)
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
@@ -226,6 +253,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
 def _build(cls, data: Any, prefix: str = ""):
     if isinstance(data, cls):
         return data
+    if isinstance(data, _OverrideText):
+        data = data.resolve(cls)
+    if data is None:  # a section written with no keys under it
+        data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__} {data!r}")
     hints = _type_hints(cls)
@@ -247,17 +278,15 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     dotted, raw = text.split("=", 1)
     if not dotted:
         raise ConfigError(f"{text}: an override must look like section.key=value")
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    return dotted.split("."), value
+    return dotted.split("."), _OverrideText(raw)
 
 
 def _set_path(tree: dict, path: list[str], value: Any, dotted: str) -> None:
     node = tree
     for part in path[:-1]:
-        child = node.setdefault(part, {})
+        if node.get(part) is None:
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise ConfigError(f"{dotted}: {part} is not a section")
         node = child
@@ -320,6 +349,7 @@ def validate(cfg: Config) -> None:
         f"rollout.max_model_len: {cfg.rollout.max_model_len} is shorter than data.max_prompt_tokens "
         f"+ rollout.max_tokens = {cfg.data.max_prompt_tokens + cfg.rollout.max_tokens}",
     )
+    need(cfg.train.mini_batch_size is None or cfg.train.mini_batch_size >= 1, "train.mini_batch_size: must be >= 1 or null")
     mini = cfg.train.mini_batch_size or cfg.samples_per_step
     need(
         cfg.samples_per_step % mini == 0,

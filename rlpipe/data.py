@@ -65,7 +65,7 @@ def _file_rows(path: str, split: str, prompt_field: str) -> list[dict]:
     try:
         table = datasets.load_dataset(formats.pop(), data_files={split: [str(f) for f in files]}, split=split)
     except Exception as err:  # datasets wraps parser errors in several exception types
-        raise ConfigError(f"data.path: cannot read {path}: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"data.path: cannot read {path}: {(str(err).splitlines() or [type(err).__name__])[0]}") from None
     if len(table) == 0:
         raise ConfigError(f"data.path: {path} has no rows")
     if prompt_field not in table.column_names:

@@ -90,14 +90,17 @@ class Learner:
         """One GRPO update on a step's samples: mini-batches of optimizer steps, each micro-batched."""
         cfg, algo = self.cfg, self.cfg.algo
         mask = batch.completion_mask
-        old_logprobs = self._logprobs(self.model, batch)
-        metrics = {f"logprob_gap/{k}": v for k, v in logprob_gap(old_logprobs, batch.rollout_logprobs, mask).items()}
-        weights = None
-        if algo.tis_cap is not None:
-            weights = truncated_importance_weights(old_logprobs, batch.rollout_logprobs, algo.tis_cap)
+        # With one optimizer step per batch the policy cannot move before every token has been seen,
+        # so the "old" logprobs are the training forward's own (detached) and a separate pass is waste.
+        old_logprobs = None if self.optimizer_steps_per_batch == 1 else self._logprobs(self.model, batch)
         ref_logprobs = self._logprobs(self.reference, batch) if self.reference is not None else None
 
         sums: dict[str, float] = defaultdict(float)
+        gap_max = 0.0
+        if old_logprobs is not None:
+            gap = logprob_gap(old_logprobs, batch.rollout_logprobs, mask)
+            valid = float(mask.sum())
+            sums["gap_abs"], sums["gap_kl"], gap_max = gap["mean_abs"] * valid, gap["kl"] * valid, gap["max_abs"]
         mini_batches = [c.tolist() for c in torch.arange(len(batch)).tensor_split(self.optimizer_steps_per_batch)]
         for rows in (r for r in mini_batches if r):
             first, last = rows[0], rows[-1] + 1
@@ -108,16 +111,24 @@ class Learner:
                 part = batch.slice(start, stop)
                 width = part.input_ids.shape[1]
                 logprobs, entropy = token_logprobs(self.model, part.input_ids, self.temperature, with_entropy=True)
+                old = logprobs.detach() if old_logprobs is None else old_logprobs[start:stop, :width]
+                tokens = float(part.completion_mask.sum())
+                if old_logprobs is None:
+                    gap = logprob_gap(old, part.rollout_logprobs, part.completion_mask)
+                    sums["gap_abs"] += gap["mean_abs"] * tokens
+                    sums["gap_kl"] += gap["kl"] * tokens
+                    gap_max = max(gap_max, gap["max_abs"])
                 per_token, stats = policy_loss(
                     logprobs,
-                    old_logprobs[start:stop, :width],
+                    old,
                     part.advantages,
                     part.completion_mask,
                     clip_low=algo.clip_low,
                     clip_high=algo.clip_high,
-                    token_weights=None if weights is None else weights[start:stop, :width],
+                    token_weights=None
+                    if algo.tis_cap is None
+                    else truncated_importance_weights(old, part.rollout_logprobs, algo.tis_cap),
                 )
-                tokens = float(part.completion_mask.sum())
                 if ref_logprobs is not None:
                     kl = kl_penalty(logprobs, ref_logprobs[start:stop, :width], algo.kl_estimator)
                     per_token = per_token + algo.kl_beta * kl
@@ -144,16 +155,18 @@ class Learner:
 
         self.policy_version += 1
         steps, tokens = max(1.0, sums["optimizer_steps"]), max(1.0, sums["tokens"])
-        metrics.update(
-            {
-                "loss": sums["loss"] / steps,
-                "grad_norm": sums["grad_norm"] / steps,
-                "lr": sums["lr"] / steps,
-                "clip_fraction": sums["clip_fraction"] / tokens,
-                "entropy": sums["entropy"] / tokens,
-                "train_tokens": sums["tokens"],
-            }
-        )
+        gap_tokens = max(1.0, float(mask.sum()))
+        metrics = {
+            "loss": sums["loss"] / steps,
+            "grad_norm": sums["grad_norm"] / steps,
+            "lr": sums["lr"] / steps,
+            "clip_fraction": sums["clip_fraction"] / tokens,
+            "entropy": sums["entropy"] / tokens,
+            "train_tokens": sums["tokens"],
+            "logprob_gap/mean_abs": sums["gap_abs"] / gap_tokens,
+            "logprob_gap/max_abs": gap_max,
+            "logprob_gap/kl": sums["gap_kl"] / gap_tokens,
+        }
         if ref_logprobs is not None:
             metrics["kl"] = sums["kl"] / tokens
         return metrics

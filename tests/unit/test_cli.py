@@ -1,0 +1,135 @@
+"""rlpipe.cli in-process: `config show`, `train --help`, exit code 2 with one line naming the key, no run dir on error."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlpipe.cli import DEFAULT_RECIPE, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _one_error_line(capsys, *keys: str) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    (line,) = lines
+    assert line.startswith("rlpipe: config error:")
+    for key in keys:
+        assert key in line
+    assert captured.out == ""
+    return line
+
+
+def test_default_recipe_is_the_repository_one():
+    assert DEFAULT_RECIPE == REPO / "configs" / "default.yaml"
+    assert DEFAULT_RECIPE.is_file()
+
+
+def test_config_show_prints_the_default_recipe(capsys):
+    assert main(["config", "show"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["run"]["name"] == "smollm2-arithmetic"
+    recipe = yaml.safe_load(DEFAULT_RECIPE.read_text())
+    assert shown["rollout"]["max_model_len"] == recipe["rollout"]["max_model_len"]
+    assert shown["train"]["steps"] == recipe["train"]["steps"]
+    assert shown["reward"]["functions"] == [
+        {"name": "rewards.reasoning_gym:verifier", "weight": 1.0, "kwargs": {}}
+    ]
+
+
+def test_config_show_first_positional_may_be_an_override(capsys):
+    assert main(["config", "show", "train.steps=3", "rollout.temperature=0.5"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["train"]["steps"] == 3
+    assert shown["rollout"]["temperature"] == 0.5
+    assert shown["run"]["name"] == "smollm2-arithmetic"  # still on top of the default recipe
+
+
+def test_config_show_with_a_recipe_and_overrides(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run: {name: mine}\ntrain: {steps: 5}\n")
+    assert main(["config", "show", str(recipe), "train.steps=4"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["run"]["name"] == "mine"  # the given recipe replaces the default one
+    assert shown["train"]["steps"] == 4
+
+
+def test_train_help_lists_config_keys_with_defaults(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.strip().startswith("train.micro_batch_size"))
+    assert "[default: 8]" in line
+    assert "algo.clip_high" in out and "ray.address" in out and "reward.functions" in out
+
+
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["config", "show", "train.stepz=3"], "train.stepz"),
+        (["config", "show", "train.steps=abc"], "train.steps"),
+        (["train", "algo.loss_agg=foo"], "algo.loss_agg"),
+        (["train", "rollout.group_size=1"], "rollout.group_size"),
+    ],
+)
+def test_bad_override_exits_2_with_one_line(capsys, argv, key):
+    assert main(argv) == 2
+    assert _one_error_line(capsys).startswith(f"rlpipe: config error: {key}")
+
+
+def test_missing_recipe_exits_2(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert main(["config", "show", str(missing)]) == 2
+    _one_error_line(capsys, str(missing))
+
+
+def test_train_with_a_bad_reward_path_creates_no_run_dir(tmp_path, capsys, tiny_qwen3):
+    output_dir = tmp_path / "runs"
+    output_dir.mkdir()
+    code = main(
+        [
+            "train",
+            f"model.path={tiny_qwen3}",
+            f"run.output_dir={output_dir}",
+            "reward.functions=[{name: 'no_such_module:fn'}]",
+        ]
+    )
+    assert code == 2
+    _one_error_line(capsys, "no_such_module:fn")
+    assert list(output_dir.iterdir()) == []
+
+
+def test_train_with_a_missing_model_creates_no_run_dir(tmp_path, capsys):
+    output_dir = tmp_path / "runs"
+    output_dir.mkdir()
+    assert main(["train", "model.path=/nonexistent", f"run.output_dir={output_dir}"]) == 2
+    _one_error_line(capsys, "model.path", "/nonexistent")
+    assert list(output_dir.iterdir()) == []
+
+
+def test_module_entry_point_runs(tmp_path):
+    # From another directory, so the default recipe is found relative to the package, not the cwd.
+    result = subprocess.run(
+        [sys.executable, "-m", "rlpipe.cli", "config", "show", "train.steps=3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["train"]["steps"] == 3
+
+
+def test_console_script_is_installed(tmp_path):
+    script = Path(sys.executable).parent / "rlpipe"
+    assert script.is_file(), "`pip install -e .` installs the rlpipe console script next to the interpreter"
+    result = subprocess.run(
+        [str(script), "config", "show", "train.stepz=3"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("rlpipe: config error: train.stepz")

@@ -1,0 +1,258 @@
+"""rlpipe.config: defaults, the default recipe, YAML + dotted overrides, one-line errors that name the key, help."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlpipe.config import (
+    Config,
+    ConfigError,
+    RewardFunctionConfig,
+    describe,
+    help_text,
+    load_config,
+)
+
+DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+
+
+def _error(*overrides: str, recipe=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(recipe, list(overrides))
+    message = str(info.value)
+    assert "\n" not in message, f"config errors must be one line: {message!r}"
+    return message
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_defaults_load_without_a_recipe():
+    cfg = load_config(None)
+    assert isinstance(cfg, Config)
+    assert cfg.run.name == "grpo"
+    assert cfg.train.steps == 12
+    assert cfg.rollout.group_size == 8
+    assert cfg.samples_per_step == cfg.train.prompts_per_step * cfg.rollout.group_size == 64
+    assert cfg.run_dir == Path("runs") / "grpo"
+    assert [f.name for f in cfg.reward.functions] == ["rewards.reasoning_gym:verifier"]
+    assert isinstance(cfg.reward.functions[0], RewardFunctionConfig)
+
+
+def test_default_instances_do_not_share_mutable_defaults():
+    a, b = load_config(None), load_config(None)
+    a.train.betas.append(0.5)
+    a.data.task_args["x"] = 1
+    assert b.train.betas == [0.9, 0.999]
+    assert b.data.task_args == {}
+
+
+def test_default_recipe_loads_and_validates():
+    cfg = load_config(DEFAULT_RECIPE)
+    recipe = yaml.safe_load(DEFAULT_RECIPE.read_text())
+    assert cfg.run.name == recipe["run"]["name"] == "smollm2-arithmetic"
+    assert cfg.data.task_args == recipe["data"]["task_args"]
+    for section in ("rollout", "train"):
+        for key, value in recipe[section].items():
+            assert getattr(getattr(cfg, section), key) == pytest.approx(value), f"{section}.{key}"
+    assert cfg.reward.functions == [RewardFunctionConfig(name="rewards.reasoning_gym:verifier", weight=1.0)]
+
+
+def test_recipe_then_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run: {name: from-yaml}\ntrain: {steps: 7, lr: 1.0e-5}\n")
+    cfg = load_config(
+        recipe,
+        [
+            "train.steps=3",
+            "train.betas=[0.8,0.9]",
+            "reward.functions=[{name: 'rewards.math:numeric_answer', weight: 2}]",
+            "algo.clip_high=1e-3",
+            "train.mini_batch_size=null",
+        ],
+    )
+    assert cfg.run.name == "from-yaml"  # from the recipe, untouched by overrides
+    assert cfg.train.lr == pytest.approx(1e-5)
+    assert cfg.train.steps == 3  # the override wins over the recipe
+    assert cfg.train.betas == [0.8, 0.9]
+    assert cfg.train.mini_batch_size is None
+    (function,) = cfg.reward.functions
+    assert isinstance(function, RewardFunctionConfig)
+    assert function.name == "rewards.math:numeric_answer"
+    assert function.weight == 2.0 and isinstance(function.weight, float)
+    assert function.kwargs == {}
+
+
+def test_exponent_without_a_dot_is_a_float():
+    # YAML 1.1 reads `1e-3` as a string; a float key must still accept it.
+    cfg = load_config(None, ["train.lr=1e-3", "rollout.temperature=1"])
+    assert cfg.train.lr == pytest.approx(1e-3) and isinstance(cfg.train.lr, float)
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+
+
+def test_empty_recipe_file_gives_the_defaults(tmp_path):
+    recipe = tmp_path / "empty.yaml"
+    recipe.write_text("# nothing\n")
+    assert load_config(recipe) == load_config(None)
+
+
+# ---------------------------------------------------------------- errors name the key
+
+
+def test_unknown_top_level_section():
+    message = _error("trian.steps=3")
+    assert message.startswith("trian")
+    assert "unknown key" in message
+
+
+def test_unknown_section_in_a_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("bogus: {a: 1}\n")
+    assert _error(recipe=recipe).startswith("bogus")
+
+
+def test_unknown_nested_key():
+    message = _error("train.stepz=3")
+    assert message.startswith("train.stepz")
+    assert "steps" in message  # lists the known keys
+
+
+def test_unknown_key_in_a_reward_function():
+    assert _error("reward.functions=[{name: x, wieght: 2}]").startswith("reward.functions[0].wieght")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.steps=abc", "train.steps"),
+        ("train.steps=1.5", "train.steps"),
+        ("train.steps=true", "train.steps"),
+        ("rollout.temperature=hot", "rollout.temperature"),
+        ("metrics.plot=maybe", "metrics.plot"),
+        ("train.betas=0.9", "train.betas"),
+        ("data.task_args=5", "data.task_args"),
+        ("reward.functions=[{name: x, weight: heavy}]", "reward.functions[0].weight"),
+        ("train=3", "train"),
+    ],
+)
+def test_wrong_type(override, key):
+    assert _error(override).startswith(f"{key}:")
+
+
+def test_bad_literal():
+    message = _error("algo.loss_agg=foo")
+    assert message.startswith("algo.loss_agg:")
+    assert "token-mean" in message  # lists the allowed values
+
+
+def test_batch_not_divisible_by_micro_batch():
+    message = _error("train.prompts_per_step=3", "rollout.group_size=4", "train.micro_batch_size=5")
+    assert message.startswith("train.micro_batch_size")
+
+
+def test_mini_batch_must_divide_the_step():
+    assert _error("train.mini_batch_size=5").startswith("train.mini_batch_size")
+
+
+def test_mini_batch_must_be_positive():
+    # -8 divides 64 and 8 divides -8: only an explicit range check catches it.
+    assert _error("train.mini_batch_size=-8").startswith("train.mini_batch_size")
+
+
+def test_mini_and_micro_batches_that_divide_are_accepted():
+    cfg = load_config(None, ["train.mini_batch_size=16", "train.micro_batch_size=4"])
+    assert (cfg.train.mini_batch_size, cfg.train.micro_batch_size) == (16, 4)
+
+
+def test_group_size_one():
+    assert _error("rollout.group_size=1").startswith("rollout.group_size")
+
+
+def test_max_model_len_too_short():
+    message = _error("rollout.max_model_len=100")
+    assert message.startswith("rollout.max_model_len")
+    assert "384" in message  # 256 prompt + 128 completion tokens
+
+
+def test_file_source_needs_a_path():
+    assert _error("data.source=file").startswith("data.path")
+    assert load_config(None, ["data.source=file", "data.path=x.jsonl"]).data.path == "x.jsonl"
+
+
+def test_malformed_override():
+    assert _error("train.steps").startswith("train.steps")
+
+
+def test_malformed_yaml_file(tmp_path):
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("train:\n  steps: [1, 2\n")
+    message = _error(recipe=recipe)
+    assert str(recipe) in message
+    assert "malformed" in message
+
+
+def test_missing_recipe_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    message = _error(recipe=missing)
+    assert str(missing) in message
+    assert "not found" in message
+
+
+def test_top_level_list(tmp_path):
+    recipe = tmp_path / "list.yaml"
+    recipe.write_text("- train\n- steps\n")
+    message = _error(recipe=recipe)
+    assert str(recipe) in message
+    assert "mapping" in message
+
+
+# ---------------------------------------------------------------- help
+
+
+def test_describe_lists_every_leaf_key_with_default_and_help():
+    rows = {key: (default, meaning) for key, default, meaning in describe()}
+    assert rows["train.micro_batch_size"] == ("8", "samples per forward/backward (gradient accumulation)")
+    assert rows["algo.clip_high"][0] == "0.28"
+    assert rows["ray.address"][0] == "null"
+    assert rows["train.betas"][0] == "[0.9, 0.999]"
+    assert "rewards.reasoning_gym:verifier" in rows["reward.functions"][0]
+    # Sections are not keys, and nested reward function fields are not separate keys.
+    assert "train" not in rows and "reward.functions.name" not in rows
+    assert not [key for key, (_, meaning) in rows.items() if not meaning.strip()]
+
+
+def test_describe_covers_every_config_field():
+    import dataclasses
+
+    expected = {
+        f"{section.name}.{f.name}"
+        for section in dataclasses.fields(Config)
+        for f in dataclasses.fields(section.default_factory)
+    }
+    assert {key for key, _, _ in describe()} == expected
+
+
+def test_help_text_shows_keys_defaults_and_meanings():
+    text = help_text()
+    lines = {line.split()[0]: line for line in text.splitlines()[1:]}
+    for key in ("train.micro_batch_size", "algo.clip_high", "reward.functions", "ray.address"):
+        assert key in lines
+    assert "[default: 8]" in lines["train.micro_batch_size"]
+    assert "[default: 0.28]" in lines["algo.clip_high"]
+    assert "clip-higher" in lines["algo.clip_high"]
+    assert "[default: null]" in lines["ray.address"]
+
+
+def test_text_overrides_keep_the_text_as_typed():
+    cfg = load_config(None, ["data.system_prompt=#1 rule: be brief", "run.name=001", "model.tokenizer=null"])
+    assert cfg.data.system_prompt == "#1 rule: be brief"
+    assert cfg.run.name == "001"
+    assert cfg.model.tokenizer is None
+
+
+def test_a_section_with_no_keys_is_empty(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\nrun: {name: x}\n")
+    cfg = load_config(recipe, ["train.steps=2"])
+    assert cfg.train.steps == 2 and cfg.run.name == "x"

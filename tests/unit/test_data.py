@@ -1,0 +1,290 @@
+"""rlpipe.data: the resumable sampler, file and reasoning-gym prompt sources, chat templating, PromptSet."""
+
+import json
+
+import pytest
+
+from rlpipe.config import ConfigError, DataConfig
+from rlpipe.data import PromptSet, Sampler, load_rows, render_prompt
+from rlpipe.types import Prompt
+from tests.conftest import build_tokenizer
+
+ROWS = [{"question": f"Calculate {i} + 1.", "answer": str(i + 1)} for i in range(10)]
+
+
+def _file_cfg(path, **kwargs) -> DataConfig:
+    return DataConfig(source="file", path=str(path), **{"eval_size": 2, **kwargs})
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _config_error(call) -> str:
+    with pytest.raises(ConfigError) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+# ---------------------------------------------------------------- Sampler
+
+
+def test_sampler_is_deterministic_for_a_seed():
+    assert Sampler(50, seed=3).next(20) == Sampler(50, seed=3).next(20)
+
+
+def test_sampler_differs_across_seeds():
+    assert Sampler(50, seed=3).next(20) != Sampler(50, seed=4).next(20)
+
+
+def test_sampler_covers_every_index_once_per_epoch():
+    sampler = Sampler(10, seed=0)
+    first = sampler.next(4) + sampler.next(6)  # an epoch drawn in two pieces
+    assert sorted(first) == list(range(10))
+    assert first != list(range(10))  # shuffled
+    second = sampler.next(10)
+    assert sorted(second) == list(range(10))
+    assert second != first  # a new epoch has a new order
+    assert sampler.epoch == 1
+
+
+def test_sampler_wraps_mid_draw_into_a_new_epoch():
+    sampler = Sampler(7, seed=1)
+    drawn = sampler.next(5) + sampler.next(5)  # the second draw crosses the epoch boundary
+    assert sorted(drawn[:7]) == list(range(7))
+    assert len(set(drawn[7:])) == 3
+    assert sampler.epoch == 1 and sampler.position == 3
+    assert all(isinstance(i, int) for i in drawn)
+
+
+def test_sampler_state_restores_the_exact_continuation():
+    sampler = Sampler(6, seed=11)
+    sampler.next(5)
+    state = sampler.state_dict()
+    expected = sampler.next(7)  # crosses into the next epoch
+
+    restored = Sampler(6, seed=11)
+    restored.next(2)  # its own position must be replaced, not added to
+    restored.load_state_dict(json.loads(json.dumps(state)))  # the state survives a JSON round trip
+    assert restored.next(7) == expected
+    assert restored.state_dict() == sampler.state_dict()
+
+
+def test_sampler_state_for_another_size_or_seed_is_refused():
+    state = Sampler(6, seed=0).state_dict()
+    with pytest.raises(ValueError, match="6 rows"):
+        Sampler(7, seed=0).load_state_dict(state)
+    with pytest.raises(ValueError):
+        Sampler(6, seed=1).load_state_dict(state)
+
+
+def test_sampler_of_an_empty_set():
+    assert "empty" in _config_error(lambda: Sampler(0, seed=0))
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_jsonl_file_with_a_held_out_tail(tmp_path):
+    path = _write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    train, held_out = load_rows(_file_cfg(path), seed=0)
+    assert train == ROWS[:8]
+    assert held_out == ROWS[8:]
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(ROWS))
+    train, held_out = load_rows(_file_cfg(path, eval_size=3), seed=0)
+    assert train == ROWS[:7] and held_out == ROWS[7:]
+
+
+def test_parquet_file(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    train, held_out = load_rows(_file_cfg(path), seed=0)
+    assert train == ROWS[:8] and held_out == ROWS[8:]
+
+
+def test_csv_file(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("prompt,answer\n" + "".join(f"What is {i} + 1?,{i + 1}\n" for i in range(5)))
+    train, held_out = load_rows(_file_cfg(path, prompt_field="prompt", eval_size=1), seed=0)
+    assert [r["prompt"] for r in train] == [f"What is {i} + 1?" for i in range(4)]
+    assert [r["prompt"] for r in held_out] == ["What is 4 + 1?"]
+    assert set(train[0]) == {"prompt", "answer"}
+
+
+def test_folder_of_jsonl_files(tmp_path):
+    folder = tmp_path / "data"
+    (folder / "sub").mkdir(parents=True)
+    _write_jsonl(folder / "a.jsonl", ROWS[:5])
+    _write_jsonl(folder / "sub" / "b.jsonl", ROWS[5:])
+    (folder / "README.md").write_text("not data")
+    train, held_out = load_rows(_file_cfg(folder, eval_size=0), seed=0)
+    assert sorted(r["question"] for r in train) == sorted(r["question"] for r in ROWS)
+    assert held_out == []
+
+
+def test_eval_path_gives_the_held_out_rows(tmp_path):
+    path = _write_jsonl(tmp_path / "train.jsonl", ROWS[:4])
+    eval_path = _write_jsonl(tmp_path / "eval.jsonl", ROWS[4:])
+    train, held_out = load_rows(_file_cfg(path, eval_path=str(eval_path), eval_size=3), seed=0)
+    assert train == ROWS[:4]  # nothing is cut off the training file
+    assert held_out == ROWS[4:7]  # at most eval_size rows of the eval file
+
+
+def test_missing_path(tmp_path):
+    message = _config_error(lambda: load_rows(_file_cfg(tmp_path / "nope.jsonl"), seed=0))
+    assert message.startswith("data.path")
+    assert "nope.jsonl" in message
+
+
+def test_prompt_field_not_a_column(tmp_path):
+    path = _write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    message = _config_error(lambda: load_rows(_file_cfg(path, prompt_field="prompt"), seed=0))
+    assert message.startswith("data.prompt_field")
+    assert "question" in message  # lists the columns there are
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    message = _config_error(lambda: load_rows(_file_cfg(path), seed=0))
+    assert message.startswith("data.path")
+    assert "empty.jsonl" in message
+
+
+def test_empty_parquet_file(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"question": pa.array([], pa.string())}), path)
+    message = _config_error(lambda: load_rows(_file_cfg(path), seed=0))
+    assert message.startswith("data.path")
+
+
+@pytest.mark.parametrize("empty", ["", "   ", None])
+def test_row_with_an_empty_prompt(tmp_path, empty):
+    path = _write_jsonl(tmp_path / "rows.jsonl", [*ROWS[:3], {"question": empty, "answer": "0"}, *ROWS[3:]])
+    message = _config_error(lambda: load_rows(_file_cfg(path), seed=0))
+    assert message.startswith("data.prompt_field")
+    assert "row 3" in message
+
+
+def test_eval_size_must_leave_training_rows(tmp_path):
+    path = _write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    message = _config_error(lambda: load_rows(_file_cfg(path, eval_size=10), seed=0))
+    assert message.startswith("data.eval_size")
+
+
+def test_unsupported_file_type(tmp_path):
+    path = tmp_path / "rows.txt"
+    path.write_text("hello\n")
+    assert _config_error(lambda: load_rows(_file_cfg(path), seed=0)).startswith("data.path")
+
+
+def test_folder_without_data_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello\n")
+    assert _config_error(lambda: load_rows(_file_cfg(tmp_path), seed=0)).startswith("data.path")
+
+
+# ---------------------------------------------------------------- reasoning-gym
+
+
+def test_reasoning_gym_rows():
+    cfg = DataConfig(task="basic_arithmetic", task_args={"max_terms": 2}, size=12, eval_size=6)
+    train, held_out = load_rows(cfg, seed=0)
+    assert len(train) == 12
+    assert 0 < len(held_out) <= 6
+    for row in train + held_out:
+        assert set(row) == {"question", "answer", "entry"}
+        assert isinstance(row["question"], str) and row["question"]
+        assert isinstance(row["answer"], str)
+        assert row["entry"]["question"] == row["question"]
+    assert not {r["question"] for r in held_out} & {r["question"] for r in train}
+    assert load_rows(cfg, seed=0)[0] == train  # seeded
+    assert [r["question"] for r in load_rows(cfg, seed=1)[0]] != [r["question"] for r in train]
+
+
+def test_reasoning_gym_without_held_out_rows():
+    train, held_out = load_rows(DataConfig(size=4, eval_size=0), seed=0)
+    assert len(train) == 4 and held_out == []
+
+
+def test_unknown_reasoning_gym_task():
+    message = _config_error(lambda: load_rows(DataConfig(task="no_such_task", size=4), seed=0))
+    assert message.startswith("data.task")
+    assert "no_such_task" in message
+
+
+def test_reasoning_gym_needs_the_question_field():
+    message = _config_error(lambda: load_rows(DataConfig(prompt_field="prompt", size=4), seed=0))
+    assert message.startswith("data.prompt_field")
+
+
+# ---------------------------------------------------------------- templating
+
+
+def test_render_prompt_ends_with_the_assistant_header(tokenizer):
+    ids = render_prompt(tokenizer, "Calculate 1 + 2.", None)
+    text = tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "<|im_start|>user\nCalculate 1 + 2.<|im_end|>" in text
+    assert "system" not in text
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_render_prompt_with_a_system_prompt(tokenizer):
+    text = tokenizer.decode(render_prompt(tokenizer, "Calculate 1 + 2.", "Solve the problem."))
+    assert text.startswith("<|im_start|>system\nSolve the problem.<|im_end|>")
+    assert text.index("Solve the problem.") < text.index("Calculate 1 + 2.")
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_render_prompt_needs_a_chat_template(tmp_path):
+    plain = build_tokenizer(tmp_path)
+    plain.chat_template = None
+    message = _config_error(lambda: render_prompt(plain, "hi", None))
+    assert message.startswith("model.tokenizer")
+    assert "chat template" in message
+
+
+def test_prompt_set_builds_prompts(tokenizer):
+    rows = [{"question": "Calculate 3 + 4.", "answer": "7", "extra": 1}, {"question": "Calculate 5 + 6.", "answer": "11"}]
+    prompts = PromptSet(rows, tokenizer, DataConfig(system_prompt="Solve."), id_offset=100)
+    assert len(prompts) == 2
+    first, second = prompts.prompts(range(2))
+    assert isinstance(first, Prompt)
+    assert (first.sample_id, second.sample_id) == (100, 101)
+    assert first.question == "Calculate 3 + 4."
+    assert first.columns == {"answer": "7", "extra": 1}
+    assert "question" not in second.columns
+    assert first.token_ids == render_prompt(tokenizer, "Calculate 3 + 4.", "Solve.")
+    assert prompts.prompt(1).sample_id == 101
+
+
+def test_prompt_set_uses_the_configured_prompt_field(tokenizer):
+    rows = [{"prompt": "Calculate 3 + 4.", "question": "kept as a column"}]
+    (prompt,) = PromptSet(rows, tokenizer, DataConfig(prompt_field="prompt")).prompts([0])
+    assert prompt.question == "Calculate 3 + 4." and prompt.sample_id == 0
+    assert prompt.columns == {"question": "kept as a column"}
+
+
+def test_prompt_set_rejects_over_long_prompts(tokenizer):
+    rows = [{"question": "Calculate 1 + 2."}, {"question": "Calculate 1 + 2. " * 40}]
+    prompts = PromptSet(rows, tokenizer, DataConfig(max_prompt_tokens=40))
+    assert len(prompts.prompt(0).token_ids) <= 40
+    message = _config_error(lambda: prompts.prompt(1))
+    assert message.startswith("data.max_prompt_tokens")
+    assert "row 1" in message

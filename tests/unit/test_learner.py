@@ -1,0 +1,141 @@
+"""The learner rank without Ray: log-probs, the update, micro-batching, schedules, weights for sync."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlpipe.config import load_config
+from rlpipe.controller import make_train_batch
+from rlpipe.learner import Learner, lr_factor, token_logprobs
+from rlpipe.rollout import decode_weights
+from rlpipe.types import Completion, Group, Prompt, TrainBatch
+
+
+def _config(model_path, *overrides):
+    return load_config(
+        None,
+        [
+            f"model.path={model_path}",
+            "rollout.group_size=2",
+            "train.prompts_per_step=2",
+            "train.micro_batch_size=4",
+            "train.lr=1e-2",
+            "train.steps=4",
+            *overrides,
+        ],
+    )
+
+
+def _batch(seed: int = 0) -> TrainBatch:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (4, 6, 3, 5)]
+    completions = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (5, 2, 7, 4)]
+    logprobs = [[-1.0] * len(c) for c in completions]
+    return TrainBatch.from_sequences(prompts, completions, logprobs, [1.0, -1.0, 0.5, -0.5], pad_id=0)
+
+
+def test_token_logprobs_match_a_direct_computation(tiny_qwen3):
+    learner = Learner(tiny_qwen3, _config(tiny_qwen3))
+    ids = torch.tensor([[5, 9, 17, 33, 2]])
+    got = token_logprobs(learner.model, ids)
+    logits = learner.model(ids)[0]
+    expected = [0.0] + [torch.log_softmax(logits[t - 1], -1)[ids[0, t]].item() for t in range(1, 5)]
+    assert got[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert learner.sequence_logprobs(ids[0].tolist()) == pytest.approx(expected, abs=1e-6)
+
+
+def test_train_batch_aligns_tokens_masks_and_logprobs():
+    batch = TrainBatch.from_sequences([[1, 2], [3]], [[4, 5, 6], [7]], [[-0.1, -0.2, -0.3], [-0.4]], [1.0, -1.0], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 4, 5, 6], [3, 7, 0, 0, 0]]
+    assert batch.completion_mask.tolist() == [[False, False, True, True, True], [False, True, False, False, False]]
+    assert batch.rollout_logprobs[0, 2:].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert batch.slice(1, 2).input_ids.tolist() == [[3, 7]]  # trimmed to its own length
+
+
+def test_micro_batching_gives_the_same_update_as_one_batch(tiny_qwen3):
+    # Gradients, not updated weights, are compared: Adam's normalisation turns float noise in a
+    # near-zero gradient into a full-size step of either sign.
+    results = []
+    for micro in (4, 2, 1):
+        learner = Learner(tiny_qwen3, _config(tiny_qwen3, f"train.micro_batch_size={micro}"))
+        metrics = learner.train_step(_batch())
+        grads = {name: p.grad.clone() for name, p in learner.model.named_parameters()}
+        results.append((metrics, grads, learner.model.state_dict()))
+    (base_metrics, base_grads, updated), others = results[0], results[1:]
+    for metrics, grads, _ in others:
+        assert metrics["loss"] == pytest.approx(base_metrics["loss"], abs=1e-6)
+        for name, grad in base_grads.items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4)
+    assert any(g.abs().max() > 1e-3 for g in base_grads.values())
+    start = Learner(tiny_qwen3, _config(tiny_qwen3)).model.state_dict()
+    assert any(not torch.equal(start[k], updated[k]) for k in updated)  # the update did change the weights
+
+
+def test_mini_batches_take_several_optimizer_steps(tiny_qwen3):
+    learner = Learner(tiny_qwen3, _config(tiny_qwen3, "train.mini_batch_size=2", "train.micro_batch_size=1"))
+    assert learner.optimizer_steps_per_batch == 2
+    metrics = learner.train_step(_batch())
+    assert learner.scheduler.last_epoch == 2
+    assert learner.policy_version == 1
+    # After the first optimizer step the policy differs from the one that produced old_logprobs.
+    assert metrics["clip_fraction"] >= 0.0 and math.isfinite(metrics["loss"])
+
+
+def test_reference_model_only_with_a_kl_term(tiny_qwen3):
+    assert Learner(tiny_qwen3, _config(tiny_qwen3)).reference is None
+    learner = Learner(tiny_qwen3, _config(tiny_qwen3, "algo.kl_beta=0.1"))
+    assert learner.reference is not None
+    metrics = learner.train_step(_batch())
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # first step: policy equals reference
+    second = learner.train_step(_batch(seed=1))
+    assert second["kl"] > 0
+
+
+def test_logprob_gap_is_measured_against_the_rollout(tiny_qwen3):
+    learner = Learner(tiny_qwen3, _config(tiny_qwen3))
+    batch = _batch()
+    exact = learner._logprobs(learner.model, batch)
+    batch.rollout_logprobs = torch.where(batch.completion_mask, exact, torch.zeros_like(exact))
+    metrics = learner.train_step(batch)
+    assert metrics["logprob_gap/max_abs"] < 1e-5
+    batch.rollout_logprobs = torch.where(batch.completion_mask, exact + 0.5, torch.zeros_like(exact))
+    learner2 = Learner(tiny_qwen3, _config(tiny_qwen3))
+    assert learner2.train_step(batch)["logprob_gap/mean_abs"] == pytest.approx(0.5, abs=1e-4)
+
+
+def test_weights_payload_carries_every_tensor_in_the_rollout_dtype(tiny_qwen3):
+    learner = Learner(tiny_qwen3, _config(tiny_qwen3, "rollout.dtype=bfloat16"))
+    weights = decode_weights(learner.weights_payload())
+    assert set(weights) == set(learner.model.state_dict())
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
+def test_lr_schedule():
+    assert [lr_factor(s, 2, 10, "constant", 0.1) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_factor(2, 2, 10, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_factor(6, 2, 10, "cosine", 0.1) == pytest.approx(0.55)
+    assert lr_factor(10, 2, 10, "cosine", 0.1) == pytest.approx(0.1)
+
+
+def _groups(rewards: list[list[float | None]]) -> list[Group]:
+    groups = []
+    for index, values in enumerate(rewards):
+        prompt = Prompt(index, "q", [1, 2, 3])
+        completions = [Completion([4 + i, 5], [-0.5, -0.5], "x", "stop", 0) for i in range(len(values))]
+        groups.append(Group(prompt, completions, rewards=list(values)))
+    return groups
+
+
+def test_train_batch_leaves_out_unscored_samples_and_optionally_uniform_groups(tiny_qwen3):
+    cfg = _config(tiny_qwen3, "rollout.group_size=3", "train.micro_batch_size=3")
+    batch, stats = make_train_batch(_groups([[1.0, 0.0, None], [1.0, 1.0, 1.0]]), cfg, pad_id=0)
+    assert len(batch) == 5 and stats["samples_trained"] == 5
+    assert batch.advantages.tolist()[:2] == pytest.approx([1.0, -1.0], abs=1e-4)
+    cfg = _config(tiny_qwen3, "rollout.group_size=3", "train.micro_batch_size=3", "algo.drop_uniform_groups=true")
+    batch, stats = make_train_batch(_groups([[1.0, 0.0, None], [1.0, 1.0, 1.0]]), cfg, pad_id=0)
+    assert len(batch) == 2
+    batch, stats = make_train_batch(_groups([[None, None, None], [1.0, 1.0, 1.0]]), cfg, pad_id=0)
+    assert batch is None and stats["samples_trained"] == 0
