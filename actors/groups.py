@@ -6,11 +6,12 @@ import os
 from dataclasses import asdict
 
 import ray
+from ray._private import ray_constants
 
 from actors.learner import LearnerActor
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
-from rlpipe.config import Config
+from rlpipe.config import Config, ConfigError
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
 
 # Ray sets OMP_NUM_THREADS to an actor's logical CPU share (1); the roles take turns in synchronous mode,
@@ -25,6 +26,11 @@ def start_ray(cfg: Config) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=True)
         return
+    # Ray rewrites a node address of 127.0.0.1 to the machine's outward address unless it runs in its
+    # single-machine mode (the one it uses on macOS), which keeps every service on loopback. The flag is read
+    # at import time: the environment carries it to Ray's own processes, the constant covers this one.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(
         address="local",  # never silently join a cluster named by RAY_ADDRESS
         num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, actors_needed(cfg)),
@@ -44,6 +50,13 @@ class Roles:
 
     def __init__(self, cfg: Config, model_path: str, tokenizer_path: str | None = None):
         self.cfg = cfg
+        # An actor that cannot be placed waits forever; say so instead of hanging.
+        needed, available = actors_needed(cfg), ray.cluster_resources().get("CPU", 0)
+        if available < needed:
+            raise ConfigError(
+                f"ray.num_cpus: the cluster has {available:g} CPUs but the roles need {needed} "
+                f"(one each per learner rank, rollout engine and reward worker)"
+            )
         self.learner = LearnerActor.options(num_cpus=1, runtime_env=_THREADS_ENV).remote(model_path, cfg)
         self.engines = [
             RolloutActor.options(num_cpus=1, runtime_env=_THREADS_ENV).remote(
@@ -56,7 +69,11 @@ class Roles:
             RewardActor.options(num_cpus=1).remote(specs, cfg.reward.timeout_s) for _ in range(cfg.reward.num_workers)
         ]
         # Surface a bad model folder or reward path now rather than at the first step.
-        ray.get([self.learner.policy_version.remote()] + [e.policy_version.remote() for e in self.engines])
+        ray.get(
+            [self.learner.policy_version.remote()]
+            + [e.policy_version.remote() for e in self.engines]
+            + [r.names.remote() for r in self.rewarders]
+        )
         self.policy_version = 0
 
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[Group]:

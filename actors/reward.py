@@ -14,3 +14,6 @@ class RewardActor:
 
     def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> RewardResult:
         return self.runner.score(prompts, completions, columns)
+
+    def names(self) -> list[str]:
+        return self.runner.names

@@ -6,7 +6,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -22,9 +22,61 @@ from rewards import RewardRunner
 
 
 def train(cfg: Config) -> dict:
+    """Run GRPO as configured; returns the summary also written to <run_dir>/summary.json."""
     from actors.groups import Roles, start_ray
 
-    # Everything that can be wrong with the input is checked before a run directory or a cluster exists.
+    run = prepare(cfg)
+    start_ray(cfg)
+    roles = Roles(cfg, run.model_path, cfg.model.tokenizer)
+    log = run.log
+    try:
+        summary = {"eval_before": evaluate(roles, run.eval_set, cfg)}
+        log.note(f"held-out accuracy before training: {summary['eval_before']}")
+        for step in range(1, cfg.train.steps + 1):
+            clock = Clock()
+            with clock("generate"):
+                prompts = run.train_set.prompts(run.sampler.next(cfg.train.prompts_per_step))
+                groups = roles.generate(prompts, cfg.rollout.group_size)
+            with clock("reward"):
+                failures, errors = roles.score(groups)
+            log.reward_errors(errors)
+            batch, metrics = make_train_batch(groups, cfg, run.pad_id)
+            if batch is not None:  # every sample unscored or filtered: nothing to learn from this step
+                with clock("train"):
+                    metrics.update(roles.train(batch))
+                with clock("sync"):
+                    metrics.update(roles.sync_weights(probe=groups[0]))
+            metrics.update(rollout_metrics(groups, cfg.reward.success_threshold, failures))
+            metrics.update(clock.metrics(generated_tokens=metrics["completion_tokens"]))
+            log.log(step, {**metrics, "policy_version": float(roles.policy_version)})
+            log.log_samples(step, groups)
+        summary["eval_after"] = evaluate(roles, run.eval_set, cfg)
+        log.note(f"held-out accuracy after training: {summary['eval_after']} (before: {summary['eval_before']})")
+        if cfg.metrics.export:
+            summary["export"] = roles.export(str(run.dir / "export"))
+            log.note(f"trained model exported to {summary['export']}")
+        if cfg.metrics.plot:
+            summary["plot"] = str(plot_curves(log.history, run.dir / "curves.png"))
+        (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    finally:
+        log.close()
+        roles.shutdown()
+
+
+@dataclass
+class Run:
+    dir: Path
+    model_path: str
+    train_set: PromptSet
+    eval_set: PromptSet
+    sampler: Sampler
+    pad_id: int
+    log: MetricsLogger
+
+
+def prepare(cfg: Config) -> Run:
+    """Check every input (model, tokenizer, rewards, data) before a run directory or a cluster exists."""
     model_path = resolve_model_path(cfg.model.path)
     check_model(model_path)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
@@ -33,50 +85,12 @@ def train(cfg: Config) -> dict:
     train_set = PromptSet(train_rows, tokenizer, cfg.data)
     eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows))
     train_set.prompts(range(len(train_set)))  # rejects over-long prompts up front
+    eval_set.prompts(range(len(eval_set)))
     sampler = Sampler(len(train_set), cfg.run.seed)
     run_dir = prepare_run_dir(cfg)
     log = MetricsLogger(run_dir, cfg.train.steps, tensorboard=cfg.metrics.tensorboard)
-
-    start_ray(cfg)
-    roles = Roles(cfg, model_path, cfg.model.tokenizer)
-    summary = {"eval_before": evaluate(roles, eval_set, cfg)}
-    log.note(f"held-out accuracy before training: {summary['eval_before']}")
-    for step in range(1, cfg.train.steps + 1):
-        clock = Clock()
-        with clock("generate"):
-            groups = roles.generate(train_set.prompts(sampler.next(cfg.train.prompts_per_step)), cfg.rollout.group_size)
-        with clock("reward"):
-            failures, errors = roles.score(groups)
-        for name, message in errors.items():
-            log.note(f"reward function {name} failed on some samples: {message}")
-        batch, batch_stats = make_train_batch(groups, cfg, pad_id=tokenizer.pad_token_id or 0)
-        with clock("train"):
-            train_metrics = roles.train(batch) if batch is not None else {}
-        with clock("sync"):
-            sync_metrics = roles.sync_weights(probe=groups[0]) if batch is not None else {}
-        generated = sum(len(c.token_ids) for g in groups for c in g.completions)
-        metrics = {
-            **rollout_metrics(groups, cfg.reward.success_threshold),
-            **{f"reward/failures/{name}": float(count) for name, count in failures.items()},
-            **batch_stats,
-            **train_metrics,
-            **sync_metrics,
-            **clock.metrics(),
-            "tokens_per_s/generate": generated / max(clock.seconds["generate"], 1e-9),
-            "policy_version": float(roles.policy_version),
-        }
-        log.log(step, metrics)
-    summary["eval_after"] = evaluate(roles, eval_set, cfg)
-    log.note(f"held-out accuracy after training: {summary['eval_after']} (before: {summary['eval_before']})")
-    if cfg.metrics.export:
-        summary["export"] = roles.export(str(run_dir / "export"))
-        log.note(f"trained model exported to {summary['export']}")
-    if cfg.metrics.plot:
-        summary["plot"] = str(plot_curves(log.history, run_dir / "curves.png"))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.close()
-    roles.shutdown()
-    return summary
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    return Run(run_dir, model_path, train_set, eval_set, sampler, pad_id, log)
 
 
 def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[TrainBatch | None, dict]:
@@ -88,7 +102,10 @@ def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[Tra
         keep &= ~uniform_groups(rewards, cfg.rollout.group_size).repeat_interleave(cfg.rollout.group_size)
     samples = [(g.prompt, c) for g in groups for c in g.completions]
     chosen = [i for i in range(len(samples)) if keep[i]]
-    stats = {"samples_trained": float(len(chosen)), "advantage/abs_mean": float(advantages[keep].abs().mean()) if chosen else 0.0}
+    stats = {
+        "samples_trained": float(len(chosen)),
+        "advantage/abs_mean": float(advantages[keep].abs().mean()) if chosen else 0.0,
+    }
     if not chosen:
         return None, stats
     batch = TrainBatch.from_sequences(
@@ -160,5 +177,9 @@ class Clock:
 
         return _Phase()
 
-    def metrics(self) -> dict[str, float]:
-        return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": time.monotonic() - self.started}
+    def metrics(self, generated_tokens: float) -> dict[str, float]:
+        return {
+            **{f"time/{k}": v for k, v in self.seconds.items()},
+            "time/step": time.monotonic() - self.started,
+            "tokens_per_s/generate": generated_tokens / max(self.seconds.get("generate", 0.0), 1e-9),
+        }

@@ -13,8 +13,10 @@ import numpy as np
 from rlpipe.types import Group
 
 
-def rollout_metrics(groups: list[Group], success_threshold: float) -> dict[str, float]:
-    """Reward, accuracy and length statistics of a step's scored groups."""
+def rollout_metrics(
+    groups: list[Group], success_threshold: float, failures: dict[str, int] | None = None
+) -> dict[str, float]:
+    """Reward, accuracy and length statistics of a step's scored groups, and reward failures per function."""
     rewards = [r for g in groups for r in g.rewards]
     scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
     lengths = np.array([len(c.token_ids) for g in groups for c in g.completions], dtype=np.float64)
@@ -27,7 +29,10 @@ def rollout_metrics(groups: list[Group], success_threshold: float) -> dict[str, 
         "completion_len/mean": float(lengths.mean()) if lengths.size else 0.0,
         "completion_len/max": float(lengths.max()) if lengths.size else 0.0,
         "truncated_fraction": float(np.mean(truncated)) if truncated else 0.0,
+        "completion_tokens": float(lengths.sum()),
     }
+    for name, count in (failures or {}).items():
+        out[f"reward/failures/{name}"] = float(count)
     for name in groups[0].reward_parts if groups else ():
         values = [v for g in groups for v in g.reward_parts[name] if v is not None]
         out[f"reward/{name}"] = float(np.mean(values)) if values else math.nan
@@ -52,6 +57,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.stream = stream
         self.history: list[dict] = []
+        self._reported: set[str] = set()
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -72,6 +78,19 @@ class MetricsLogger:
         self.stream.write(self.format_line(step, metrics) + "\n")
         self.stream.flush()
 
+    def log_samples(self, step: int, groups: list[Group], count: int = 2) -> None:
+        """A few groups' completions and rewards per step in samples.jsonl: what the numbers are about."""
+        with (self.run_dir / "samples.jsonl").open("a") as f:
+            for group in groups[:count]:
+                record = {
+                    "step": step,
+                    "sample_id": group.prompt.sample_id,
+                    "prompt": group.prompt.question,
+                    "completions": [c.text for c in group.completions],
+                    "rewards": group.rewards,
+                }
+                f.write(json.dumps(record) + "\n")
+
     def format_line(self, step: int, metrics: dict[str, float]) -> str:
         elapsed = time.monotonic() - self.started
         eta = elapsed / max(1, len(self.history)) * max(0, self.total_steps - step)
@@ -79,6 +98,13 @@ class MetricsLogger:
         parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in self.SHOWN if key in metrics]
         parts.append(f"eta {eta / 60:.1f}m")
         return " | ".join(parts)
+
+    def reward_errors(self, errors: dict[str, str]) -> None:
+        """Print each reward function's first error once; its failure count is in every step's metrics."""
+        for name, message in errors.items():
+            if name not in self._reported:
+                self.note(f"reward function {name} failed on some samples (first error): {message}")
+                self._reported.add(name)
 
     def note(self, message: str) -> None:
         self.stream.write(message + "\n")

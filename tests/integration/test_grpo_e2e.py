@@ -33,7 +33,7 @@ def _overrides(run_dir, model_path) -> list[str]:
         "train.prompts_per_step=2",
         "train.micro_batch_size=4",
         "train.lr=1e-3",
-        "ray.num_cpus=4",
+        "ray.num_cpus=6",  # one local cluster serves every test of this module
         "metrics.tensorboard=true",
     ]
 
@@ -42,7 +42,7 @@ def _read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check_run(run_dir, summary):
+def _check_run(run_dir, summary, samples_per_step=8):
     records = _read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
@@ -51,7 +51,7 @@ def _check_run(run_dir, summary):
         # ... and they are new weights: the sampled tokens' logprobs moved.
         assert record["sync/policy_shift"] > 1e-3
         assert record["policy_version"] == record["step"]
-        assert record["samples_trained"] == 8
+        assert record["samples_trained"] == samples_per_step
         for key in ("reward/mean", "accuracy", "completion_len/mean", "truncated_fraction", "clip_fraction",
                     "entropy", "logprob_gap/mean_abs", "logprob_gap/max_abs", "time/generate", "time/reward",
                     "time/train", "time/sync", "tokens_per_s/generate"):
@@ -61,10 +61,40 @@ def _check_run(run_dir, summary):
     assert (run_dir / "curves.png").stat().st_size > 0
     assert list((run_dir / "tensorboard").iterdir())
     assert summary["eval_before"] is not None and summary["eval_after"] is not None
+    assert len((run_dir / "samples.jsonl").read_text().splitlines()) == 4  # two groups a step
+    _check_export(summary["export"])
+
+
+def _check_export(folder):
+    """The exported folder loads in transformers and in vLLM, and both agree with rlpipe's model on it."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlpipe.learner import token_logprobs
     from rlpipe.models import load_model
 
-    exported = load_model(summary["export"])
-    assert sum(p.numel() for p in exported.parameters()) > 0
+    tokens = list(range(5, 30))
+    ours = token_logprobs(load_model(folder), torch.tensor([tokens]))[0]
+    theirs = token_logprobs(lambda ids: AutoModelForCausalLM.from_pretrained(folder)(ids).logits, torch.tensor([tokens]))[0]
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+    # vLLM pins the thread count of the process it runs in, so it gets a process of its own.
+    script = (
+        "import json, sys\n"
+        "from rlpipe.config import RolloutConfig\n"
+        "from rlpipe.rollout import RolloutEngine\n"
+        "if __name__ == '__main__':\n"
+        "    engine = RolloutEngine(sys.argv[1], RolloutConfig(max_model_len=128), seed=0)\n"
+        "    print('LOGPROBS', json.dumps(engine.sequence_logprobs(json.loads(sys.argv[2]))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, folder, json.dumps(tokens)], capture_output=True, text=True,
+                          timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("LOGPROBS ")]
+    assert lines, done.stderr[-2000:]
+    engine = torch.tensor(json.loads(lines[-1][len("LOGPROBS "):]))
+    torch.testing.assert_close(engine[1:], ours[1:], atol=1e-4, rtol=0)
 
 
 def test_qwen3_from_jsonl(tmp_path, tiny_qwen3, ray_cluster):
@@ -75,19 +105,34 @@ def test_qwen3_from_jsonl(tmp_path, tiny_qwen3, ray_cluster):
         "run.name=qwen3",
         "data.source=file",
         f"data.path={data}",
-        "reward.functions=[{name: 'rewards.math:numeric_answer'}, {name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
+        # none_first cannot score the first sample of each call: that sample is counted and left out.
+        "reward.functions=[{name: 'rewards.math:numeric_answer'}, {name: 'tests.unit.reward_fixtures:length', "
+        "weight: 0.01}, {name: 'tests.unit.reward_fixtures:none_first', weight: 0.0}]",
     ])
     summary = train(cfg)
     run_dir = tmp_path / "runs" / "qwen3"
-    _check_run(run_dir, summary)
+    _check_run(run_dir, summary, samples_per_step=7)
     record = _read_metrics(run_dir)[0]
     assert "reward/numeric_answer" in record and "reward/length" in record
+    assert record["reward/failures/none_first"] == 1 and record["reward/unscored"] == 1
+
+
+def test_local_cluster_is_bound_to_loopback(ray_cluster):
+    import ray
+
+    from actors.groups import start_ray
+
+    start_ray(load_config(None, ["ray.num_cpus=6"]))  # as `rlpipe train` does without ray.address
+    assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
 
 
 def test_llama_from_reasoning_gym(tmp_path, tiny_llama, ray_cluster):
     cfg = load_config(None, _overrides(tmp_path / "runs", tiny_llama) + [
         "run.name=llama",
         "data.size=32",
+        # Two engines and two reward workers: prompts and groups are split across them and rejoined in order.
+        "rollout.num_engines=2",
+        "reward.num_workers=2",
         "algo.kl_beta=0.05",
         "reward.functions=[{name: reasoning_gym}, {name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
     ])
@@ -95,3 +140,13 @@ def test_llama_from_reasoning_gym(tmp_path, tiny_llama, ray_cluster):
     run_dir = tmp_path / "runs" / "llama"
     _check_run(run_dir, summary)
     assert "kl" in _read_metrics(run_dir)[1]
+
+
+def test_roles_that_do_not_fit_the_cluster_fail_fast(tiny_qwen3, ray_cluster):
+    from actors.groups import Roles, start_ray
+    from rlpipe.config import ConfigError
+
+    start_ray(load_config(None, ["ray.num_cpus=6"]))
+    cfg = load_config(None, [f"model.path={tiny_qwen3}", "rollout.num_engines=4", "reward.num_workers=2"])
+    with pytest.raises(ConfigError, match=r"^ray.num_cpus: the cluster has 6 CPUs but the roles need 7"):
+        Roles(cfg, tiny_qwen3)
