@@ -12,6 +12,7 @@ from actors.learner import LearnerActor
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from rlpipe.config import Config, ConfigError
+from rlpipe.learner import combine_rank_metrics
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
 
 # Ray sets OMP_NUM_THREADS to an actor's logical CPU share (1); the roles take turns in synchronous mode,
@@ -42,7 +43,7 @@ def start_ray(cfg: Config) -> None:
 
 
 def actors_needed(cfg: Config) -> int:
-    return cfg.train.num_learners + cfg.rollout.num_engines + cfg.reward.num_workers
+    return cfg.learner.ranks + cfg.rollout.num_engines + cfg.reward.num_workers
 
 
 class Roles:
@@ -57,7 +58,11 @@ class Roles:
                 f"ray.num_cpus: the cluster has {available:g} CPUs but the roles need {needed} "
                 f"(one each per learner rank, rollout engine and reward worker)"
             )
-        self.learner = LearnerActor.options(num_cpus=1, runtime_env=_THREADS_ENV).remote(model_path, cfg)
+        ranks = cfg.learner.ranks
+        self.learners = [
+            LearnerActor.options(num_cpus=1, runtime_env=_THREADS_ENV).remote(model_path, cfg, rank, ranks)
+            for rank in range(ranks)
+        ]
         self.engines = [
             RolloutActor.options(num_cpus=1, runtime_env=_THREADS_ENV).remote(
                 model_path, cfg.rollout, cfg.run.seed + index, tokenizer_path
@@ -69,11 +74,13 @@ class Roles:
             RewardActor.options(num_cpus=1).remote(specs, cfg.reward.timeout_s) for _ in range(cfg.reward.num_workers)
         ]
         # Surface a bad model folder or reward path now rather than at the first step.
-        ray.get(
-            [self.learner.policy_version.remote()]
+        get_all(
+            [learner.policy_version.remote() for learner in self.learners]
             + [e.policy_version.remote() for e in self.engines]
             + [r.names.remote() for r in self.rewarders]
         )
+        address, port = ray.get(self.learners[0].rendezvous_address.remote())
+        get_all([learner.join_group.remote(address, port) for learner in self.learners])
         self.policy_version = 0
 
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[Group]:
@@ -108,7 +115,8 @@ class Roles:
         return failures, errors
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
-        return ray.get(self.learner.train_step.remote(batch))
+        batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
+        return combine_rank_metrics(get_all([learner.train_step.remote(batch_ref) for learner in self.learners]))
 
     def sync_weights(self, probe: Group) -> dict[str, float]:
         """Push the learner's weights to every engine as the next policy version, then check them.
@@ -118,11 +126,13 @@ class Roles:
         engine reported when it sampled, so a sync that silently did nothing cannot pass unnoticed.
         """
         self.policy_version += 1
-        payload = self.learner.weights_payload.remote()  # stays in the object store; engines read it directly
-        ray.get([e.update_weights.remote(payload, self.policy_version) for e in self.engines])
+        # Gathering whole tensors is a collective, so every rank takes part; rank 0's payload stays in the
+        # object store and the engines read it from there.
+        payloads = [learner.weights_payload.remote() for learner in self.learners]
+        get_all([e.update_weights.remote(payloads[0], self.policy_version) for e in self.engines] + payloads[1:])
         completion = probe.completions[0]
         tokens = probe.prompt.token_ids + completion.token_ids
-        learner = ray.get(self.learner.sequence_logprobs.remote(tokens))
+        learner = get_all([learner.sequence_logprobs.remote(tokens) for learner in self.learners])[0]
         engines = ray.get([e.sequence_logprobs.remote(tokens) for e in self.engines])
         start = len(probe.prompt.token_ids)
         return {
@@ -133,11 +143,24 @@ class Roles:
         }
 
     def export(self, out_dir: str) -> str:
-        return ray.get(self.learner.export.remote(out_dir))
+        return get_all([learner.export.remote(out_dir) for learner in self.learners])[0]
 
     def shutdown(self) -> None:
-        for handle in [self.learner, *self.engines, *self.rewarders]:
+        for handle in [*self.learners, *self.engines, *self.rewarders]:
             ray.kill(handle)
+
+
+def get_all(refs: list) -> list:
+    """`ray.get` that raises as soon as any task fails.
+
+    When one learner rank dies, the others wait in a collective until its timeout; the dead rank's error is
+    the one to report, at once.
+    """
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)
+    return ray.get(list(refs))
 
 
 def _split(items: list, parts: int) -> list[list]:

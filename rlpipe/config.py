@@ -120,7 +120,21 @@ class TrainConfig:
     weight_decay: float = _key(0.0, "AdamW weight decay")
     betas: list[float] = _key([0.9, 0.999], "AdamW betas")
     grad_clip: float = _key(1.0, "max gradient norm (0: off)")
-    num_learners: int = _key(1, "learner ranks")
+
+
+@dataclass
+class LearnerConfig:
+    ranks: int = _key(1, "learner processes (Ray actors) in one torch.distributed group; >1 shards SimpleFSDP-style")
+    device: Literal["cpu", "cuda", "tpu", "xla"] = _key("cpu", "learner device kind (see rlpipe/device.py)")
+    param_dtype: Literal["float32", "bfloat16"] | None = _key(
+        None, "dtype parameters are gathered and computed in (null: model.dtype, the master-weight dtype)"
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = _key("float32", "dtype gradients are reduce-scattered in")
+    graph: bool = _key(False, "capture forward+loss+backward+clip+AdamW as one compiled graph (false: eager)")
+    length_buckets: list[int] = _key(
+        [64, 128, 256, 512, 1024], "sequence lengths are padded up to these, so the graph compiles once per bucket"
+    )
+    collective_timeout_s: float = _key(300.0, "a collective waiting longer than this fails the step (dead rank)")
 
 
 @dataclass
@@ -146,6 +160,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -360,7 +375,17 @@ def validate(cfg: Config) -> None:
         mini % cfg.train.micro_batch_size == 0,
         f"train.micro_batch_size: {cfg.train.micro_batch_size} does not divide the mini-batch of {mini} samples",
     )
-    need(cfg.train.num_learners == 1, "train.num_learners: only 1 learner rank is supported so far")
+    need(cfg.learner.ranks >= 1, "learner.ranks: must be >= 1")
+    need(cfg.learner.collective_timeout_s > 0, "learner.collective_timeout_s: must be > 0")
+    need(
+        cfg.learner.device == "cpu",
+        f"learner.device: {cfg.learner.device!r} is declared in rlpipe/device.py but this build runs the learner on cpu only",
+    )
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
+    need(
+        not cfg.learner.graph or max(cfg.learner.length_buckets, default=0) >= longest,
+        f"learner.length_buckets: the largest bucket must hold data.max_prompt_tokens + rollout.max_tokens = {longest}",
+    )
     if cfg.data.source == "file":
         need(bool(cfg.data.path), "data.path: required when data.source is 'file'")
 

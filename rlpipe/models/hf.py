@@ -151,13 +151,28 @@ def save_model(
     The folder is assembled next to `out_dir` and renamed into place, so `out_dir` never holds a partial model.
     An existing `out_dir` is an error unless `overwrite`.
     """
-    out_dir = Path(out_dir)
     if type(model.config).from_hf(hf_config) != model.config:
         raise ValueError("hf_config describes a different architecture than the model being saved")
+    return save_state_dict(
+        model.state_dict(), hf_config, out_dir, source_dir=source_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+    )
+
+
+def save_state_dict(
+    state: dict[str, torch.Tensor],
+    hf_config: dict,
+    out_dir: str | os.PathLike,
+    *,
+    source_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = 2**31,
+    overwrite: bool = False,
+) -> Path:
+    """`save_model` for weights already gathered into whole tensors under Hugging Face names."""
+    out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
 
-    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
     staging_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     staging_dir.mkdir(parents=True)
     try:

@@ -103,6 +103,7 @@ def test_qwen3_from_jsonl(tmp_path, tiny_qwen3, ray_cluster):
                               for a in range(24)))
     cfg = load_config(None, _overrides(tmp_path / "runs", tiny_qwen3) + [
         "run.name=qwen3",
+        "learner.ranks=2",  # a SimpleFSDP-sharded learner group; weight sync gathers from both ranks
         "data.source=file",
         f"data.path={data}",
         # none_first cannot score the first sample of each call: that sample is counted and left out.

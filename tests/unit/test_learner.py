@@ -9,7 +9,7 @@ import torch
 
 from rlpipe.config import load_config
 from rlpipe.controller import make_train_batch
-from rlpipe.learner import Learner, lr_factor, token_logprobs
+from rlpipe.learner import Learner, combine_rank_metrics, lr_factor, token_logprobs
 from rlpipe.rollout import decode_weights
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
 
@@ -27,6 +27,10 @@ def _config(model_path, *overrides):
             *overrides,
         ],
     )
+
+
+def _step(learner: Learner, batch: TrainBatch) -> dict[str, float]:
+    return combine_rank_metrics([learner.train_step(batch)])
 
 
 def _batch(seed: int = 0) -> TrainBatch:
@@ -61,7 +65,7 @@ def test_micro_batching_gives_the_same_update_as_one_batch(tiny_qwen3):
     results = []
     for micro in (4, 2, 1):
         learner = Learner(tiny_qwen3, _config(tiny_qwen3, f"train.micro_batch_size={micro}"))
-        metrics = learner.train_step(_batch())
+        metrics = _step(learner, _batch())
         grads = {name: p.grad.clone() for name, p in learner.model.named_parameters()}
         results.append((metrics, grads, learner.model.state_dict()))
     (base_metrics, base_grads, updated), others = results[0], results[1:]
@@ -77,7 +81,7 @@ def test_micro_batching_gives_the_same_update_as_one_batch(tiny_qwen3):
 def test_mini_batches_take_several_optimizer_steps(tiny_qwen3):
     learner = Learner(tiny_qwen3, _config(tiny_qwen3, "train.mini_batch_size=2", "train.micro_batch_size=1"))
     assert learner.optimizer_steps_per_batch == 2
-    metrics = learner.train_step(_batch())
+    metrics = _step(learner, _batch())
     assert learner.scheduler.last_epoch == 2
     assert learner.policy_version == 1
     # After the first optimizer step the policy differs from the one that produced old_logprobs.
@@ -88,9 +92,9 @@ def test_reference_model_only_with_a_kl_term(tiny_qwen3):
     assert Learner(tiny_qwen3, _config(tiny_qwen3)).reference is None
     learner = Learner(tiny_qwen3, _config(tiny_qwen3, "algo.kl_beta=0.1"))
     assert learner.reference is not None
-    metrics = learner.train_step(_batch())
+    metrics = _step(learner, _batch())
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # first step: policy equals reference
-    second = learner.train_step(_batch(seed=1))
+    second = _step(learner, _batch(seed=1))
     assert second["kl"] > 0
 
 
@@ -99,11 +103,11 @@ def test_logprob_gap_is_measured_against_the_rollout(tiny_qwen3):
     batch = _batch()
     exact = learner._logprobs(learner.model, batch)
     batch.rollout_logprobs = torch.where(batch.completion_mask, exact, torch.zeros_like(exact))
-    metrics = learner.train_step(batch)
+    metrics = _step(learner, batch)
     assert metrics["logprob_gap/max_abs"] < 1e-5
     batch.rollout_logprobs = torch.where(batch.completion_mask, exact + 0.5, torch.zeros_like(exact))
     learner2 = Learner(tiny_qwen3, _config(tiny_qwen3))
-    assert learner2.train_step(batch)["logprob_gap/mean_abs"] == pytest.approx(0.5, abs=1e-4)
+    assert _step(learner2, batch)["logprob_gap/mean_abs"] == pytest.approx(0.5, abs=1e-4)
 
 
 def test_weights_payload_carries_every_tensor_in_the_rollout_dtype(tiny_qwen3):

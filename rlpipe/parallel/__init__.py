@@ -1,0 +1,23 @@
+"""The learner's parallelism: process group and device mesh (mesh.py), SimpleFSDP parameter sharding
+(simple_fsdp.py)."""
+
+from rlpipe.parallel.mesh import destroy_distributed, find_free_port, init_distributed, make_mesh
+from rlpipe.parallel.simple_fsdp import (
+    MixedPrecision,
+    full_state_dict,
+    gathering_disabled,
+    load_full_state_dict,
+    shard_model,
+)
+
+__all__ = [
+    "MixedPrecision",
+    "destroy_distributed",
+    "find_free_port",
+    "full_state_dict",
+    "gathering_disabled",
+    "init_distributed",
+    "load_full_state_dict",
+    "make_mesh",
+    "shard_model",
+]

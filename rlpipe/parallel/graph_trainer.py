@@ -1,0 +1,288 @@
+"""The Graph Trainer: one optimizer step — forward, loss, backward, gradient clipping, AdamW — as one graph.
+
+How the step is captured
+------------------------
+The step is an ordinary Python function handed to `torch.compile(fullgraph=True, dynamic=False)`. Inside it the
+forward runs through the module itself, the user's loss function turns the outputs into a scalar, and the
+gradients come from `torch.autograd.grad(loss, params)` on the real parameter tensors. Dynamo only traces
+`autograd.grad` with `torch._dynamo.config.trace_autograd_ops` switched on, so every call runs under a config patch
+that sets it. The gradients are clipped by their global norm and handed to `FunctionalAdamW`, an AdamW written as
+in-place tensor arithmetic under `torch.no_grad()`; its moments and its step counter are plain tensors, so the
+compiled graph takes them (and the parameters) as inputs and writes them back as in-place input mutations. One
+graph, one launch per step, nothing left in Python between the backward and the update for the backend to miss.
+
+Why this and not the alternatives:
+- `loss.backward()` + `torch.optim.AdamW.step()` cannot be one graph: `Optimizer.step` always breaks the graph
+  (its hooks, profiling and lazy state initialisation are Python), so the update would run as a second graph or
+  eagerly, and `.grad` buffers would travel between the two.
+- `torch.func.grad_and_value` over `functional_call` traces cleanly for plain tensors but fails once parameters
+  are DTensors, which is how SimpleFSDP stores them. `autograd.grad` on the module's own parameters works for both,
+  and the all-gather / reduce-scatter collectives of SimpleFSDP are then ordinary ops inside the same graph.
+- A compiled forward with compiled autograd for the backward gives two graphs and still needs the optimizer
+  outside.
+
+What changes between calls and what does not. `dynamic=False` specialises the graph on every input shape, which
+is what static-shape backends (XLA, TorchTPU) want, so sequence lengths must come from a small set: the caller pads
+each batch to `bucket_length(length, buckets)` with `pad_to`, and each bucket compiles once. Values that change
+every step — the learning rate, the optimizer step count, token normalisers inside the batch — are 0-d tensors,
+never Python floats, because Dynamo specialises on Python scalars and would recompile for each new value. Dynamo's
+recompile limit (8 by default) is raised to `len(buckets) + 2`, and hitting it raises instead of quietly running
+the step eagerly from then on.
+
+Micro-batching. `step` takes one batch or a list of micro-batches. The loop over the list is unrolled inside the
+same graph: each micro-batch's loss is differentiated on its own (so only one micro-batch's activations need be
+alive at a time) and the gradients are summed before clipping and the update. `loss_fn` must therefore scale each
+micro-batch's loss so that the sum over micro-batches is the loss of the whole batch (for a token mean, divide by
+the token count of the whole batch, not the micro-batch's). The reported loss and stats are the sums over
+micro-batches, so scale the stats the same way if you want batch-level values. The number of micro-batches is part
+of the graph: a different count compiles a new graph.
+
+`compile=False` runs the very same function eagerly (`learner.graph: false`), giving the same numbers up to
+floating-point reassociation.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Batch = dict[str, Tensor]
+LossFn = Callable[[nn.Module, Batch], tuple[Tensor, dict[str, Tensor]]]
+
+# Guards clip_coef = max_norm / (norm + eps) against a zero norm, as torch.nn.utils.clip_grad_norm_ does.
+_CLIP_EPS = 1e-6
+_REPORTED_BY_STEP = ("loss", "grad_norm", "compiles", "graph_breaks")
+
+
+def bucket_length(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds `length` tokens."""
+    fitting = [bucket for bucket in buckets if bucket >= length]
+    if not fitting:
+        raise ValueError(
+            f"sequence length {length} is longer than the largest bucket ({max(buckets)}); buckets: {sorted(buckets)}"
+        )
+    return min(fitting)
+
+
+def pad_to(tensor: Tensor, length: int, value: float | int) -> Tensor:
+    """A [B, T] tensor right-padded with `value` to [B, length]."""
+    if tensor.dim() != 2:
+        raise ValueError(f"pad_to expects a [B, T] tensor, got shape {tuple(tensor.shape)}")
+    current = tensor.shape[1]
+    if current > length:
+        raise ValueError(f"cannot pad a tensor of length {current} to the shorter length {length}")
+    return F.pad(tensor, (0, length - current), value=value)
+
+
+class FunctionalAdamW:
+    """AdamW whose state is plain tensors, so a compiled step can take it as graph inputs and update it in place.
+
+    The arithmetic is `torch.optim.AdamW`'s: decoupled weight decay (p *= 1 - lr * wd), bias-corrected moments,
+    eps added after the square root. The step counter is a float32 0-d tensor, as in torch's capturable AdamW, so
+    the bias corrections are computed on device and a new step number never recompiles the graph.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        *,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ) -> None:
+        self.beta1, self.beta2 = (float(beta) for beta in betas)
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        first = params[0] if params else None
+        device = first.device if first is not None else None
+        self.step = torch.zeros((), dtype=torch.float32, device=device)
+        self.exp_avg = [torch.zeros_like(param, memory_format=torch.preserve_format) for param in params]
+        self.exp_avg_sq = [torch.zeros_like(param, memory_format=torch.preserve_format) for param in params]
+
+    @torch.no_grad()
+    def update(self, params: Sequence[Tensor], grads: Sequence[Tensor], lr: Tensor) -> None:
+        """One AdamW step of `params` in place, with `lr` a 0-d tensor."""
+        self.step.add_(1)
+        bias_correction1 = 1 - torch.pow(self.beta1, self.step)
+        bias_correction2_sqrt = (1 - torch.pow(self.beta2, self.step)).sqrt()
+        step_size = lr / bias_correction1
+        for param, grad, exp_avg, exp_avg_sq in zip(params, grads, self.exp_avg, self.exp_avg_sq, strict=True):
+            param.mul_(1 - lr * self.weight_decay)
+            exp_avg.lerp_(grad, 1 - self.beta1)
+            exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            param.sub_(step_size * exp_avg / denom)
+
+    def state_dict(self) -> dict:
+        """Hyperparameters and state tensors (the live tensors, not copies: `torch.save` them or clone first)."""
+        return {
+            "betas": (self.beta1, self.beta2),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "step": self.step,
+            "exp_avg": list(self.exp_avg),
+            "exp_avg_sq": list(self.exp_avg_sq),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Copy saved state into the existing tensors, so a compiled step that holds them keeps seeing the same
+        tensor objects (no recompile) and the values land in this optimizer's dtype and device."""
+        for name in ("exp_avg", "exp_avg_sq"):
+            ours, theirs = getattr(self, name), state[name]
+            if len(ours) != len(theirs):
+                raise ValueError(f"optimizer state has {len(theirs)} {name} tensors for {len(ours)} parameters")
+            for index, (target, source) in enumerate(zip(ours, theirs)):
+                if target.shape != source.shape:
+                    raise ValueError(
+                        f"{name}[{index}] has shape {tuple(source.shape)}, the parameter has {tuple(target.shape)}"
+                    )
+                target.copy_(source)
+        self.step.copy_(torch.as_tensor(state["step"]))
+        self.beta1, self.beta2 = (float(beta) for beta in state["betas"])
+        self.eps = float(state["eps"])
+        self.weight_decay = float(state["weight_decay"])
+
+
+class _CompileCounter:
+    """A backend wrapper that counts the graphs handed to the real backend."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = torch._dynamo.backends.registry.lookup_backend(backend)
+        self.graphs = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Tensor]):
+        self.graphs += 1
+        return self.backend(graph_module, example_inputs)
+
+
+def _with_own_code(method: types.MethodType) -> types.MethodType:
+    """`method` rebound to a private copy of its code object.
+
+    Dynamo keeps compiled graphs, and counts recompiles against `recompile_limit`, per code object. Every
+    GraphTrainStep shares `_train_step`'s code, so without a copy a second trainer in the same process (a test
+    suite, a reference model, a restarted learner) would pile its graphs onto the first one's count and hit the
+    limit; the copy also lets an instance's graphs be freed with it.
+    """
+    function = method.__func__
+    code = function.__code__.replace()  # an equal but distinct code object
+    private = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__)
+    return types.MethodType(private, method.__self__)
+
+
+def _graph_break_count() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+class GraphTrainStep:
+    """Forward + loss + backward + global-norm clipping + AdamW of `model`, compiled as one graph per input shape.
+
+    `loss_fn(model, batch) -> (loss, stats)` is pure tensor code (no `.item()`, no data-dependent Python
+    branches); `stats` are 0-d tensors, reported as floats. See the module docstring for micro-batch scaling.
+    With `fullgraph=False`, a graph break no longer raises: the step then runs as several graphs and the metrics
+    show it. `compiles` counts graphs compiled by this trainer; `graph_breaks` counts the breaks Dynamo met while
+    compiling them (read from its process-wide counters during this trainer's calls), so both stay flat once
+    every shape has been seen.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float = 1e-8,
+        weight_decay: float,
+        grad_clip: float,
+        compile: bool = True,
+        backend: str = "inductor",
+        buckets: Sequence[int],
+        fullgraph: bool = True,
+    ) -> None:
+        if not buckets:
+            raise ValueError("buckets must name at least one sequence length")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.lr = lr
+        self.grad_clip = float(grad_clip)
+        self.buckets = sorted(buckets)
+        # Frozen parameters are neither differentiated nor updated, and hold no optimizer state.
+        self.params = [param for param in model.parameters() if param.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters (none requires grad)")
+        self.optimizer = FunctionalAdamW(self.params, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.graph_breaks = 0
+        self.compile_seconds = 0.0
+        if compile:
+            self._counter = _CompileCounter(backend)
+            self._step_fn = torch.compile(
+                _with_own_code(self._train_step), backend=self._counter, fullgraph=fullgraph, dynamic=False
+            )
+        else:
+            self._counter = None
+            self._step_fn = self._train_step
+
+    @property
+    def compiles(self) -> int:
+        """Graphs compiled so far by this trainer (0 when eager)."""
+        return self._counter.graphs if self._counter is not None else 0
+
+    def _train_step(self, micro_batches: list[Batch], lr: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        grads: list[Tensor] | None = None
+        total_loss: Tensor | None = None
+        total_stats: dict[str, Tensor] = {}
+        for batch in micro_batches:
+            loss, stats = self.loss_fn(self.model, batch)
+            micro_grads = torch.autograd.grad(loss, self.params)
+            grads = list(micro_grads) if grads is None else [acc + g for acc, g in zip(grads, micro_grads)]
+            loss = loss.detach()
+            total_loss = loss if total_loss is None else total_loss + loss
+            for name, value in stats.items():
+                value = value.detach()
+                total_stats[name] = total_stats[name] + value if name in total_stats else value
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        grad_norm = torch.linalg.vector_norm(torch.stack(norms))
+        # As clip_grad_norm_: scale by min(1, max_norm / norm) without a data-dependent branch.
+        clip_coef = torch.clamp(self.grad_clip / (grad_norm + _CLIP_EPS), max=1.0)
+        grads = [g * clip_coef.to(g.dtype) for g in grads]
+        self.optimizer.update(self.params, grads, lr)
+        return total_loss, grad_norm, total_stats
+
+    def step(self, batch: Batch | list[Batch], lr: float | Tensor | None = None) -> dict[str, float]:
+        """One optimizer step over `batch` (or a list of micro-batches); returns loss, grad_norm, the stats,
+        `compiles` and `graph_breaks` as floats. `lr` defaults to the constructor's."""
+        micro_batches = batch if isinstance(batch, list) else [batch]
+        if not micro_batches:
+            raise ValueError("step needs at least one micro-batch")
+        lr = self.lr if lr is None else lr
+        lr_tensor = torch.as_tensor(lr, dtype=torch.float32, device=self.optimizer.step.device)
+        started, compiles_before, breaks_before = time.perf_counter(), self.compiles, _graph_break_count()
+        with torch._dynamo.config.patch(
+            trace_autograd_ops=True,
+            # One graph per bucket, plus slack for a changed micro-batch count or batch size.
+            recompile_limit=len(self.buckets) + 2,
+            fail_on_recompile_limit_hit=True,
+        ):
+            loss, grad_norm, stats = self._step_fn(micro_batches, lr_tensor)
+        if self.compiles > compiles_before:
+            # The first call of a new shape is dominated by compilation; keep it apart from step time.
+            self.compile_seconds += time.perf_counter() - started
+        self.graph_breaks += _graph_break_count() - breaks_before
+        for name, value in stats.items():
+            if name in _REPORTED_BY_STEP:
+                raise ValueError(f"loss_fn stat {name!r} collides with a metric the step reports itself")
+            if value.dim() != 0:
+                raise ValueError(f"loss_fn stat {name!r} has shape {tuple(value.shape)}; stats must be 0-d tensors")
+        # One host transfer for every number the step reports.
+        reported = [loss, grad_norm, *stats.values()]
+        values = torch.stack([value.float() for value in reported]).tolist()
+        metrics = dict(zip(["loss", "grad_norm", *stats], values))
+        metrics["compiles"] = float(self.compiles)
+        metrics["graph_breaks"] = float(self.graph_breaks)
+        return metrics

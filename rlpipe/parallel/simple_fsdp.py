@@ -1,0 +1,214 @@
+"""SimpleFSDP: fully sharded data parallelism written as ordinary tensor ops.
+
+Every parameter is stored as a DTensor sharded on dim 0 over the mesh's "shard" dimension (and replicated over a
+"replicate" dimension for hybrid sharding). Reading a parameter attribute (`linear.weight`) all-gathers it into a
+plain tensor in the compute dtype; the gathered tensor's gradient is declared a partial sum, so autograd turns it
+into a reduce-scatter (plus an all-reduce over replicas) in the reduce dtype and accumulates the result, cast back
+to the master dtype, into the sharded parameter's `.grad`. Because the collectives are plain differentiable ops,
+torch.compile captures forward, backward and the collectives in one graph and can schedule them freely.
+
+How the attribute read is redirected: each module that owns parameters gets its `__class__` swapped for a cached
+subclass in which those parameter names are properties. `nn.utils.parametrize` would do the gathering too, but it
+moves parameters to `parametrizations.<name>.original` and so renames every state-dict key; the class swap keeps
+`state_dict()` and `named_parameters()` under the unsharded (Hugging Face) names, yielding the local shards.
+
+Consequences worth knowing:
+- Reading a parameter attribute outside forward (`model.lm_head.weight`, `model.output_embedding()`, a hook,
+  `print` of a module whose repr reads weights) is a collective: every rank must do it, in the same order.
+- In-place writes through the attribute land in a temporary gathered copy and are lost. Initialise or edit
+  weights under `gathering_disabled()` (the attribute then is the sharded DTensor parameter itself), or use
+  `load_full_state_dict`.
+- A weight used twice per step (tied embeddings read for the input lookup and the output projection) is gathered
+  twice; the two gradients are reduce-scattered separately and summed into the one sharded `.grad`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+
+from rlpipe.parallel.mesh import SHARD_DIM
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Master weights (and optimizer state) stay in the dtype the model was built in; forward and backward compute
+    in `param_dtype` (parameters are cast before the all-gather, so it also halves its traffic for bf16); gradients
+    are reduce-scattered in `reduce_dtype` and stored in the master dtype."""
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+
+_gathering_enabled = True
+
+# (original class, names of the parameters it owns) -> subclass exposing those names as gathering properties.
+_sharded_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+
+_MIXED_PRECISION_ATTR = "_simple_fsdp_mixed_precision"
+
+
+@contextmanager
+def gathering_disabled() -> Iterator[None]:
+    """Within this block parameter attributes return the sharded DTensor parameters themselves: no collective, and
+    in-place initialisation (`module.weight.normal_()`) reaches the stored shards."""
+    global _gathering_enabled
+    previous = _gathering_enabled
+    _gathering_enabled = False
+    try:
+        yield
+    finally:
+        _gathering_enabled = previous
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision = MixedPrecision()) -> nn.Module:
+    """Shard every parameter of `model` in place over `mesh` and make parameter reads gather; returns `model`.
+
+    Every rank must call this with a model of identical structure; the values held by mesh rank 0 are the ones
+    every rank ends up with, so ranks need not have built identical weights. First dims that the mesh does not
+    divide are fine (DTensor pads internally; shards follow torch.chunk, e.g. 97 rows -> 49 + 48).
+    Buffers stay plain, replicated tensors.
+    """
+    placements = _parameter_placements(mesh)
+    sharded_by_original: dict[int, nn.Parameter] = {}  # one sharded parameter per shared original parameter
+    master_dtypes: set[torch.dtype] = set()
+
+    for module in model.modules():
+        owned_names = tuple(name for name, param in module._parameters.items() if param is not None)
+        if not owned_names:
+            continue
+        for name in owned_names:
+            param = module._parameters[name]
+            if isinstance(param, DTensor):
+                raise ValueError(f"parameter {name!r} of {type(module).__name__} is already a DTensor; shard once")
+            if id(param) not in sharded_by_original:
+                # 0-dim parameters cannot be split; they are replicated and their gradient all-reduced.
+                param_placements = placements if param.dim() > 0 else [Replicate()] * mesh.ndim
+                with torch.no_grad():
+                    shards = distribute_tensor(param.detach(), mesh, param_placements)
+                sharded_by_original[id(param)] = nn.Parameter(shards, requires_grad=param.requires_grad)
+                if param.is_floating_point():
+                    master_dtypes.add(param.dtype)
+            module._parameters[name] = sharded_by_original[id(param)]
+        module.__class__ = _sharded_class(type(module), owned_names)
+        setattr(module, _MIXED_PRECISION_ATTR, mp)
+
+    if any(dtype != mp.param_dtype for dtype in master_dtypes):
+        # Activations entering the model must match the compute dtype of the gathered weights (F.linear does not
+        # mix dtypes). Integer inputs such as token ids pass through unchanged.
+        model.register_forward_pre_hook(_input_caster(mp.param_dtype), with_kwargs=True)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights as plain tensors in their master dtype, under the model's own (HF) names.
+
+    A collective: every rank must call it, and every rank receives the whole model. The tensors never alias the
+    model's storage, so later optimizer steps do not change them and writing to them does not change the model."""
+    full = {}
+    with torch.no_grad():
+        for name, value in model.state_dict().items():
+            if not isinstance(value, DTensor):
+                full[name] = value.clone()
+                continue
+            gathered = value.full_tensor()
+            # When no communication is needed (a shard dimension of size 1, a replicated 0-dim parameter) DTensor
+            # hands back the local shard itself.
+            if gathered.untyped_storage().data_ptr() == value.to_local().untyped_storage().data_ptr():
+                gathered = gathered.clone()
+            full[name] = gathered
+    return full
+
+
+def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy full (unsharded) tensors into a sharded model; every rank passes the same full state and keeps its own
+    shard of it, so no communication happens. Keys must match the model's state-dict names exactly."""
+    targets = model.state_dict(keep_vars=True)
+    missing, unexpected = sorted(targets.keys() - state.keys()), sorted(state.keys() - targets.keys())
+    if missing or unexpected:
+        raise KeyError(f"state does not match the model: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, target in targets.items():
+            source = state[name]
+            if tuple(source.shape) != tuple(target.shape):
+                raise ValueError(f"{name}: full shape {tuple(source.shape)} != model shape {tuple(target.shape)}")
+            if isinstance(target, DTensor):
+                source_local = source.to(device=target.to_local().device, dtype=target.dtype)
+                # src_data_rank=None: every rank already holds the full tensor and just keeps its own chunk.
+                target.copy_(
+                    distribute_tensor(source_local, target.device_mesh, target.placements, src_data_rank=None)
+                )
+            else:
+                target.copy_(source)
+
+
+def _parameter_placements(mesh: DeviceMesh) -> list[Placement]:
+    """Shard(0) on the mesh's "shard" dimension, Replicate on any other (a 1-D mesh without names is all shard)."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        if mesh.ndim != 1:
+            raise ValueError(f"a {mesh.ndim}-D mesh needs dimension names, one of them {SHARD_DIM!r}")
+        return [Shard(0)]
+    if SHARD_DIM not in names:
+        raise ValueError(f"mesh dimensions {names} have no {SHARD_DIM!r} dimension")
+    return [Shard(0) if name == SHARD_DIM else Replicate() for name in names]
+
+
+def _sharded_class(original: type, parameter_names: tuple[str, ...]) -> type:
+    """Cached so that every Linear with a bias shares one subclass (and torch.compile sees few distinct types)."""
+    key = (original, parameter_names)
+    if key not in _sharded_classes:
+        attributes = {name: _gathering_property(name) for name in parameter_names}
+        attributes["__module__"] = original.__module__
+        _sharded_classes[key] = type(f"Sharded{original.__name__}", (original,), attributes)
+    return _sharded_classes[key]
+
+
+def _gathering_property(name: str) -> property:
+    def gathered(module: nn.Module) -> torch.Tensor:
+        # Must not raise AttributeError: Python would then fall back to nn.Module.__getattr__, which silently
+        # returns the sharded parameter.
+        param = module._parameters[name]
+        if not _gathering_enabled or not isinstance(param, DTensor):
+            return param
+        return _all_gather(param, getattr(module, _MIXED_PRECISION_ATTR))
+
+    return property(gathered, doc=f"`{name}` all-gathered in the compute dtype (sharded under gathering_disabled())")
+
+
+def _all_gather(param: DTensor, mp: MixedPrecision) -> torch.Tensor:
+    """The full parameter as a plain tensor in mp.param_dtype. Backward: the gradient is a per-rank partial sum,
+    reduced (reduce-scatter over "shard", all-reduce over "replicate") in mp.reduce_dtype; DTensor's redistribute
+    casts the result back to the parameter's own dtype, so `.grad` matches the master weights."""
+    floating = param.is_floating_point()
+    gathered = param.redistribute(
+        param.device_mesh,
+        [Replicate()] * param.device_mesh.ndim,
+        forward_dtype=mp.param_dtype if floating else None,
+        backward_dtype=mp.reduce_dtype if floating else None,
+    )
+    return gathered.to_local(grad_placements=[Partial("sum")] * param.device_mesh.ndim)
+
+
+def _input_caster(dtype: torch.dtype):
+    def cast_floating(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(dtype)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its items positionally
+            return type(value)(*(cast_floating(item) for item in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(cast_floating(item) for item in value)
+        if isinstance(value, dict):
+            return {key: cast_floating(item) for key, item in value.items()}
+        return value
+
+    def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_floating(args), cast_floating(kwargs)
+
+    return cast_inputs
