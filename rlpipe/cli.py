@@ -32,6 +32,15 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("overrides", nargs="*", help="section.key=value overrides")
         if name == "train":
             sub.add_argument("--address", help="join this Ray cluster (same as ray.address=...)")
+    bench = commands.add_parser("bench", help="benchmarks, as ratios against a baseline run alongside")
+    bench.add_argument("what", choices=["learner"])
+    bench.add_argument("--layers", type=int, default=12)
+    bench.add_argument("--hidden", type=int, default=512)
+    bench.add_argument("--seq", type=int, default=256)
+    bench.add_argument("--batch", type=int, default=8)
+    bench.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
+    bench.add_argument("--modes", default="eager,graph,eager-m2,graph-m2", help="first one is the baseline")
+    bench.add_argument("--out", help="also write the results as JSON here")
     return parser
 
 
@@ -47,6 +56,14 @@ def _resolve(args) -> "Config":  # noqa: F821 - imported lazily for start-up spe
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        from rlpipe.bench import LearnerBenchShape, bench_learner
+
+        shape = LearnerBenchShape(
+            layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch, steps=args.steps
+        )
+        bench_learner(shape, args.modes.split(","), args.out)
+        return 0
     try:
         cfg = _resolve(args)
         if args.command == "config":

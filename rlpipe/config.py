@@ -119,6 +119,7 @@ class TrainConfig:
     min_lr_ratio: float = _key(0.1, "cosine floor as a fraction of lr")
     weight_decay: float = _key(0.0, "AdamW weight decay")
     betas: list[float] = _key([0.9, 0.999], "AdamW betas")
+    adam_eps: float = _key(1e-8, "AdamW epsilon")
     grad_clip: float = _key(1.0, "max gradient norm (0: off)")
 
 
@@ -356,6 +357,7 @@ def validate(cfg: Config) -> None:
     need(len(cfg.reward.functions) >= 1, "reward.functions: at least one reward function is needed")
     need(cfg.train.lr > 0, "train.lr: must be > 0")
     need(len(cfg.train.betas) == 2, "train.betas: needs two values")
+    need(cfg.train.adam_eps > 0, "train.adam_eps: must be > 0")
     need(cfg.algo.clip_low >= 0 and cfg.algo.clip_high >= 0, "algo.clip_low/clip_high: must be >= 0")
     need(cfg.algo.kl_beta >= 0, "algo.kl_beta: must be >= 0")
     need(cfg.algo.tis_cap is None or cfg.algo.tis_cap > 0, "algo.tis_cap: must be > 0 or null")

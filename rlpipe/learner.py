@@ -98,8 +98,31 @@ class Learner:
 
     def _build_optimizer(self) -> None:
         train = self.cfg.train
+        self.graph_step = None
+        if self.cfg.learner.graph:
+            from rlpipe.device import backend
+            from rlpipe.parallel.graph_trainer import GraphTrainStep
+
+            self.graph_step = GraphTrainStep(
+                self.model,
+                self._graph_loss,
+                lr=train.lr,
+                betas=tuple(train.betas),
+                eps=train.adam_eps,
+                weight_decay=train.weight_decay,
+                grad_clip=train.grad_clip if train.grad_clip > 0 else float("inf"),
+                backend=backend(self.cfg.learner.device).compile_backend,
+                buckets=self.cfg.learner.length_buckets,
+            )
+            self.optimizer_steps_taken = 0
+            return
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay, foreach=True
+            self.model.parameters(),
+            lr=train.lr,
+            betas=tuple(train.betas),
+            eps=train.adam_eps,
+            weight_decay=train.weight_decay,
+            foreach=True,
         )
         total = train.steps * self.optimizer_steps_per_batch
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -154,6 +177,8 @@ class Learner:
         # so the "old" logprobs are the training forward's own (detached) and a separate pass is waste.
         old_logprobs = None if self.optimizer_steps_per_batch == 1 else self._logprobs(self.model, batch)
         ref_logprobs = self._logprobs(self.reference, batch) if self.reference is not None else None
+        if self.graph_step is not None:
+            return self._graph_train_step(batch, old_logprobs, ref_logprobs)
         sums: dict[str, float] = defaultdict(float)
         for first, last in self._mini_batches(len(batch)):
             total_tokens = float(batch.completion_mask[first:last].sum())
@@ -208,6 +233,98 @@ class Learner:
         self.policy_version += 1
         return dict(sums)
 
+    def _graph_train_step(self, batch: TrainBatch, old_logprobs, ref_logprobs) -> dict[str, float]:
+        """The same update with each mini-batch run as one compiled graph (forward, loss, backward, clip, AdamW).
+
+        Shapes are made static so that a graph is compiled once per length bucket: every micro-batch is padded
+        to `micro_batch_size` rows and to the bucket of the mini-batch's longest sequence (all ranks see the
+        whole batch, so they pick the same bucket without talking).
+        """
+        from rlpipe.parallel.graph_trainer import bucket_length, pad_to
+
+        train = self.cfg.train
+        sums: dict[str, float] = defaultdict(float)
+        for first, last in self._mini_batches(len(batch)):
+            width = bucket_length(int(batch.lengths[first:last].max()), self.cfg.learner.length_buckets)
+            totals = {
+                "total_tokens": batch.completion_mask[first:last].sum().float(),
+                "total_seqs": torch.tensor(float(last - first)),
+            }
+            micro_batches = []
+            for start, stop, real in self._micro_batches(first, last):
+                rows = slice(start, stop)
+                mask = batch.completion_mask[rows] if real else torch.zeros_like(batch.completion_mask[rows])
+                fields = {
+                    "input_ids": batch.input_ids[rows],
+                    "mask": mask,
+                    "rollout_logprobs": batch.rollout_logprobs[rows],
+                    **({} if old_logprobs is None else {"old_logprobs": old_logprobs[rows]}),
+                    **({} if ref_logprobs is None else {"ref_logprobs": ref_logprobs[rows]}),
+                }
+                padded = {k: _pad_rows(pad_to(v[:, :width], width, 0), train.micro_batch_size) for k, v in fields.items()}
+                padded["advantages"] = _pad_rows(batch.advantages[rows], train.micro_batch_size)
+                micro_batches.append({**padded, **totals})
+            lr = train.lr * lr_factor(
+                self.optimizer_steps_taken, train.warmup_steps, train.steps * self.optimizer_steps_per_batch,
+                train.lr_schedule, train.min_lr_ratio,
+            )
+            out = self.graph_step.step(micro_batches, lr=lr)
+            self.optimizer_steps_taken += 1
+            for key in ("loss", "clip_fraction", "entropy", "tokens", "kl", "gap_abs", "gap_kl"):
+                sums[key] += out.get(key, 0.0)
+            sums["gap_tokens"] += out["tokens"]
+            sums["gap_max"] = max(sums["gap_max"], out["gap_max"])
+            sums["grad_norm"] += out["grad_norm"]
+            sums["lr"] += lr
+            sums["optimizer_steps"] += 1
+            sums["compiles"] = out["compiles"]
+        if ref_logprobs is None:
+            sums.pop("kl", None)
+        self.policy_version += 1
+        return dict(sums)
+
+    def _graph_loss(self, model, micro: dict[str, torch.Tensor]):
+        """The GRPO loss of one padded micro-batch, as pure tensor code (it is traced into the step's graph)."""
+        algo = self.cfg.algo
+        mask = micro["mask"]
+        logprobs, entropy = token_logprobs(model, micro["input_ids"], self.temperature, with_entropy=True)
+        old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
+        per_token, stats = policy_loss(
+            logprobs,
+            old,
+            micro["advantages"],
+            mask,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            token_weights=None
+            if algo.tis_cap is None
+            else truncated_importance_weights(old, micro["rollout_logprobs"], algo.tis_cap),
+        )
+        tokens = mask.sum().float()
+        gap = torch.where(mask, (old - micro["rollout_logprobs"]).abs(), torch.zeros_like(old))
+        gap_kl = kl_penalty(micro["rollout_logprobs"], old, "k3")  # as logprob_gap measures it
+        out = {
+            "tokens": tokens,
+            "clip_fraction": stats["clip_fraction"] * tokens,
+            "entropy": (entropy * mask).sum(),
+            "gap_abs": gap.sum(),
+            "gap_max": gap.max(),
+            "gap_kl": torch.where(mask, gap_kl, torch.zeros_like(gap_kl)).sum(),
+        }
+        if "ref_logprobs" in micro:
+            kl = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl_estimator)
+            per_token = per_token + algo.kl_beta * kl
+            out["kl"] = torch.where(mask, kl.detach(), torch.zeros_like(kl)).sum()
+        loss = aggregate(
+            per_token,
+            mask,
+            algo.loss_agg,
+            total_tokens=micro["total_tokens"],
+            total_seqs=micro["total_seqs"],
+            max_tokens=self.cfg.rollout.max_tokens,
+        )
+        return loss, out
+
     def _own_rows_mask(self, batch: TrainBatch) -> torch.Tensor:
         mask = torch.zeros_like(batch.completion_mask)
         for first, last in self._mini_batches(len(batch)):
@@ -237,6 +354,14 @@ class Learner:
         if self.rank == 0:
             save_state_dict(state, self.hf_config, out_dir, source_dir=self.cfg.model.tokenizer or self.model_path)
         return out_dir
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Pad the first dimension with zeros (masked-out rows) up to `rows`."""
+    missing = rows - tensor.shape[0]
+    if missing <= 0:
+        return tensor
+    return torch.cat([tensor, torch.zeros((missing, *tensor.shape[1:]), dtype=tensor.dtype)])
 
 
 def _add_gap(sums: dict[str, float], gap: dict[str, float], tokens: float) -> None:
@@ -269,4 +394,6 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     }
     if "kl" in total:
         metrics["kl"] = total["kl"] / tokens
+    if "compiles" in first:
+        metrics["learner/graph_compiles"] = first["compiles"]
     return metrics

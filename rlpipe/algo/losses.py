@@ -200,7 +200,8 @@ def aggregate(
         raise ValueError(f"per_token must be [B, T], got {tuple(per_token.shape)}")
     valid = _bool_mask(mask, per_token)
     for name, value in (("total_tokens", total_tokens), ("total_seqs", total_seqs)):
-        if value is not None and value < 0:
+        # Tensor counts (a compiled step passes them as graph inputs) are not inspected: that would sync.
+        if value is not None and not isinstance(value, Tensor) and value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
 
     masked = torch.where(valid, per_token, torch.zeros_like(per_token))
@@ -211,7 +212,7 @@ def aggregate(
             # Stay on-device (no .item() sync); clamp: no valid token -> 0, not NaN.
             n_tok = valid.sum().clamp_min(1).to(per_token.dtype)
             return seq_sum.sum() / n_tok
-        return seq_sum.sum() / max(float(total_tokens), 1.0)
+        return seq_sum.sum() / _at_least_one(total_tokens, per_token.dtype)
 
     n_seq = per_token.shape[0] if total_seqs is None else total_seqs
     if mode == "seq-mean-token-mean":
@@ -223,7 +224,14 @@ def aggregate(
                 f"mode 'seq-mean-token-sum-norm' requires max_tokens > 0, got {max_tokens}"
             )
         seq_val = seq_sum / float(max_tokens)
-    return seq_val.sum() / max(float(n_seq), 1.0)
+    return seq_val.sum() / _at_least_one(n_seq, per_token.dtype)
+
+
+def _at_least_one(count: float | Tensor, dtype: torch.dtype) -> float | Tensor:
+    """A denominator that is never 0, staying a tensor when it is one."""
+    if isinstance(count, Tensor):
+        return count.to(dtype).clamp_min(1.0)
+    return max(float(count), 1.0)
 
 
 def truncated_importance_weights(

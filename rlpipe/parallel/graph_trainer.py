@@ -34,7 +34,8 @@ same graph: each micro-batch's loss is differentiated on its own (so only one mi
 alive at a time) and the gradients are summed before clipping and the update. `loss_fn` must therefore scale each
 micro-batch's loss so that the sum over micro-batches is the loss of the whole batch (for a token mean, divide by
 the token count of the whole batch, not the micro-batch's). The reported loss and stats are the sums over
-micro-batches, so scale the stats the same way if you want batch-level values. The number of micro-batches is part
+micro-batches (stats named `*_max` take the maximum instead), so scale the stats the same way if you want
+batch-level values. The number of micro-batches is part
 of the graph: a different count compiles a new graph.
 
 `compile=False` runs the very same function eagerly (`learner.graph: false`), giving the same numbers up to
@@ -245,7 +246,12 @@ class GraphTrainStep:
             total_loss = loss if total_loss is None else total_loss + loss
             for name, value in stats.items():
                 value = value.detach()
-                total_stats[name] = total_stats[name] + value if name in total_stats else value
+                if name not in total_stats:
+                    total_stats[name] = value
+                elif name.endswith("_max"):  # maxima combine by max, everything else by sum
+                    total_stats[name] = torch.maximum(total_stats[name], value)
+                else:
+                    total_stats[name] = total_stats[name] + value
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
         grad_norm = torch.linalg.vector_norm(torch.stack(norms))
         # As clip_grad_norm_: scale by min(1, max_norm / norm) without a data-dependent branch.
@@ -281,6 +287,8 @@ class GraphTrainStep:
                 raise ValueError(f"loss_fn stat {name!r} has shape {tuple(value.shape)}; stats must be 0-d tensors")
         # One host transfer for every number the step reports.
         reported = [loss, grad_norm, *stats.values()]
+        # Under SimpleFSDP the gradient norm is a DTensor holding per-rank partial results.
+        reported = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in reported]
         values = torch.stack([value.float() for value in reported]).tolist()
         metrics = dict(zip(["loss", "grad_norm", *stats], values))
         metrics["compiles"] = float(self.compiles)

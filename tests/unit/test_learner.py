@@ -143,3 +143,19 @@ def test_train_batch_leaves_out_unscored_samples_and_optionally_uniform_groups(t
     assert len(batch) == 2
     batch, stats = make_train_batch(_groups([[None, None, None], [1.0, 1.0, 1.0]]), cfg, pad_id=0)
     assert batch is None and stats["samples_trained"] == 0
+
+
+def test_graph_step_equals_eager_step(tiny_qwen3):
+    # eps well above float noise: Adam divides by sqrt(v) + eps, so with the default 1e-8 a near-zero gradient's
+    # last-bit difference between compiled and eager kernels becomes a full-size step.
+    overrides = ("train.adam_eps=1e-4", "algo.kl_beta=0.05", "learner.length_buckets=[16, 32]",
+                 "data.max_prompt_tokens=16", "rollout.max_tokens=16")
+    eager = Learner(tiny_qwen3, _config(tiny_qwen3, *overrides))
+    graph = Learner(tiny_qwen3, _config(tiny_qwen3, *overrides, "learner.graph=true"))
+    for seed in range(3):
+        expected, got = _step(eager, _batch(seed)), _step(graph, _batch(seed))
+        for key in ("loss", "kl", "entropy", "clip_fraction", "grad_norm", "logprob_gap/mean_abs", "lr"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-5), key
+    assert got["learner/graph_compiles"] == 1  # three steps, one bucket, one graph
+    for name, tensor in eager.model.state_dict().items():
+        torch.testing.assert_close(graph.model.state_dict()[name], tensor, atol=1e-5, rtol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -14,10 +15,15 @@ from rlpipe.types import TrainBatch
 STEPS = 3
 
 
-def _config(model_path, ranks):
+def _config(model_path, ranks, graph=False):
     return load_config(
         None,
         [
+            f"learner.graph={str(graph).lower()}",
+            "learner.length_buckets=[16]",
+            "data.max_prompt_tokens=8",
+            "rollout.max_tokens=8",
+            "train.adam_eps=1e-4",  # see test_learner.py: keeps compiled-vs-eager float noise out of Adam's steps
             f"model.path={model_path}",
             "rollout.group_size=3",
             "train.prompts_per_step=2",
@@ -42,9 +48,9 @@ def _batches() -> list[TrainBatch]:
     return out
 
 
-def _rank(rank, world_size, model_path, port, results):
+def _rank(rank, world_size, model_path, port, graph, results):
     torch.set_num_threads(1)
-    learner = Learner(model_path, _config(model_path, world_size), rank, world_size)
+    learner = Learner(model_path, _config(model_path, world_size, graph), rank, world_size)
     learner.join_group("127.0.0.1", port)
     sums = [learner.train_step(batch) for batch in _batches()]
     state = learner.full_state_dict()
@@ -53,17 +59,19 @@ def _rank(rank, world_size, model_path, port, results):
     torch.distributed.destroy_process_group()
 
 
-def test_two_ranks_equal_one(tiny_qwen3):
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_two_ranks_equal_one(tiny_qwen3, graph):
+    """Two sharded ranks (eager, or each step as one compiled graph) against one eager unsharded rank."""
     single = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
     single_metrics = [combine_rank_metrics([single.train_step(b)]) for b in _batches()]
 
     context = mp.get_context("spawn")
     results = context.Queue()
     port = find_free_port()
-    procs = [context.Process(target=_rank, args=(r, 2, tiny_qwen3, port, results)) for r in range(2)]
+    procs = [context.Process(target=_rank, args=(r, 2, tiny_qwen3, port, graph, results)) for r in range(2)]
     for p in procs:
         p.start()
-    outputs = [results.get(timeout=300) for _ in procs]
+    outputs = [results.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
@@ -72,6 +80,8 @@ def test_two_ranks_equal_one(tiny_qwen3):
 
     for step in range(STEPS):
         combined = combine_rank_metrics([sums[step] for sums in per_rank_sums])
+        if graph:
+            assert combined["learner/graph_compiles"] == 1
         for key in ("loss", "kl", "entropy", "grad_norm", "train_tokens"):
             assert abs(combined[key] - single_metrics[step][key]) < 1e-5, (step, key)
     start = load_model(tiny_qwen3).state_dict()
