@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue as queue_module
 import tempfile
 import time
 from dataclasses import dataclass
@@ -137,7 +138,18 @@ def _time_two_ranks(model_path: str, shape: LearnerBenchShape, graph: bool, thre
     ]
     for proc in procs:
         proc.start()
-    results = dict(queue.get(timeout=3600) for _ in procs)
+    results: dict = {}
+    while len(results) < len(procs):
+        try:
+            rank, result = queue.get(timeout=5)
+            results[rank] = result
+        except queue_module.Empty:
+            # A rank that dies without reporting (a crash in native code) would leave us waiting forever.
+            dead = [r for r, proc in enumerate(procs) if proc.exitcode not in (None, 0) and r not in results]
+            if dead:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before reporting")
     for proc in procs:
         proc.join()
     for rank, result in results.items():

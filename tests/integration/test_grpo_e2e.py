@@ -151,3 +151,28 @@ def test_roles_that_do_not_fit_the_cluster_fail_fast(tiny_qwen3, ray_cluster):
     cfg = load_config(None, [f"model.path={tiny_qwen3}", "rollout.num_engines=4", "reward.num_workers=2"])
     with pytest.raises(ConfigError, match=r"^ray.num_cpus: the cluster has 6 CPUs but the roles need 7"):
         Roles(cfg, tiny_qwen3)
+
+
+def test_a_dead_learner_rank_fails_the_step_at_once(tiny_qwen3, ray_cluster):
+    import time
+
+    import ray
+
+    from actors.groups import Roles, start_ray
+    from rlpipe.types import TrainBatch
+
+    start_ray(load_config(None, ["ray.num_cpus=6"]))
+    cfg = load_config(None, [f"model.path={tiny_qwen3}", "learner.ranks=2", "rollout.group_size=2",
+                             "train.prompts_per_step=2", "train.micro_batch_size=2",
+                             "learner.collective_timeout_s=600"])
+    roles = Roles(cfg, tiny_qwen3)
+    try:
+        ray.kill(roles.learners[1])
+        batch = TrainBatch.from_sequences([[1, 2]] * 4, [[3, 4]] * 4, [[-1.0, -1.0]] * 4, [1.0, -1.0, 1.0, -1.0])
+        started = time.monotonic()
+        # Rank 0 now waits in a collective for a peer that is gone; the step must not wait with it.
+        with pytest.raises(ray.exceptions.RayActorError):
+            roles.train(batch)
+        assert time.monotonic() - started < 60
+    finally:
+        roles.shutdown()
