@@ -99,13 +99,14 @@ class Learner:
     def _build_optimizer(self) -> None:
         train = self.cfg.train
         self.graph_step = None
+        self.optimizer_steps_taken = 0
         if self.cfg.learner.graph:
             from rlpipe.device import backend
             from rlpipe.parallel.graph_trainer import GraphTrainStep
 
             self.graph_step = GraphTrainStep(
                 self.model,
-                self._graph_loss,
+                self._micro_loss,
                 lr=train.lr,
                 betas=tuple(train.betas),
                 eps=train.adam_eps,
@@ -114,7 +115,6 @@ class Learner:
                 backend=backend(self.cfg.learner.device).compile_backend,
                 buckets=self.cfg.learner.length_buckets,
             )
-            self.optimizer_steps_taken = 0
             return
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -124,11 +124,7 @@ class Learner:
             weight_decay=train.weight_decay,
             foreach=True,
         )
-        total = train.steps * self.optimizer_steps_per_batch
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda step: lr_factor(step, train.warmup_steps, total, train.lr_schedule, train.min_lr_ratio),
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.scheduler_factor)
 
     def _micro_batches(self, first: int, last: int) -> list[tuple[int, int, bool]]:
         """This rank's micro-batches of rows [first, last) as (start, stop, real).
@@ -170,121 +166,85 @@ class Learner:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One GRPO update on a step's samples: mini-batches of optimizer steps, each micro-batched.
 
-        Returns this rank's sums; `combine_rank_metrics` turns every rank's sums into the step's metrics.
+        Eager, or with each mini-batch's whole step (forward, loss, backward, clip, AdamW) as one compiled graph;
+        both run the same `_micro_loss`. Returns this rank's sums; `combine_rank_metrics` turns every rank's sums
+        into the step's metrics.
         """
-        cfg, algo = self.cfg, self.cfg.algo
+        train = self.cfg.train
         # With one optimizer step per batch the policy cannot move before every token has been seen,
         # so the "old" logprobs are the training forward's own (detached) and a separate pass is waste.
         old_logprobs = None if self.optimizer_steps_per_batch == 1 else self._logprobs(self.model, batch)
         ref_logprobs = self._logprobs(self.reference, batch) if self.reference is not None else None
-        if self.graph_step is not None:
-            return self._graph_train_step(batch, old_logprobs, ref_logprobs)
         sums: dict[str, float] = defaultdict(float)
         for first, last in self._mini_batches(len(batch)):
-            total_tokens = float(batch.completion_mask[first:last].sum())
-            self.optimizer.zero_grad(set_to_none=True)
-            for start, stop, real in self._micro_batches(first, last):
-                part = batch.slice(start, stop)
-                mask = part.completion_mask if real else torch.zeros_like(part.completion_mask)
-                width = part.input_ids.shape[1]
-                logprobs, entropy = token_logprobs(self.model, part.input_ids, self.temperature, with_entropy=True)
-                old = logprobs.detach() if old_logprobs is None else old_logprobs[start:stop, :width]
-                if real:
-                    _add_gap(sums, logprob_gap(old, part.rollout_logprobs, mask), float(mask.sum()))
-                per_token, stats = policy_loss(
-                    logprobs,
-                    old,
-                    part.advantages,
-                    mask,
-                    clip_low=algo.clip_low,
-                    clip_high=algo.clip_high,
-                    token_weights=None
-                    if algo.tis_cap is None
-                    else truncated_importance_weights(old, part.rollout_logprobs, algo.tis_cap),
-                )
-                if ref_logprobs is not None:
-                    kl = kl_penalty(logprobs, ref_logprobs[start:stop, :width], algo.kl_estimator)
-                    per_token = per_token + algo.kl_beta * kl
-                    sums["kl"] += float((kl.detach() * mask).sum())
-                loss = aggregate(
-                    per_token,
-                    mask,
-                    algo.loss_agg,
-                    total_tokens=total_tokens,
-                    total_seqs=float(last - first),
-                    max_tokens=cfg.rollout.max_tokens,
-                )
-                loss.backward()
-                tokens = float(mask.sum())
-                sums["loss"] += float(loss.detach())
-                sums["clip_fraction"] += float(stats["clip_fraction"]) * tokens
-                sums["entropy"] += float((entropy * mask).sum())
-                sums["tokens"] += tokens
-            max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            sums["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-            sums["lr"] += self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
-            sums["optimizer_steps"] += 1
-        if old_logprobs is not None:  # measured once per token against the pre-update policy
-            own = self._own_rows_mask(batch)
-            _add_gap(sums, logprob_gap(old_logprobs, batch.rollout_logprobs, own), float(own.sum()))
-        self.policy_version += 1
-        return dict(sums)
-
-    def _graph_train_step(self, batch: TrainBatch, old_logprobs, ref_logprobs) -> dict[str, float]:
-        """The same update with each mini-batch run as one compiled graph (forward, loss, backward, clip, AdamW).
-
-        Shapes are made static so that a graph is compiled once per length bucket: every micro-batch is padded
-        to `micro_batch_size` rows and to the bucket of the mini-batch's longest sequence (all ranks see the
-        whole batch, so they pick the same bucket without talking).
-        """
-        from rlpipe.parallel.graph_trainer import bucket_length, pad_to
-
-        train = self.cfg.train
-        sums: dict[str, float] = defaultdict(float)
-        for first, last in self._mini_batches(len(batch)):
-            width = bucket_length(int(batch.lengths[first:last].max()), self.cfg.learner.length_buckets)
             totals = {
                 "total_tokens": batch.completion_mask[first:last].sum().float(),
                 "total_seqs": torch.tensor(float(last - first)),
             }
-            micro_batches = []
-            for start, stop, real in self._micro_batches(first, last):
-                rows = slice(start, stop)
-                mask = batch.completion_mask[rows] if real else torch.zeros_like(batch.completion_mask[rows])
-                fields = {
-                    "input_ids": batch.input_ids[rows],
-                    "mask": mask,
-                    "rollout_logprobs": batch.rollout_logprobs[rows],
-                    **({} if old_logprobs is None else {"old_logprobs": old_logprobs[rows]}),
-                    **({} if ref_logprobs is None else {"ref_logprobs": ref_logprobs[rows]}),
-                }
-                padded = {k: _pad_rows(pad_to(v[:, :width], width, 0), train.micro_batch_size) for k, v in fields.items()}
-                padded["advantages"] = _pad_rows(batch.advantages[rows], train.micro_batch_size)
-                micro_batches.append({**padded, **totals})
-            lr = train.lr * lr_factor(
-                self.optimizer_steps_taken, train.warmup_steps, train.steps * self.optimizer_steps_per_batch,
-                train.lr_schedule, train.min_lr_ratio,
-            )
-            out = self.graph_step.step(micro_batches, lr=lr)
+            if self.graph_step is not None:
+                # Static shapes, so a graph compiles once per length bucket: rows padded to micro_batch_size,
+                # columns to the bucket of the mini-batch's longest sequence (every rank sees the whole batch).
+                from rlpipe.parallel.graph_trainer import bucket_length
+
+                width = bucket_length(int(batch.lengths[first:last].max()), self.cfg.learner.length_buckets)
+                micro_batches = [
+                    {**self._micro_batch(batch, part, old_logprobs, ref_logprobs, width, train.micro_batch_size), **totals}
+                    for part in self._micro_batches(first, last)
+                ]
+                lr = train.lr * self.scheduler_factor(self.optimizer_steps_taken)
+                out = self.graph_step.step(micro_batches, lr=lr)
+                sums["compiles"] = out.pop("compiles")
+                out.pop("graph_breaks")
+            else:
+                lr = self.scheduler.get_last_lr()[0]
+                self.optimizer.zero_grad(set_to_none=True)
+                out = defaultdict(float)
+                for part in self._micro_batches(first, last):
+                    micro = self._micro_batch(batch, part, old_logprobs, ref_logprobs)
+                    loss, stats = self._micro_loss(self.model, {**micro, **totals})
+                    loss.backward()
+                    _accumulate(out, {"loss": float(loss.detach()), **{k: float(v) for k, v in stats.items()}})
+                max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+                out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                self.optimizer.step()
+                self.scheduler.step()
             self.optimizer_steps_taken += 1
-            for key in ("loss", "clip_fraction", "entropy", "tokens", "kl", "gap_abs", "gap_kl"):
-                sums[key] += out.get(key, 0.0)
-            sums["gap_tokens"] += out["tokens"]
-            sums["gap_max"] = max(sums["gap_max"], out["gap_max"])
-            sums["grad_norm"] += out["grad_norm"]
-            sums["lr"] += lr
-            sums["optimizer_steps"] += 1
-            sums["compiles"] = out["compiles"]
-        if ref_logprobs is None:
-            sums.pop("kl", None)
+            _accumulate(sums, {**out, "lr": lr, "optimizer_steps": 1.0})
         self.policy_version += 1
         return dict(sums)
 
-    def _graph_loss(self, model, micro: dict[str, torch.Tensor]):
-        """The GRPO loss of one padded micro-batch, as pure tensor code (it is traced into the step's graph)."""
+    def scheduler_factor(self, step: int) -> float:
+        """Multiplier of train.lr at optimizer step `step`, for both the eager and the compiled step."""
+        train = self.cfg.train
+        total = train.steps * self.optimizer_steps_per_batch
+        return lr_factor(step, train.warmup_steps, total, train.lr_schedule, train.min_lr_ratio)
+
+    def _micro_batch(
+        self, batch: TrainBatch, part, old_logprobs, ref_logprobs, width: int | None = None, rows: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The tensors of one micro-batch; padded to `rows` x `width` when given (for a static-shape graph).
+
+        A padding pass (`real` False) keeps its tokens but has an all-False mask, so it adds nothing.
+        """
+        start, stop, real = part
+        span = slice(start, stop)
+        width = width or int(batch.lengths[span].max())
+        mask = batch.completion_mask[span] if real else torch.zeros_like(batch.completion_mask[span])
+        fields = {"input_ids": batch.input_ids[span], "mask": mask, "rollout_logprobs": batch.rollout_logprobs[span]}
+        if old_logprobs is not None:
+            fields["old_logprobs"] = old_logprobs[span]
+        if ref_logprobs is not None:
+            fields["ref_logprobs"] = ref_logprobs[span]
+        micro = {key: _fit(value, width) for key, value in fields.items()}
+        micro["advantages"] = batch.advantages[span]
+        if rows is not None:
+            micro = {key: _pad_rows(value, rows) for key, value in micro.items()}
+        return micro
+
+    def _micro_loss(self, model, micro: dict[str, torch.Tensor]):
+        """The GRPO loss of one micro-batch and its statistics (sums over its tokens), as pure tensor code, so
+        the same function runs eagerly and traced into the compiled step."""
         algo = self.cfg.algo
         mask = micro["mask"]
         logprobs, entropy = token_logprobs(model, micro["input_ids"], self.temperature, with_entropy=True)
@@ -300,8 +260,10 @@ class Learner:
             if algo.tis_cap is None
             else truncated_importance_weights(old, micro["rollout_logprobs"], algo.tis_cap),
         )
+        zeros = torch.zeros_like(old)
         tokens = mask.sum().float()
-        gap = torch.where(mask, (old - micro["rollout_logprobs"]).abs(), torch.zeros_like(old))
+        # The rollout engine's logprobs against the learner's pre-update ones, on the same sampled tokens.
+        gap = torch.where(mask, (old - micro["rollout_logprobs"]).abs(), zeros)
         gap_kl = kl_penalty(micro["rollout_logprobs"], old, "k3")  # as logprob_gap measures it
         out = {
             "tokens": tokens,
@@ -309,12 +271,12 @@ class Learner:
             "entropy": (entropy * mask).sum(),
             "gap_abs": gap.sum(),
             "gap_max": gap.max(),
-            "gap_kl": torch.where(mask, gap_kl, torch.zeros_like(gap_kl)).sum(),
+            "gap_kl": torch.where(mask, gap_kl, zeros).sum(),
         }
         if "ref_logprobs" in micro:
             kl = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl_estimator)
             per_token = per_token + algo.kl_beta * kl
-            out["kl"] = torch.where(mask, kl.detach(), torch.zeros_like(kl)).sum()
+            out["kl"] = torch.where(mask, kl.detach(), zeros).sum()
         loss = aggregate(
             per_token,
             mask,
@@ -324,14 +286,6 @@ class Learner:
             max_tokens=self.cfg.rollout.max_tokens,
         )
         return loss, out
-
-    def _own_rows_mask(self, batch: TrainBatch) -> torch.Tensor:
-        mask = torch.zeros_like(batch.completion_mask)
-        for first, last in self._mini_batches(len(batch)):
-            for start, stop, real in self._micro_batches(first, last):
-                if real:
-                    mask[start:stop] = batch.completion_mask[start:stop]
-        return mask
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors under Hugging Face names (a collective when sharded: every rank calls it)."""
@@ -356,6 +310,13 @@ class Learner:
         return out_dir
 
 
+def _fit(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Cut or zero-pad the last dimension of a [B, T] tensor to `width`."""
+    if tensor.shape[1] >= width:
+        return tensor[:, :width]
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+
+
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """Pad the first dimension with zeros (masked-out rows) up to `rows`."""
     missing = rows - tensor.shape[0]
@@ -364,23 +325,20 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, torch.zeros((missing, *tensor.shape[1:]), dtype=tensor.dtype)])
 
 
-def _add_gap(sums: dict[str, float], gap: dict[str, float], tokens: float) -> None:
-    """Accumulate the rollout/learner log-prob gap: token-weighted means, and the running max."""
-    sums["gap_abs"] += gap["mean_abs"] * tokens
-    sums["gap_kl"] += gap["kl"] * tokens
-    sums["gap_tokens"] += tokens
-    sums["gap_max"] = max(sums.get("gap_max", 0.0), gap["max_abs"])
+def _accumulate(sums: dict[str, float], values: dict[str, float]) -> None:
+    """Add into running sums; keys ending in `_max` keep the maximum."""
+    for key, value in values.items():
+        sums[key] = max(sums.get(key, value), value) if key.endswith("_max") else sums.get(key, 0.0) + value
 
 
 def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """The step's metrics from every rank's sums (rank-local token sums add up; norms and lr are shared)."""
-    total = defaultdict(float)
+    total: dict[str, float] = defaultdict(float)
     for sums in per_rank:
-        for key, value in sums.items():
-            total[key] = max(total[key], value) if key == "gap_max" else total[key] + value
+        _accumulate(total, sums)
     first = per_rank[0]
     steps = max(1.0, first.get("optimizer_steps", 0.0))
-    tokens, gap_tokens = max(1.0, total["tokens"]), max(1.0, total["gap_tokens"])
+    tokens = max(1.0, total["tokens"])
     metrics = {
         "loss": total["loss"] / steps,
         "grad_norm": first.get("grad_norm", 0.0) / steps,
@@ -388,9 +346,9 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         "clip_fraction": total["clip_fraction"] / tokens,
         "entropy": total["entropy"] / tokens,
         "train_tokens": total["tokens"],
-        "logprob_gap/mean_abs": total["gap_abs"] / gap_tokens,
+        "logprob_gap/mean_abs": total["gap_abs"] / tokens,
         "logprob_gap/max_abs": total["gap_max"],
-        "logprob_gap/kl": total["gap_kl"] / gap_tokens,
+        "logprob_gap/kl": total["gap_kl"] / tokens,
     }
     if "kl" in total:
         metrics["kl"] = total["kl"] / tokens
