@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--seq", type=int, default=256)
     bench.add_argument("--batch", type=int, default=8)
     bench.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
-    bench.add_argument("--modes", default="eager,graph,eager-m2", help="first one is the baseline")
+    bench.add_argument("--modes", default="eager,graph,eager-m2,graph-m2", help="first one is the baseline")
     bench.add_argument("--out", help="also write the results as JSON here")
     return parser
 

@@ -383,12 +383,6 @@ def validate(cfg: Config) -> None:
         cfg.learner.device == "cpu",
         f"learner.device: {cfg.learner.device!r} is declared in rlpipe/device.py but this build runs the learner on cpu only",
     )
-    sharded = cfg.learner.ranks > 1 or (cfg.learner.param_dtype not in (None, cfg.model.dtype))
-    need(
-        not (cfg.learner.graph and sharded),
-        "learner.graph: the compiled step is not yet safe with SimpleFSDP sharding (learner.ranks > 1 or a "
-        "learner.param_dtype other than model.dtype): it crashed in native code on a 12-layer model",
-    )
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
     need(
         not cfg.learner.graph or max(cfg.learner.length_buckets, default=0) >= longest,

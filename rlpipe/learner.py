@@ -104,6 +104,12 @@ class Learner:
             from rlpipe.device import backend
             from rlpipe.parallel.graph_trainer import GraphTrainStep
 
+            compiler = backend(self.cfg.learner.device).compile_backend
+            if self.sharded and compiler == "inductor":
+                # Inductor's code for the step with SimpleFSDP's collectives crashed (SIGSEGV) in a 2-rank 12-layer
+                # run, after torch warned that collective outputs were used without being waited on; AOT-eager
+                # keeps the same single captured graph (forward, backward, optimizer) without inductor's kernels.
+                compiler = "aot_eager"
             self.graph_step = GraphTrainStep(
                 self.model,
                 self._micro_loss,
@@ -112,7 +118,7 @@ class Learner:
                 eps=train.adam_eps,
                 weight_decay=train.weight_decay,
                 grad_clip=train.grad_clip if train.grad_clip > 0 else float("inf"),
-                backend=backend(self.cfg.learner.device).compile_backend,
+                backend=compiler,
                 buckets=self.cfg.learner.length_buckets,
             )
             return

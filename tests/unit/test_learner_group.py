@@ -48,9 +48,9 @@ def _batches() -> list[TrainBatch]:
     return out
 
 
-def _rank(rank, world_size, model_path, port, results):
+def _rank(rank, world_size, model_path, port, graph, results):
     torch.set_num_threads(1)
-    learner = Learner(model_path, _config(model_path, world_size), rank, world_size)
+    learner = Learner(model_path, _config(model_path, world_size, graph), rank, world_size)
     learner.join_group("127.0.0.1", port)
     sums = [learner.train_step(batch) for batch in _batches()]
     state = learner.full_state_dict()
@@ -59,15 +59,16 @@ def _rank(rank, world_size, model_path, port, results):
     torch.distributed.destroy_process_group()
 
 
-def test_two_ranks_equal_one(tiny_qwen3):
-    """Two sharded ranks against one unsharded rank."""
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_two_ranks_equal_one(tiny_qwen3, graph):
+    """Two sharded ranks (eager, or each step as one captured graph) against one eager unsharded rank."""
     single = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
     single_metrics = [combine_rank_metrics([single.train_step(b)]) for b in _batches()]
 
     context = mp.get_context("spawn")
     results = context.Queue()
     port = find_free_port()
-    procs = [context.Process(target=_rank, args=(r, 2, tiny_qwen3, port, results)) for r in range(2)]
+    procs = [context.Process(target=_rank, args=(r, 2, tiny_qwen3, port, graph, results)) for r in range(2)]
     for p in procs:
         p.start()
     outputs = [results.get(timeout=600) for _ in procs]
@@ -79,20 +80,11 @@ def test_two_ranks_equal_one(tiny_qwen3):
 
     for step in range(STEPS):
         combined = combine_rank_metrics([sums[step] for sums in per_rank_sums])
+        if graph:
+            assert combined["learner/graph_compiles"] == 1
         for key in ("loss", "kl", "entropy", "grad_norm", "train_tokens"):
             assert abs(combined[key] - single_metrics[step][key]) < 1e-5, (step, key)
     start = load_model(tiny_qwen3).state_dict()
     for name, tensor in single.model.state_dict().items():
         torch.testing.assert_close(torch.from_numpy(state[name]), tensor, atol=1e-5, rtol=0)
     assert max((start[n] - t).abs().max() for n, t in single.model.state_dict().items()) > 1e-3  # it trained
-
-
-def test_the_compiled_step_is_refused_under_sharding(tiny_qwen3):
-    # It ran correctly on tiny models but crashed (SIGSEGV) in a 2-rank 12-layer benchmark, so it is refused
-    # rather than offered; see the README's status.
-    from rlpipe.config import ConfigError
-
-    with pytest.raises(ConfigError, match="^learner.graph: "):
-        _config(tiny_qwen3, 2, graph=True)
-    with pytest.raises(ConfigError, match="^learner.graph: "):
-        load_config(None, ["learner.graph=true", "learner.param_dtype=bfloat16", "learner.length_buckets=[1024]"])
