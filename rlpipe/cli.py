@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from rewards import RewardConfigError
-from rlpipe.config import ConfigError, help_text, load_config
+from rlpipe.config import Config, ConfigError, help_text, load_config
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve(args) -> "Config":  # noqa: F821 - imported lazily for start-up speed
+def _resolve(args) -> Config:
     recipe, overrides = args.recipe, list(args.overrides)
     # `rlpipe train train.steps=3`: the first positional is an override, not a recipe.
     if recipe is not None and "=" in recipe and not Path(recipe).exists():

@@ -10,7 +10,6 @@ import torch
 from rlpipe.algo import (
     aggregate,
     kl_penalty,
-    logprob_gap,
     policy_loss,
     truncated_importance_weights,
 )
