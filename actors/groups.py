@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict
 
 import ray
 from ray._private import ray_constants
 
+from actors.calls import get_all
 from actors.learner import LearnerActor
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from rlpipe.config import Config, ConfigError
 from rlpipe.learner import combine_rank_metrics
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
+from rlpipe.weightsync import SyncError, SyncPlan, plan_sync
 
 # Ray sets OMP_NUM_THREADS to an actor's logical CPU share (1); the roles take turns in synchronous mode,
 # so each may use every core while it runs.
-_THREADS_ENV = {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}
+THREADS_ENV = {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}
 
 
 def start_ray(cfg: Config) -> None:
@@ -60,12 +63,12 @@ class Roles:
             )
         ranks = cfg.learner.ranks
         self.learners = [
-            LearnerActor.options(num_cpus=1, runtime_env=_THREADS_ENV).remote(model_path, cfg, rank, ranks)
+            LearnerActor.options(num_cpus=1, runtime_env=THREADS_ENV).remote(model_path, cfg, rank, ranks)
             for rank in range(ranks)
         ]
         self.engines = [
-            RolloutActor.options(num_cpus=1, runtime_env=_THREADS_ENV).remote(
-                model_path, cfg.rollout, cfg.run.seed + index, tokenizer_path
+            RolloutActor.options(num_cpus=1, runtime_env=THREADS_ENV).remote(
+                model_path, cfg.rollout, cfg.run.seed + index, tokenizer_path, cfg.sync
             )
             for index in range(cfg.rollout.num_engines)
         ]
@@ -81,12 +84,55 @@ class Roles:
         )
         address, port = ray.get(self.learners[0].rendezvous_address.remote())
         get_all([learner.join_group.remote(address, port) for learner in self.learners])
+        self.sync_plan = ray.put(self._plan_sync())
+        if cfg.sync.transport == "gloo":
+            address, port = ray.get(self.learners[0].rendezvous_address.remote())
+            world = ranks + len(self.engines)
+            get_all(
+                [learner.connect_sync_group.remote(address, port, world) for learner in self.learners]
+                + [
+                    engine.connect_sync_group.remote(address, port, ranks + index, ranks, world)
+                    for index, engine in enumerate(self.engines)
+                ]
+            )
         self.policy_version = 0
+        self._rehearse_sync()
+
+    def _rehearse_sync(self) -> None:
+        """Send the starting weights through the channel once, without writing them: a transport that does not
+        work fails here rather than after the first training step, the buffers are touched before step 1 pays for
+        it, and the engines keep what arrived (the weights they loaded themselves) as their rollback copy."""
+        get_all([engine.begin_sync.remote(self.sync_plan, 1) for engine in self.engines])
+        try:
+            get_all([learner.send_weights.remote(self.sync_plan, 1, self.engines) for learner in self.learners])
+        finally:
+            get_all([learner.release_weights.remote() for learner in self.learners])
+        get_all([engine.keep_staged_as_current.remote() for engine in self.engines])
+
+    def _plan_sync(self) -> SyncPlan:
+        """The transfer plan, computed once; checked against every engine's parameters so that a layout the
+        engine does not expect fails here, before any weight is written."""
+        shapes = ray.get(self.learners[0].weight_shapes.remote())
+        layouts = get_all([engine.layout.remote() for engine in self.engines])
+        plan = plan_sync(shapes, self.cfg.learner.ranks, layouts[0][0], int(self.cfg.sync.bucket_mb * 2**20))
+        for index, (layout, params) in enumerate(layouts):
+            unknown = sorted(plan.engine_params() - set(params))
+            if layout != layouts[0][0] or unknown:
+                raise SyncError(
+                    f"rollout engine {index} does not have the layout the sync plan expects "
+                    f"(unknown parameters: {unknown[:3]}{'...' if len(unknown) > 3 else ''})"
+                )
+        return plan
 
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[Group]:
         shares = _split(prompts, len(self.engines))
         futures = [e.generate.remote(share, n, **sampling) for e, share in zip(self.engines, shares) if share]
         completions: list[list[Completion]] = [c for part in ray.get(futures) for c in part]
+        # A prompt whose requests a weight sync aborted comes back empty; it is sampled again, by the new policy.
+        retry = [index for index, group in enumerate(completions) if not group]
+        if retry:
+            for index, group in zip(retry, self.generate([prompts[i] for i in retry], n, **sampling)):
+                completions[index] = group.completions
         return [Group(prompt, group) for prompt, group in zip(prompts, completions)]
 
     def score(self, groups: list[Group]) -> tuple[dict[str, int], dict[str, str]]:
@@ -119,48 +165,49 @@ class Roles:
         return combine_rank_metrics(get_all([learner.train_step.remote(batch_ref) for learner in self.learners]))
 
     def sync_weights(self, probe: Group) -> dict[str, float]:
-        """Push the learner's weights to every engine as the next policy version, then check them.
+        """Push the learner's weights to every engine as the next policy version, verified.
 
-        The check replays one sampled sequence: every engine's logprobs must now equal the learner's
-        (`sync/probe_max_abs`), and `sync/policy_shift` shows how far they moved from the logprobs the
-        engine reported when it sampled, so a sync that silently did nothing cannot pass unnoticed.
+        Each learner rank streams its own shards, bucket by bucket; each engine checks every bucket's checksum,
+        then writes the version and replays one sampled sequence, which must give the learner's logprobs
+        (`sync/probe_max_abs`) or the engine rolls back and the step fails. `sync/policy_shift` shows how far the
+        logprobs moved from those the engine reported when it sampled, so a sync that silently did nothing
+        cannot pass unnoticed.
         """
-        self.policy_version += 1
-        # Gathering whole tensors is a collective, so every rank takes part; rank 0's payload stays in the
-        # object store and the engines read it from there.
-        payloads = [learner.weights_payload.remote() for learner in self.learners]
-        get_all([e.update_weights.remote(payloads[0], self.policy_version) for e in self.engines] + payloads[1:])
+        version = self.policy_version + 1
         completion = probe.completions[0]
         tokens = probe.prompt.token_ids + completion.token_ids
-        learner = get_all([learner.sequence_logprobs.remote(tokens) for learner in self.learners])[0]
-        engines = ray.get([e.sequence_logprobs.remote(tokens) for e in self.engines])
+        expected = get_all([learner.sequence_logprobs.remote(tokens) for learner in self.learners])[0]
+        get_all([engine.begin_sync.remote(self.sync_plan, version) for engine in self.engines])
+        started = time.perf_counter()
+        try:
+            sent = get_all([learner.send_weights.remote(self.sync_plan, version, self.engines) for learner in self.learners])
+            transfer_s = time.perf_counter() - started
+            results = get_all([engine.commit.remote(version, tokens, expected) for engine in self.engines])
+        finally:
+            get_all([learner.release_weights.remote() for learner in self.learners])
+        self.policy_version = version
         start = len(probe.prompt.token_ids)
         return {
-            "sync/probe_max_abs": max(abs(a - b) for engine in engines for a, b in zip(engine[1:], learner[1:])),
+            "sync/probe_max_abs": max(result["probe_max_abs"] for result in results),
             "sync/policy_shift": max(
-                (abs(a - b) for a, b in zip(engines[0][start:], completion.logprobs)), default=0.0
+                (abs(a - b) for a, b in zip(results[0]["probe"][start:], completion.logprobs)), default=0.0
             ),
+            "sync/bytes": float(sum(sent)),
+            "sync/transfer_s": transfer_s,
+            "sync/write_s": max(result["write_s"] for result in results),
         }
 
     def export(self, out_dir: str) -> str:
         return get_all([learner.export.remote(out_dir) for learner in self.learners])[0]
 
     def shutdown(self) -> None:
+        # Unlink shared-memory segments now rather than leave them to the resource tracker of a killed process.
+        try:
+            ray.get([learner.close_sync.remote() for learner in self.learners], timeout=30)
+        except Exception:  # a dead or stuck learner must not keep the others alive
+            pass
         for handle in [*self.learners, *self.engines, *self.rewarders]:
             ray.kill(handle)
-
-
-def get_all(refs: list) -> list:
-    """`ray.get` that raises as soon as any task fails.
-
-    When one learner rank dies, the others wait in a collective until its timeout; the dead rank's error is
-    the one to report, at once.
-    """
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        ray.get(ready)
-    return ray.get(list(refs))
 
 
 def _split(items: list, parts: int) -> list[list]:

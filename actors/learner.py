@@ -7,9 +7,34 @@ import os
 import ray
 import torch
 
+from actors.calls import get_all
 from rlpipe.config import Config
 from rlpipe.learner import Learner
 from rlpipe.types import TrainBatch
+from rlpipe.weightsync import SyncPlan, make_transport, stream_parts
+
+# Parts of this many buckets may be in flight per engine before the sender waits for receipts.
+_BUCKETS_IN_FLIGHT = 2
+
+
+def send_parts(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], transport, engines: list, version: int) -> int:
+    """Stream `rank`'s parts of every bucket to the engines' `receive_part`; returns the bytes sent per engine.
+    Each engine is told about a part before it is delivered (a gloo send waits for its receiver)."""
+    receipts: list[list] = []
+    sent = 0
+    for part in stream_parts(plan, rank, local, transport):
+        receipts.append(
+            [
+                engine.receive_part.remote(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
+                for engine in engines
+            ]
+        )
+        part.deliver()
+        sent += part.nbytes
+        if len(receipts) > _BUCKETS_IN_FLIGHT:  # bounds what the object store holds for this sync
+            get_all(receipts[-_BUCKETS_IN_FLIGHT - 1])
+    get_all([ref for refs in receipts for ref in refs])
+    return sent
 
 
 @ray.remote
@@ -19,6 +44,7 @@ class LearnerActor:
         # while it trains, since generation and training take turns in synchronous mode.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.learner = Learner(model_path, cfg, rank, world_size)
+        self.transport = make_transport(cfg.sync.transport)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where rank 0 listens for the group: this node's address and a free port on it."""
@@ -30,11 +56,26 @@ class LearnerActor:
     def join_group(self, master_addr: str, master_port: int) -> None:
         self.learner.join_group(master_addr, master_port)
 
+    def connect_sync_group(self, address: str, port: int, world: int) -> None:
+        cfg = self.learner.cfg
+        self.transport.connect(address, port, self.learner.rank, cfg.learner.ranks, world, cfg.sync.timeout_s)
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.learner.train_step(batch)
 
-    def weights_payload(self) -> bytes:
-        return self.learner.weights_payload()
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.learner.weight_shapes()
+
+    def send_weights(self, plan: SyncPlan, version: int, engines: list) -> int:
+        """Stream this rank's parts of every bucket to every engine; returns the bytes sent to each engine."""
+        return send_parts(plan, self.learner.rank, self.learner.local_weights(), self.transport, engines, version)
+
+    def release_weights(self) -> None:
+        self.transport.release()
+
+    def close_sync(self) -> None:
+        """Free the transport's buffers (shared-memory segments are unlinked)."""
+        self.transport.close()
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         return self.learner.sequence_logprobs(token_ids)

@@ -1,27 +1,55 @@
-"""Ray actor owning one vLLM engine (rlpipe/rollout.py does the work)."""
+"""Ray actor owning one vLLM engine (rlpipe/rollout.py does the work).
+
+Generation and weight sync run in separate concurrency groups (one thread each), so buckets of the next version
+arrive while the engine generates, and a sync requested mid-generation is handled per `sync.on_generation`.
+"""
 
 from __future__ import annotations
 
 import ray
 
-from rlpipe.config import RolloutConfig
+from rlpipe.config import RolloutConfig, SyncConfig
 from rlpipe.rollout import RolloutEngine
 from rlpipe.types import Completion, Prompt
+from rlpipe.weightsync import SyncPlan
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"sync": 1})
 class RolloutActor:
-    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, tokenizer_path: str | None = None):
-        self.engine = RolloutEngine(model_path, cfg, seed, tokenizer_path)
+    def __init__(
+        self, model_path: str, cfg: RolloutConfig, seed: int, tokenizer_path: str | None = None, sync: SyncConfig | None = None
+    ):
+        self.engine = RolloutEngine(model_path, cfg, seed, tokenizer_path, sync)
 
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[list[Completion]]:
         return self.engine.generate(prompts, n, **sampling)
-
-    def update_weights(self, payload: bytes, version: int) -> int:
-        return self.engine.update_weights(payload, version)
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         return self.engine.sequence_logprobs(token_ids)
 
     def policy_version(self) -> int:
         return self.engine.policy_version
+
+    @ray.method(concurrency_group="sync")
+    def layout(self):
+        return self.engine.layout()
+
+    @ray.method(concurrency_group="sync")
+    def connect_sync_group(self, address: str, port: int, rank: int, learner_ranks: int, world: int) -> None:
+        self.engine.transport.connect(address, port, rank, learner_ranks, world, self.engine.sync_cfg.timeout_s)
+
+    @ray.method(concurrency_group="sync")
+    def begin_sync(self, plan: SyncPlan, version: int) -> None:
+        self.engine.begin_sync(plan, version)
+
+    @ray.method(concurrency_group="sync")
+    def receive_part(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:
+        return self.engine.receive_part(version, bucket, rank, handle, nbytes, digest)
+
+    @ray.method(concurrency_group="sync")
+    def keep_staged_as_current(self) -> None:
+        self.engine.keep_staged_as_current()
+
+    @ray.method(concurrency_group="sync")
+    def commit(self, version: int, probe_tokens: list[int], expected: list[float]) -> dict:
+        return self.engine.commit(version, probe_tokens, expected)

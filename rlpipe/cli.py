@@ -33,14 +33,22 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             sub.add_argument("--address", help="join this Ray cluster (same as ray.address=...)")
     bench = commands.add_parser("bench", help="benchmarks, as ratios against a baseline run alongside")
-    bench.add_argument("what", choices=["learner"])
-    bench.add_argument("--layers", type=int, default=12)
-    bench.add_argument("--hidden", type=int, default=512)
-    bench.add_argument("--seq", type=int, default=256)
-    bench.add_argument("--batch", type=int, default=8)
-    bench.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
-    bench.add_argument("--modes", default="eager,graph,eager-m2,graph-m2", help="first one is the baseline")
-    bench.add_argument("--out", help="also write the results as JSON here")
+    benches = bench.add_subparsers(dest="what", required=True)
+    learner = benches.add_parser("learner", help="train-step throughput: eager vs graph, 1 vs 2 ranks, MFU")
+    learner.add_argument("--layers", type=int, default=12)
+    learner.add_argument("--hidden", type=int, default=512)
+    learner.add_argument("--seq", type=int, default=256)
+    learner.add_argument("--batch", type=int, default=8)
+    learner.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
+    learner.add_argument("--modes", default="eager,graph,eager-m2,graph-m2", help="first one is the baseline")
+    sync = benches.add_parser("sync", help="weight-sync bytes/s per transport against this host's memcpy")
+    sync.add_argument("--models", default="smollm2-135m,random-500m")
+    sync.add_argument("--transports", default="ray,shm,gloo")
+    sync.add_argument("--ranks", default="1,2", help="learner ranks sending (each its own shards)")
+    sync.add_argument("--bucket-mb", type=float, default=64.0)
+    sync.add_argument("--repeats", type=int, default=2, help="syncs per row; the fastest is reported")
+    for bench_parser in (learner, sync):
+        bench_parser.add_argument("--out", help="also write the results as JSON here")
     return parser
 
 
@@ -55,7 +63,20 @@ def _resolve(args) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench" and args.what == "sync":
+        from rlpipe.bench import SYNC_MODELS, bench_sync
+        from rlpipe.weightsync import TRANSPORTS
+
+        split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+        for option, values, known in (("--models", args.models, SYNC_MODELS), ("--transports", args.transports, TRANSPORTS)):
+            unknown = [value for value in split(values) if value not in known]
+            if unknown:
+                parser.error(f"bench sync {option}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+        bench_sync(split(args.models), split(args.transports), [int(r) for r in split(args.ranks)], args.bucket_mb,
+                   args.repeats, args.out)
+        return 0
     if args.command == "bench":
         from rlpipe.bench import LearnerBenchShape, bench_learner
 

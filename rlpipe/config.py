@@ -139,6 +139,24 @@ class LearnerConfig:
 
 
 @dataclass
+class SyncConfig:
+    transport: Literal["ray", "shm", "gloo"] = _key(
+        "ray", "weight transport: ray (object store, across hosts), shm (shared memory, one host), gloo (torch.distributed)"
+    )
+    bucket_mb: float = _key(64.0, "weights travel in buckets of about this many MiB, packed one bucket ahead")
+    probe_tolerance: float = _key(
+        1e-4, "max |engine - learner| logprob on the probe sequence after a sync; above it the sync is rolled back"
+    )
+    on_generation: Literal["finish", "abort"] = _key(
+        "finish", "a sync arriving mid-generation waits for in-flight requests (finish) or aborts them (abort)"
+    )
+    keep_previous: bool = _key(
+        True, "engines keep the previous version's weights (one extra copy) so a failed check rolls back"
+    )
+    timeout_s: float = _key(300.0, "a transfer waiting longer than this fails the sync")
+
+
+@dataclass
 class RayConfig:
     address: str | None = _key(None, "join this Ray cluster; null starts a local one on 127.0.0.1")
     num_cpus: int | None = _key(None, "logical CPUs of the local cluster (null: enough for the actors)")
@@ -162,6 +180,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -388,6 +407,9 @@ def validate(cfg: Config) -> None:
         not cfg.learner.graph or max(cfg.learner.length_buckets, default=0) >= longest,
         f"learner.length_buckets: the largest bucket must hold data.max_prompt_tokens + rollout.max_tokens = {longest}",
     )
+    need(cfg.sync.bucket_mb > 0, "sync.bucket_mb: must be > 0")
+    need(cfg.sync.probe_tolerance > 0, "sync.probe_tolerance: must be > 0")
+    need(cfg.sync.timeout_s > 0, "sync.timeout_s: must be > 0")
     if cfg.data.source == "file":
         need(bool(cfg.data.path), "data.path: required when data.source is 'file'")
 

@@ -15,7 +15,6 @@ from rlpipe.algo import (
 )
 from rlpipe.config import Config
 from rlpipe.models import load_model, read_hf_config, save_state_dict
-from rlpipe.rollout import encode_weights
 from rlpipe.types import TrainBatch
 
 
@@ -300,13 +299,18 @@ class Learner:
 
         return full_state_dict(self.model)
 
-    def weights_payload(self) -> bytes:
-        """The policy's weights in the rollout dtype as safetensors bytes (rank 0; other ranks return b"")."""
-        rollout_dtype = getattr(torch, self.cfg.rollout.dtype)
-        state = self.full_state_dict()
-        if self.rank != 0:
-            return b""
-        return encode_weights({name: t.to(rollout_dtype) for name, t in state.items()})
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's full shape under its Hugging Face name, in state-dict order: the learner side of the
+        sync plan. No communication."""
+        return {name: tuple(value.shape) for name, value in self.model.state_dict().items()}
+
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every weight (the whole tensor when unsharded), as the weight sync reads them:
+        no gather. Rows follow `rlpipe.weightsync.shard_rows`."""
+        from torch.distributed.tensor import DTensor
+
+        state = self.model.state_dict()
+        return {name: value.to_local() if isinstance(value, DTensor) else value for name, value in state.items()}
 
     def export(self, out_dir: str) -> str:
         state = self.full_state_dict()

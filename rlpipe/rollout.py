@@ -6,13 +6,17 @@ No Ray here, so it runs (and is tested) in one process; actors/rollout.py wraps 
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
-from rlpipe.config import RolloutConfig
+from rlpipe.config import RolloutConfig, SyncConfig
+from rlpipe.models.hf import load_state_dict, read_hf_config
 from rlpipe.types import Completion, Prompt
+from rlpipe.weightsync import EngineLayout, Staging, SyncError, SyncPlan, engine_tensors, make_transport
 
 
 def encode_weights(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -27,12 +31,36 @@ def decode_weights(payload: bytes) -> dict[str, torch.Tensor]:
 class WeightReceiver:
     """vLLM worker extension: mixed into every vLLM worker, reached through `collective_rpc`."""
 
-    def rlpipe_load_weights(self, payload: bytes) -> int:
-        weights = decode_weights(payload)
-        # In-place reload keeps vLLM's own loaders in charge of fusing (qkv, gate/up) and CPU repacking.
-        self.reload_weights(weights_iterator=list(weights.items()), is_checkpoint_format=True)
+    def rlpipe_load_weights(self, weights: bytes | list[tuple[str, torch.Tensor]]) -> int:
+        if isinstance(weights, bytes):  # from a child-process engine, where tensors do not cross the RPC
+            weights = list(decode_weights(weights).items())
+        # In-place reload keeps vLLM's own loaders in charge of fusing (qkv, gate/up), tensor-parallel slicing
+        # and CPU repacking.
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         self._refresh_tied_output_layer()
         return len(weights)
+
+    def rlpipe_tpu_write_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        """vLLM on TPU (tpu-inference): the runner's `state` maps vLLM parameter names to sharded JAX arrays;
+        each is replaced by its new value placed with the old array's sharding. Not yet run on TPU hardware."""
+        import jax
+        import ml_dtypes
+
+        state = self.model_runner.state
+        for name, value in tensors.items():
+            current = state[name]
+            if tuple(current.shape) != tuple(value.shape):
+                raise ValueError(f"{name}: engine holds {tuple(current.shape)}, the update has {tuple(value.shape)}")
+            # numpy has no bfloat16; ml_dtypes (a JAX dependency) gives it a view of the same bits.
+            array = value.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if value.dtype == torch.bfloat16 else value.numpy()
+            state[name] = jax.device_put(array.astype(current.dtype, copy=False), current.sharding)
+        return len(tensors)
+
+    def rlpipe_layout(self) -> tuple[dict[str, list[str]], list[str]]:
+        """The modules this engine's model fuses and its parameter names, for checking the sync plan."""
+        model = self.model_runner.get_model()
+        fused = {key: list(parts) for key, parts in getattr(model, "packed_modules_mapping", {}).items()}
+        return fused, [name for name, _ in model.named_parameters()]
 
     def _refresh_tied_output_layer(self) -> None:
         """Re-derive a tied lm_head from the reloaded embedding.
@@ -55,12 +83,38 @@ def _engine_env(cfg: RolloutConfig) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
+def tpu_weight_session(llm, engine_weights: dict[str, torch.Tensor]) -> None:
+    """A weight update on vLLM-on-TPU, which has no sleep/wake: reset the prefix cache (it lives in the scheduler
+    and would otherwise serve blocks the worker is about to free), open the worker's update session (frees the KV
+    cache: new weights need the memory, and keys/values of the old policy are stale), write the arrays, and close
+    the session (rebuilds the KV cache) even if the write failed. Not yet run on TPU hardware."""
+    llm.reset_prefix_cache()
+    llm.collective_rpc("start_weight_update", kwargs={"free_kv_cache": True})
+    try:
+        llm.collective_rpc("rlpipe_tpu_write_weights", args=(engine_weights,))
+    finally:
+        llm.collective_rpc("finish_weight_update")
+
+
 class RolloutEngine:
-    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, tokenizer_path: str | None = None):
+    """One vLLM engine. Generation and weight sync may be called from two threads (the rollout actor runs them in
+    separate concurrency groups): a sync receives its buckets while generation goes on, and pauses generation
+    only to write the weights, per `sync.on_generation`."""
+
+    def __init__(
+        self,
+        model_path: str,
+        cfg: RolloutConfig,
+        seed: int,
+        tokenizer_path: str | None = None,
+        sync: SyncConfig | None = None,
+    ):
         _engine_env(cfg)
         from vllm import LLM
 
         self.cfg = cfg
+        self.sync_cfg = sync or SyncConfig()
+        self.model_path = model_path
         self.policy_version = 0
         self.llm = LLM(
             model=model_path,
@@ -75,11 +129,28 @@ class RolloutEngine:
             # Processed logprobs include temperature, which is what the learner reproduces.
             logprobs_mode="processed_logprobs",
         )
+        self.transport = make_transport(self.sync_cfg.transport)
+        from vllm.platforms import current_platform
+
+        self._on_tpu = current_platform.is_tpu()
+        self._plan: SyncPlan | None = None
+        self._staging: Staging | None = None
+        self._current_weights: dict[str, torch.Tensor] | None = None  # of policy_version, for rolling back
+        self._spare_weights: dict[str, torch.Tensor] | None = None  # staging memory to write the next version into
+        self._unusable: str | None = None  # why the engine must not generate (a failed sync without rollback)
+        # Generation and weight writes exclude each other; a waiting sync blocks new generation.
+        self._state = threading.Condition()
+        self._generating = False
+        self._sync_waiting = False
+        self._abort_generation = False
+
+    # ------------------------------------------------------------------ generation
 
     def generate(
         self, prompts: list[Prompt], n: int, *, temperature: float | None = None, max_tokens: int | None = None
     ) -> list[list[Completion]]:
-        """`n` completions per prompt, each with its sampled tokens' logprobs."""
+        """`n` completions per prompt, each with its sampled tokens' logprobs. A prompt whose requests a weight
+        sync aborted (`sync.on_generation: abort`) comes back with no completions; callers resubmit it."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -90,20 +161,41 @@ class RolloutEngine:
             max_tokens=max_tokens or self.cfg.max_tokens,
             logprobs=0,
         )
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts], params, use_tqdm=False
-        )
+        with self._state:
+            self._state.wait_for(lambda: not self._sync_waiting)
+            if self._unusable:
+                raise SyncError(self._unusable)
+            self._generating, version = True, self.policy_version
+        try:
+            outputs = self._run([TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts], params)
+        finally:
+            with self._state:
+                self._generating = self._abort_generation = False
+                self._state.notify_all()
         groups = []
         for output in outputs:
             completions = []
-            for sample in output.outputs:
+            for sample in output.outputs if output is not None else []:
                 token_ids = list(sample.token_ids)
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids)]
-                completions.append(
-                    Completion(token_ids, logprobs, sample.text, sample.finish_reason or "length", self.policy_version)
-                )
+                completions.append(Completion(token_ids, logprobs, sample.text, sample.finish_reason or "length", version))
             groups.append(completions)
         return groups
+
+    def _run(self, prompts: list, params) -> list:
+        """vLLM's offline loop, written out so that a sync can abort it between engine steps."""
+        engine = self.llm.llm_engine
+        # enqueue() returns engine-internal ids ("<id>-<suffix>"); outputs and abort_request use the part before.
+        request_ids = [internal.rsplit("-", 1)[0] for internal in self.llm.enqueue(prompts, params, use_tqdm=False)]
+        finished = {}
+        while engine.has_unfinished_requests():
+            if self._abort_generation:
+                engine.abort_request([rid for rid in request_ids if rid not in finished])
+                break
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished.get(rid) for rid in request_ids]
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """The engine's logprob of each token given the ones before it (position 0 gets 0.0)."""
@@ -114,11 +206,111 @@ class RolloutEngine:
         (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)
         return [0.0] + [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], token_ids[1:])]
 
-    def update_weights(self, payload: bytes, version: int) -> int:
+    # ------------------------------------------------------------------ weight sync
+
+    def layout(self) -> tuple[EngineLayout, list[str]]:
+        """This engine's layout for the sync plan, and its parameter names (to check the plan against)."""
+        (fused, params), *_ = self.llm.collective_rpc("rlpipe_layout")
+        tp = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+        layout = EngineLayout.from_hf_config(read_hf_config(self.model_path), tp, self.cfg.dtype, fused)
+        return layout, params
+
+    def begin_sync(self, plan: SyncPlan, version: int) -> None:
+        """Start receiving `version`; any unfinished earlier staging is dropped."""
         if version <= self.policy_version:
-            raise ValueError(f"weight version {version} is not newer than the engine's {self.policy_version}")
-        loaded = self.llm.collective_rpc("rlpipe_load_weights", args=(payload,))
+            raise SyncError(f"weight version {version} is not newer than the engine's {self.policy_version}")
+        self._plan = plan
+        if self._staging is not None:  # an abandoned version: its memory is free again
+            self._spare_weights, self._staging = self._staging.tensors, None
+        self._staging = Staging(plan, version, reuse=self._spare_weights)
+        self._spare_weights = None
+
+    def receive_part(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:
+        staging = self._staging
+        if staging is None or staging.version != version:
+            raise SyncError(f"weight sync v{version}: a bucket arrived before begin_sync")
+        with self.transport.receive(handle, rank, nbytes) as buffer:
+            try:
+                staging.add(bucket, rank, buffer, digest)
+            except SyncError:
+                self._staging = None  # a corrupt version is never applied, not even partly
+                self._spare_weights = staging.tensors
+                raise
+        return nbytes
+
+    def keep_staged_as_current(self) -> None:
+        """Keep a fully received version as the rollback copy of the weights the engine serves now, without
+        writing it: for the start-up rehearsal, which sends the weights both sides loaded from the same folder."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            raise SyncError("keep_staged_as_current: nothing was received")
+        weights = staging.complete()
+        if self.sync_cfg.keep_previous:
+            self._current_weights = weights
+            # Touched now, so that receiving version 1 into it does not pay for first-touch page faults.
+            self._spare_weights = {name: torch.empty_like(t).copy_(t) for name, t in weights.items()}
+        else:
+            self._spare_weights = weights
+
+    def commit(self, version: int, probe_tokens: list[int], expected: list[float]) -> dict:
+        """Apply a fully received version: pause generation, write, check the probe, resume.
+
+        A failed check restores the previous weights (or, without `sync.keep_previous`, leaves the engine refusing
+        to generate); either way the engine never serves a mix of two versions."""
+        staging, self._staging = self._staging, None
+        if staging is None or staging.version != version:
+            raise SyncError(f"weight sync v{version}: nothing received for this version (a bucket failed?)")
+        weights = staging.complete()
+        with self._state:
+            self._sync_waiting = True
+            self._abort_generation = self.sync_cfg.on_generation == "abort"
+            self._state.wait_for(lambda: not self._generating)
+        started = time.perf_counter()
+        try:
+            previous = self._previous_weights() if self.sync_cfg.keep_previous else None
+            self._write(weights)
+            probe = self.sequence_logprobs(probe_tokens)
+            gap = max((abs(a - b) for a, b in zip(probe[1:], expected[1:])), default=0.0)
+            if not gap <= self.sync_cfg.probe_tolerance:  # also catches NaN
+                message = (
+                    f"weight sync v{version}: after writing, the engine's probe logprobs differ from the learner's by "
+                    f"{gap:.3g} > sync.probe_tolerance {self.sync_cfg.probe_tolerance:g}"
+                )
+                if previous is None:
+                    self._unusable = message + "; no previous weights were kept (sync.keep_previous: false)"
+                    raise SyncError(self._unusable)
+                self._write(previous)
+                self._spare_weights = weights
+                raise SyncError(message + f"; the engine rolled back to version {self.policy_version}")
+            # The replaced version's memory receives the one after this (only weights kept for rollback).
+            if self.sync_cfg.keep_previous:
+                self._spare_weights, self._current_weights = self._current_weights, weights
+            else:
+                self._spare_weights = weights
+            self.policy_version = version
+            self._unusable = None
+            return {
+                "probe_max_abs": gap,
+                "write_s": time.perf_counter() - started,
+                "bytes": staging.bytes_received,
+                "probe": probe,
+            }
+        finally:
+            with self._state:
+                self._sync_waiting = False
+                self._state.notify_all()
+
+    def _write(self, weights: dict[str, torch.Tensor]) -> None:
+        if self._on_tpu:
+            tpu_weight_session(self.llm, engine_tensors(self._plan, weights))
+            return
+        items = list(weights.items())
+        payload = items if self.cfg.in_process else encode_weights(weights)
+        self.llm.collective_rpc("rlpipe_load_weights", args=(payload,))
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
-        self.policy_version = version
-        return loaded[0]
+
+    def _previous_weights(self) -> dict[str, torch.Tensor]:
+        if self._current_weights is None:  # version 0: what the engine loaded from the model folder
+            self._current_weights = load_state_dict(self.model_path, getattr(torch, self.cfg.dtype))
+        return self._current_weights

@@ -180,6 +180,12 @@ def test_file_source_needs_a_path():
     assert load_config(None, ["data.source=file", "data.path=x.jsonl"]).data.path == "x.jsonl"
 
 
+@pytest.mark.parametrize("override", ["sync.bucket_mb=0", "sync.probe_tolerance=0", "sync.timeout_s=-1",
+                                      "sync.transport=nccl", "sync.on_generation=wait"])
+def test_bad_sync_settings_name_their_key(override):
+    assert _error(override).startswith(override.split("=")[0] + ":")
+
+
 def test_malformed_override():
     assert _error("train.steps").startswith("train.steps")
 

@@ -10,7 +10,6 @@ import torch
 from rlpipe.config import load_config
 from rlpipe.controller import make_train_batch
 from rlpipe.learner import Learner, combine_rank_metrics, lr_factor, token_logprobs
-from rlpipe.rollout import decode_weights
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
 
 
@@ -110,11 +109,13 @@ def test_logprob_gap_is_measured_against_the_rollout(tiny_qwen3):
     assert _step(learner2, batch)["logprob_gap/mean_abs"] == pytest.approx(0.5, abs=1e-4)
 
 
-def test_weights_payload_carries_every_tensor_in_the_rollout_dtype(tiny_qwen3):
-    learner = Learner(tiny_qwen3, _config(tiny_qwen3, "rollout.dtype=bfloat16"))
-    weights = decode_weights(learner.weights_payload())
-    assert set(weights) == set(learner.model.state_dict())
-    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+def test_weight_sync_reads_whole_tensors_when_unsharded(tiny_qwen3):
+    learner = Learner(tiny_qwen3, _config(tiny_qwen3))
+    state = learner.model.state_dict()
+    assert learner.weight_shapes() == {name: tuple(t.shape) for name, t in state.items()}
+    local = learner.local_weights()
+    assert list(local) == list(state)
+    assert all(local[name] is state[name] or torch.equal(local[name], state[name]) for name in state)
 
 
 def test_lr_schedule():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -11,6 +12,7 @@ from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.models import load_model
 from rlpipe.parallel.mesh import find_free_port
 from rlpipe.types import TrainBatch
+from rlpipe.weightsync import shard_rows
 
 STEPS = 3
 
@@ -54,8 +56,9 @@ def _rank(rank, world_size, model_path, port, graph, results):
     learner.join_group("127.0.0.1", port)
     sums = [learner.train_step(batch) for batch in _batches()]
     state = learner.full_state_dict()
+    local = {k: v.detach().numpy().copy() for k, v in learner.local_weights().items()}
     # numpy, not tensors: torch would share tensor memory by file descriptor, which dies with this process.
-    results.put((sums, {k: v.detach().numpy().copy() for k, v in state.items()} if rank == 0 else None))
+    results.put((sums, {k: v.detach().numpy().copy() for k, v in state.items()} if rank == 0 else None, rank, local))
     torch.distributed.destroy_process_group()
 
 
@@ -75,8 +78,16 @@ def test_two_ranks_equal_one(tiny_qwen3, graph):
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    per_rank_sums = [sums for sums, _ in outputs]
-    state = next(s for _, s in outputs if s is not None)
+    per_rank_sums = [sums for sums, *_ in outputs]
+    state = next(s for _, s, *_ in outputs if s is not None)
+    # What weight sync reads: each rank's own rows (no gather), which together are the whole weights.
+    local = {rank: shards for *_, rank, shards in outputs}
+    for name, full in state.items():
+        for rank in range(2):
+            start, stop = shard_rows(full.shape[0], rank, 2)
+            assert local[rank][name].shape == (stop - start, *full.shape[1:]), name
+        torch.testing.assert_close(torch.from_numpy(np.concatenate([local[0][name], local[1][name]])),
+                                   torch.from_numpy(full), atol=0, rtol=0)
 
     for step in range(STEPS):
         combined = combine_rank_metrics([sums[step] for sums in per_rank_sums])

@@ -1,0 +1,34 @@
+"""The weight-sync channel: learner shards -> buckets -> transport -> engine staging -> verified reload."""
+
+from rlpipe.weightsync.codec import Staging, SyncError, checksum, pack_part
+from rlpipe.weightsync.plan import (
+    Bucket,
+    Destination,
+    EngineLayout,
+    Piece,
+    SyncPlan,
+    engine_tensors,
+    plan_sync,
+    shard_rows,
+)
+from rlpipe.weightsync.sender import OutgoingPart, stream_parts
+from rlpipe.weightsync.transport import TRANSPORTS, make_transport
+
+__all__ = [
+    "Bucket",
+    "Destination",
+    "EngineLayout",
+    "OutgoingPart",
+    "Piece",
+    "Staging",
+    "SyncError",
+    "SyncPlan",
+    "TRANSPORTS",
+    "checksum",
+    "engine_tensors",
+    "make_transport",
+    "pack_part",
+    "plan_sync",
+    "shard_rows",
+    "stream_parts",
+]

@@ -1,0 +1,256 @@
+"""The sync plan: which learner rank sends which rows of which tensor, in which bucket, and where those rows land
+in every tensor-parallel slice of a rollout engine.
+
+Computed once per run from two layouts:
+- the learner's: every parameter under its Hugging Face name and full shape, sharded on dim 0 over M ranks the
+  way SimpleFSDP stores it (torch.chunk: ceil(n / M) rows a rank, the last ranks may hold fewer or none);
+- the engine's: tensor-parallel degree T, the modules vLLM fuses (`packed_modules_mapping`: q/k/v -> qkv_proj,
+  gate/up -> gate_up_proj), head counts, and the rollout dtype.
+
+Buckets group whole tensors up to a byte budget, so a bucket is complete once every rank's part of it arrived;
+inside a bucket each rank packs only the rows it owns, so no learner rank assembles the model. The engine side
+assembles rows into Hugging Face tensors and hands them to vLLM's own loader, which fuses and slices for its
+tensor-parallel workers; the destinations recorded here are that same placement, computed independently, so a
+layout the engine does not expect is caught before any weight is written (and tested against vLLM's layers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# vLLM pads the vocabulary of its embedding and output layers to a multiple of this before splitting it.
+VOCAB_PADDING = 64
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of tensor `name`, stored at `offset` in one rank's part of a bucket."""
+
+    name: str
+    start: int
+    stop: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    names: tuple[str, ...]
+    parts: tuple[tuple[Piece, ...], ...]  # parts[rank]: the pieces that learner rank sends
+
+    def part_bytes(self, rank: int) -> int:
+        return sum(piece.nbytes for piece in self.parts[rank])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.part_bytes(rank) for rank in range(len(self.parts)))
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where tensor rows land in one tensor-parallel rank's engine parameter: source [src_start, src_stop) along
+    `dim` of the Hugging Face tensor goes to [dst_start, dst_stop) along `dim` of `param` on `tp_rank`."""
+
+    tp_rank: int
+    param: str
+    dim: int
+    src_start: int
+    src_stop: int
+    dst_start: int
+    dst_stop: int
+    replicated: bool = False  # every rank holds the whole tensor (norms)
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    tensor_parallel: int
+    dtype: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    fused: Mapping[str, Sequence[str]] = field(
+        default_factory=lambda: {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    )
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict, tensor_parallel: int, dtype: str, fused=None) -> EngineLayout:
+        heads = hf_config["num_attention_heads"]
+        extra = {} if fused is None else {"fused": {k: tuple(v) for k, v in fused.items()}}
+        return cls(
+            tensor_parallel=tensor_parallel,
+            dtype=dtype,
+            num_heads=heads,
+            num_kv_heads=hf_config.get("num_key_value_heads") or heads,
+            head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+            intermediate_size=hf_config["intermediate_size"],
+            vocab_size=hf_config["vocab_size"],
+            tied_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            **extra,
+        )
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    learner_ranks: int
+    dtype: str
+    shapes: Mapping[str, tuple[int, ...]]
+    buckets: tuple[Bucket, ...]
+    destinations: Mapping[str, tuple[Destination, ...]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(bucket.nbytes for bucket in self.buckets)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def engine_params(self) -> set[str]:
+        return {dest.param for dests in self.destinations.values() for dest in dests}
+
+
+def shard_rows(rows: int, rank: int, ranks: int) -> tuple[int, int]:
+    """The rows of a dim-0 Shard that `rank` holds: torch.chunk's split, as DTensor uses it."""
+    chunk = math.ceil(rows / ranks) if rows else 0
+    start = min(rows, rank * chunk)
+    return start, min(rows, start + chunk)
+
+
+def plan_sync(
+    shapes: Mapping[str, Sequence[int]], learner_ranks: int, engine: EngineLayout, bucket_bytes: int
+) -> SyncPlan:
+    """Plan the transfer of every tensor in `shapes` (Hugging Face names, full shapes, in send order)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    itemsize = torch.empty(0, dtype=getattr(torch, engine.dtype)).element_size()
+    shapes = {name: tuple(shape) for name, shape in shapes.items()}
+    if engine.tied_embeddings:
+        shapes.pop("lm_head.weight", None)  # the engine derives it from the embedding
+
+    groups: list[list[str]] = [[]]
+    group_bytes = 0
+    for name, shape in shapes.items():
+        size = math.prod(shape) * itemsize
+        if groups[-1] and group_bytes + size > bucket_bytes:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(name)
+        group_bytes += size
+
+    buckets = []
+    for index, names in enumerate(groups):
+        parts = []
+        for rank in range(learner_ranks):
+            pieces, offset = [], 0
+            for name in names:
+                shape = shapes[name]
+                if not shape:  # a 0-dim tensor is replicated on every rank; rank 0 sends it
+                    start, stop = (0, 1) if rank == 0 else (0, 0)
+                    row_bytes = itemsize
+                else:
+                    start, stop = shard_rows(shape[0], rank, learner_ranks)
+                    row_bytes = math.prod(shape[1:]) * itemsize
+                if stop > start:
+                    pieces.append(Piece(name, start, stop, offset, (stop - start) * row_bytes))
+                    offset += (stop - start) * row_bytes
+            parts.append(tuple(pieces))
+        buckets.append(Bucket(index, tuple(names), tuple(parts)))
+
+    destinations = {name: tuple(_destinations(name, shape, engine)) for name, shape in shapes.items()}
+    return SyncPlan(learner_ranks, engine.dtype, shapes, tuple(buckets), destinations)
+
+
+def _destinations(name: str, shape: tuple[int, ...], engine: EngineLayout) -> list[Destination]:
+    """vLLM's placement of one Hugging Face tensor over T tensor-parallel ranks."""
+    tp = engine.tensor_parallel
+    module_path, _, leaf = name.rpartition(".")
+    parent, _, module = module_path.rpartition(".")
+    fused_into = next((fused for fused, parts in engine.fused.items() if module in parts), None)
+    dests = []
+    for rank in range(tp):
+        if fused_into == "qkv_proj" or (fused_into is None and module in ("q_proj", "k_proj", "v_proj")):
+            # Query heads split evenly; key/value heads split too, or each replicated over T / kv ranks.
+            q_rows = engine.num_heads // tp * engine.head_dim
+            kv_heads_here = max(1, engine.num_kv_heads // tp)
+            kv_rows = kv_heads_here * engine.head_dim
+            if module == "q_proj":
+                src, rows, dst = rank * q_rows, q_rows, 0
+            else:
+                # With fewer kv heads than ranks, kv head h is shared by ranks h * T/kv ... (h + 1) * T/kv - 1.
+                first_head = rank * engine.num_kv_heads // tp
+                src, rows = first_head * engine.head_dim, kv_rows
+                dst = q_rows + (kv_rows if module == "v_proj" else 0)
+            param = f"{parent}.{fused_into}.{leaf}" if fused_into else name
+            if not fused_into:
+                dst = 0
+            dests.append(Destination(rank, param, 0, src, src + rows, dst, dst + rows))
+        elif fused_into == "gate_up_proj" or (fused_into is None and module in ("gate_proj", "up_proj")):
+            rows = engine.intermediate_size // tp
+            dst = rows if (module == "up_proj" and fused_into) else 0
+            param = f"{parent}.{fused_into}.{leaf}" if fused_into else name
+            dests.append(Destination(rank, param, 0, rank * rows, (rank + 1) * rows, dst, dst + rows))
+        elif module in ("o_proj", "down_proj") and leaf == "weight":
+            # Row-parallel: the input dimension (dim 1) is split.
+            cols = shape[1] // tp
+            dests.append(Destination(rank, name, 1, rank * cols, (rank + 1) * cols, 0, cols))
+        elif module in ("embed_tokens", "lm_head"):
+            padded = math.ceil(engine.vocab_size / VOCAB_PADDING) * VOCAB_PADDING
+            per_rank = padded // tp
+            start = min(shape[0], rank * per_rank)
+            stop = min(shape[0], start + per_rank)
+            dests.append(Destination(rank, name, 0, start, stop, 0, stop - start))
+        else:  # norms, biases of row-parallel layers: replicated whole
+            rows = shape[0] if shape else 1
+            dests.append(Destination(rank, name, 0, 0, rows, 0, rows, replicated=True))
+    return dests
+
+
+
+def engine_tensors(
+    plan: SyncPlan, tensors: Mapping[str, torch.Tensor], tp_rank: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The engine's own parameters (fused, tensor-parallel sliced) built from Hugging Face tensors by the plan.
+
+    With `tp_rank`, that rank's local parameters. Without, every split parameter as one global array whose blocks
+    along the split dim are the ranks' local parameters in rank order (replicated ones once): the layout of a
+    parameter sharded over T devices, which is how a JAX engine (vLLM on TPU) holds it. Vocabulary padding rows
+    are zero."""
+    tp = 1 + max(dest.tp_rank for dests in plan.destinations.values() for dest in dests)
+    shapes: dict[str, list[int]] = {}
+    split_dim: dict[str, int | None] = {}
+    for name, dests in plan.destinations.items():
+        for dest in dests:
+            shapes.setdefault(dest.param, list(plan.shapes[name]) or [1])
+            split_dim[dest.param] = None if dest.replicated else dest.dim
+    for param, dim in split_dim.items():
+        if dim is not None:
+            shapes[param][dim] = max(
+                dest.dst_stop for dests in plan.destinations.values() for dest in dests if dest.param == param
+            )
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in shapes and name in plan.shapes:  # vLLM pads the vocabulary before splitting it
+            shapes[name][0] = math.ceil(plan.shapes[name][0] / VOCAB_PADDING) * VOCAB_PADDING // tp
+    ranks = range(tp) if tp_rank is None else [tp_rank]
+    local = {(rank, param): torch.zeros(shape, dtype=plan.torch_dtype) for param, shape in shapes.items() for rank in ranks}
+    for name, dests in plan.destinations.items():
+        source = tensors[name].reshape(shapes[dests[0].param]) if not plan.shapes[name] else tensors[name]
+        for dest in dests:
+            if dest.tp_rank in ranks:
+                rows = dest.dst_stop - dest.dst_start
+                local[(dest.tp_rank, dest.param)].narrow(dest.dim, dest.dst_start, rows).copy_(
+                    source.narrow(dest.dim, dest.src_start, dest.src_stop - dest.src_start)
+                )
+    if tp_rank is not None:
+        return {param: local[(tp_rank, param)] for param in shapes}
+    return {
+        param: local[(0, param)] if split_dim[param] is None else torch.cat([local[(r, param)] for r in ranks], split_dim[param])
+        for param in shapes
+    }

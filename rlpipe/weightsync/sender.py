@@ -1,0 +1,47 @@
+"""The learner side: pack this rank's part of each bucket and hand it to a transport, one bucket ahead."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlpipe.weightsync.codec import pack_part
+from rlpipe.weightsync.plan import SyncPlan
+
+
+@dataclass
+class OutgoingPart:
+    bucket: int
+    rank: int
+    nbytes: int
+    checksum: int
+    handle: Any
+    deliver: Callable[[], None]
+
+
+def stream_parts(plan: SyncPlan, rank: int, local: Mapping[str, torch.Tensor], transport) -> Iterator[OutgoingPart]:
+    """This rank's non-empty parts in bucket order. While the caller ships one part, the next is being packed
+    (cast, copy, checksum) in a worker thread, so packing and transfer overlap."""
+    buckets = [bucket for bucket in plan.buckets if bucket.part_bytes(rank)]
+    dtype = plan.torch_dtype
+
+    def pack(index: int) -> OutgoingPart:
+        bucket = buckets[index]
+        buffer = transport.allocate(bucket.part_bytes(rank), bucket.index)
+        digest = pack_part(bucket, rank, local, dtype, buffer)
+        handle, deliver = transport.send(buffer)
+        return OutgoingPart(bucket.index, rank, buffer.nbytes, digest, handle, deliver)
+
+    if not buckets:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlpipe-pack") as packer:
+        upcoming = packer.submit(pack, 0)
+        for index in range(len(buckets)):
+            part = upcoming.result()
+            if index + 1 < len(buckets):
+                upcoming = packer.submit(pack, index + 1)
+            yield part

@@ -1,0 +1,190 @@
+"""How a bucket part's bytes travel from a learner rank to the rollout engines, behind one interface.
+
+Sender side (a learner rank), per part:  `buffer = allocate(nbytes, key)`, pack into it,
+`handle, deliver = send(buffer)`, tell every engine about `handle`, then call `deliver()`.
+Receiver side (an engine), per part:      `with receive(handle, source_rank, nbytes) as buffer:` read it.
+After the version is committed the sender calls `release()`; `close()` frees everything for good.
+
+Buffers are kept per key (the bucket index) and reused by the next version: touching freshly mapped memory costs
+a page fault per 4 KiB, which on this CPU made first-touch buffers, not the copies, the bulk of a sync.
+
+- `ray`:  the Ray object store (default; works across hosts). The handle is an object reference.
+- `shm`:  POSIX shared memory on one host. The learner packs straight into a named segment; the handle is its name.
+- `gloo`: torch.distributed point-to-point over a process group of its own (learner ranks, then engines). Sends
+          block until the engine receives, which is why the engines are told first and `deliver()` comes after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+TRANSPORTS = ("ray", "shm", "gloo")
+
+
+# Names of the segments this process created (and so registered with its resource tracker).
+_created_here: set[str] = set()
+
+
+def _nothing() -> None:
+    return None
+
+
+class _BufferPool:
+    def __init__(self) -> None:
+        self._buffers: dict[object, np.ndarray] = {}
+
+    def allocate(self, nbytes: int, key: object) -> np.ndarray:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.nbytes != nbytes:
+            buffer = self._buffers[key] = np.empty(nbytes, dtype=np.uint8)
+        return buffer
+
+    def close(self) -> None:
+        self._buffers.clear()
+
+
+class RayTransport(_BufferPool):
+    """ray.put copies the packed buffer into the object store, so the buffer is free for the next version."""
+
+    name = "ray"
+
+    def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
+        import ray
+
+        # Wrapped in a list so that Ray passes the reference through instead of resolving it on the way in.
+        return [ray.put(buffer)], _nothing
+
+    @contextlib.contextmanager
+    def receive(self, handle: Any, source_rank: int, nbytes: int) -> Iterator[np.ndarray]:
+        import ray
+
+        yield ray.get(handle[0])  # zero-copy, read-only view of the object
+
+    def release(self) -> None:
+        return None
+
+
+class SharedMemoryTransport:
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._segments: dict[object, Any] = {}  # sender: key -> segment it owns
+        self._by_address: dict[int, Any] = {}  # sender: buffer address -> segment
+        self._attached: dict[str, tuple[Any, np.ndarray]] = {}  # receiver: name -> (segment, view)
+
+    def allocate(self, nbytes: int, key: object) -> np.ndarray:
+        from multiprocessing import shared_memory
+
+        segment = self._segments.get(key)
+        if segment is None or segment.size < max(1, nbytes):
+            segment = shared_memory.SharedMemory(
+                create=True, size=max(1, nbytes), name=f"rlpipe-{uuid.uuid4().hex[:16]}"
+            )
+            self._segments[key] = segment
+            _created_here.add(segment.name)
+        buffer = np.ndarray((nbytes,), dtype=np.uint8, buffer=segment.buf)
+        self._by_address[buffer.ctypes.data] = segment
+        return buffer
+
+    def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
+        return self._by_address[buffer.ctypes.data].name, _nothing
+
+    @contextlib.contextmanager
+    def receive(self, handle: Any, source_rank: int, nbytes: int) -> Iterator[np.ndarray]:
+        if handle not in self._attached:
+            from multiprocessing import resource_tracker, shared_memory
+
+            segment = shared_memory.SharedMemory(name=handle)
+            # Attaching registers the segment with this process's tracker (Python < 3.13), which would unlink it,
+            # or warn, when the engine exits; the learner owns it. (Its own process has it registered already.)
+            if handle not in _created_here:
+                with contextlib.suppress(Exception):
+                    resource_tracker.unregister(segment._name, "shared_memory")
+            self._attached[handle] = (segment, np.ndarray((segment.size,), dtype=np.uint8, buffer=segment.buf))
+        yield self._attached[handle][1][:nbytes]
+
+    def release(self) -> None:
+        return None  # segments are reused by the next version; close() frees them
+
+    def close(self) -> None:
+        for segment, view in self._attached.values():
+            del view
+            with contextlib.suppress(BufferError):
+                segment.close()
+        self._attached.clear()
+        self._by_address.clear()
+        for segment in self._segments.values():
+            with contextlib.suppress(BufferError):  # a view may still be alive; unlinking frees it regardless
+                segment.close()
+            with contextlib.suppress(FileNotFoundError):
+                segment.unlink()
+            _created_here.discard(segment.name)
+        self._segments.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class GlooTransport(_BufferPool):
+    """Point-to-point over a gloo group of M learner ranks (0..M-1) and E engines (M..M+E-1), separate from the
+    learners' own group so that neither knows about the other's collectives."""
+
+    name = "gloo"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self.group = None
+        self.rank = -1
+        self.learner_ranks = 0
+        self.world = 0
+
+    def connect(self, address: str, port: int, rank: int, learner_ranks: int, world: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+        self.group = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+        self.rank, self.learner_ranks, self.world = rank, learner_ranks, world
+
+    def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
+        if self.group is None:
+            raise RuntimeError("gloo weight transport used before connect()")
+        tensor = torch.from_numpy(buffer)
+
+        def deliver() -> None:
+            works = [self.group.send([tensor], engine, 0) for engine in range(self.learner_ranks, self.world)]
+            for work in works:
+                work.wait()
+
+        return None, deliver
+
+    @contextlib.contextmanager
+    def receive(self, handle: Any, source_rank: int, nbytes: int) -> Iterator[np.ndarray]:
+        if self.group is None:
+            raise RuntimeError("gloo weight transport used before connect()")
+        if self._scratch.numel() < nbytes:  # one receive at a time; its bytes are copied out before the next
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        buffer = self._scratch[:nbytes]
+        self.group.recv([buffer], source_rank, 0).wait()
+        yield buffer.numpy()
+
+    def release(self) -> None:
+        return None
+
+
+def make_transport(name: str):
+    if name == "ray":
+        return RayTransport()
+    if name == "shm":
+        return SharedMemoryTransport()
+    if name == "gloo":
+        return GlooTransport()
+    raise ValueError(f"sync.transport: unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")

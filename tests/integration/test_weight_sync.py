@@ -1,0 +1,143 @@
+"""The weight-sync protocol against a real in-process vLLM engine and a real learner (tiny random Qwen3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from rlpipe.config import RolloutConfig, load_config
+from rlpipe.learner import Learner
+from rlpipe.types import Prompt
+from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
+
+pytestmark = pytest.mark.integration
+
+PROBE = list(range(5, 45))
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_qwen3):
+    from rlpipe.rollout import RolloutEngine
+
+    cfg = load_config(None, [f"model.path={tiny_qwen3}", "sync.transport=shm", "sync.bucket_mb=0.05",
+                             "sync.probe_tolerance=1e-5"])
+    engine = RolloutEngine(tiny_qwen3, RolloutConfig(max_model_len=512, max_tokens=16), 0, sync=cfg.sync)
+    learner = Learner(tiny_qwen3, cfg)
+    layout, params = engine.layout()
+    plan = plan_sync(learner.weight_shapes(), 1, layout, int(cfg.sync.bucket_mb * 2**20))
+    assert plan.engine_params() <= set(params)  # the plan names parameters the engine really has
+    return engine, learner, plan
+
+
+def _perturb(learner: Learner, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in learner.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def _send(engine, learner, plan, version, corrupt_bucket=None):
+    transport = make_transport("shm")
+    engine.begin_sync(plan, version)
+    try:
+        for part in stream_parts(plan, 0, learner.local_weights(), transport):
+            if part.bucket == corrupt_bucket:
+                from multiprocessing import shared_memory
+
+                segment = shared_memory.SharedMemory(name=part.handle)
+                segment.buf[part.nbytes // 2] ^= 0xFF  # a fault in transit, after the checksum was taken
+                segment.close()
+            engine.receive_part(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
+            part.deliver()
+    finally:
+        transport.close()
+
+
+def _max_gap(a, b):
+    return max(abs(x - y) for x, y in zip(a[1:], b[1:]))
+
+
+def test_after_a_sync_the_engine_gives_the_learners_logprobs(setup):
+    engine, learner, plan = setup
+    _perturb(learner, 1)
+    expected = learner.sequence_logprobs(PROBE)
+    assert _max_gap(engine.sequence_logprobs(PROBE), expected) > 1e-2  # the engine still has the old weights
+    version = engine.policy_version + 1
+    _send(engine, learner, plan, version)
+    result = engine.commit(version, PROBE, expected)
+    assert result["probe_max_abs"] < 1e-5
+    assert _max_gap(engine.sequence_logprobs(PROBE), expected) < 1e-5
+    assert engine.policy_version == version and result["bytes"] == plan.nbytes
+
+
+def test_a_corrupt_bucket_is_detected_and_the_engine_keeps_its_version(setup):
+    engine, learner, plan = setup
+    before, version = engine.sequence_logprobs(PROBE), engine.policy_version
+    _perturb(learner, 2)
+    with pytest.raises(SyncError, match=rf"v{version + 1}: bucket 2 from learner rank 0 is corrupt"):
+        _send(engine, learner, plan, version + 1, corrupt_bucket=2)
+    with pytest.raises(SyncError, match="nothing received"):
+        engine.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
+    assert engine.policy_version == version
+    assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
+    # The next clean sync goes through.
+    _send(engine, learner, plan, version + 1)
+    assert engine.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+
+
+def test_a_failed_probe_rolls_the_engine_back(setup):
+    engine, learner, plan = setup
+    before, version = engine.sequence_logprobs(PROBE), engine.policy_version
+    _perturb(learner, 3)
+    _send(engine, learner, plan, version + 1)
+    wrong = [value + 0.5 for value in learner.sequence_logprobs(PROBE)]  # as if the engine loaded something else
+    with pytest.raises(SyncError, match=rf"differ from the learner's by .* rolled back to version {version}"):
+        engine.commit(version + 1, PROBE, wrong)
+    assert engine.policy_version == version
+    assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
+
+
+def test_versions_only_go_up(setup):
+    engine, _, plan = setup
+    with pytest.raises(SyncError, match="is not newer"):
+        engine.begin_sync(plan, engine.policy_version)
+
+
+@pytest.mark.parametrize("policy", ["finish", "abort"])
+def test_a_sync_during_generation_follows_the_policy(setup, policy):
+    engine, learner, plan = setup
+    engine.sync_cfg = dataclasses.replace(engine.sync_cfg, on_generation=policy)
+    old_version = engine.policy_version
+    _perturb(learner, 10)
+    version = old_version + 1
+    _send(engine, learner, plan, version)  # buckets arrive while nothing is generating; the write is what waits
+    prompts = [Prompt(i, f"p{i}", [7 + i, 8, 9, 10]) for i in range(16)]
+    finished: dict = {}
+
+    def generate():
+        finished["groups"] = engine.generate(prompts, 8, temperature=1.0, max_tokens=300)
+        finished["at"] = time.monotonic()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    while not engine._generating:
+        time.sleep(0.01)
+    time.sleep(0.5)  # generation is under way
+    result = engine.commit(version, PROBE, learner.sequence_logprobs(PROBE))
+    committed_at = time.monotonic()
+    worker.join()
+    assert result["probe_max_abs"] < 1e-5 and engine.policy_version == version
+    groups = finished["groups"]
+    if policy == "finish":
+        # Every request ran to its end on the old weights, then the sync wrote the new ones.
+        assert all(len(group) == 8 for group in groups)
+        assert {c.policy_version for group in groups for c in group} == {old_version}
+        assert finished["at"] <= committed_at
+    else:
+        # In-flight requests were aborted so the sync did not wait; their prompts come back empty for resubmission.
+        assert any(len(group) == 0 for group in groups)
+        assert all(len(group) in (0, 8) for group in groups)

@@ -1,0 +1,407 @@
+"""The weight-sync plan, bucket codec and transports; the plan checked against vLLM's own fused TP layers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue as queue_module
+
+import numpy as np
+import pytest
+import torch
+
+from rlpipe.parallel.mesh import find_free_port
+from rlpipe.weightsync import (
+    EngineLayout,
+    Staging,
+    SyncError,
+    checksum,
+    engine_tensors,
+    make_transport,
+    pack_part,
+    plan_sync,
+    shard_rows,
+    stream_parts,
+)
+
+HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 64, 4, 16, 96, 100
+
+
+def _hf_shapes(kv_heads: int, tied: bool = False) -> dict[str, tuple[int, ...]]:
+    prefix = "model.layers.0"
+    shapes = {
+        "model.embed_tokens.weight": (VOCAB, HIDDEN),
+        f"{prefix}.input_layernorm.weight": (HIDDEN,),
+        f"{prefix}.self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+        f"{prefix}.self_attn.k_proj.weight": (kv_heads * HEAD_DIM, HIDDEN),
+        f"{prefix}.self_attn.v_proj.weight": (kv_heads * HEAD_DIM, HIDDEN),
+        f"{prefix}.self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+        f"{prefix}.mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
+        f"{prefix}.mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+        f"{prefix}.mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
+        "model.norm.weight": (HIDDEN,),
+    }
+    if not tied:
+        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    return shapes
+
+
+def _layout(tp: int, kv_heads: int, dtype: str = "float32", tied: bool = False) -> EngineLayout:
+    config = {
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": kv_heads,
+        "hidden_size": HIDDEN,
+        "head_dim": HEAD_DIM,
+        "intermediate_size": INTERMEDIATE,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": tied,
+    }
+    return EngineLayout.from_hf_config(config, tp, dtype)
+
+
+def _full_tensors(shapes, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
+def _local_shards(full: dict[str, torch.Tensor], rank: int, ranks: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in full.items():
+        start, stop = shard_rows(tensor.shape[0], rank, ranks)
+        out[name] = tensor[start:stop]
+    return out
+
+
+# ---------------------------------------------------------------- plan
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 7, 8, 97])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_shard_rows_follow_torch_chunk(rows, ranks):
+    chunks = torch.arange(rows).chunk(ranks) if rows else []
+    expected = [(int(c[0]), int(c[-1]) + 1) for c in chunks if len(c)]
+    got = [shard_rows(rows, rank, ranks) for rank in range(ranks)]
+    assert [r for r in got if r[1] > r[0]] == expected
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_plan_covers_every_row_once_and_respects_the_bucket_budget(ranks):
+    shapes = _hf_shapes(kv_heads=2)
+    budget = 40_000
+    plan = plan_sync(shapes, ranks, _layout(1, 2), budget)
+    covered: dict[str, list[tuple[int, int]]] = {name: [] for name in shapes}
+    for bucket in plan.buckets:
+        sizes = [int(np.prod(shapes[name])) * 4 for name in bucket.names]
+        assert sum(sizes) <= budget or len(bucket.names) == 1  # only a tensor larger than a bucket fills one alone
+        for rank in range(ranks):
+            offset = 0
+            for piece in bucket.parts[rank]:
+                assert piece.offset == offset and piece.name in bucket.names
+                assert piece.nbytes == (piece.stop - piece.start) * int(np.prod(shapes[piece.name][1:])) * 4
+                assert (piece.start, piece.stop) == shard_rows(shapes[piece.name][0], rank, ranks)
+                covered[piece.name].append((piece.start, piece.stop))
+                offset += piece.nbytes
+    for name, spans in covered.items():
+        rows = sorted(spans)
+        assert rows[0][0] == 0 and rows[-1][1] == shapes[name][0]
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    assert plan.nbytes == sum(int(np.prod(s)) * 4 for s in shapes.values())
+
+
+def test_plan_uses_the_rollout_dtype_and_skips_a_tied_output_layer():
+    shapes = _hf_shapes(kv_heads=2)  # the learner may carry lm_head even when the engine ties it
+    plan = plan_sync(shapes, 2, _layout(1, 2, "bfloat16", tied=True), 1 << 20)
+    assert "lm_head.weight" not in plan.shapes
+    assert plan.nbytes == sum(int(np.prod(s)) * 2 for name, s in shapes.items() if name != "lm_head.weight")
+
+
+def test_plan_rejects_an_empty_bucket_budget():
+    with pytest.raises(ValueError, match="bucket size"):
+        plan_sync(_hf_shapes(2), 1, _layout(1, 2), 0)
+
+
+def _tp_worker(rank: int, world: int, port: int, kv_heads: int, results) -> None:
+    """Build vLLM's own parallel layers at tensor-parallel rank `rank` and load the HF tensors through their
+    weight loaders, as the engine does; report the local parameters."""
+    import os
+
+    os.environ["VLLM_DIST_IDENT"] = str(port)  # vLLM's CPU worker names its shared-memory group after this
+    try:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+        from vllm.model_executor.layers.linear import (
+            MergedColumnParallelLinear,
+            QKVParallelLinear,
+            RowParallelLinear,
+        )
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        with set_current_vllm_config(VllmConfig()):
+            init_distributed_environment(
+                world_size=world, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank,
+                backend="gloo",
+            )
+            initialize_model_parallel(tensor_model_parallel_size=world)
+            f32 = {"params_dtype": torch.float32}
+            layers = {
+                "model.layers.0.self_attn.qkv_proj": QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, kv_heads, bias=False, **f32),
+                "model.layers.0.self_attn.o_proj": RowParallelLinear(HEADS * HEAD_DIM, HIDDEN, bias=False, **f32),
+                "model.layers.0.mlp.gate_up_proj": MergedColumnParallelLinear(HIDDEN, [INTERMEDIATE] * 2, bias=False, **f32),
+                "model.layers.0.mlp.down_proj": RowParallelLinear(INTERMEDIATE, HIDDEN, bias=False, **f32),
+                "model.embed_tokens": VocabParallelEmbedding(VOCAB, HIDDEN, **f32),
+                "lm_head": ParallelLMHead(VOCAB, HIDDEN, **f32),
+            }
+            shard_ids = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+            for name, tensor in _full_tensors(_hf_shapes(kv_heads)).items():
+                module_path, _, _ = name.rpartition(".")
+                parent, _, module = module_path.rpartition(".")
+                if module in shard_ids:
+                    fused, shard_id = shard_ids[module]
+                    param = layers[f"{parent}.{fused}"].weight
+                    param.weight_loader(param, tensor, shard_id)
+                elif module_path in layers:
+                    param = layers[module_path].weight
+                    param.weight_loader(param, tensor)
+            results.put((rank, {f"{path}.weight": layer.weight.detach().numpy().copy() for path, layer in layers.items()}))
+    except Exception as err:  # reported by the parent
+        results.put((rank, repr(err)))
+
+
+@pytest.mark.parametrize("tp,kv_heads", [(1, 2), (2, 2), (2, 1)])
+def test_plan_destinations_match_vllm_parallel_layers(tp, kv_heads):
+    """The plan's placement of every HF row equals what vLLM's fused, tensor-parallel layers hold after loading
+    the same tensors (T=2 with kv_heads=1 replicates the kv head on both ranks)."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = find_free_port()
+    procs = [context.Process(target=_tp_worker, args=(r, tp, port, kv_heads, results)) for r in range(tp)]
+    for proc in procs:
+        proc.start()
+    local: dict[int, dict] = {}
+    try:
+        while len(local) < tp:
+            rank, value = results.get(timeout=240)
+            assert not isinstance(value, str), value
+            local[rank] = value
+    except queue_module.Empty:
+        pytest.fail(f"vLLM layer workers did not report; exit codes {[p.exitcode for p in procs]}")
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            proc.kill()
+
+    full = _full_tensors(_hf_shapes(kv_heads))
+    plan = plan_sync(_hf_shapes(kv_heads), 1, _layout(tp, kv_heads), 1 << 20)
+    checked: dict[tuple[int, str], int] = {}
+    for name, dests in plan.destinations.items():
+        if name.endswith("norm.weight"):
+            continue  # replicated whole; no parallel layer in this test
+        assert sorted(d.tp_rank for d in dests) == list(range(tp))
+        for dest in dests:
+            engine_param = torch.from_numpy(local[dest.tp_rank][dest.param])
+            got = engine_param.narrow(dest.dim, dest.dst_start, dest.dst_stop - dest.dst_start)
+            want = full[name].narrow(dest.dim, dest.src_start, dest.src_stop - dest.src_start)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} -> {dest}")
+            key = (dest.tp_rank, dest.param)
+            checked[key] = checked.get(key, 0) + (dest.dst_stop - dest.dst_start)
+    # The destinations fill every engine parameter (up to vLLM's vocabulary padding rows) ...
+    for (rank, param), filled in checked.items():
+        shape = local[rank][param].shape
+        dim = 1 if param.endswith(("o_proj.weight", "down_proj.weight")) else 0
+        padding = shape[0] - filled if param in ("model.embed_tokens.weight", "lm_head.weight") else 0
+        assert filled + padding == shape[dim], (param, filled, shape)
+    # ... and the engine tensors built from them are vLLM's parameters, per rank and as global sharded arrays.
+    global_params = engine_tensors(plan, full)
+    for rank in range(tp):
+        built = engine_tensors(plan, full, tp_rank=rank)
+        for param, value in local[rank].items():
+            assert tuple(built[param].shape) == value.shape, param
+            rows = value.shape[0]  # vLLM leaves vocabulary padding rows uninitialised: compare the real ones
+            if param in ("model.embed_tokens.weight", "lm_head.weight"):
+                rows = min(rows, VOCAB - rank * rows)
+            torch.testing.assert_close(built[param][:rows], torch.from_numpy(value)[:rows], rtol=0, atol=0)
+    for param in local[0]:
+        dim = 1 if param.endswith(("o_proj.weight", "down_proj.weight")) else 0
+        blocks = [engine_tensors(plan, full, tp_rank=rank)[param] for rank in range(tp)]
+        torch.testing.assert_close(global_params[param], torch.cat(blocks, dim), rtol=0, atol=0)
+    torch.testing.assert_close(global_params["model.norm.weight"], full["model.norm.weight"], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- codec
+
+
+def test_checksum_notices_any_changed_word_and_length():
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, size=4099, dtype=np.uint8)  # not a multiple of 8: the tail counts too
+    reference = checksum(data)
+    for position in [0, 7, 8, 2048, 4095, 4098]:
+        changed = data.copy()
+        changed[position] ^= 0x10
+        assert checksum(changed) != reference, position
+    assert checksum(data[:-1]) != reference
+    assert checksum(np.zeros(16, np.uint8)) != checksum(np.zeros(8, np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks):
+    shapes = _hf_shapes(kv_heads=2)
+    full = _full_tensors(shapes)
+    plan = plan_sync(shapes, ranks, _layout(1, 2, dtype), 30_000)
+    staging = Staging(plan, version=1)
+    for rank in reversed(range(ranks)):  # arrival order does not matter
+        local = _local_shards(full, rank, ranks)
+        for bucket in plan.buckets:
+            buffer = np.empty(bucket.part_bytes(rank), dtype=np.uint8)
+            if not len(buffer):
+                continue
+            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer)
+            staging.add(bucket.index, rank, buffer, digest)
+    assembled = staging.complete()
+    for name, tensor in full.items():
+        torch.testing.assert_close(assembled[name], tensor.to(getattr(torch, dtype)), rtol=0, atol=0)
+
+
+def test_a_corrupt_short_or_missing_part_is_refused():
+    shapes = _hf_shapes(kv_heads=2)
+    full = _full_tensors(shapes)
+    plan = plan_sync(shapes, 2, _layout(1, 2), 30_000)
+    bucket = plan.buckets[1]
+    buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
+    digest = pack_part(bucket, 0, _local_shards(full, 0, 2), torch.float32, buffer)
+    corrupt = buffer.copy()
+    corrupt[len(corrupt) // 2] ^= 1
+    staging = Staging(plan, version=3)
+    with pytest.raises(SyncError, match="v3: bucket 1 from learner rank 0 is corrupt"):
+        staging.add(1, 0, corrupt, digest)
+    with pytest.raises(SyncError, match="bucket 1 from rank 0 has .* bytes, the plan says"):
+        staging.add(1, 0, buffer[:-4], digest)
+    staging.add(1, 0, buffer, digest)
+    with pytest.raises(SyncError, match="arrived twice"):
+        staging.add(1, 0, buffer, digest)
+    with pytest.raises(SyncError, match="never arrived"):
+        staging.complete()
+
+
+def test_a_shard_that_does_not_match_the_plan_is_refused():
+    shapes = _hf_shapes(kv_heads=2)
+    plan = plan_sync(shapes, 2, _layout(1, 2), 1 << 20)
+    wrong = _local_shards(_full_tensors(shapes), 0, 1)  # whole tensors where rank 0 of 2 should hold half
+    buffer = np.empty(plan.buckets[0].part_bytes(0), dtype=np.uint8)
+    with pytest.raises(SyncError, match="rank 0 holds .* rows but the sync plan expects"):
+        pack_part(plan.buckets[0], 0, wrong, torch.float32, buffer)
+
+
+# ---------------------------------------------------------------- transports
+
+
+def _receive_all(transport_name, parts, plan, results, connect=None):
+    try:
+        transport = make_transport(transport_name)
+        if connect:
+            transport.connect(*connect)
+        staging = Staging(plan, version=1)
+        for bucket, rank, handle, nbytes, digest in parts:
+            with transport.receive(handle, rank, nbytes) as buffer:
+                staging.add(bucket, rank, buffer, digest)
+        results.put({name: t.numpy() for name, t in staging.complete().items()})
+    except Exception as err:
+        results.put(repr(err))
+
+
+def _send_over_gloo(port, plan, results):
+    try:
+        transport = make_transport("gloo")
+        transport.connect("127.0.0.1", port, 0, 1, 2, 60)
+        for part in stream_parts(plan, 0, _full_tensors(plan.shapes), transport):
+            part.deliver()
+        results.put("sent")
+    except Exception as err:
+        results.put(repr(err))
+
+
+@pytest.mark.parametrize("transport_name", ["shm", "gloo"])
+def test_transport_carries_every_bucket_to_another_process(transport_name):
+    shapes = _hf_shapes(kv_heads=2)
+    full = _full_tensors(shapes)
+    plan = plan_sync(shapes, 1, _layout(1, 2), 30_000)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    if transport_name == "shm":
+        sender = make_transport("shm")
+        parts = [(p.bucket, p.rank, p.handle, p.nbytes, p.checksum) for p in stream_parts(plan, 0, full, sender)]
+        receiver = context.Process(target=_receive_all, args=("shm", parts, plan, results))
+        receiver.start()
+        received = results.get(timeout=120)
+        receiver.join()
+        sender.close()
+    else:
+        # gloo handles carry nothing: the receiver knows sizes and checksums travel beside the bytes.
+        parts = []
+        for bucket in plan.buckets:
+            buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
+            parts.append((bucket.index, 0, None, len(buffer), pack_part(bucket, 0, full, torch.float32, buffer)))
+        port = find_free_port()
+        sent = context.Queue()
+        sender_proc = context.Process(target=_send_over_gloo, args=(port, plan, sent))
+        receiver = context.Process(target=_receive_all, args=("gloo", parts, plan, results, ("127.0.0.1", port, 1, 1, 2, 60)))
+        sender_proc.start()
+        receiver.start()
+        received = results.get(timeout=120)
+        assert sent.get(timeout=60) == "sent"
+        receiver.join()
+        sender_proc.join()
+    assert not isinstance(received, str), received
+    for name, tensor in full.items():
+        np.testing.assert_array_equal(received[name], tensor.numpy())
+
+
+def test_shared_memory_is_reused_across_versions_and_freed_on_close():
+    from multiprocessing import shared_memory
+
+    transport = make_transport("shm")
+    first, _ = transport.send(transport.allocate(64, key=0))
+    transport.release()  # the version is done; its segment waits for the next one
+    again, _ = transport.send(transport.allocate(64, key=0))
+    other, _ = transport.send(transport.allocate(64, key=1))
+    assert again == first and other != first
+    transport.close()
+    for name in (first, other):
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=name)
+
+
+def test_unknown_transport_names_the_key():
+    with pytest.raises(ValueError, match="sync.transport: unknown transport 'nccl'"):
+        make_transport("nccl")
+
+
+# ---------------------------------------------------------------- TPU session (the code around the worker calls)
+
+
+class _RecordingLLM:
+    def __init__(self, fail_on: str | None = None):
+        self.calls: list[str] = []
+        self.fail_on = fail_on
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        self.calls.append(method if not kwargs else f"{method}({kwargs})")
+        if method == self.fail_on:
+            raise RuntimeError("write failed")
+        return [None]
+
+
+def test_tpu_weight_session_order_and_cleanup():
+    from rlpipe.rollout import tpu_weight_session
+
+    llm = _RecordingLLM()
+    tpu_weight_session(llm, {"w": torch.zeros(2)})
+    assert llm.calls == ["reset_prefix_cache", "start_weight_update({'free_kv_cache': True})",
+                         "rlpipe_tpu_write_weights", "finish_weight_update"]
+    failing = _RecordingLLM(fail_on="rlpipe_tpu_write_weights")
+    with pytest.raises(RuntimeError, match="write failed"):
+        tpu_weight_session(failing, {"w": torch.zeros(2)})
+    assert failing.calls[-1] == "finish_weight_update"  # the KV cache is rebuilt even when the write fails
