@@ -22,7 +22,7 @@ def send_parts(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], transp
     Each engine is told about a part before it is delivered (a gloo send waits for its receiver)."""
     receipts: list[list] = []
     sent = 0
-    for part in stream_parts(plan, rank, local, transport):
+    for part in stream_parts(plan, rank, local, transport, version):
         receipts.append(
             [
                 engine.receive_part.remote(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)

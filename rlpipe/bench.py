@@ -328,7 +328,9 @@ def _sync_bench_actors():
             self.transport.connect("127.0.0.1", port, world - 1, self.plan.learner_ranks, world, 300)
 
         def begin(self, version):
-            self.staging = Staging(self.plan, version, reuse=self.staging.tensors if self.staging else None)
+            # As the engine does: adopt what the transport hands over in place where it can, reuse owned memory.
+            reuse = self.staging.owned if self.staging else None
+            self.staging = Staging(self.plan, version, reuse, adopt_buffers=self.transport.stable_receive_buffers)
 
         @ray.method(concurrency_group="sync")
         def receive_part(self, version, bucket, rank, handle, nbytes, digest):

@@ -135,8 +135,11 @@ class RolloutEngine:
         self._on_tpu = current_platform.is_tpu()
         self._plan: SyncPlan | None = None
         self._staging: Staging | None = None
-        self._current_weights: dict[str, torch.Tensor] | None = None  # of policy_version, for rolling back
-        self._spare_weights: dict[str, torch.Tensor] | None = None  # staging memory to write the next version into
+        # Weights of policy_version, for rolling back (tensors may be views of transport buffers), the memory its
+        # staging owns, and owned memory free for the next staging to write into.
+        self._current_weights: dict[str, torch.Tensor] | None = None
+        self._current_owned: dict[str, torch.Tensor] = {}
+        self._spare_owned: dict[str, torch.Tensor] = {}
         self._unusable: str | None = None  # why the engine must not generate (a failed sync without rollback)
         # Generation and weight writes exclude each other; a waiting sync blocks new generation.
         self._state = threading.Condition()
@@ -221,9 +224,10 @@ class RolloutEngine:
             raise SyncError(f"weight version {version} is not newer than the engine's {self.policy_version}")
         self._plan = plan
         if self._staging is not None:  # an abandoned version: its memory is free again
-            self._spare_weights, self._staging = self._staging.tensors, None
-        self._staging = Staging(plan, version, reuse=self._spare_weights)
-        self._spare_weights = None
+            self._spare_owned, self._staging = self._staging.owned, None
+        adopt = self.transport.stable_receive_buffers
+        self._staging = Staging(plan, version, reuse=self._spare_owned, adopt_buffers=adopt)
+        self._spare_owned = {}
 
     def receive_part(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:
         staging = self._staging
@@ -234,7 +238,7 @@ class RolloutEngine:
                 staging.add(bucket, rank, buffer, digest)
             except SyncError:
                 self._staging = None  # a corrupt version is never applied, not even partly
-                self._spare_weights = staging.tensors
+                self._spare_owned = staging.owned
                 raise
         return nbytes
 
@@ -245,12 +249,11 @@ class RolloutEngine:
         if staging is None:
             raise SyncError("keep_staged_as_current: nothing was received")
         weights = staging.complete()
+        self._spare_owned = staging.owned
         if self.sync_cfg.keep_previous:
-            self._current_weights = weights
-            # Touched now, so that receiving version 1 into it does not pay for first-touch page faults.
-            self._spare_weights = {name: torch.empty_like(t).copy_(t) for name, t in weights.items()}
-        else:
-            self._spare_weights = weights
+            # A copy: adopted tensors view transport buffers that the next version may write.
+            self._current_owned = {name: torch.empty_like(t).copy_(t) for name, t in weights.items()}
+            self._current_weights = dict(self._current_owned)
 
     def commit(self, version: int, probe_tokens: list[int], expected: list[float]) -> dict:
         """Apply a fully received version: pause generation, write, check the probe, resume.
@@ -280,13 +283,14 @@ class RolloutEngine:
                     self._unusable = message + "; no previous weights were kept (sync.keep_previous: false)"
                     raise SyncError(self._unusable)
                 self._write(previous)
-                self._spare_weights = weights
+                self._spare_owned = staging.owned
                 raise SyncError(message + f"; the engine rolled back to version {self.policy_version}")
             # The replaced version's memory receives the one after this (only weights kept for rollback).
             if self.sync_cfg.keep_previous:
-                self._spare_weights, self._current_weights = self._current_weights, weights
+                self._spare_owned, self._current_owned = self._current_owned, staging.owned
+                self._current_weights = weights
             else:
-                self._spare_weights = weights
+                self._spare_owned = staging.owned
             self.policy_version = version
             self._unusable = None
             return {

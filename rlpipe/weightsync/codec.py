@@ -58,23 +58,38 @@ class Staging:
 
     Nothing here touches the engine: a version is handed over only when complete and every checksum matched.
     Parts may arrive in any order and from several threads.
+
+    With `adopt_buffers` (the transport's received buffers stay valid and unchanged while this version may still be
+    needed), a tensor whose rows all arrive in one part is used in place, as a view of that buffer, instead of
+    being copied: with one learner rank that is every tensor, and the engine's side of the transfer is just the
+    checksum. Tensors assembled from several ranks' rows are copied into memory this staging owns (`owned`), which
+    a later staging may write over (`reuse`: fresh memory costs a page fault per 4 KiB).
     """
 
-    def __init__(self, plan: SyncPlan, version: int, reuse: dict[str, torch.Tensor] | None = None):
-        """`reuse`: tensors of an earlier staging for the same plan, written over (fresh memory costs page faults)."""
+    def __init__(
+        self, plan: SyncPlan, version: int, reuse: dict[str, torch.Tensor] | None = None, adopt_buffers: bool = False
+    ):
         self.plan = plan
         self.version = version
-        dtype = plan.torch_dtype
-        if reuse is not None and {n: tuple(t.shape) for n, t in reuse.items()} == dict(plan.shapes):
-            self.tensors = reuse
-        else:
-            self.tensors = {name: torch.empty(shape, dtype=dtype) for name, shape in plan.shapes.items()}
+        self.adopt_buffers = adopt_buffers
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.owned: dict[str, torch.Tensor] = {}
+        self._reuse = reuse or {}
         self._expected = {
             (bucket.index, rank) for bucket in plan.buckets for rank in range(plan.learner_ranks) if bucket.part_bytes(rank)
         }
         self._received: set[tuple[int, int]] = set()
         self.bytes_received = 0
         self._lock = threading.Lock()
+
+    def _owned_tensor(self, name: str) -> torch.Tensor:
+        with self._lock:
+            if name not in self.owned:
+                shape, reused = tuple(self.plan.shapes[name]), self._reuse.get(name)
+                fits = reused is not None and tuple(reused.shape) == shape and reused.dtype == self.plan.torch_dtype
+                self.owned[name] = reused if fits else torch.empty(shape, dtype=self.plan.torch_dtype)
+                self.tensors[name] = self.owned[name]
+            return self.owned[name]
 
     def add(self, bucket_index: int, rank: int, buffer: np.ndarray, expected_checksum: int) -> None:
         if not 0 <= bucket_index < len(self.plan.buckets) or not 0 <= rank < self.plan.learner_ranks:
@@ -97,9 +112,16 @@ class Staging:
             source = torch.from_numpy(buffer.reshape(-1).view(np.uint8))
         dtype = self.plan.torch_dtype
         for piece in bucket.parts[rank]:
-            target = self.tensors[piece.name]
-            rows = target if target.dim() == 0 else target[piece.start : piece.stop]
-            rows.copy_(source[piece.offset : piece.offset + piece.nbytes].view(dtype).view(rows.shape))
+            shape = tuple(self.plan.shapes[piece.name])
+            rows = source[piece.offset : piece.offset + piece.nbytes].view(dtype)
+            whole = not shape or (piece.start == 0 and piece.stop == shape[0])
+            if whole and self.adopt_buffers:
+                with self._lock:
+                    self.tensors[piece.name] = rows.view(shape)
+                continue
+            target = self._owned_tensor(piece.name)
+            part = target if target.dim() == 0 else target[piece.start : piece.stop]
+            part.copy_(rows.view(part.shape))
         with self._lock:
             if (bucket_index, rank) in self._received:
                 raise SyncError(f"weight sync v{self.version}: bucket {bucket_index} from rank {rank} arrived twice")
@@ -117,4 +139,4 @@ class Staging:
                 f"weight sync v{self.version}: {len(missing)} bucket parts never arrived "
                 f"(first: bucket {missing[0][0]} from rank {missing[0][1]}); the engine keeps its weights"
             )
-        return self.tensors
+        return {name: self.tensors[name] for name in self.plan.shapes}

@@ -23,7 +23,9 @@ class OutgoingPart:
     deliver: Callable[[], None]
 
 
-def stream_parts(plan: SyncPlan, rank: int, local: Mapping[str, torch.Tensor], transport) -> Iterator[OutgoingPart]:
+def stream_parts(
+    plan: SyncPlan, rank: int, local: Mapping[str, torch.Tensor], transport, version: int
+) -> Iterator[OutgoingPart]:
     """This rank's non-empty parts in bucket order. While the caller ships one part, the next is being packed
     (cast, copy, checksum) in a worker thread, so packing and transfer overlap."""
     buckets = [bucket for bucket in plan.buckets if bucket.part_bytes(rank)]
@@ -31,7 +33,7 @@ def stream_parts(plan: SyncPlan, rank: int, local: Mapping[str, torch.Tensor], t
 
     def pack(index: int) -> OutgoingPart:
         bucket = buckets[index]
-        buffer = transport.allocate(bucket.part_bytes(rank), bucket.index)
+        buffer = transport.allocate(bucket.part_bytes(rank), bucket.index, version)
         digest = pack_part(bucket, rank, local, dtype, buffer)
         handle, deliver = transport.send(buffer)
         return OutgoingPart(bucket.index, rank, buffer.nbytes, digest, handle, deliver)

@@ -1,12 +1,17 @@
 """How a bucket part's bytes travel from a learner rank to the rollout engines, behind one interface.
 
-Sender side (a learner rank), per part:  `buffer = allocate(nbytes, key)`, pack into it,
+Sender side (a learner rank), per part:  `buffer = allocate(nbytes, bucket, version)`, pack into it,
 `handle, deliver = send(buffer)`, tell every engine about `handle`, then call `deliver()`.
 Receiver side (an engine), per part:      `with receive(handle, source_rank, nbytes) as buffer:` read it.
 After the version is committed the sender calls `release()`; `close()` frees everything for good.
 
-Buffers are kept per key (the bucket index) and reused by the next version: touching freshly mapped memory costs
-a page fault per 4 KiB, which on this CPU made first-touch buffers, not the copies, the bulk of a sync.
+Buffers are kept per bucket and reused by later versions: touching freshly mapped memory costs a page fault per
+4 KiB, which on this CPU made first-touch buffers, not the copies, the bulk of a sync.
+
+`stable_receive_buffers`: what `receive` yields stays valid and unchanged until two versions later, so the engine
+may use it in place instead of copying it (see `Staging`). True for the object store (an object never changes
+and stays while referenced) and for shared memory (the sender alternates two segment sets by version parity, so
+version v+1 never writes the segments of version v, which the engine may still need to roll back to).
 
 - `ray`:  the Ray object store (default; works across hosts). The handle is an object reference.
 - `shm`:  POSIX shared memory on one host. The learner packs straight into a named segment; the handle is its name.
@@ -40,10 +45,10 @@ class _BufferPool:
     def __init__(self) -> None:
         self._buffers: dict[object, np.ndarray] = {}
 
-    def allocate(self, nbytes: int, key: object) -> np.ndarray:
-        buffer = self._buffers.get(key)
+    def allocate(self, nbytes: int, bucket: int, version: int) -> np.ndarray:
+        buffer = self._buffers.get(bucket)
         if buffer is None or buffer.nbytes != nbytes:
-            buffer = self._buffers[key] = np.empty(nbytes, dtype=np.uint8)
+            buffer = self._buffers[bucket] = np.empty(nbytes, dtype=np.uint8)
         return buffer
 
     def close(self) -> None:
@@ -54,6 +59,7 @@ class RayTransport(_BufferPool):
     """ray.put copies the packed buffer into the object store, so the buffer is free for the next version."""
 
     name = "ray"
+    stable_receive_buffers = True
 
     def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
         import ray
@@ -73,15 +79,17 @@ class RayTransport(_BufferPool):
 
 class SharedMemoryTransport:
     name = "shm"
+    stable_receive_buffers = True
 
     def __init__(self) -> None:
         self._segments: dict[object, Any] = {}  # sender: key -> segment it owns
         self._by_address: dict[int, Any] = {}  # sender: buffer address -> segment
         self._attached: dict[str, tuple[Any, np.ndarray]] = {}  # receiver: name -> (segment, view)
 
-    def allocate(self, nbytes: int, key: object) -> np.ndarray:
+    def allocate(self, nbytes: int, bucket: int, version: int) -> np.ndarray:
         from multiprocessing import shared_memory
 
+        key = (bucket, version % 2)
         segment = self._segments.get(key)
         if segment is None or segment.size < max(1, nbytes):
             segment = shared_memory.SharedMemory(
@@ -138,6 +146,7 @@ class GlooTransport(_BufferPool):
     learners' own group so that neither knows about the other's collectives."""
 
     name = "gloo"
+    stable_receive_buffers = False  # received into one scratch buffer
 
     def __init__(self) -> None:
         super().__init__()

@@ -44,7 +44,7 @@ def _send(engine, learner, plan, version, corrupt_bucket=None):
     transport = make_transport("shm")
     engine.begin_sync(plan, version)
     try:
-        for part in stream_parts(plan, 0, learner.local_weights(), transport):
+        for part in stream_parts(plan, 0, learner.local_weights(), transport, version):
             if part.bucket == corrupt_bucket:
                 from multiprocessing import shared_memory
 

@@ -242,13 +242,14 @@ def test_checksum_notices_any_changed_word_and_length():
     assert checksum(np.zeros(16, np.uint8)) != checksum(np.zeros(8, np.uint8))
 
 
+@pytest.mark.parametrize("adopt", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks):
+def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, adopt):
     shapes = _hf_shapes(kv_heads=2)
     full = _full_tensors(shapes)
     plan = plan_sync(shapes, ranks, _layout(1, 2, dtype), 30_000)
-    staging = Staging(plan, version=1)
+    staging = Staging(plan, version=1, adopt_buffers=adopt)
     for rank in reversed(range(ranks)):  # arrival order does not matter
         local = _local_shards(full, rank, ranks)
         for bucket in plan.buckets:
@@ -258,8 +259,16 @@ def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks):
             digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer)
             staging.add(bucket.index, rank, buffer, digest)
     assembled = staging.complete()
+    assert list(assembled) == list(plan.shapes)
     for name, tensor in full.items():
         torch.testing.assert_close(assembled[name], tensor.to(getattr(torch, dtype)), rtol=0, atol=0)
+    # Adopted tensors are the received buffers themselves; only tensors split over ranks are copied.
+    split = {name for name, shape in shapes.items() if shape[0] > 1 and ranks > 1}
+    assert set(staging.owned) == (split if adopt else set(shapes))
+    reused = Staging(plan, version=2, reuse=staging.owned)
+    if staging.owned:
+        name = next(iter(staging.owned))
+        assert reused._owned_tensor(name) is staging.owned[name]  # written over, not allocated again
 
 
 def test_a_corrupt_short_or_missing_part_is_refused():
@@ -313,7 +322,7 @@ def _send_over_gloo(port, plan, results):
     try:
         transport = make_transport("gloo")
         transport.connect("127.0.0.1", port, 0, 1, 2, 60)
-        for part in stream_parts(plan, 0, _full_tensors(plan.shapes), transport):
+        for part in stream_parts(plan, 0, _full_tensors(plan.shapes), transport, version=1):
             part.deliver()
         results.put("sent")
     except Exception as err:
@@ -329,7 +338,7 @@ def test_transport_carries_every_bucket_to_another_process(transport_name):
     results = context.Queue()
     if transport_name == "shm":
         sender = make_transport("shm")
-        parts = [(p.bucket, p.rank, p.handle, p.nbytes, p.checksum) for p in stream_parts(plan, 0, full, sender)]
+        parts = [(p.bucket, p.rank, p.handle, p.nbytes, p.checksum) for p in stream_parts(plan, 0, full, sender, 1)]
         receiver = context.Process(target=_receive_all, args=("shm", parts, plan, results))
         receiver.start()
         received = results.get(timeout=120)
@@ -356,17 +365,18 @@ def test_transport_carries_every_bucket_to_another_process(transport_name):
         np.testing.assert_array_equal(received[name], tensor.numpy())
 
 
-def test_shared_memory_is_reused_across_versions_and_freed_on_close():
+def test_shared_memory_alternates_two_segment_sets_and_is_freed_on_close():
     from multiprocessing import shared_memory
 
     transport = make_transport("shm")
-    first, _ = transport.send(transport.allocate(64, key=0))
-    transport.release()  # the version is done; its segment waits for the next one
-    again, _ = transport.send(transport.allocate(64, key=0))
-    other, _ = transport.send(transport.allocate(64, key=1))
-    assert again == first and other != first
+    first, _ = transport.send(transport.allocate(64, bucket=0, version=1))
+    transport.release()  # the version is done; its segment waits for a later one
+    after_next, _ = transport.send(transport.allocate(64, bucket=0, version=3))
+    next_version, _ = transport.send(transport.allocate(64, bucket=0, version=2))  # never the previous version's
+    other, _ = transport.send(transport.allocate(64, bucket=1, version=1))
+    assert after_next == first and len({first, next_version, other}) == 3
     transport.close()
-    for name in (first, other):
+    for name in (first, next_version, other):
         with pytest.raises(FileNotFoundError):
             shared_memory.SharedMemory(name=name)
 
