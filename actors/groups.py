@@ -84,7 +84,8 @@ class Roles:
         )
         address, port = ray.get(self.learners[0].rendezvous_address.remote())
         get_all([learner.join_group.remote(address, port) for learner in self.learners])
-        self.sync_plan = ray.put(self._plan_sync())
+        plan = self._plan_sync()
+        self.sync_plan = ray.put(plan)
         if cfg.sync.transport == "gloo":
             address, port = ray.get(self.learners[0].rendezvous_address.remote())
             world = ranks + len(self.engines)
@@ -96,18 +97,16 @@ class Roles:
                 ]
             )
         self.policy_version = 0
-        self._rehearse_sync()
+        self.rehearsal = self._rehearse_sync(plan.shapes["model.embed_tokens.weight"][0])
 
-    def _rehearse_sync(self) -> None:
-        """Send the starting weights through the channel once, without writing them: a transport that does not
-        work fails here rather than after the first training step, the buffers are touched before step 1 pays for
-        it, and the engines keep what arrived (the weights they loaded themselves) as their rollback copy."""
-        get_all([engine.begin_sync.remote(self.sync_plan, 1) for engine in self.engines])
-        try:
-            get_all([learner.send_weights.remote(self.sync_plan, 1, self.engines) for learner in self.learners])
-        finally:
-            get_all([learner.release_weights.remote() for learner in self.learners])
-        get_all([engine.keep_staged_as_current.remote() for engine in self.engines])
+    def _rehearse_sync(self, vocab: int) -> dict[str, float]:
+        """Send the starting weights through the whole channel once — transfer, write, probe — before training:
+        a transport or layout that does not work fails here rather than after the first training step, the first
+        sync does not pay for first-touch buffers, and the engines keep what arrived as their rollback copy.
+        The engines already hold these weights, so the policy version stays 0."""
+        probe = [(index * 7919) % vocab for index in range(1, 33)]  # any fixed sequence serves as a probe
+        metrics, _ = self._transfer(1, probe, rehearsal=True)
+        return metrics
 
     def _plan_sync(self) -> SyncPlan:
         """The transfer plan, computed once; checked against every engine's parameters so that a layout the
@@ -175,27 +174,34 @@ class Roles:
         """
         version = self.policy_version + 1
         completion = probe.completions[0]
-        tokens = probe.prompt.token_ids + completion.token_ids
-        expected = get_all([learner.sequence_logprobs.remote(tokens) for learner in self.learners])[0]
+        metrics, results = self._transfer(version, probe.prompt.token_ids + completion.token_ids)
+        self.policy_version = version
+        start = len(probe.prompt.token_ids)
+        metrics["sync/policy_shift"] = max(
+            (abs(a - b) for a, b in zip(results[0]["probe"][start:], completion.logprobs)), default=0.0
+        )
+        return metrics
+
+    def _transfer(self, version: int, probe_tokens: list[int], rehearsal: bool = False):
+        """Stream the learner's weights to every engine as `version`, then write and check them there."""
+        expected = get_all([learner.sequence_logprobs.remote(probe_tokens) for learner in self.learners])[0]
         get_all([engine.begin_sync.remote(self.sync_plan, version) for engine in self.engines])
         started = time.perf_counter()
         try:
             sent = get_all([learner.send_weights.remote(self.sync_plan, version, self.engines) for learner in self.learners])
             transfer_s = time.perf_counter() - started
-            results = get_all([engine.commit.remote(version, tokens, expected) for engine in self.engines])
+            results = get_all(
+                [engine.commit.remote(version, probe_tokens, expected, rehearsal) for engine in self.engines]
+            )
         finally:
             get_all([learner.release_weights.remote() for learner in self.learners])
-        self.policy_version = version
-        start = len(probe.prompt.token_ids)
-        return {
+        metrics = {
             "sync/probe_max_abs": max(result["probe_max_abs"] for result in results),
-            "sync/policy_shift": max(
-                (abs(a - b) for a, b in zip(results[0]["probe"][start:], completion.logprobs)), default=0.0
-            ),
             "sync/bytes": float(sum(sent)),
             "sync/transfer_s": transfer_s,
             "sync/write_s": max(result["write_s"] for result in results),
         }
+        return metrics, results
 
     def export(self, out_dir: str) -> str:
         return get_all([learner.export.remote(out_dir) for learner in self.learners])[0]

@@ -47,9 +47,5 @@ class RolloutActor:
         return self.engine.receive_part(version, bucket, rank, handle, nbytes, digest)
 
     @ray.method(concurrency_group="sync")
-    def keep_staged_as_current(self) -> None:
-        self.engine.keep_staged_as_current()
-
-    @ray.method(concurrency_group="sync")
-    def commit(self, version: int, probe_tokens: list[int], expected: list[float]) -> dict:
-        return self.engine.commit(version, probe_tokens, expected)
+    def commit(self, version: int, probe_tokens: list[int], expected: list[float], rehearsal: bool = False) -> dict:
+        return self.engine.commit(version, probe_tokens, expected, rehearsal)

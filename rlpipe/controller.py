@@ -30,7 +30,13 @@ def train(cfg: Config) -> dict:
     roles = Roles(cfg, run.model_path, cfg.model.tokenizer)
     log = run.log
     try:
-        summary = {"eval_before": evaluate(roles, run.eval_set, cfg)}
+        check = roles.rehearsal
+        log.note(
+            f"weight sync checked before training: {check['sync/bytes'] / 1e9:.2f} GB from the learner in "
+            f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, "
+            f"probe max |engine - learner| {check['sync/probe_max_abs']:.1e}"
+        )
+        summary = {"sync_check": check, "eval_before": evaluate(roles, run.eval_set, cfg)}
         log.note(f"held-out accuracy before training: {summary['eval_before']}")
         for step in range(1, cfg.train.steps + 1):
             clock = Clock()

@@ -36,9 +36,27 @@ class WeightReceiver:
             weights = list(decode_weights(weights).items())
         # In-place reload keeps vLLM's own loaders in charge of fusing (qkv, gate/up), tensor-parallel slicing
         # and CPU repacking.
-        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        try:
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        except Exception:
+            self._abandon_partial_reload()
+            raise
         self._refresh_tied_output_layer()
         return len(weights)
+
+    def _abandon_partial_reload(self) -> None:
+        """After a reload that raised, layers still hold buffered, unapplied weights, which the next reload would
+        replay (so a rollback would fail the same way). Drop them; vLLM's finalize then puts each such layer's
+        previous tensors back, as it does for a layer that received nothing."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, get_layerwise_info
+
+        model = self.model_runner.get_model()
+        for layer in model.modules():
+            info = get_layerwise_info(layer)
+            if info.can_load():
+                info.loaded_weights.clear()
+                info.load_numel = 0
+        finalize_layerwise_reload(model, self.vllm_config.model_config)
 
     def rlpipe_tpu_write_weights(self, tensors: dict[str, torch.Tensor]) -> int:
         """vLLM on TPU (tpu-inference): the runner's `state` maps vLLM parameter names to sharded JAX arrays;
@@ -242,24 +260,13 @@ class RolloutEngine:
                 raise
         return nbytes
 
-    def keep_staged_as_current(self) -> None:
-        """Keep a fully received version as the rollback copy of the weights the engine serves now, without
-        writing it: for the start-up rehearsal, which sends the weights both sides loaded from the same folder."""
-        staging, self._staging = self._staging, None
-        if staging is None:
-            raise SyncError("keep_staged_as_current: nothing was received")
-        weights = staging.complete()
-        self._spare_owned = staging.owned
-        if self.sync_cfg.keep_previous:
-            # A copy: adopted tensors view transport buffers that the next version may write.
-            self._current_owned = {name: torch.empty_like(t).copy_(t) for name, t in weights.items()}
-            self._current_weights = dict(self._current_owned)
-
-    def commit(self, version: int, probe_tokens: list[int], expected: list[float]) -> dict:
+    def commit(self, version: int, probe_tokens: list[int], expected: list[float], rehearsal: bool = False) -> dict:
         """Apply a fully received version: pause generation, write, check the probe, resume.
 
-        A failed check restores the previous weights (or, without `sync.keep_previous`, leaves the engine refusing
-        to generate); either way the engine never serves a mix of two versions."""
+        A failed write or check restores the previous weights (or, without `sync.keep_previous`, leaves the engine
+        refusing to generate); either way the engine never serves a mix of two versions. A `rehearsal` sends the
+        weights the engine already serves (the start-up check of the channel): written and checked the same way,
+        but the policy version stays."""
         staging, self._staging = self._staging, None
         if staging is None or staging.version != version:
             raise SyncError(f"weight sync v{version}: nothing received for this version (a bucket failed?)")
@@ -270,28 +277,39 @@ class RolloutEngine:
             self._state.wait_for(lambda: not self._generating)
         started = time.perf_counter()
         try:
-            previous = self._previous_weights() if self.sync_cfg.keep_previous else None
-            self._write(weights)
-            probe = self.sequence_logprobs(probe_tokens)
-            gap = max((abs(a - b) for a, b in zip(probe[1:], expected[1:])), default=0.0)
-            if not gap <= self.sync_cfg.probe_tolerance:  # also catches NaN
-                message = (
-                    f"weight sync v{version}: after writing, the engine's probe logprobs differ from the learner's by "
-                    f"{gap:.3g} > sync.probe_tolerance {self.sync_cfg.probe_tolerance:g}"
+            try:
+                self._write(weights)
+                probe = self.sequence_logprobs(probe_tokens)
+                gap = max((abs(a - b) for a, b in zip(probe[1:], expected[1:])), default=0.0)
+                failure = None
+            except Exception as err:  # a write that broke off may have left some layers new and some old
+                probe, gap, failure = [], float("nan"), f"{type(err).__name__}: {err}"
+            if failure or not gap <= self.sync_cfg.probe_tolerance:  # `not <=` also catches NaN
+                self._spare_owned = staging.owned
+                message = f"weight sync v{version}: " + (
+                    f"writing the weights failed ({failure})"
+                    if failure
+                    else f"after writing, the engine's probe logprobs differ from the learner's by {gap:.3g} "
+                    f"> sync.probe_tolerance {self.sync_cfg.probe_tolerance:g}"
                 )
-                if previous is None:
+                if not self.sync_cfg.keep_previous:
                     self._unusable = message + "; no previous weights were kept (sync.keep_previous: false)"
                     raise SyncError(self._unusable)
-                self._write(previous)
-                self._spare_owned = staging.owned
+                self._write(self._previous_weights())
                 raise SyncError(message + f"; the engine rolled back to version {self.policy_version}")
-            # The replaced version's memory receives the one after this (only weights kept for rollback).
-            if self.sync_cfg.keep_previous:
+            if not self.sync_cfg.keep_previous:
+                self._spare_owned = staging.owned
+            elif rehearsal:
+                # The weights served now, kept for rolling back. Copied: adopted tensors view transport buffers
+                # that the next version may write.
+                self._spare_owned = staging.owned
+                self._current_owned = {name: torch.empty_like(t).copy_(t) for name, t in weights.items()}
+                self._current_weights = dict(self._current_owned)
+            else:  # the replaced version's memory receives the one after this
                 self._spare_owned, self._current_owned = self._current_owned, staging.owned
                 self._current_weights = weights
-            else:
-                self._spare_owned = staging.owned
-            self.policy_version = version
+            if not rehearsal:
+                self.policy_version = version
             self._unusable = None
             return {
                 "probe_max_abs": gap,

@@ -59,6 +59,9 @@ def _check_run(run_dir, summary, samples_per_step=8):
                     "entropy", "logprob_gap/mean_abs", "logprob_gap/max_abs", "time/generate", "time/reward",
                     "time/train", "time/sync", "tokens_per_s/generate"):
             assert key in record, key
+    # The channel was checked end to end before training: every byte, the write and the probe.
+    assert summary["sync_check"]["sync/probe_max_abs"] < 1e-5
+    assert summary["sync_check"]["sync/bytes"] == records[0]["sync/bytes"] > 0
     # Step 1 samples from the starting weights, which learner and engine share: their logprobs agree.
     assert records[0]["logprob_gap/max_abs"] < 1e-3
     assert (run_dir / "curves.png").stat().st_size > 0

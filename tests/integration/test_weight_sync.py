@@ -101,6 +101,20 @@ def test_a_failed_probe_rolls_the_engine_back(setup):
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
 
 
+def test_a_write_that_breaks_off_is_rolled_back(setup):
+    engine, learner, plan = setup
+    before, version = engine.sequence_logprobs(PROBE), engine.policy_version
+    _perturb(learner, 4)
+    _send(engine, learner, plan, version + 1)
+    # The last tensor the loader meets has a shape the engine cannot take: everything before it was written.
+    last = list(plan.shapes)[-1]
+    engine._staging.tensors[last] = torch.zeros(3)
+    with pytest.raises(SyncError, match=rf"v{version + 1}: writing the weights failed .* rolled back to version {version}"):
+        engine.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
+    assert engine.policy_version == version
+    assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
+
+
 def test_versions_only_go_up(setup):
     engine, _, plan = setup
     with pytest.raises(SyncError, match="is not newer"):
