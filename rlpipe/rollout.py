@@ -132,6 +132,7 @@ class RolloutEngine:
 
         self.cfg = cfg
         self.sync_cfg = sync or SyncConfig()
+        self.probe_tolerance = self.sync_cfg.probe_tolerance_for(cfg.dtype)
         self.model_path = model_path
         self.policy_version = 0
         self.llm = LLM(
@@ -164,6 +165,12 @@ class RolloutEngine:
         self._generating = False
         self._sync_waiting = False
         self._abort_generation = False
+
+    def close(self) -> None:
+        """Stop the engine and free the transport's buffers (an in-process engine otherwise shuts down at
+        interpreter exit, after other code may have torn down the process groups it expects)."""
+        self.transport.close()
+        self.llm.llm_engine.engine_core.shutdown()
 
     # ------------------------------------------------------------------ generation
 
@@ -284,13 +291,13 @@ class RolloutEngine:
                 failure = None
             except Exception as err:  # a write that broke off may have left some layers new and some old
                 probe, gap, failure = [], float("nan"), f"{type(err).__name__}: {err}"
-            if failure or not gap <= self.sync_cfg.probe_tolerance:  # `not <=` also catches NaN
+            if failure or not gap <= self.probe_tolerance:  # `not <=` also catches NaN
                 self._spare_owned = staging.owned
                 message = f"weight sync v{version}: " + (
                     f"writing the weights failed ({failure})"
                     if failure
                     else f"after writing, the engine's probe logprobs differ from the learner's by {gap:.3g} "
-                    f"> sync.probe_tolerance {self.sync_cfg.probe_tolerance:g}"
+                    f"> sync.probe_tolerance {self.probe_tolerance:g}"
                 )
                 if not self.sync_cfg.keep_previous:
                     self._unusable = message + "; no previous weights were kept (sync.keep_previous: false)"

@@ -30,7 +30,8 @@ def setup(tiny_qwen3):
     layout, params = engine.layout()
     plan = plan_sync(learner.weight_shapes(), 1, layout, int(cfg.sync.bucket_mb * 2**20))
     assert plan.engine_params() <= set(params)  # the plan names parameters the engine really has
-    return engine, learner, plan
+    yield engine, learner, plan
+    engine.close()
 
 
 def _perturb(learner: Learner, seed: int) -> None:

@@ -186,6 +186,12 @@ def test_bad_sync_settings_name_their_key(override):
     assert _error(override).startswith(override.split("=")[0] + ":")
 
 
+def test_probe_tolerance_follows_the_rollout_dtype_unless_set():
+    sync = load_config(None, []).sync
+    assert sync.probe_tolerance_for("float32") == 1e-4 and sync.probe_tolerance_for("bfloat16") == 0.1
+    assert load_config(None, ["sync.probe_tolerance=1e-5"]).sync.probe_tolerance_for("bfloat16") == 1e-5
+
+
 def test_malformed_override():
     assert _error("train.steps").startswith("train.steps")
 
