@@ -197,6 +197,7 @@ class Roles:
             get_all([learner.release_weights.remote() for learner in self.learners])
         metrics = {
             "sync/probe_max_abs": max(result["probe_max_abs"] for result in results),
+            "sync/probe_mean_abs": max(result["probe_mean_abs"] for result in results),
             "sync/bytes": float(sum(sent)),
             "sync/transfer_s": transfer_s,
             "sync/write_s": max(result["write_s"] for result in results),
