@@ -226,15 +226,15 @@ def engine_tensors(
     tp = 1 + max(dest.tp_rank for dests in plan.destinations.values() for dest in dests)
     shapes: dict[str, list[int]] = {}
     split_dim: dict[str, int | None] = {}
+    extent: dict[str, int] = {}  # a split parameter's local size along its split dim
     for name, dests in plan.destinations.items():
         for dest in dests:
             shapes.setdefault(dest.param, list(plan.shapes[name]) or [1])
             split_dim[dest.param] = None if dest.replicated else dest.dim
-    for param, dim in split_dim.items():
-        if dim is not None:
-            shapes[param][dim] = max(
-                dest.dst_stop for dests in plan.destinations.values() for dest in dests if dest.param == param
-            )
+            if not dest.replicated:
+                extent[dest.param] = max(extent.get(dest.param, 0), dest.dst_stop)
+    for param, size in extent.items():
+        shapes[param][split_dim[param]] = size
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name in shapes and name in plan.shapes:  # vLLM pads the vocabulary before splitting it
             shapes[name][0] = math.ceil(plan.shapes[name][0] / VOCAB_PADDING) * VOCAB_PADDING // tp
