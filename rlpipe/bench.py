@@ -297,6 +297,7 @@ def _sync_bench_actors():
     @ray.remote(num_cpus=1, runtime_env=THREADS_ENV)
     class Sender:
         def __init__(self, plan, rank, transport):
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.learner_ranks))  # as LearnerActor does
             generator = torch.Generator().manual_seed(rank)
             self.plan, self.rank, self.transport = plan, rank, make_transport(transport)
             self.local = {}

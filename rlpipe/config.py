@@ -143,7 +143,7 @@ class SyncConfig:
     transport: Literal["ray", "shm", "gloo"] = _key(
         "ray", "weight transport: ray (object store, across hosts), shm (shared memory, one host), gloo (torch.distributed)"
     )
-    bucket_mb: float = _key(64.0, "weights travel in buckets of about this many MiB, packed one bucket ahead")
+    bucket_mb: float = _key(64.0, "weights travel in buckets of about this many MiB, packed two buckets ahead")
     probe_tolerance: float | None = _key(
         None,
         "allowed |engine - learner| logprob on the probe after a sync, else it is rolled back: the max over tokens "

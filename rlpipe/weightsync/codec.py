@@ -27,30 +27,65 @@ class SyncError(RuntimeError):
 
 
 def checksum(buffer: np.ndarray) -> int:
-    data = buffer.reshape(-1).view(np.uint8)
-    whole = len(data) // 8 * 8
-    total = int(data[:whole].view(np.uint64).sum(dtype=np.uint64)) if whole else 0
-    if whole < len(data):
-        tail = np.zeros(8, dtype=np.uint8)
-        tail[: len(data) - whole] = data[whole:]
-        total += int(tail.view(np.uint64)[0])
-    return (total + len(data) * 0x9E3779B97F4A7C15) & _MASK
+    running = _RunningChecksum(buffer)
+    running.advance(buffer.nbytes)
+    return running.finish()
+
+
+class _RunningChecksum:
+    """`checksum` of a buffer that is being filled front to back, taken in step with the filling: each span is
+    summed right after it was written, while it is still in cache, so the checksum costs almost no memory traffic."""
+
+    def __init__(self, buffer: np.ndarray):
+        self.data = buffer.reshape(-1).view(np.uint8)
+        self.done = 0  # bytes summed so far; always a multiple of 8
+        self.total = 0
+
+    def advance(self, written: int) -> None:
+        """The buffer's first `written` bytes are final."""
+        upto = written // 8 * 8
+        if upto > self.done:
+            self.total += int(self.data[self.done : upto].view(np.uint64).sum(dtype=np.uint64))
+            self.done = upto
+
+    def finish(self) -> int:
+        self.advance(len(self.data))
+        if self.done < len(self.data):
+            tail = np.zeros(8, dtype=np.uint8)
+            tail[: len(self.data) - self.done] = self.data[self.done :]
+            self.total += int(tail.view(np.uint64)[0])
+        return (self.total + len(self.data) * 0x9E3779B97F4A7C15) & _MASK
+
+
+# Packing copies this many bytes at a time and sums them straight away (see _RunningChecksum).
+_PACK_CHUNK_BYTES = 4 << 20
 
 
 def pack_part(bucket: Bucket, rank: int, local: Mapping[str, torch.Tensor], dtype: torch.dtype, out: np.ndarray) -> int:
     """Write `rank`'s pieces of `bucket` into `out` (uint8, part_bytes long), casting to `dtype`; returns the
     checksum. `local[name]` is the rank's shard of that tensor: exactly the rows the plan assigns it."""
     target = torch.from_numpy(out) if len(out) else None
+    running = _RunningChecksum(out)
+    chunk = max(1, _PACK_CHUNK_BYTES // dtype.itemsize)
     for piece in bucket.parts[rank]:
         shard = local[piece.name]
-        if shard.dim() and shard.shape[0] != piece.stop - piece.start:
+        if shard.numel() * dtype.itemsize != piece.nbytes:
+            rows = shard.shape[0] if shard.dim() else 1
             raise SyncError(
-                f"{piece.name}: rank {rank} holds {shard.shape[0]} rows but the sync plan expects "
-                f"{piece.stop - piece.start}; the plan no longer matches the learner's sharding"
+                f"{piece.name}: rank {rank} holds {rows} rows of shape {tuple(shard.shape)} but the sync plan "
+                f"expects {piece.stop - piece.start} rows; the plan no longer matches the learner's sharding"
             )
-        view = target[piece.offset : piece.offset + piece.nbytes].view(dtype).view(shard.shape)
-        view.copy_(shard.detach())
-    return checksum(out)
+        source = shard.detach().reshape(-1)
+        view = target[piece.offset : piece.offset + piece.nbytes].view(dtype)
+        if source.dtype == dtype:  # a plain memcpy on this thread: torch's copy_ would wake its OpenMP threads,
+            source, view = source.numpy(), view.numpy()  # whose spinning takes the cores the receiver needs
+            copy = np.copyto
+        else:
+            copy = torch.Tensor.copy_
+        for start in range(0, len(source), chunk):
+            copy(view[start : start + chunk], source[start : start + chunk])
+            running.advance(piece.offset + min(start + chunk, len(source)) * dtype.itemsize)
+    return running.finish()
 
 
 class Staging:

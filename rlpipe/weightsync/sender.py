@@ -1,4 +1,4 @@
-"""The learner side: pack this rank's part of each bucket and hand it to a transport, one bucket ahead."""
+"""The learner side: pack this rank's part of each bucket and hand it to a transport, two buckets ahead."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ import torch
 
 from rlpipe.weightsync.codec import pack_part
 from rlpipe.weightsync.plan import SyncPlan
+
+
+# Buckets packed ahead of the one being shipped: the packing thread runs on without waiting for the caller's
+# hand-offs (each costs a thread wake-up), at the price of this many more buckets of transport buffers.
+_PACK_AHEAD = 2
 
 
 @dataclass
@@ -26,8 +31,8 @@ class OutgoingPart:
 def stream_parts(
     plan: SyncPlan, rank: int, local: Mapping[str, torch.Tensor], transport, version: int
 ) -> Iterator[OutgoingPart]:
-    """This rank's non-empty parts in bucket order. While the caller ships one part, the next is being packed
-    (cast, copy, checksum) in a worker thread, so packing and transfer overlap."""
+    """This rank's non-empty parts in bucket order. While the caller ships one part, the next ones are being
+    packed (cast, copy, checksum) in a worker thread, so packing and transfer overlap."""
     buckets = [bucket for bucket in plan.buckets if bucket.part_bytes(rank)]
     dtype = plan.torch_dtype
 
@@ -41,9 +46,9 @@ def stream_parts(
     if not buckets:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlpipe-pack") as packer:
-        upcoming = packer.submit(pack, 0)
+        upcoming = [packer.submit(pack, index) for index in range(min(_PACK_AHEAD, len(buckets)))]
         for index in range(len(buckets)):
-            part = upcoming.result()
-            if index + 1 < len(buckets):
-                upcoming = packer.submit(pack, index + 1)
+            part = upcoming.pop(0).result()
+            if index + _PACK_AHEAD < len(buckets):
+                upcoming.append(packer.submit(pack, index + _PACK_AHEAD))
             yield part

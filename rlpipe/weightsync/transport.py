@@ -22,6 +22,7 @@ version v+1 never writes the segments of version v, which the engine may still n
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -35,6 +36,33 @@ TRANSPORTS = ("ray", "shm", "gloo")
 
 # Names of the segments this process created (and so registered with its resource tracker).
 _created_here: set[str] = set()
+_SEGMENT_PREFIX = "rlpipe-"  # then the creating process's id
+
+
+def remove_orphaned_segments(directory: str = "/dev/shm") -> list[str]:
+    """Unlink segments whose creating process is gone. A learner killed mid-run (SIGKILL, OOM) cannot free its
+    segments, and they would hold up to two model copies of RAM until the next reboot. Unlinking is safe even
+    if an engine still maps one: the memory lives until the last mapping goes."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            pid = name[len(_SEGMENT_PREFIX) :].split("-")[0]
+            if not name.startswith(_SEGMENT_PREFIX) or not pid.isdigit() or _process_alive(int(pid)):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _nothing() -> None:
@@ -92,8 +120,10 @@ class SharedMemoryTransport:
         key = (bucket, version % 2)
         segment = self._segments.get(key)
         if segment is None or segment.size < max(1, nbytes):
+            if not self._segments:
+                remove_orphaned_segments()
             segment = shared_memory.SharedMemory(
-                create=True, size=max(1, nbytes), name=f"rlpipe-{uuid.uuid4().hex[:16]}"
+                create=True, size=max(1, nbytes), name=f"{_SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
             )
             self._segments[key] = segment
             _created_here.add(segment.name)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue as queue_module
+import signal
 
 import numpy as np
 import pytest
 import torch
 
+from rlpipe.weightsync import codec
 from rlpipe.parallel.mesh import find_free_port
 from rlpipe.weightsync import (
     EngineLayout,
@@ -242,6 +245,24 @@ def test_checksum_notices_any_changed_word_and_length():
     assert checksum(np.zeros(16, np.uint8)) != checksum(np.zeros(8, np.uint8))
 
 
+@pytest.mark.parametrize("chunk_bytes", [6, 10, 1 << 20])
+def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, chunk_bytes):
+    # The checksum is summed chunk by chunk as the buffer fills; chunks of 3 or 5 bf16 values end off the
+    # 8-byte word grid, and the result must still be the checksum of the finished buffer.
+    monkeypatch.setattr(codec, "_PACK_CHUNK_BYTES", chunk_bytes)
+    shapes = _hf_shapes(kv_heads=2)
+    full = _full_tensors(shapes)
+    plan = plan_sync(shapes, 3, _layout(1, 2, "bfloat16"), 30_000)
+    for rank in range(3):
+        local = _local_shards(full, rank, 3)
+        for bucket in plan.buckets:
+            buffer = np.full(bucket.part_bytes(rank), 0xAB, dtype=np.uint8)
+            assert pack_part(bucket, rank, local, plan.torch_dtype, buffer) == checksum(buffer)
+            for piece in bucket.parts[rank]:
+                packed = torch.from_numpy(buffer[piece.offset : piece.offset + piece.nbytes]).view(torch.bfloat16)
+                assert torch.equal(packed, local[piece.name].to(torch.bfloat16).reshape(-1)), piece.name
+
+
 @pytest.mark.parametrize("adopt", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
@@ -297,7 +318,7 @@ def test_a_shard_that_does_not_match_the_plan_is_refused():
     plan = plan_sync(shapes, 2, _layout(1, 2), 1 << 20)
     wrong = _local_shards(_full_tensors(shapes), 0, 1)  # whole tensors where rank 0 of 2 should hold half
     buffer = np.empty(plan.buckets[0].part_bytes(0), dtype=np.uint8)
-    with pytest.raises(SyncError, match="rank 0 holds .* rows but the sync plan expects"):
+    with pytest.raises(SyncError, match="rank 0 holds .* but the sync plan expects"):
         pack_part(plan.buckets[0], 0, wrong, torch.float32, buffer)
 
 
@@ -379,6 +400,33 @@ def test_shared_memory_alternates_two_segment_sets_and_is_freed_on_close():
     for name in (first, next_version, other):
         with pytest.raises(FileNotFoundError):
             shared_memory.SharedMemory(name=name)
+
+
+def _allocate_and_die(names) -> None:
+    transport = make_transport("shm")
+    names.send(transport.send(transport.allocate(64, bucket=0, version=1))[0])  # a pipe sends before returning
+    os.kill(os.getpid(), signal.SIGKILL)  # no close(), no resource tracker run: as when the OOM killer strikes
+
+
+def test_segments_of_a_killed_learner_are_removed_by_the_next_one():
+    from multiprocessing import shared_memory
+
+    context = multiprocessing.get_context("spawn")
+    names, child_end = context.Pipe(duplex=False)
+    dead = context.Process(target=_allocate_and_die, args=(child_end,))
+    dead.start()
+    assert names.poll(120)
+    orphan = names.recv()
+    dead.join()
+    assert dead.exitcode == -signal.SIGKILL
+    assert os.path.exists(f"/dev/shm/{orphan}")
+    transport = make_transport("shm")
+    own, _ = transport.send(transport.allocate(64, bucket=0, version=1))
+    assert not os.path.exists(f"/dev/shm/{orphan}")
+    assert os.path.exists(f"/dev/shm/{own}")  # a live process's segments stay
+    transport.close()
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=own)
 
 
 def test_unknown_transport_names_the_key():
