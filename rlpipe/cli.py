@@ -47,7 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     sync.add_argument("--ranks", default="1,2", help="learner ranks sending (each its own shards)")
     sync.add_argument("--bucket-mb", type=float, default=64.0)
     sync.add_argument("--repeats", type=int, default=2, help="syncs per row; the fastest is reported")
-    for bench_parser in (learner, sync):
+    kernels = benches.add_parser("kernels", help="fused (chunked) vs whole-logits log-probs: speed and peak memory")
+    kernels.add_argument("--vocabs", default="49152,151936")
+    kernels.add_argument("--tokens", default="1024,4096", help="tokens per call (sequence length x batch)")
+    kernels.add_argument("--chunk", type=int, default=8192, help="vocabulary chunk of the fused path")
+    kernels.add_argument("--repeats", type=int, default=1, help="timed runs after the first; the fastest counts")
+    for bench_parser in (learner, sync, kernels):
         bench_parser.add_argument("--out", help="also write the results as JSON here")
     return parser
 
@@ -76,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"bench sync {option}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
         bench_sync(split(args.models), split(args.transports), [int(r) for r in split(args.ranks)], args.bucket_mb,
                    args.repeats, args.out)
+        return 0
+    if args.command == "bench" and args.what == "kernels":
+        from rlpipe.bench import bench_kernels
+
+        numbers = lambda text: [int(item) for item in text.split(",") if item]  # noqa: E731
+        bench_kernels(numbers(args.vocabs), numbers(args.tokens), args.chunk, args.repeats, args.out)
         return 0
     if args.command == "bench":
         from rlpipe.bench import LearnerBenchShape, bench_learner

@@ -36,6 +36,20 @@ class RunConfig:
 
 
 @dataclass
+class KernelsConfig:
+    logprob: Literal["chunked", "reference", "pallas"] = _key(
+        "chunked",
+        "log-probs through the output projection: chunked (over the vocabulary; never [tokens x vocab] logits), "
+        "reference (whole logits), pallas (the Pallas kernel; interpreted off TPU, slow)",
+    )
+    logprob_chunk: int = _key(8192, "vocabulary entries per chunk of the chunked log-prob path")
+    rmsnorm: Literal["torch", "pallas"] = _key("torch", "RMSNorm: torch ops, or the Pallas kernel (interpreted off TPU)")
+    attention: Literal["torch", "pallas"] = _key(
+        "torch", "causal GQA attention: torch's scaled_dot_product_attention, or the Pallas flash kernel (interpreted off TPU)"
+    )
+
+
+@dataclass
 class ModelConfig:
     path: str = _key(
         "builtin:smollm2-135m-instruct",
@@ -43,6 +57,7 @@ class ModelConfig:
     )
     tokenizer: str | None = _key(None, "tokenizer folder when it is not inside model.path")
     dtype: Literal["float32", "bfloat16"] = _key("float32", "learner parameter and compute dtype")
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
 
 @dataclass
@@ -104,6 +119,12 @@ class AlgoConfig:
     kl_beta: float = _key(0.0, "weight of the KL penalty to a frozen reference model (0: no reference model)")
     kl_estimator: Literal["k1", "k2", "k3"] = _key("k3", "KL estimator")
     tis_cap: float | None = _key(2.0, "cap of the truncated importance weight learner/rollout (null: off)")
+    mis_threshold: float | None = _key(
+        None, "masked importance sampling: drop tokens whose learner/rollout ratio is outside [1/t, t] (null: off)"
+    )
+    mis_level: Literal["token", "sequence"] = _key(
+        "token", "what MIS drops: single tokens, or whole sequences by their geometric-mean ratio"
+    )
     drop_uniform_groups: bool = _key(False, "skip groups whose rewards are all equal (no signal)")
 
 
@@ -373,6 +394,7 @@ def validate(cfg: Config) -> None:
 
     need(cfg.rollout.group_size >= 2, f"rollout.group_size: must be >= 2 for group advantages, got {cfg.rollout.group_size}")
     need(cfg.train.prompts_per_step >= 1, "train.prompts_per_step: must be >= 1")
+    need(cfg.model.kernels.logprob_chunk >= 1, "model.kernels.logprob_chunk: must be >= 1")
     need(cfg.train.steps >= 0, "train.steps: must be >= 0")
     need(cfg.train.micro_batch_size >= 1, "train.micro_batch_size: must be >= 1")
     need(cfg.rollout.max_tokens >= 1, "rollout.max_tokens: must be >= 1")
@@ -388,6 +410,7 @@ def validate(cfg: Config) -> None:
     need(cfg.algo.clip_low >= 0 and cfg.algo.clip_high >= 0, "algo.clip_low/clip_high: must be >= 0")
     need(cfg.algo.kl_beta >= 0, "algo.kl_beta: must be >= 0")
     need(cfg.algo.tis_cap is None or cfg.algo.tis_cap > 0, "algo.tis_cap: must be > 0 or null")
+    need(cfg.algo.mis_threshold is None or cfg.algo.mis_threshold > 1, "algo.mis_threshold: must be > 1 or null")
     need(
         cfg.rollout.max_tokens + cfg.data.max_prompt_tokens <= cfg.rollout.max_model_len,
         f"rollout.max_model_len: {cfg.rollout.max_model_len} is shorter than data.max_prompt_tokens "

@@ -10,28 +10,48 @@ import torch
 from rlpipe.algo import (
     aggregate,
     kl_penalty,
+    masked_importance_weights,
     policy_loss,
     truncated_importance_weights,
 )
-from rlpipe.config import Config
+from rlpipe.config import Config, KernelsConfig
+from rlpipe.kernels import linear_logprob, logits_logprob
 from rlpipe.models import load_model, read_hf_config, save_state_dict
 from rlpipe.types import TrainBatch
 
 
-def token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False):
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    kernels: KernelsConfig | None = None,
+):
     """Logprob of each token given the ones before it, aligned with input_ids (position 0 gets 0).
 
     With `with_entropy`, also the policy's entropy at each position (detached; a metric, not a loss term).
+    rlpipe's models go through the output projection with `kernels.logprob` (by default in vocabulary chunks, so
+    [tokens x vocab] logits never exist); any other callable returning logits is read the plain way.
     """
-    logits = model(input_ids).float()[:, :-1] / temperature
-    logprobs = torch.log_softmax(logits, dim=-1)
-    picked = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    picked = torch.nn.functional.pad(picked, (1, 0))
+    kernels = kernels or KernelsConfig()
+    targets = input_ids[:, 1:]
+    if hasattr(model, "output_embedding"):
+        hidden = model.hidden_states(input_ids)[:, :-1]
+        picked, entropy = linear_logprob(
+            hidden.reshape(-1, hidden.shape[-1]),
+            model.output_embedding(),
+            targets.reshape(-1),
+            temperature,
+            impl=kernels.logprob,
+            chunk=kernels.logprob_chunk,
+        )
+    else:
+        logits = model(input_ids)[:, :-1]
+        picked, entropy = logits_logprob(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), 1.0 / temperature)
+    picked = torch.nn.functional.pad(picked.view(targets.shape), (1, 0))
     if not with_entropy:
         return picked
-    with torch.no_grad():
-        entropy = -(logprobs.exp() * logprobs).sum(-1)
-    return picked, torch.nn.functional.pad(entropy, (1, 0))
+    return picked, torch.nn.functional.pad(entropy.view(targets.shape), (1, 0))
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -57,11 +77,12 @@ class Learner:
         self.dtype = getattr(torch, cfg.model.dtype)
         self.param_dtype = getattr(torch, cfg.learner.param_dtype or cfg.model.dtype)
         self.hf_config = read_hf_config(model_path)
-        self.model = load_model(model_path, dtype=self.dtype)
+        self.kernels = cfg.model.kernels
+        self.model = self._load(model_path)
         # Without a KL term there is nothing to compare against, so no second copy of the model is held.
         self.reference = None
         if cfg.algo.kl_beta > 0:
-            self.reference = load_model(model_path, dtype=self.dtype).eval().requires_grad_(False)
+            self.reference = self._load(model_path).eval().requires_grad_(False)
         self.sharded = world_size > 1 or self.param_dtype != self.dtype
         self.optimizer_steps_per_batch = cfg.samples_per_step // (cfg.train.mini_batch_size or cfg.samples_per_step)
         # vLLM reports logprobs after temperature; greedy decoding (0) has no temperature to divide by.
@@ -69,6 +90,10 @@ class Learner:
         self.policy_version = 0
         if not self.sharded:
             self._build_optimizer()
+
+    def _load(self, model_path: str):
+        model = load_model(model_path, dtype=self.dtype)
+        return model.use_kernels(rmsnorm=self.kernels.rmsnorm, attention=self.kernels.attention)
 
     def join_group(self, master_addr: str, master_port: int) -> None:
         """Form the torch.distributed group and shard the model; every rank calls this at the same time."""
@@ -157,7 +182,7 @@ class Learner:
         for first, last in self._mini_batches(len(batch)):
             for start, stop, real in self._micro_batches(first, last):
                 part = batch.slice(start, stop)
-                values = token_logprobs(model, part.input_ids, self.temperature)
+                values = token_logprobs(model, part.input_ids, self.temperature, kernels=self.kernels)
                 if real:
                     out[start:stop, : part.input_ids.shape[1]] = values
         return out
@@ -165,7 +190,7 @@ class Learner:
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprobs of a fixed sequence at temperature 1, the probe that weight sync is checked against."""
         with torch.no_grad():
-            return token_logprobs(self.model, torch.tensor([token_ids]))[0].tolist()
+            return token_logprobs(self.model, torch.tensor([token_ids]), kernels=self.kernels)[0].tolist()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One GRPO update on a step's samples: mini-batches of optimizer steps, each micro-batched.
@@ -251,8 +276,17 @@ class Learner:
         the same function runs eagerly and traced into the compiled step."""
         algo = self.cfg.algo
         mask = micro["mask"]
-        logprobs, entropy = token_logprobs(model, micro["input_ids"], self.temperature, with_entropy=True)
+        logprobs, entropy = token_logprobs(
+            model, micro["input_ids"], self.temperature, with_entropy=True, kernels=self.kernels
+        )
         old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
+        # Corrections for the rollout engine's numerics (and staleness): reweight (TIS) and/or drop (MIS).
+        weights = torch.ones_like(old)
+        if algo.tis_cap is not None:
+            weights = weights * truncated_importance_weights(old, micro["rollout_logprobs"], algo.tis_cap)
+        if algo.mis_threshold is not None:
+            kept = masked_importance_weights(old, micro["rollout_logprobs"], mask, algo.mis_threshold, algo.mis_level)
+            weights = weights * kept
         per_token, stats = policy_loss(
             logprobs,
             old,
@@ -260,9 +294,7 @@ class Learner:
             mask,
             clip_low=algo.clip_low,
             clip_high=algo.clip_high,
-            token_weights=None
-            if algo.tis_cap is None
-            else truncated_importance_weights(old, micro["rollout_logprobs"], algo.tis_cap),
+            token_weights=weights,
         )
         zeros = torch.zeros_like(old)
         tokens = mask.sum().float()
@@ -277,6 +309,8 @@ class Learner:
             "gap_max": gap.max(),
             "gap_kl": torch.where(mask, gap_kl, zeros).sum(),
         }
+        if algo.mis_threshold is not None:
+            out["mis_dropped"] = torch.where(mask, 1 - kept, zeros).sum()
         if "ref_logprobs" in micro:
             kl = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl_estimator)
             per_token = per_token + algo.kl_beta * kl
@@ -361,6 +395,8 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     }
     if "kl" in total:
         metrics["kl"] = total["kl"] / tokens
+    if "mis_dropped" in total:
+        metrics["mis/dropped_fraction"] = total["mis_dropped"] / tokens
     if "compiles" in first:
         metrics["learner/graph_compiles"] = first["compiles"]
     return metrics

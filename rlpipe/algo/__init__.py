@@ -5,6 +5,7 @@ from rlpipe.algo.losses import (
     aggregate,
     kl_penalty,
     logprob_gap,
+    masked_importance_weights,
     policy_loss,
     truncated_importance_weights,
 )
@@ -17,4 +18,5 @@ __all__ = [
     "aggregate",
     "truncated_importance_weights",
     "logprob_gap",
+    "masked_importance_weights",
 ]

@@ -12,6 +12,8 @@ that garbage in padding (inf/NaN logprobs) cannot leak into the result.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -21,6 +23,7 @@ __all__ = [
     "aggregate",
     "truncated_importance_weights",
     "logprob_gap",
+    "masked_importance_weights",
 ]
 
 _KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -257,6 +260,39 @@ def truncated_importance_weights(
         raise ValueError(f"TIS cap must be > 0, got {cap}")
     with torch.no_grad():
         return torch.exp(learner_logprobs - rollout_logprobs).clamp(max=cap)
+
+
+def masked_importance_weights(
+    learner_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, threshold: float, level: str = "token"
+) -> Tensor:
+    """Masked importance sampling (MIS): 1 for tokens kept, 0 for tokens dropped from the loss.
+
+    Where the learner and the rollout engine disagree too much, the sample is treated as off-policy noise and
+    dropped rather than reweighted: a token whose ratio ``p_learner / p_rollout`` lies outside
+    ``[1/threshold, threshold]`` (``level="token"``), or every token of a sequence whose geometric-mean ratio over
+    its valid tokens does (``level="sequence"``; the mean keeps the threshold independent of length).
+
+    Args:
+        learner_logprobs, rollout_logprobs: ``[B, T]``.
+        mask: ``[B, T]`` valid-token mask (padding never decides a sequence's fate).
+        threshold: > 1.
+        level: ``"token"`` or ``"sequence"``.
+
+    Returns:
+        ``[B, T]`` float 0/1, detached.
+    """
+    if not threshold > 1:
+        raise ValueError(f"MIS threshold must be > 1, got {threshold}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"MIS level must be 'token' or 'sequence', got {level!r}")
+    valid = _bool_mask(mask, learner_logprobs)
+    limit = math.log(threshold)
+    with torch.no_grad():
+        log_ratio = torch.where(valid, learner_logprobs - rollout_logprobs, torch.zeros_like(learner_logprobs))
+        if level == "sequence":
+            per_sequence = log_ratio.sum(-1) / valid.sum(-1).clamp_min(1)
+            log_ratio = per_sequence[:, None].expand_as(log_ratio)
+        return (log_ratio.abs() <= limit).to(learner_logprobs.dtype)
 
 
 def logprob_gap(

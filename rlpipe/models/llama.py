@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlpipe.kernels.attention import causal_attention
+from rlpipe.kernels.rmsnorm import rms_norm
+
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -273,12 +276,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.impl = "torch"  # see rlpipe/kernels/rmsnorm.py; CausalLM.use_kernels sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32, then back to the input dtype before the weight, as HF does.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.impl)
 
 
 class RotaryEmbedding(nn.Module):
@@ -308,8 +309,8 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, sliding_window: int | None) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.kv_groups = config.num_heads // config.num_kv_heads
         self.sliding_window = sliding_window
+        self.impl = "torch"  # see rlpipe/kernels/attention.py; CausalLM.use_kernels sets it
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
@@ -329,23 +330,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if self.kv_groups > 1:
-            # Explicit repetition rather than sdpa's enable_gqa: every compile backend (inductor, XLA) lowers it.
-            k = k.repeat_interleave(self.kv_groups, dim=1)
-            v = v.repeat_interleave(self.kv_groups, dim=1)
-        if self.sliding_window is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            window_mask = _sliding_causal_mask(length, self.sliding_window, x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask)
+        out = causal_attention(q, k, v, self.sliding_window, self.impl)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-
-
-def _sliding_causal_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
-    """[T, T] bool, True where query i may attend key j: j <= i and i - j < window."""
-    positions = torch.arange(length, device=device)
-    distance = positions[:, None] - positions[None, :]
-    return (distance >= 0) & (distance < window)
 
 
 class MLP(nn.Module):
@@ -418,6 +404,15 @@ class CausalLM(nn.Module):
                 module.bias.zero_()
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+
+    def use_kernels(self, rmsnorm: str = "torch", attention: str = "torch") -> CausalLM:
+        """Choose the implementation of the ops that have several (rlpipe/kernels; config `model.kernels`)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.impl = rmsnorm
+            if isinstance(module, Attention):
+                module.impl = attention
+        return self
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states [B, T, H], the input of the output projection."""

@@ -17,6 +17,7 @@ from rlpipe.algo import (
     kl_penalty,
     logprob_gap,
     policy_loss,
+    masked_importance_weights,
     truncated_importance_weights,
     uniform_groups,
 )
@@ -388,6 +389,34 @@ def test_truncated_importance_weights():
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="cap"):
             truncated_importance_weights(learner, rollout, cap=bad)
+
+
+def test_masked_importance_weights_drop_tokens_past_the_threshold():
+    # learner/rollout ratios 1, 2.5, 0.3, 1.9 with threshold 2 -> keep, drop, drop, keep
+    learner = t([[0.0, math.log(2.5), math.log(0.3), math.log(1.9)]], requires_grad=True)
+    rollout = torch.zeros_like(learner)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    kept = masked_importance_weights(learner, rollout, mask, threshold=2.0)
+    assert_close(kept, [[1.0, 0.0, 0.0, 1.0]])
+    assert not kept.requires_grad
+    for bad in (1.0, 0.5):
+        with pytest.raises(ValueError, match="threshold"):
+            masked_importance_weights(learner, rollout, mask, threshold=bad)
+    with pytest.raises(ValueError, match="level"):
+        masked_importance_weights(learner, rollout, mask, threshold=2.0, level="batch")
+
+
+def test_masked_importance_weights_judge_whole_sequences_by_their_geometric_mean():
+    # Row 0: log-ratios 0.5, 0.5, (padding 9) -> mean 0.5 < log 2 -> kept whole.
+    # Row 1: log-ratios 1.0, 0.6 -> mean 0.8 > log 2 = 0.693 -> dropped whole, although 0.6 alone would pass.
+    learner = t([[0.5, 0.5, 9.0], [1.0, 0.6, 0.0]])
+    rollout = torch.zeros_like(learner)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    mask[1, 2] = False
+    kept = masked_importance_weights(learner, rollout, mask, threshold=2.0, level="sequence")
+    assert_close(kept, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    token_level = masked_importance_weights(learner, rollout, mask, threshold=2.0, level="token")
+    assert_close(token_level[1, :2], [0.0, 1.0])
 
 
 def test_logprob_gap():

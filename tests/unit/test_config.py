@@ -237,11 +237,13 @@ def test_describe_lists_every_leaf_key_with_default_and_help():
 def test_describe_covers_every_config_field():
     import dataclasses
 
-    expected = {
-        f"{section.name}.{f.name}"
-        for section in dataclasses.fields(Config)
-        for f in dataclasses.fields(section.default_factory)
-    }
+    def leaves(cls, prefix):
+        for f in dataclasses.fields(cls):
+            nested = f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
+            yield from leaves(nested, f"{prefix}{f.name}.") if nested else [f"{prefix}{f.name}"]
+
+    expected = set(leaves(Config, ""))
+    assert "model.kernels.logprob" in expected
     assert {key for key, _, _ in describe()} == expected
 
 

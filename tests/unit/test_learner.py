@@ -109,6 +109,29 @@ def test_logprob_gap_is_measured_against_the_rollout(tiny_qwen3):
     assert _step(learner2, batch)["logprob_gap/mean_abs"] == pytest.approx(0.5, abs=1e-4)
 
 
+def test_masked_importance_sampling_drops_the_tokens_the_rollout_disagrees_on(tiny_qwen3):
+    batch = _batch()
+    overrides = ["algo.tis_cap=null", "algo.mis_threshold=3"]
+    dropping = Learner(tiny_qwen3, _config(tiny_qwen3, *overrides))
+    exact = dropping._logprobs(dropping.model, batch)
+    # The engine is far off (ratio e^2 > 3) on the first two sequences only.
+    shift = torch.zeros_like(exact)
+    shift[:2] = 2.0
+    batch.rollout_logprobs = torch.where(batch.completion_mask, exact - shift, torch.zeros_like(exact))
+    metrics = _step(dropping, batch)
+    completion_tokens = batch.completion_mask.sum(-1)
+    expected = float(completion_tokens[:2].sum() / completion_tokens.sum())
+    assert metrics["mis/dropped_fraction"] == pytest.approx(expected)
+    # Dropping them equals training on the other two sequences alone (same token normalisation).
+    alone = _batch()
+    alone.advantages[:2] = 0.0
+    reference = Learner(tiny_qwen3, _config(tiny_qwen3, "algo.tis_cap=null"))
+    _step(reference, alone)
+    for (name, got), want in zip(dropping.model.named_parameters(), reference.model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    assert "mis/dropped_fraction" not in _step(Learner(tiny_qwen3, _config(tiny_qwen3)), batch)
+
+
 def test_weight_sync_reads_whole_tensors_when_unsharded(tiny_qwen3):
     learner = Learner(tiny_qwen3, _config(tiny_qwen3))
     state = learner.model.state_dict()

@@ -1,0 +1,253 @@
+"""Parity of every kernel implementation with its torch reference (forward and gradient), the bridges' custom-op
+contracts, and the chunked log-prob path's memory bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rlpipe.config import KernelsConfig
+from rlpipe.kernels import causal_attention, linear_logprob, reference_linear_logprob, rms_norm
+from rlpipe.kernels import attention as attention_module
+from rlpipe.kernels import gmm as gmm_module
+from rlpipe.kernels import logprob as logprob_module
+from rlpipe.kernels import rmsnorm as rmsnorm_module
+from rlpipe.kernels._jax import interpret
+from rlpipe.learner import token_logprobs
+from rlpipe.models import load_model
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    # Blocks far smaller than the shapes below, so every grid axis has several steps and ragged edges.
+    monkeypatch.setattr(logprob_module, "BLOCK_TOKENS", 16)
+    monkeypatch.setattr(logprob_module, "BLOCK_VOCAB", 128)
+    monkeypatch.setattr(rmsnorm_module, "BLOCK_ROWS", 8)
+    monkeypatch.setattr(attention_module, "BLOCK_Q", 8)
+    monkeypatch.setattr(attention_module, "BLOCK_KV", 16)
+    monkeypatch.setattr(gmm_module, "BLOCK_M", 8)
+
+
+def _logprob_case(dtype=torch.float32, rows=37, width=48, vocab=1000, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, width, generator=generator).to(dtype).requires_grad_()
+    weight = (0.3 * torch.randn(vocab, width, generator=generator)).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    targets[:3] = torch.tensor([0, vocab - 1, 127])  # the first and last vocab entries, and a block edge
+    upstream = torch.randn(rows, generator=generator)
+    return hidden, weight, targets, upstream
+
+
+def _with_grads(fn, hidden, weight, targets, upstream):
+    logprob, entropy = fn(hidden, weight, targets)
+    grads = torch.autograd.grad((logprob * upstream).sum(), (hidden, weight))
+    return logprob.detach(), entropy.detach(), *grads
+
+
+def test_pallas_runs_interpreted_off_tpu():
+    assert interpret()
+
+
+@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_matches_the_reference_in_value_entropy_and_gradient_fp32(small_blocks, impl, temperature):
+    case = _logprob_case()
+    expected = _with_grads(lambda h, w, t: reference_linear_logprob(h, w, t, 1 / temperature), *case)
+    got = _with_grads(lambda h, w, t: linear_logprob(h, w, t, temperature, impl=impl, chunk=300), *case)
+    for name, want, have in zip(["logprob", "entropy", "grad hidden", "grad weight"], expected, got):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=name)  # fp32: agreement to 1e-5
+    assert got[0].dtype == torch.float32 and got[2].dtype == torch.float32
+
+
+@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+def test_logprob_in_bf16_stays_close_to_the_fp32_reference(small_blocks, impl):
+    hidden, weight, targets, upstream = _logprob_case(torch.bfloat16)
+    as_fp32 = [t.detach().float().requires_grad_() for t in (hidden, weight)]
+    expected = _with_grads(reference_linear_logprob, *as_fp32, targets, upstream)
+    got = _with_grads(lambda h, w, t: linear_logprob(h, w, t, impl=impl, chunk=300), hidden, weight, targets, upstream)
+    assert got[2].dtype == torch.bfloat16 and got[3].dtype == torch.bfloat16
+    # bf16 products (8-bit mantissa) against fp32 ones: agreement to about 2 % of the values' scale.
+    for name, want, have in zip(["logprob", "entropy", "grad hidden", "grad weight"], expected, got):
+        scale = want.abs().max().item()
+        assert (have.float() - want).abs().max().item() <= 0.02 * scale + 1e-2, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_pallas_matches_the_reference(small_blocks, dtype):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 40, generator=generator).to(dtype).requires_grad_()  # 21 rows: a ragged last block
+    weight = (1 + 0.1 * torch.randn(40, generator=generator)).to(dtype).requires_grad_()
+    upstream = torch.randn(3, 7, 40, generator=generator).to(dtype)
+    results = []
+    for impl in ("torch", "pallas"):
+        out = rms_norm(x, weight, 1e-6, impl)
+        results.append((out.detach(), *torch.autograd.grad((out * upstream).sum(), (x, weight))))
+    tolerance = 1e-5 if dtype == torch.float32 else 4e-2  # bf16: the kernel keeps fp32 where torch rounds
+    for name, want, have in zip(["value", "grad x", "grad weight"], *results):
+        assert have.dtype == want.dtype, name
+        torch.testing.assert_close(have.float(), want.float(), rtol=tolerance, atol=tolerance, msg=name)
+
+
+def _attention_case(dtype, batch=2, heads=4, kv_heads=2, length=21, dim=8):
+    generator = torch.Generator().manual_seed(2)
+    q, k, v, upstream = (
+        torch.randn(batch, h, length, dim, generator=generator).to(dtype)
+        for h in (heads, kv_heads, kv_heads, heads)
+    )
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), upstream
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_attention_pallas_matches_the_reference_fp32(small_blocks, window, kv_heads):
+    # 21 positions in blocks of 8 queries x 16 keys: ragged edges, skipped blocks above the diagonal, and with a
+    # window of 5 skipped blocks below it too; kv_heads 2 and 1 share each kv head between query heads.
+    q, k, v, upstream = _attention_case(torch.float32, kv_heads=kv_heads)
+    results = []
+    for impl in ("torch", "pallas"):
+        out = causal_attention(q, k, v, window, impl)
+        results.append((out.detach(), *torch.autograd.grad((out * upstream).sum(), (q, k, v))))
+    for name, want, have in zip(["out", "grad q", "grad k", "grad v"], *results):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_attention_pallas_in_bf16_stays_close_to_the_fp32_reference(small_blocks):
+    q, k, v, upstream = _attention_case(torch.bfloat16)
+    as_fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = causal_attention(*as_fp32)
+    want_grads = torch.autograd.grad((want * upstream.float()).sum(), as_fp32)
+    have = causal_attention(q, k, v, impl="pallas")
+    have_grads = torch.autograd.grad((have * upstream).sum(), (q, k, v))
+    assert have.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in have_grads)
+    for name, a, b in zip(["out", "grad q", "grad k", "grad v"], (want, *want_grads), (have, *have_grads)):
+        assert (b.float() - a).abs().max().item() <= 0.02 * a.abs().max().item() + 1e-2, name
+
+
+def _grouped_case(dtype, sizes=(5, 0, 13, 1, 9, 0), k=20, n=30):
+    generator = torch.Generator().manual_seed(4)
+    group_sizes = torch.tensor(sizes)
+    x = torch.randn(int(group_sizes.sum()), k, generator=generator).to(dtype).requires_grad_()
+    weights = torch.randn(len(sizes), k, n, generator=generator).to(dtype).requires_grad_()
+    return x, weights, group_sizes, torch.randn(x.shape[0], n, generator=generator).to(dtype)
+
+
+def _per_group_loop(x, weights, group_sizes):
+    """The plainest statement of the op, row by row: what both implementations must equal."""
+    groups = torch.repeat_interleave(torch.arange(len(group_sizes)), group_sizes)
+    return torch.stack([x[row] @ weights[group] for row, group in enumerate(groups.tolist())])
+
+
+@pytest.mark.parametrize("impl", ["torch", "pallas"])
+def test_grouped_matmul_matches_a_per_row_loop_fp32(small_blocks, impl):
+    # Row blocks of 8 over groups of 5, 0, 13, 1, 9, 0 rows: groups share no block, empty groups get zero gradients.
+    x, weights, group_sizes, upstream = _grouped_case(torch.float32)
+    results = []
+    for fn in (_per_group_loop, lambda *a: gmm_module.grouped_matmul(*a, impl=impl)):
+        out = fn(x, weights, group_sizes)
+        results.append((out.detach(), *torch.autograd.grad((out * upstream).sum(), (x, weights))))
+    for name, want, have in zip(["out", "grad x", "grad weights"], *results):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=name)
+    assert results[1][2][1].abs().max() == 0 and results[1][2][5].abs().max() == 0
+
+
+def test_grouped_matmul_pallas_in_bf16_stays_close_to_fp32(small_blocks):
+    x, weights, group_sizes, upstream = _grouped_case(torch.bfloat16)
+    as_fp32 = [t.detach().float().requires_grad_() for t in (x, weights)]
+    want = gmm_module.grouped_matmul(as_fp32[0], as_fp32[1], group_sizes)
+    want_grads = torch.autograd.grad((want * upstream.float()).sum(), as_fp32)
+    have = gmm_module.grouped_matmul(x, weights, group_sizes, impl="pallas")
+    have_grads = torch.autograd.grad((have * upstream).sum(), (x, weights))
+    assert have.dtype == torch.bfloat16
+    for name, a, b in zip(["out", "grad x", "grad weights"], (want, *want_grads), (have, *have_grads)):
+        assert (b.float() - a).abs().max().item() <= 0.02 * a.abs().max().item() + 1e-2, name
+
+
+def test_the_bridges_satisfy_the_custom_op_contract(small_blocks):
+    """Schema, fake (meta) implementation and autograd registration, as torch.compile and export rely on them."""
+    hidden, weight, targets, _ = _logprob_case(rows=9, width=16, vocab=300)
+    torch.library.opcheck(
+        logprob_module.pallas_linear_logprob,
+        (hidden, weight, targets.to(torch.int32), 1.0),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+    x = torch.randn(10, 16, requires_grad=True)
+    torch.library.opcheck(
+        rmsnorm_module.pallas_rms_norm,
+        (x, torch.ones(16, requires_grad=True), 1e-6),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+    x, weights, group_sizes, _ = _grouped_case(torch.float32, sizes=(3, 0, 4))
+    torch.library.opcheck(
+        gmm_module.pallas_grouped_matmul,
+        (x, weights, group_sizes.to(torch.int32)),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+    q, k, v, _ = _attention_case(torch.float32, length=9)
+    torch.library.opcheck(
+        attention_module._pallas_attention_op,
+        (q, k, v, 0),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The largest tensor (in elements) any op produces while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_chunked_logprob_never_builds_tokens_by_vocab_logits():
+    rows, width, vocab, chunk = 512, 32, 4000, 256  # tokens x vocab (2M) dwarfs every other tensor here
+    hidden, weight, targets, upstream = _logprob_case(rows=rows, width=width, vocab=vocab)
+    bound = max(rows * chunk, vocab * width, rows * width)
+    sizes = {}
+    for impl in ("reference", "chunked"):
+        with _LargestTensor() as tracker:
+            logprob, _ = linear_logprob(hidden, weight, targets, impl=impl, chunk=chunk)
+            torch.autograd.grad((logprob * upstream).sum(), (hidden, weight))
+        sizes[impl] = tracker.largest
+    assert sizes["reference"] >= rows * vocab  # the tracker does see the full logits when they exist
+    assert sizes["chunked"] <= bound, sizes  # forward and backward: O(tokens x chunk) beyond inputs and grads
+
+
+def test_token_logprobs_agree_across_kernel_choices_on_a_model(tiny_qwen3, small_blocks):
+    model = load_model(tiny_qwen3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        plain = torch.log_softmax(model(ids).float()[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        for logprob in ("reference", "chunked", "pallas"):
+            kernels = KernelsConfig(logprob=logprob, logprob_chunk=50)
+            got = token_logprobs(model, ids, kernels=kernels)
+            assert got[:, 0].eq(0).all()
+            torch.testing.assert_close(got[:, 1:], plain, rtol=1e-5, atol=1e-5, msg=logprob)
+        model.use_kernels(rmsnorm="pallas", attention="pallas")
+        torch.testing.assert_close(token_logprobs(model, ids)[:, 1:], plain, rtol=1e-5, atol=1e-5)
+    # The same in training: one update through the Pallas kernels equals one through torch's.
+    grads = {}
+    for impl in ("torch", "pallas"):
+        model.use_kernels(rmsnorm=impl, attention=impl)
+        model.zero_grad()
+        token_logprobs(model, ids).sum().backward()
+        grads[impl] = [p.grad.clone() for p in model.parameters()]
+    for name, want, have in zip([n for n, _ in model.named_parameters()], grads["torch"], grads["pallas"]):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_an_unknown_implementation_names_the_config_key():
+    hidden, weight, targets, _ = _logprob_case(rows=4, width=8, vocab=20)
+    with pytest.raises(ValueError, match="model.kernels.logprob: unknown implementation 'fast'"):
+        linear_logprob(hidden, weight, targets, impl="fast")
+    with pytest.raises(ValueError, match="model.kernels.rmsnorm: unknown implementation 'fast'"):
+        rms_norm(hidden, torch.ones(8), 1e-6, "fast")
+    with pytest.raises(ValueError, match="model.kernels.attention: unknown implementation 'fast'"):
+        causal_attention(hidden[None, None], hidden[None, None], hidden[None, None], impl="fast")
