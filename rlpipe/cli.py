@@ -52,7 +52,16 @@ def _parser() -> argparse.ArgumentParser:
     kernels.add_argument("--tokens", default="1024,4096", help="tokens per call (sequence length x batch)")
     kernels.add_argument("--chunk", type=int, default=8192, help="vocabulary chunk of the fused path")
     kernels.add_argument("--repeats", type=int, default=1, help="timed runs after the first; the fastest counts")
-    for bench_parser in (learner, sync, kernels):
+    agreement = benches.add_parser(
+        "agreement", help="learner vs rollout log-probs: vLLM's model vs rlpipe's model inside vLLM, fp32 and bf16"
+    )
+    agreement.add_argument("--model", default="builtin:smollm2-135m-instruct", help="HF folder or builtin:NAME")
+    agreement.add_argument("--impls", default="vllm,rlpipe")
+    agreement.add_argument("--dtypes", default="float32,bfloat16")
+    agreement.add_argument("--prompts", type=int, default=8)
+    agreement.add_argument("--samples", type=int, default=4)
+    agreement.add_argument("--max-tokens", type=int, default=64)
+    for bench_parser in (learner, sync, kernels, agreement):
         bench_parser.add_argument("--out", help="also write the results as JSON here")
     return parser
 
@@ -81,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"bench sync {option}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
         bench_sync(split(args.models), split(args.transports), [int(r) for r in split(args.ranks)], args.bucket_mb,
                    args.repeats, args.out)
+        return 0
+    if args.command == "bench" and args.what == "agreement":
+        from rlpipe.bench import bench_agreement
+
+        split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+        bench_agreement(args.model, split(args.impls), split(args.dtypes), args.prompts, args.samples,
+                        args.max_tokens, args.out)
         return 0
     if args.command == "bench" and args.what == "kernels":
         from rlpipe.bench import bench_kernels

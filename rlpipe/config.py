@@ -87,6 +87,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = _key(0.3, "vLLM memory fraction (on CPU, of the NUMA node)")
     max_model_len: int = _key(512, "vLLM context length (prompt + completion)")
     in_process: bool = _key(True, "run the engine inside the actor process (fast start) instead of a child process")
+    model_impl: Literal["vllm", "rlpipe"] = _key(
+        "vllm", "the model code the engine runs: vLLM's own, or rlpipe's (the learner's modules; vLLM's paged attention)"
+    )
 
 
 @dataclass

@@ -87,8 +87,8 @@ class WeightReceiver:
         so on CPU its pre-packed GEMM copy would keep serving the old embedding.
         """
         model = self.model_runner.get_model()
-        if not getattr(model.config, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
-            return
+        if not getattr(model.config, "tie_word_embeddings", False) or not hasattr(getattr(model, "lm_head", None), "quant_method"):
+            return  # untied, or rlpipe's model, whose output projection reads the embedding itself
         model.lm_head.weight = model.model.embed_tokens.weight
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
@@ -135,6 +135,12 @@ class RolloutEngine:
         self.probe_tolerance = self.sync_cfg.probe_tolerance_for(cfg.dtype)
         self.model_path = model_path
         self.policy_version = 0
+        extra = {}
+        if cfg.model_impl == "rlpipe":
+            from rlpipe.vllm_model import ARCHITECTURE, register
+
+            register()  # in this process; vLLM's worker processes register it through the plugin entry point
+            extra["hf_overrides"] = {"architectures": [ARCHITECTURE]}
         self.llm = LLM(
             model=model_path,
             tokenizer=tokenizer_path or model_path,
@@ -147,6 +153,7 @@ class RolloutEngine:
             worker_extension_cls=f"{__name__}.WeightReceiver",
             # Processed logprobs include temperature, which is what the learner reproduces.
             logprobs_mode="processed_logprobs",
+            **extra,
         )
         self.transport = make_transport(self.sync_cfg.transport)
         from vllm.platforms import current_platform

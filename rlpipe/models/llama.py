@@ -319,7 +319,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B, heads, T, D] and k, v [B, kv heads, T, D]: projected, normed (Qwen3), rotated."""
         batch, length, _ = x.shape
         per_head = (batch, length, -1, self.head_dim)
         q = self.q_proj(x).view(per_head)
@@ -329,8 +330,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = causal_attention(q, k, v, self.sliding_window, self.impl)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        out = causal_attention(*self.rotated_qkv(x, cos, sin), self.sliding_window, self.impl)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 

@@ -19,13 +19,15 @@ pytestmark = pytest.mark.integration
 PROBE = list(range(5, 45))
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_qwen3):
+@pytest.fixture(scope="module", params=["vllm", "rlpipe"])
+def setup(tiny_qwen3, request):
+    """The engine runs vLLM's own Qwen3 (fused qkv / gate-up) or rlpipe's model inside vLLM (the learner's names)."""
     from rlpipe.rollout import RolloutEngine
 
     cfg = load_config(None, [f"model.path={tiny_qwen3}", "sync.transport=shm", "sync.bucket_mb=0.05",
                              "sync.probe_tolerance=1e-5"])
-    engine = RolloutEngine(tiny_qwen3, RolloutConfig(max_model_len=512, max_tokens=16), 0, sync=cfg.sync)
+    rollout = RolloutConfig(max_model_len=512, max_tokens=16, model_impl=request.param)
+    engine = RolloutEngine(tiny_qwen3, rollout, 0, sync=cfg.sync)
     learner = Learner(tiny_qwen3, cfg)
     layout, params = engine.layout()
     plan = plan_sync(learner.weight_shapes(), 1, layout, int(cfg.sync.bucket_mb * 2**20))

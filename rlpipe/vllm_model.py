@@ -1,0 +1,93 @@
+"""rlpipe's decoder as a vLLM model (`rollout.model_impl: rlpipe`): the rollout engine runs the learner's own code.
+
+vLLM keeps what only it can do — the paged KV cache and its attention kernels over it, scheduling, sampling —
+while the embeddings, norms, rotary embedding, q/k/v/o projections, MLP and output projection are the modules of
+`rlpipe.models.CausalLM`, with the same Hugging Face parameter names. Differences between the engine's log-probs
+and the learner's then come from attention alone (and batching), which is what the agreement benchmark measures.
+
+Registered with vLLM under ARCHITECTURE by `register()`: called in-process by the rollout engine, and in vLLM's
+worker processes through the `vllm.general_plugins` entry point. The engine selects it with
+`hf_overrides={"architectures": [ARCHITECTURE]}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from rlpipe.models.llama import CausalLM, ModelConfig
+from rlpipe.models.registry import model_type_of
+
+ARCHITECTURE = "RlpipeForCausalLM"
+# Checkpoint entries that are not parameters (rotary tables some exporters write).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, RlpipeForCausalLM)
+
+
+class RlpipeForCausalLM(CausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        from vllm.model_executor.layers.attention import Attention
+
+        hf_config = vllm_config.model_config.hf_config.to_dict()
+        super().__init__(ModelConfig.from_hf({**hf_config, "model_type": model_type_of(hf_config)}))
+        for index, layer in enumerate(self.model.layers):
+            attention = layer.self_attn
+            # Named so that the module path equals the prefix vLLM binds this layer's KV cache under.
+            attention.attn = Attention(
+                self.config.num_heads,
+                self.config.head_dim,
+                self.config.head_dim**-0.5,
+                num_kv_heads=self.config.num_kv_heads,
+                cache_config=vllm_config.cache_config,
+                per_layer_sliding_window=attention.sliding_window,
+                prefix=f"{prefix}model.layers.{index}.self_attn.attn",
+            )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **_: object,
+    ) -> torch.Tensor:
+        """Hidden states [tokens, hidden] for vLLM's flattened batch (all sequences' tokens end to end)."""
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        tokens = x.shape[0]
+        cos, sin = self.model.rotary_emb(positions[None], x.dtype)
+        for layer in self.model.layers:
+            q, k, v = layer.self_attn.rotated_qkv(layer.input_layernorm(x)[None], cos, sin)
+            flat = [t[0].transpose(0, 1).reshape(tokens, -1) for t in (q, k, v)]
+            x = x + layer.self_attn.o_proj(layer.self_attn.attn(*flat))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden_states, self.output_embedding())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Through each parameter's `weight_loader`, as vLLM's own models load: its in-place reload swaps in
+        loaders that buffer a layer's tensors and apply them once the layer is complete."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # a tied model's lm_head is its embedding
+            if name not in params:
+                raise KeyError(f"rlpipe model in vLLM: checkpoint tensor {name!r} has no parameter here")
+            getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor)
+            loaded.add(name)
+        return loaded
