@@ -14,6 +14,7 @@ from rlpipe.algo import (
     policy_loss,
     truncated_importance_weights,
 )
+from rlpipe.checkpoint import CheckpointError
 from rlpipe.config import Config, KernelsConfig
 from rlpipe.kernels import linear_logprob, logits_logprob
 from rlpipe.models import load_model, read_hf_config, save_state_dict
@@ -153,7 +154,6 @@ class Learner:
             weight_decay=train.weight_decay,
             foreach=True,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.scheduler_factor)
 
     def _micro_batches(self, first: int, last: int) -> list[tuple[int, int, bool]]:
         """This rank's micro-batches of rows [first, last) as (start, stop, real).
@@ -225,7 +225,9 @@ class Learner:
                 sums["compiles"] = out.pop("compiles")
                 out.pop("graph_breaks")
             else:
-                lr = self.scheduler.get_last_lr()[0]
+                lr = train.lr * self.scheduler_factor(self.optimizer_steps_taken)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
                 self.optimizer.zero_grad(set_to_none=True)
                 out = defaultdict(float)
                 for part in self._micro_batches(first, last):
@@ -237,14 +239,14 @@ class Learner:
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
                 out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 self.optimizer.step()
-                self.scheduler.step()
             self.optimizer_steps_taken += 1
             _accumulate(sums, {**out, "lr": lr, "optimizer_steps": 1.0})
         self.policy_version += 1
         return dict(sums)
 
     def scheduler_factor(self, step: int) -> float:
-        """Multiplier of train.lr at optimizer step `step`, for both the eager and the compiled step."""
+        """Multiplier of train.lr at optimizer step `step`, for both the eager and the compiled step (the step
+        count is the schedule's only state, which is what a checkpoint keeps)."""
         train = self.cfg.train
         total = train.steps * self.optimizer_steps_per_batch
         return lr_factor(step, train.warmup_steps, total, train.lr_schedule, train.min_lr_ratio)
@@ -346,11 +348,70 @@ class Learner:
         state = self.model.state_dict()
         return {name: value.to_local() if isinstance(value, DTensor) else value for name, value in state.items()}
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Everything a resumed learner needs, as tensors under stable names: the weights (`model.<HF name>`), AdamW's
+        moments (`optim.<HF name>.exp_avg` / `.exp_avg_sq`) and step count. Sharded learners hold DTensor shards here,
+        so torch.distributed.checkpoint writes each rank's own rows, and loading into another learner's state
+        reshards to its layout (any number of ranks). The eager and the compiled step share this format."""
+        state = {f"model.{name}": value for name, value in self.model.state_dict().items()}
+        named = list(self.model.named_parameters())
+        if self.graph_step is not None:
+            optimizer = self.graph_step.optimizer
+            by_param = {id(param): (m, v) for param, m, v in zip(self.graph_step.params, optimizer.exp_avg, optimizer.exp_avg_sq)}
+            step = optimizer.step
+        else:
+            by_param = {}
+            for _, param in named:
+                if not self.optimizer.state[param]:  # never stepped: the state a fresh AdamW starts from
+                    self.optimizer.state[param].update(
+                        step=torch.zeros((), dtype=torch.float32),
+                        exp_avg=torch.zeros_like(param),
+                        exp_avg_sq=torch.zeros_like(param),
+                    )
+                moments = self.optimizer.state[param]
+                by_param[id(param)] = (moments["exp_avg"], moments["exp_avg_sq"])
+            step = torch.tensor(float(self.optimizer_steps_taken))
+        for name, param in named:
+            state[f"optim.{name}.exp_avg"], state[f"optim.{name}.exp_avg_sq"] = by_param[id(param)]
+        state["optim.step"] = step
+        state["learner.policy_version"] = torch.tensor(self.policy_version)
+        return state
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write this rank's part of the learner state; every rank calls it at the same time."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.checkpoint_state(), checkpoint_id=directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load a learner state saved by `save_checkpoint` with any number of ranks, resharded to this learner."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        state = self.checkpoint_state()
+        try:
+            dcp.load(state, checkpoint_id=directory)
+        except (Exception, CheckpointException) as err:  # DCP wraps each rank's failure; its last line is the cause
+            raise CheckpointError(f"checkpoint {directory}: does not fit this model ({_last_line(err)})") from None
+        steps = int(state["optim.step"].item())
+        self.optimizer_steps_taken = steps
+        self.policy_version = int(state["learner.policy_version"].item())
+        if self.graph_step is None:
+            for param in self.model.parameters():
+                self.optimizer.state[param]["step"] = torch.tensor(float(steps))
+
     def export(self, out_dir: str) -> str:
         state = self.full_state_dict()
         if self.rank == 0:
             save_state_dict(state, self.hf_config, out_dir, source_dir=self.cfg.model.tokenizer or self.model_path)
         return out_dir
+
+
+def _last_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 def _fit(tensor: torch.Tensor, width: int) -> torch.Tensor:

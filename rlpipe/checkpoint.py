@@ -1,0 +1,138 @@
+"""Training-state checkpoints: atomic step directories, a `latest` pointer, the last K kept.
+
+Layout under a run directory:
+
+    checkpoints/
+      step_000004/          a complete checkpoint (only complete ones ever carry this name)
+        learner/            model shards and optimizer state, torch.distributed.checkpoint (every rank writes its own)
+        trainer.json        step, policy version, sampler position, RNG states, the resolved config, metrics so far
+      latest                the name of the newest complete checkpoint (one line)
+
+A save writes everything into `checkpoints/.partial-step_NNNNNN`, fsyncs every file and the directory, renames it
+to `step_NNNNNN`, fsyncs `checkpoints/`, and only then moves `latest` (written to a temporary file, fsynced,
+renamed). A process killed at any point leaves either the previous `latest` or the new one, each pointing at a
+complete directory; a partial directory is never read and is removed by the next save. `trainer.json` is written
+last inside the partial directory, so a step directory without it is not a checkpoint. A step directory is never
+overwritten, and pruning renames a directory before deleting it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TRAINER_STATE = "trainer.json"
+LEARNER_STATE = "learner"
+FORMAT = 1
+_PARTIAL = ".partial-"
+_DELETING = ".deleting-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the path and what is wrong."""
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def begin_save(run_dir: str | os.PathLike, step: int) -> Path:
+    """A fresh, empty partial directory for `step` (leftovers of interrupted saves are removed first)."""
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in [*root.glob(f"{_PARTIAL}*"), *root.glob(f"{_DELETING}*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+    partial = root / f"{_PARTIAL}{step_name(step)}"
+    partial.mkdir()
+    return partial
+
+
+def finish_save(partial: Path, trainer_state: dict, keep: int) -> Path:
+    """Write trainer.json last, make the partial directory durable, publish it, move `latest`, prune to `keep`."""
+    _write_durably(partial / TRAINER_STATE, json.dumps({"format": FORMAT, **trainer_state}, indent=1))
+    for path in sorted(partial.rglob("*"), reverse=True):  # files first, then their directories
+        _fsync(path)
+    _fsync(partial)
+    root = partial.parent
+    final = root / partial.name[len(_PARTIAL) :]
+    if final.exists():  # replacing it could leave `latest` pointing at nothing; a checkpoint is never overwritten
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"checkpoint {final} already exists; it is not overwritten")
+    os.rename(partial, final)
+    _fsync(root)
+    _write_durably(root / LATEST, final.name + "\n")
+    _prune(root, keep, final.name)
+    return final
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint directory from a step directory, a `checkpoints/` directory or a run directory (their
+    `latest`). Raises CheckpointError naming what is missing."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path}: no such file or directory")
+    for root in (path, path / CHECKPOINTS):
+        pointer = root / LATEST
+        if pointer.is_file():
+            name = pointer.read_text().strip()
+            return validate(root / name)
+    return validate(path)
+
+
+def validate(path: Path) -> Path:
+    """`path` if it is a complete checkpoint this version can read."""
+    state_file = path / TRAINER_STATE
+    if not state_file.is_file():
+        raise CheckpointError(f"checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE})")
+    if not (path / LEARNER_STATE / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint {path}: the learner state is missing ({LEARNER_STATE}/.metadata)")
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path}: {TRAINER_STATE} is unreadable ({err})") from None
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: format {state.get('format')!r}, this rlpipe reads {FORMAT}")
+    return path
+
+
+def read_trainer_state(path: Path) -> dict:
+    return json.loads((validate(path) / TRAINER_STATE).read_text())
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    root = Path(run_dir) / CHECKPOINTS
+    return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+
+
+def _prune(root: Path, keep: int, newest: str) -> None:
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in complete[: max(0, len(complete) - keep)]:
+        if old.name != newest:
+            # Renamed first, so a deletion cut short never leaves a half-deleted directory under a checkpoint's name.
+            doomed = root / f"{_DELETING}{old.name}"
+            os.rename(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write `path` so that it is either absent/old or complete: temporary file, fsync, rename, fsync dir."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+    descriptor = os.open(path, flags)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,198 @@
+"""Training-state checkpoints: atomic publication, the latest pointer, pruning, clear errors, exact learner resume
+(also onto a different number of ranks), and no broken `latest` whatever moment a save is killed at."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rlpipe import checkpoint
+from rlpipe.checkpoint import CheckpointError
+from rlpipe.config import load_config
+from rlpipe.learner import Learner, combine_rank_metrics
+from rlpipe.parallel.mesh import find_free_port
+from tests.unit.test_learner_group import _batches, _config
+
+
+def _save(learner: Learner, run_dir, step: int, keep: int = 3):
+    partial = checkpoint.begin_save(run_dir, step)
+    learner.save_checkpoint(str(partial / checkpoint.LEARNER_STATE))
+    return checkpoint.finish_save(partial, {"step": step}, keep)
+
+
+def _weights(learner: Learner) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in learner.full_state_dict().items()}
+
+
+def test_latest_moves_to_each_new_checkpoint_and_only_the_last_k_stay(tiny_qwen3, tmp_path):
+    learner = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    for step in (1, 2, 3, 4):
+        final = _save(learner, tmp_path, step, keep=2)
+        assert checkpoint.resolve(tmp_path) == final  # from the run directory
+        assert checkpoint.resolve(tmp_path / "checkpoints") == final
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_000003", "step_000004"]
+    assert checkpoint.resolve(tmp_path / "checkpoints" / "step_000003").name == "step_000003"
+    assert checkpoint.read_trainer_state(final)["step"] == 4
+    with pytest.raises(CheckpointError, match="step_000004 already exists; it is not overwritten"):
+        _save(learner, tmp_path, 4)
+    assert checkpoint.resolve(tmp_path) == final and not list((tmp_path / "checkpoints").glob(".partial-*"))
+
+
+def test_bad_checkpoints_are_named_in_one_line(tiny_qwen3, tiny_llama, tmp_path):
+    with pytest.raises(CheckpointError, match="no such file or directory"):
+        checkpoint.resolve(tmp_path / "nowhere")
+    learner = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    final = _save(learner, tmp_path, 1)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        checkpoint.resolve(broken)
+    (final / checkpoint.TRAINER_STATE).write_text(json.dumps({"format": 99}))
+    with pytest.raises(CheckpointError, match="format 99"):
+        checkpoint.resolve(final)
+    (final / checkpoint.TRAINER_STATE).write_text("{not json")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        checkpoint.resolve(final)
+    # Another model (other shapes, other vocabulary): refused before anything is changed.
+    other = Learner(tiny_llama, _config(tiny_llama, 1))
+    before = _weights(other)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        other.load_checkpoint(str(final / checkpoint.LEARNER_STATE))
+    for name, value in _weights(other).items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_an_interrupted_save_leaves_latest_alone_and_is_cleared_by_the_next(tiny_qwen3, tmp_path):
+    learner = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    first = _save(learner, tmp_path, 1)
+    partial = checkpoint.begin_save(tmp_path, 2)
+    learner.save_checkpoint(str(partial / checkpoint.LEARNER_STATE))  # ...and the process dies here
+    assert checkpoint.resolve(tmp_path) == first
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        checkpoint.resolve(partial)
+    second = _save(learner, tmp_path, 2)
+    assert not partial.exists() and checkpoint.resolve(tmp_path) == second
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_a_resumed_learner_continues_exactly(tiny_qwen3, tmp_path, graph):
+    """Train 2 steps, save, resume in a fresh learner, train the 3rd: the same as 3 steps without a break. The
+    eager step's checkpoint also resumes the compiled step (one format for both)."""
+    batches = _batches()
+    straight = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    expected = [combine_rank_metrics([straight.train_step(b)]) for b in batches]
+    first = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    for batch in batches[:2]:
+        first.train_step(batch)
+    final = _save(first, tmp_path, 2)
+    resumed = Learner(tiny_qwen3, _config(tiny_qwen3, 1, graph=graph))
+    resumed.load_checkpoint(str(final / checkpoint.LEARNER_STATE))
+    assert resumed.optimizer_steps_taken == 2 and resumed.policy_version == 2
+    got = combine_rank_metrics([resumed.train_step(batches[2])])
+    tolerance = 1e-4 if graph else 1e-6
+    for key in ("loss", "lr", "grad_norm"):
+        assert got[key] == pytest.approx(expected[2][key], rel=tolerance, abs=tolerance), key
+    want = _weights(straight)
+    for name, value in _weights(resumed).items():
+        torch.testing.assert_close(value, want[name], rtol=tolerance, atol=tolerance, msg=name)
+
+
+def _train_two_ranks_and_save(rank, model_path, port, directory, errors):
+    try:
+        torch.set_num_threads(1)
+        learner = Learner(model_path, _config(model_path, 2), rank, 2)
+        learner.join_group("127.0.0.1", port)
+        for batch in _batches()[:2]:
+            learner.train_step(batch)
+        learner.save_checkpoint(directory)  # each rank writes its own rows
+        torch.distributed.destroy_process_group()
+    except Exception as err:  # surfaced by the test
+        errors.put(repr(err))
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_rank(tiny_qwen3, tmp_path):
+    directory = str(tmp_path / "learner")
+    context = mp.get_context("spawn")
+    errors = context.Queue()
+    port = find_free_port()
+    procs = [context.Process(target=_train_two_ranks_and_save, args=(r, tiny_qwen3, port, directory, errors)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=600)
+    assert errors.empty(), errors.get()
+    assert all(proc.exitcode == 0 for proc in procs)
+
+    batches = _batches()
+    straight = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    expected = [combine_rank_metrics([straight.train_step(b)]) for b in batches][2]
+    resumed = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    resumed.load_checkpoint(directory)
+    got = combine_rank_metrics([resumed.train_step(batches[2])])
+    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    want = _weights(straight)
+    for name, value in _weights(resumed).items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ------------------------------------------------------------------ killed while saving
+
+
+class _Killer:
+    """Counts the calls that make a save durable or visible, and SIGKILLs this process at call number `at`."""
+
+    CALLS = ("fsync", "rename", "replace")
+
+    def __init__(self, at: int | None):
+        self.at, self.count = at, 0
+        self.originals = {name: getattr(os, name) for name in self.CALLS}
+        for name in self.CALLS:
+            setattr(os, name, self._wrap(self.originals[name]))
+
+    def _wrap(self, call):
+        def wrapped(*args, **kwargs):
+            self.count += 1
+            if self.count == self.at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return call(*args, **kwargs)
+
+        return wrapped
+
+
+def _save_and_report(model_path, run_dir, at, counts):
+    learner = Learner(model_path, load_config(None, [f"model.path={model_path}"]))
+    killer = _Killer(at)
+    _save(learner, run_dir, 2)
+    counts.put(killer.count)
+
+
+def test_killing_a_save_at_any_point_leaves_a_loadable_latest(tiny_qwen3, tmp_path):
+    learner = Learner(tiny_qwen3, load_config(None, [f"model.path={tiny_qwen3}"]))
+    pristine, run_dir = tmp_path / "pristine", tmp_path / "run"
+    _save(learner, pristine, 1)
+    context = multiprocessing.get_context("fork")  # no re-import per kill: the points are many
+    counts = context.Queue()
+    dry = context.Process(target=_save_and_report, args=(tiny_qwen3, tmp_path / "dry", None, counts))
+    dry.start()
+    dry.join()
+    total = counts.get()
+    assert total >= 10  # every file, directory and pointer write is a point to die at
+    outcomes = set()
+    for at in range(1, total + 1):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.copytree(pristine, run_dir)  # one complete checkpoint (step 1), then a save of step 2 is killed
+        proc = context.Process(target=_save_and_report, args=(tiny_qwen3, run_dir, at, counts))
+        proc.start()
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL, at
+        latest = checkpoint.resolve(run_dir)  # raises if `latest` is missing or points at anything incomplete
+        learner.load_checkpoint(str(latest / checkpoint.LEARNER_STATE))
+        outcomes.add(latest.name)
+    assert outcomes == {"step_000001", "step_000002"}  # killed before and after the pointer moved
