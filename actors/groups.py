@@ -52,7 +52,10 @@ def actors_needed(cfg: Config) -> int:
 class Roles:
     """Handles to the learner, the rollout engines and the reward workers."""
 
-    def __init__(self, cfg: Config, model_path: str, tokenizer_path: str | None = None):
+    def __init__(
+        self, cfg: Config, model_path: str, tokenizer_path: str | None = None, resume: dict | None = None
+    ):
+        """`resume`: {"learner": directory of a checkpoint's learner state, "rng": each rank's RNG state or None}."""
         self.cfg = cfg
         # An actor that cannot be placed waits forever; say so instead of hanging.
         needed, available = actors_needed(cfg), ray.cluster_resources().get("CPU", 0)
@@ -84,6 +87,13 @@ class Roles:
         )
         address, port = ray.get(self.learners[0].rendezvous_address.remote())
         get_all([learner.join_group.remote(address, port) for learner in self.learners])
+        self.policy_version = 0
+        if resume is not None:
+            rngs = resume["rng"] if len(resume["rng"] or []) == ranks else [None] * ranks  # other M: fresh RNG
+            versions = get_all(
+                [learner.load_checkpoint.remote(resume["learner"], rng) for learner, rng in zip(self.learners, rngs)]
+            )
+            self.policy_version = versions[0]
         plan = self._plan_sync()
         self.sync_plan = ray.put(plan)
         if cfg.sync.transport == "gloo":
@@ -96,16 +106,19 @@ class Roles:
                     for index, engine in enumerate(self.engines)
                 ]
             )
-        self.policy_version = 0
         self.rehearsal = self._rehearse_sync(plan.shapes["model.embed_tokens.weight"][0])
 
     def _rehearse_sync(self, vocab: int) -> dict[str, float]:
         """Send the starting weights through the whole channel once — transfer, write, probe — before training:
         a transport or layout that does not work fails here rather than after the first training step, the first
         sync does not pay for first-touch buffers, and the engines keep what arrived as their rollback copy.
-        The engines already hold these weights, so the policy version stays 0."""
+        The engines already hold these weights, so the policy version stays 0; a resumed run's engines do not, so
+        there the transfer is a real one, of the checkpoint's version."""
         probe = [(index * 7919) % vocab for index in range(1, 33)]  # any fixed sequence serves as a probe
-        metrics, _ = self._transfer(1, probe, rehearsal=True)
+        if self.policy_version:  # resumed: the engines must take the checkpoint's weights, as that version
+            metrics, _ = self._transfer(self.policy_version, probe)
+        else:
+            metrics, _ = self._transfer(1, probe, rehearsal=True)
         return metrics
 
     def _plan_sync(self) -> SyncPlan:
@@ -206,6 +219,14 @@ class Roles:
 
     def export(self, out_dir: str) -> str:
         return get_all([learner.export.remote(out_dir) for learner in self.learners])[0]
+
+    def save_checkpoint(self, directory: str) -> list[str]:
+        """Every learner rank writes its part of the learner state (in parallel); returns their RNG states."""
+        return get_all([learner.save_checkpoint.remote(directory) for learner in self.learners])
+
+    def seed(self, step: int) -> None:
+        """Seed every engine's sampling for this step (see RolloutEngine.seed)."""
+        get_all([e.seed.remote(self.cfg.run.seed * 1_000_003 + step * 1009 + i) for i, e in enumerate(self.engines)])
 
     def shutdown(self) -> None:
         # Unlink shared-memory segments now rather than leave them to the resource tracker of a killed process.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 
 import ray
@@ -84,4 +85,15 @@ class LearnerActor:
         return self.learner.export(out_dir)
 
     def policy_version(self) -> int:
+        return self.learner.policy_version
+
+    def save_checkpoint(self, directory: str) -> str:
+        """This rank's part of the learner state; returns its torch RNG state (base64) for trainer.json."""
+        self.learner.save_checkpoint(directory)
+        return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+    def load_checkpoint(self, directory: str, rng_state: str | None) -> int:
+        self.learner.load_checkpoint(directory)
+        if rng_state is not None:
+            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng_state)), dtype=torch.uint8))
         return self.learner.policy_version

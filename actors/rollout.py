@@ -30,6 +30,9 @@ class RolloutActor:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
+    def seed(self, seed: int) -> None:
+        self.engine.seed(seed)
+
     @ray.method(concurrency_group="sync")
     def layout(self):
         return self.engine.layout()

@@ -103,6 +103,37 @@ def read_trainer_state(path: Path) -> dict:
     return json.loads((validate(path) / TRAINER_STATE).read_text())
 
 
+def rng_state() -> dict:
+    """This process's Python, NumPy and torch RNG states, as JSON."""
+    import base64
+    import random
+
+    import numpy as np
+    import torch
+
+    version, internal, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), position, has_gauss, cached],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    import base64
+    import random
+
+    import numpy as np
+    import torch
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+
+
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS
     return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
@@ -136,3 +167,29 @@ def _fsync(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def export(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write a checkpoint's weights as a Hugging Face folder (safetensors, config, tokenizer, generation config),
+    whatever number of ranks saved it. The model's architecture and tokenizer come from the run's `model.path`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from rlpipe.models import load_model, read_hf_config, save_state_dict
+    from rlpipe.models.builtin import resolve_model_path
+
+    source = resolve(path)
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"export: {out_dir} already exists; it is not overwritten")
+    model_cfg = read_trainer_state(source)["config"]["model"]
+    model_path = resolve_model_path(model_cfg["path"])
+    model = load_model(model_path)
+    state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+    try:
+        dcp.load(state, checkpoint_id=str(source / LEARNER_STATE))
+    except (Exception, CheckpointException) as err:
+        cause = [line.strip() for line in str(err).splitlines() if line.strip()][-1:]
+        raise CheckpointError(f"checkpoint {source}: does not fit {model_path} ({''.join(cause)})") from None
+    weights = {name[len("model.") :]: tensor for name, tensor in state.items()}
+    return save_state_dict(weights, read_hf_config(model_path), out_dir, source_dir=model_cfg["tokenizer"] or model_path)

@@ -1,4 +1,4 @@
-"""`rlpipe train` and `rlpipe config show`: a recipe plus key=value overrides."""
+"""`rlpipe train | config show | export | bench`: runs take a recipe plus key=value overrides."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from rewards import RewardConfigError
+from rlpipe.checkpoint import CheckpointError
 from rlpipe.config import Config, ConfigError, help_text, load_config
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -32,6 +33,13 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("overrides", nargs="*", help="section.key=value overrides")
         if name == "train":
             sub.add_argument("--address", help="join this Ray cluster (same as ray.address=...)")
+            sub.add_argument(
+                "--resume", nargs="?", const="latest", metavar="PATH",
+                help="continue from this run's latest checkpoint, or from PATH (a checkpoint or run directory)",
+            )
+    export = commands.add_parser("export", help="write a checkpoint's weights as a Hugging Face folder")
+    export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest checkpoint)")
+    export.add_argument("out_dir", help="the folder to create (never overwritten)")
     bench = commands.add_parser("bench", help="benchmarks, as ratios against a baseline run alongside")
     benches = bench.add_subparsers(dest="what", required=True)
     learner = benches.add_parser("learner", help="train-step throughput: eager vs graph, 1 vs 2 ranks, MFU")
@@ -91,6 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         bench_sync(split(args.models), split(args.transports), [int(r) for r in split(args.ranks)], args.bucket_mb,
                    args.repeats, args.out)
         return 0
+    if args.command == "export":
+        from rlpipe.checkpoint import export
+
+        try:
+            print(f"exported to {export(args.checkpoint, args.out_dir)}")
+        except CheckpointError as err:
+            print(f"rlpipe: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "bench" and args.what == "agreement":
         from rlpipe.bench import bench_agreement
 
@@ -121,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from rlpipe.controller import train
 
-        train(cfg)
+        train(cfg, getattr(args, "resume", None))
         return 0
     except (ConfigError, RewardConfigError) as err:
         print(f"rlpipe: config error: {err}", file=sys.stderr)
+        return 2
+    except CheckpointError as err:
+        print(f"rlpipe: {err}", file=sys.stderr)
         return 2
 
 

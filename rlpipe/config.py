@@ -145,6 +145,8 @@ class TrainConfig:
     betas: list[float] = _key([0.9, 0.999], "AdamW betas")
     adam_eps: float = _key(1e-8, "AdamW epsilon")
     grad_clip: float = _key(1.0, "max gradient norm (0: off)")
+    checkpoint_every: int = _key(0, "save a training-state checkpoint every this many steps (0: only at the end)")
+    keep_checkpoints: int = _key(2, "checkpoints kept in <run_dir>/checkpoints (older ones are deleted)")
 
 
 @dataclass
@@ -398,6 +400,8 @@ def validate(cfg: Config) -> None:
     need(cfg.rollout.group_size >= 2, f"rollout.group_size: must be >= 2 for group advantages, got {cfg.rollout.group_size}")
     need(cfg.train.prompts_per_step >= 1, "train.prompts_per_step: must be >= 1")
     need(cfg.model.kernels.logprob_chunk >= 1, "model.kernels.logprob_chunk: must be >= 1")
+    need(cfg.train.checkpoint_every >= 0, "train.checkpoint_every: must be >= 0")
+    need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints: must be >= 1")
     need(cfg.train.steps >= 0, "train.steps: must be >= 0")
     need(cfg.train.micro_batch_size >= 1, "train.micro_batch_size: must be >= 1")
     need(cfg.rollout.max_tokens >= 1, "rollout.max_tokens: must be >= 1")

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from rlpipe import checkpoint
+from rlpipe.checkpoint import CheckpointError
 from rlpipe.algo import group_advantages, uniform_groups
 from rlpipe.config import Config, ConfigError
 from rlpipe.data import PromptSet, Sampler, load_rows
@@ -21,13 +23,14 @@ from rlpipe.types import Group, TrainBatch
 from rewards import RewardRunner
 
 
-def train(cfg: Config) -> dict:
-    """Run GRPO as configured; returns the summary also written to <run_dir>/summary.json."""
+def train(cfg: Config, resume: str | None = None) -> dict:
+    """Run GRPO as configured (from a checkpoint with `resume`: a path, or "latest" of this run); returns the
+    summary also written to <run_dir>/summary.json."""
     from actors.groups import Roles, start_ray
 
-    run = prepare(cfg)
+    run = prepare(cfg, resume)
     start_ray(cfg)
-    roles = Roles(cfg, run.model_path, cfg.model.tokenizer)
+    roles = Roles(cfg, run.model_path, cfg.model.tokenizer, run.resume)
     log = run.log
     try:
         check = roles.rehearsal
@@ -36,9 +39,11 @@ def train(cfg: Config) -> dict:
             f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, "
             f"probe max |engine - learner| {check['sync/probe_max_abs']:.1e}"
         )
-        summary = {"sync_check": check, "eval_before": evaluate(roles, run.eval_set, cfg)}
+        summary = run.summary or {"eval_before": evaluate(roles, run.eval_set, cfg)}
+        summary["sync_check"] = check
         log.note(f"held-out accuracy before training: {summary['eval_before']}")
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(run.first_step, cfg.train.steps + 1):
+            roles.seed(step)
             clock = Clock()
             with clock("generate"):
                 prompts = run.train_set.prompts(run.sampler.next(cfg.train.prompts_per_step))
@@ -56,6 +61,8 @@ def train(cfg: Config) -> dict:
             metrics.update(clock.metrics(generated_tokens=metrics["completion_tokens"]))
             log.log(step, {**metrics, "policy_version": float(roles.policy_version)})
             log.log_samples(step, groups)
+            if step == cfg.train.steps or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
+                log.note(f"checkpoint saved: {save_checkpoint(run, roles, step, cfg, summary)}")
         summary["eval_after"] = evaluate(roles, run.eval_set, cfg)
         log.note(f"held-out accuracy after training: {summary['eval_after']} (before: {summary['eval_before']})")
         if cfg.metrics.export:
@@ -79,10 +86,31 @@ class Run:
     sampler: Sampler
     pad_id: int
     log: MetricsLogger
+    first_step: int = 1
+    resume: dict | None = None  # for Roles: the checkpoint's learner state and the ranks' RNG states
+    summary: dict | None = None  # a resumed run's summary so far (the held-out accuracy before training)
 
 
-def prepare(cfg: Config) -> Run:
-    """Check every input (model, tokenizer, rewards, data) before a run directory or a cluster exists."""
+def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict) -> Path:
+    """The whole training state after `step`, written atomically (see rlpipe/checkpoint.py)."""
+    partial = checkpoint.begin_save(run.dir, step)
+    learner_rngs = roles.save_checkpoint(str(partial / checkpoint.LEARNER_STATE))
+    state = {
+        "step": step,
+        "policy_version": roles.policy_version,
+        "sampler": run.sampler.state_dict(),
+        "rng": checkpoint.rng_state(),
+        "learner_rng": learner_rngs,
+        "config": cfg.to_dict(),
+        "metrics": run.log.history,
+        "summary": {"eval_before": summary.get("eval_before")},
+    }
+    return checkpoint.finish_save(partial, state, cfg.train.keep_checkpoints)
+
+
+def prepare(cfg: Config, resume: str | None = None) -> Run:
+    """Check every input (model, tokenizer, rewards, data, the checkpoint to resume) before a run directory or a
+    cluster exists."""
     model_path = resolve_model_path(cfg.model.path)
     check_model(model_path)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
@@ -93,10 +121,28 @@ def prepare(cfg: Config) -> Run:
     train_set.prompts(range(len(train_set)))  # rejects over-long prompts up front
     eval_set.prompts(range(len(eval_set)))
     sampler = Sampler(len(train_set), cfg.run.seed)
-    run_dir = prepare_run_dir(cfg)
+    state = None
+    if resume is not None:
+        source = checkpoint.resolve(cfg.run_dir if resume == "latest" else resume)
+        state = checkpoint.read_trainer_state(source)
+        newer = [p.name for p in checkpoint.list_checkpoints(cfg.run_dir) if p.name > checkpoint.step_name(state["step"])]
+        if newer:  # continuing would have to overwrite them
+            raise CheckpointError(
+                f"checkpoint {source}: {cfg.run_dir} already has later checkpoints ({', '.join(newer)}); resume from "
+                f"the latest, or set another run.name to branch off from this one"
+            )
+        sampler.load_state_dict(state["sampler"])
+    run_dir = prepare_run_dir(cfg, resuming=state is not None)
     log = MetricsLogger(run_dir, cfg.train.steps, tensorboard=cfg.metrics.tensorboard)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    return Run(run_dir, model_path, train_set, eval_set, sampler, pad_id, log)
+    run = Run(run_dir, model_path, train_set, eval_set, sampler, pad_id, log)
+    if state is not None:
+        log.restore(state["metrics"])
+        log.note(f"resuming from {source} (step {state['step']}, policy version {state['policy_version']})")
+        checkpoint.set_rng_state(state["rng"])
+        run.first_step, run.summary = state["step"] + 1, dict(state["summary"])
+        run.resume = {"learner": str(source / checkpoint.LEARNER_STATE), "rng": state["learner_rng"]}
+    return run
 
 
 def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[TrainBatch | None, dict]:
@@ -133,9 +179,9 @@ def evaluate(roles, eval_set: PromptSet, cfg: Config) -> float | None:
     return rollout_metrics(groups, cfg.reward.success_threshold)["accuracy"]
 
 
-def prepare_run_dir(cfg: Config) -> Path:
+def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
     run_dir = cfg.run_dir
-    if (run_dir / "metrics.jsonl").exists():
+    if (run_dir / "metrics.jsonl").exists() and not resuming:
         if not cfg.run.overwrite:
             raise ConfigError(f"run.name: {run_dir} already holds a run (choose another run.name or set run.overwrite=true)")
         shutil.rmtree(run_dir)

@@ -65,6 +65,14 @@ class MetricsLogger:
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.started = time.monotonic()
 
+    def restore(self, history: list[dict]) -> None:
+        """Continue a resumed run: the checkpoint's metrics become the history and metrics.jsonl (steps the
+        interrupted run logged after its checkpoint are dropped; they will be run again)."""
+        self.history = [dict(record) for record in history]
+        temporary = self.path.with_name(".metrics.jsonl.tmp")
+        temporary.write_text("".join(json.dumps(record) + "\n" for record in self.history))
+        temporary.replace(self.path)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **metrics}
         self.history.append(record)

@@ -44,6 +44,10 @@ class WeightReceiver:
         self._refresh_tied_output_layer()
         return len(weights)
 
+    def rlpipe_seed(self, seed: int) -> None:
+        """Seed the worker's sampling: vLLM draws requests without their own seed from torch's global generator."""
+        torch.manual_seed(seed)
+
     def _abandon_partial_reload(self) -> None:
         """After a reload that raised, layers still hold buffered, unapplied weights, which the next reload would
         replay (so a rollback would fail the same way). Drop them; vLLM's finalize then puts each such layer's
@@ -231,6 +235,11 @@ class RolloutEngine:
                 if output.finished:
                     finished[output.request_id] = output
         return [finished.get(rid) for rid in request_ids]
+
+    def seed(self, seed: int) -> None:
+        """Re-seed sampling, so that a step's completions depend on the step, not on what came before (exact
+        resume: a resumed run samples step k as the uninterrupted run did)."""
+        self.llm.collective_rpc("rlpipe_seed", args=(seed,))
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """The engine's logprob of each token given the ones before it (position 0 gets 0.0)."""

@@ -184,3 +184,50 @@ def test_a_dead_learner_rank_fails_the_step_at_once(tiny_qwen3, ray_cluster):
         assert time.monotonic() - started < 60
     finally:
         roles.shutdown()
+
+
+def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_path, tiny_qwen3, ray_cluster):
+    """4 steps in one go against 2 steps, then `--resume` for 2 more: steps 3-4 give the same metrics (seeded
+    sampling per step, the learner's weights and AdamW state, the sampler position and RNG all restored)."""
+    from rlpipe import checkpoint
+
+    base = _overrides(tmp_path / "runs", tiny_qwen3) + [
+        "data.size=32",
+        "reward.functions=[{name: reasoning_gym}, {name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
+        "metrics.export=false",
+        "metrics.tensorboard=false",
+    ]
+    whole_summary = train(load_config(None, base + ["run.name=whole", "train.steps=4", "metrics.export=true"]))
+    train(load_config(None, base + ["run.name=split", "train.steps=2"]))
+    with pytest.raises(checkpoint.CheckpointError, match="no such file"):
+        train(load_config(None, base + ["run.name=split", "train.steps=4"]), resume=str(tmp_path / "elsewhere"))
+    train(load_config(None, base + ["run.name=split", "train.steps=4"]), resume="latest")
+
+    whole, split = _read_metrics(tmp_path / "runs" / "whole"), _read_metrics(tmp_path / "runs" / "split")
+    assert [r["step"] for r in split] == [1, 2, 3, 4]
+    timing = ("time/", "tokens_per_s/", "sync/transfer_s", "sync/write_s")
+    for uninterrupted, resumed in zip(whole[2:], split[2:]):
+        compared = [key for key in uninterrupted if not key.startswith(timing)]
+        assert "loss" in compared and "reward/mean" in compared and set(compared) <= set(resumed)
+        for key in compared:
+            assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-6, abs=1e-7), (resumed["step"], key)
+    checkpoints = [p.name for p in checkpoint.list_checkpoints(tmp_path / "runs" / "split")]
+    assert checkpoints == ["step_000002", "step_000004"]
+    assert checkpoint.resolve(tmp_path / "runs" / "split").name == "step_000004"
+    assert checkpoint.read_trainer_state(checkpoint.resolve(tmp_path / "runs" / "split"))["policy_version"] == 4
+
+    # `rlpipe export` of the resumed run's last checkpoint: an HF folder that loads in transformers and vLLM,
+    # holding the weights the uninterrupted run's learner exported itself.
+    import torch
+
+    from rlpipe.cli import main
+    from rlpipe.learner import token_logprobs
+    from rlpipe.models import load_model
+
+    exported = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "runs" / "split"), str(exported)]) == 0
+    assert main(["export", str(tmp_path / "runs" / "split"), str(exported)]) == 2  # never overwritten
+    _check_export(str(exported))
+    tokens = torch.tensor([list(range(5, 30))])
+    torch.testing.assert_close(token_logprobs(load_model(exported), tokens),
+                               token_logprobs(load_model(whole_summary["export"]), tokens), rtol=0, atol=1e-6)

@@ -21,10 +21,11 @@ from rlpipe.parallel.mesh import find_free_port
 from tests.unit.test_learner_group import _batches, _config
 
 
-def _save(learner: Learner, run_dir, step: int, keep: int = 3):
+def _save(learner: Learner, run_dir, step: int, keep: int = 3, model_path=None):
     partial = checkpoint.begin_save(run_dir, step)
     learner.save_checkpoint(str(partial / checkpoint.LEARNER_STATE))
-    return checkpoint.finish_save(partial, {"step": step}, keep)
+    config = {"model": {"path": model_path or learner.model_path, "tokenizer": None}}
+    return checkpoint.finish_save(partial, {"step": step, "config": config}, keep)
 
 
 def _weights(learner: Learner) -> dict[str, torch.Tensor]:
@@ -67,6 +68,25 @@ def test_bad_checkpoints_are_named_in_one_line(tiny_qwen3, tiny_llama, tmp_path)
         other.load_checkpoint(str(final / checkpoint.LEARNER_STATE))
     for name, value in _weights(other).items():
         assert torch.equal(value, before[name]), name
+
+
+def test_export_writes_the_checkpoint_weights_as_an_hf_folder_and_refuses_a_misfit(tiny_qwen3, tiny_llama, tmp_path):
+    from rlpipe.models import load_model
+
+    learner = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    learner.train_step(_batches()[0])
+    final = _save(learner, tmp_path / "run", 1)
+    out = checkpoint.export(tmp_path / "run", tmp_path / "hf")
+    exported = load_model(out).state_dict()
+    for name, value in _weights(learner).items():
+        assert torch.equal(exported[name], value), name
+    assert (out / "tokenizer.json").exists() or (out / "tokenizer_config.json").exists()
+    with pytest.raises(CheckpointError, match="already exists; it is not overwritten"):
+        checkpoint.export(final, out)
+    misfit = _save(learner, tmp_path / "other", 1, model_path=tiny_llama)  # says it is the llama model
+    with pytest.raises(CheckpointError, match=r"does not fit .*tiny-llama"):
+        checkpoint.export(misfit, tmp_path / "hf2")
+    assert not (tmp_path / "hf2").exists()
 
 
 def test_an_interrupted_save_leaves_latest_alone_and_is_cleared_by_the_next(tiny_qwen3, tmp_path):

@@ -133,3 +133,13 @@ def test_console_script_is_installed(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.startswith("rlpipe: config error: train.stepz")
+
+
+def test_a_checkpoint_that_is_not_there_stops_train_and_export_in_one_line(capsys, tmp_path, tiny_qwen3):
+    missing = tmp_path / "no-such-checkpoint"
+    run_args = [f"model.path={tiny_qwen3}", f"run.output_dir={tmp_path / 'runs'}", "data.size=16", "data.eval_size=2"]
+    for argv in (["train", *run_args, "--resume", str(missing)], ["export", str(missing), str(tmp_path / "out")]):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.err.splitlines() == [f"rlpipe: checkpoint {missing}: no such file or directory"], argv
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()  # nothing written
