@@ -20,6 +20,7 @@ BUILTIN_REWARDS = {
     "numeric_answer": "rewards.math:numeric_answer",
     "exact_match": "rewards.math:exact_match",
     "reasoning_gym": "rewards.reasoning_gym:verifier",
+    "code_tests": "rewards.code:tests_pass",
 }
 
 
