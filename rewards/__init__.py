@@ -6,6 +6,6 @@ loaded; model-written code runs only in `rewards.sandbox`.
 """
 
 from rewards.registry import RewardConfigError, load_reward
-from rewards.runner import RewardResult, RewardRunner
+from rewards.runner import FailureWatch, RewardFailure, RewardResult, RewardRunner
 
-__all__ = ["RewardConfigError", "RewardResult", "RewardRunner", "load_reward"]
+__all__ = ["FailureWatch", "RewardConfigError", "RewardFailure", "RewardResult", "RewardRunner", "load_reward"]

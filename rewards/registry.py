@@ -21,6 +21,8 @@ BUILTIN_REWARDS = {
     "exact_match": "rewards.math:exact_match",
     "reasoning_gym": "rewards.reasoning_gym:verifier",
     "code_tests": "rewards.code:tests_pass",
+    "format_regex": "rewards.format:regex",
+    "format_tags": "rewards.format:tags",
 }
 
 

@@ -297,3 +297,29 @@ def _check_batch_lengths(prompts: list[str], completions: list[str], columns: di
     for column, values in columns.items():
         if len(values) != len(completions):
             raise ValueError(f"column {column!r} has {len(values)} values for {len(completions)} completions")
+
+
+class RewardFailure(RuntimeError):
+    """A reward function failed on too many samples for too long; the message names it and its first error."""
+
+
+class FailureWatch:
+    """Stops a run whose reward function keeps failing: more than `max_share` of a step's samples unscored by
+    one function, `max_steps` steps in a row. Occasional failures only leave samples out; a function that is
+    broken for good would otherwise train on whatever the others say, or on nothing."""
+
+    def __init__(self, max_share: float, max_steps: int):
+        self.max_share, self.max_steps = max_share, max_steps
+        self.streaks: dict[str, int] = {}
+
+    def update(self, failures: Mapping[str, int], samples: int, first_errors: Mapping[str, str]) -> None:
+        for name, failed in failures.items():
+            share = failed / max(1, samples)
+            self.streaks[name] = self.streaks.get(name, 0) + 1 if share > self.max_share else 0
+            if self.streaks[name] >= self.max_steps:
+                error = first_errors.get(name, "no error message")
+                raise RewardFailure(
+                    f"reward function {name} failed on more than {self.max_share:.0%} of the samples for "
+                    f"{self.max_steps} steps in a row (reward.max_failed_share, reward.max_failed_steps); "
+                    f"first error: {error}"
+                )

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rewards import RewardConfigError
+from rewards import RewardConfigError, RewardFailure
 from rlpipe.checkpoint import CheckpointError
 from rlpipe.config import Config, ConfigError, help_text, load_config
 
@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:
         print(f"rlpipe: {err}", file=sys.stderr)
         return 2
+    except RewardFailure as err:  # mid-run: the checkpoints written so far stay
+        print(f"rlpipe: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

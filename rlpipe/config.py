@@ -107,6 +107,10 @@ class RewardConfig:
     timeout_s: float = _key(30.0, "time limit per reward function call")
     num_workers: int = _key(1, "reward actors")
     success_threshold: float = _key(1.0, "a sample with total reward >= this counts as correct (accuracy)")
+    max_failed_share: float = _key(
+        0.5, "stop the run when one function fails on more than this share of a step's samples ..."
+    )
+    max_failed_steps: int = _key(3, "... for this many steps in a row")
 
 
 @dataclass
@@ -401,6 +405,8 @@ def validate(cfg: Config) -> None:
     need(cfg.train.prompts_per_step >= 1, "train.prompts_per_step: must be >= 1")
     need(cfg.model.kernels.logprob_chunk >= 1, "model.kernels.logprob_chunk: must be >= 1")
     need(cfg.train.checkpoint_every >= 0, "train.checkpoint_every: must be >= 0")
+    need(0 <= cfg.reward.max_failed_share <= 1, "reward.max_failed_share: must be between 0 and 1")
+    need(cfg.reward.max_failed_steps >= 1, "reward.max_failed_steps: must be >= 1")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints: must be >= 1")
     need(cfg.train.steps >= 0, "train.steps: must be >= 0")
     need(cfg.train.micro_batch_size >= 1, "train.micro_batch_size: must be >= 1")

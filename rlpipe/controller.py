@@ -20,7 +20,7 @@ from rlpipe.data import PromptSet, Sampler, load_rows
 from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.types import Group, TrainBatch
-from rewards import RewardRunner
+from rewards import FailureWatch, RewardRunner
 
 
 def train(cfg: Config, resume: str | None = None) -> dict:
@@ -42,6 +42,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         summary = run.summary or {"eval_before": evaluate(roles, run.eval_set, cfg)}
         summary["sync_check"] = check
         log.note(f"held-out accuracy before training: {summary['eval_before']}")
+        watch = FailureWatch(cfg.reward.max_failed_share, cfg.reward.max_failed_steps)
         for step in range(run.first_step, cfg.train.steps + 1):
             roles.seed(step)
             clock = Clock()
@@ -51,6 +52,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             with clock("reward"):
                 failures, errors = roles.score(groups)
             log.reward_errors(errors)
+            watch.update(failures, len(groups) * cfg.rollout.group_size, errors)  # a function broken for good stops
             batch, metrics = make_train_batch(groups, cfg, run.pad_id)
             if batch is not None:  # every sample unscored or filtered: nothing to learn from this step
                 with clock("train"):

@@ -231,3 +231,19 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_pat
     tokens = torch.tensor([list(range(5, 30))])
     torch.testing.assert_close(token_logprobs(load_model(exported), tokens),
                                token_logprobs(load_model(whole_summary["export"]), tokens), rtol=0, atol=1e-6)
+
+
+def test_a_reward_function_broken_for_good_stops_the_run_naming_it(tmp_path, tiny_qwen3, ray_cluster):
+    from rewards import RewardFailure
+
+    cfg = load_config(None, _overrides(tmp_path / "runs", tiny_qwen3) + [
+        "run.name=broken-reward",
+        "data.size=32",
+        "data.eval_size=0",
+        "train.steps=4",
+        "reward.max_failed_steps=2",
+        "reward.functions=[{name: reasoning_gym}, {name: 'tests.unit.reward_fixtures:raising', weight: 0.1}]",
+    ])
+    with pytest.raises(RewardFailure, match=r"reward function .*raising failed on more than 50% .* 2 steps"):
+        train(cfg)
+    assert [r["step"] for r in _read_metrics(tmp_path / "runs" / "broken-reward")] == [1]  # stopped in step 2

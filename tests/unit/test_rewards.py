@@ -341,3 +341,37 @@ def test_rewards_package_imports_no_framework_code():
             else:
                 continue
             assert not roots & forbidden, f"{source.name} imports {roots & forbidden}"
+
+
+def test_a_function_failing_on_most_samples_for_several_steps_stops_the_run():
+    from rewards import FailureWatch, RewardFailure
+
+    watch = FailureWatch(max_share=0.5, max_steps=3)
+    errors = {"broken": "broken: ZeroDivisionError: division by zero"}
+    watch.update({"broken": 6, "fine": 0}, 8, errors)
+    watch.update({"broken": 8, "fine": 1}, 8, errors)
+    watch.update({"broken": 4, "fine": 0}, 8, errors)  # exactly half: not more than the share, the streak ends
+    watch.update({"broken": 5, "fine": 0}, 8, errors)
+    watch.update({"broken": 5, "fine": 0}, 8, errors)
+    with pytest.raises(RewardFailure, match=r"^reward function broken failed on more than 50% .* 3 steps in a row .*"
+                                            r"first error: broken: ZeroDivisionError"):
+        watch.update({"broken": 7, "fine": 0}, 8, errors)
+
+
+def test_format_rewards_check_tags_in_order_and_patterns():
+    from rewards import load_reward
+
+    tags = load_reward("format_tags")
+    completions = [
+        "<think>2 + 2 is 4</think>\n<answer>4</answer>",
+        "  <think>\nmulti\nline</think><answer>4</answer>\n",
+        "<answer>4</answer><think>late</think>",  # wrong order
+        "<think>a</think><answer>4</answer> and more",  # text outside the tags
+        "<think>a<think>b</think></think><answer>4</answer>",  # nested
+        "<think>only thinking</think>",
+    ]
+    assert tags([""] * 6, completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert tags([""], ["<answer>4</answer>"], names=["answer"]) == [1.0]
+    pattern = load_reward("format_regex")
+    assert pattern([""] * 3, ["#### 42", "the answer is 42", "####"], pattern=r"#### -?\d+") == [1.0, 0.0, 0.0]
+    assert pattern([""] * 2, ["42", "42 apples"], pattern=r"\d+", full=True) == [1.0, 0.0]
