@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import base64
 import os
 
 import ray
 import torch
 
 from actors.calls import get_all
+from rlpipe.checkpoint import set_torch_rng_text, torch_rng_text
 from rlpipe.config import Config
 from rlpipe.learner import Learner
 from rlpipe.types import TrainBatch
@@ -90,10 +90,10 @@ class LearnerActor:
     def save_checkpoint(self, directory: str) -> str:
         """This rank's part of the learner state; returns its torch RNG state (base64) for trainer.json."""
         self.learner.save_checkpoint(directory)
-        return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+        return torch_rng_text()
 
     def load_checkpoint(self, directory: str, rng_state: str | None) -> int:
         self.learner.load_checkpoint(directory)
         if rng_state is not None:
-            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng_state)), dtype=torch.uint8))
+            set_torch_rng_text(rng_state)
         return self.learner.policy_version

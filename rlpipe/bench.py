@@ -383,27 +383,33 @@ def _logprob_run(vocab: int, width: int, tokens: int, impl: str, chunk: int, rep
     results.put({"seconds": best, "extra_bytes": max(0, peak - before)})
 
 
-def bench_kernels(vocabs: list[int], tokens_list: list[int], chunk: int, repeats: int, out: str | None = None) -> list[dict]:
-    """Log-probs through the output projection, forward and backward: the chunked path against whole logits
-    (`reference`), each in its own process. Memory is the peak resident growth over the inputs."""
+def _in_fresh_process(target, *args):
+    """`target(*args, results)` in a spawned process; returns what it put on `results`. A fresh process per
+    measurement keeps peak memory (and vLLM engines) from one measurement out of the next."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=target, args=(*args, results))
+    child.start()
+    result = results.get()
+    child.join()
+    return result
+
+
+def bench_kernels(vocabs: list[int], tokens_list: list[int], chunk: int, repeats: int, out: str | None = None) -> list[dict]:
+    """Log-probs through the output projection, forward and backward: the chunked path against whole logits
+    (`reference`), each in its own process. Memory is the peak resident growth over the inputs."""
     rows = []
     for vocab in vocabs:
         width = LOGPROB_BENCH_WIDTHS.get(vocab, 1024)
         for tokens in tokens_list:
             logits_gb = tokens * vocab * 4 / 1e9
             print(f"vocab {vocab}, hidden {width}, {tokens} tokens (fp32 logits alone: {logits_gb:.2f} GB)", flush=True)
-            measured = {}
-            for impl in ("reference", "chunked"):
-                results = context.Queue()
-                child = context.Process(
-                    target=_logprob_run, args=(vocab, width, tokens, impl, chunk, repeats, results)
-                )
-                child.start()
-                measured[impl] = results.get()
-                child.join()
+            measured = {
+                impl: _in_fresh_process(_logprob_run, vocab, width, tokens, impl, chunk, repeats)
+                for impl in ("reference", "chunked")
+            }
             base = measured["reference"]
             for impl, result in measured.items():
                 row = {"vocab": vocab, "hidden": width, "tokens": tokens, "impl": impl, "chunk": chunk, **result,
@@ -466,23 +472,15 @@ def bench_agreement(model: str, impls: list[str], dtypes: list[str], prompts: in
                     out: str | None = None) -> list[dict]:
     """|learner - rollout| log-prob of the sampled tokens, for each engine model and dtype; the learner runs
     rlpipe's model in fp32 (the default learner)."""
-    import multiprocessing
-
     from rlpipe.models.builtin import resolve_model_path
 
     model_path = resolve_model_path(model)
-    context = multiprocessing.get_context("spawn")
     rows = []
     print(f"{model_path}: {prompts} prompts x {samples} samples x up to {max_tokens} tokens, learner fp32", flush=True)
     for dtype in dtypes:
         for impl in impls:
-            results = context.Queue()
-            child = context.Process(
-                target=_agreement_run, args=(model_path, impl, dtype, prompts, samples, max_tokens, results)
-            )
-            child.start()
-            row = {"model_impl": impl, "dtype": dtype, **results.get()}
-            child.join()
+            measured = _in_fresh_process(_agreement_run, model_path, impl, dtype, prompts, samples, max_tokens)
+            row = {"model_impl": impl, "dtype": dtype, **measured}
             rows.append(row)
             print(f"  engine {impl:>6} {dtype:>8}: mean |d logprob| {row['mean_abs']:.3g}, max {row['max_abs']:.3g}, "
                   f"KL {row['kl_k3']:.3g} over {row['tokens']} tokens", flush=True)

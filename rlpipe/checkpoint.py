@@ -105,33 +105,61 @@ def read_trainer_state(path: Path) -> dict:
 
 def rng_state() -> dict:
     """This process's Python, NumPy and torch RNG states, as JSON."""
-    import base64
     import random
 
     import numpy as np
-    import torch
 
     version, internal, gauss = random.getstate()
     kind, keys, position, has_gauss, cached = np.random.get_state()
     return {
         "python": [version, list(internal), gauss],
         "numpy": [kind, keys.tolist(), position, has_gauss, cached],
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "torch": torch_rng_text(),
     }
 
 
 def set_rng_state(state: dict) -> None:
-    import base64
     import random
 
     import numpy as np
-    import torch
 
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, position, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    set_torch_rng_text(state["torch"])
+
+
+def torch_rng_text() -> str:
+    """torch's CPU generator state as base64 text (JSON has no bytes)."""
+    import base64
+
+    import torch
+
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def set_torch_rng_text(text: str) -> None:
+    import base64
+
+    import torch
+
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
+
+
+def load_tensors(state: dict, directory: str, target: str) -> None:
+    """Fill `state` in place from a torch.distributed.checkpoint directory (resharding as needed), or raise a
+    one-line CheckpointError saying that it does not fit `target`. DCP wraps each rank's failure in a long
+    report (and in a BaseException); its last line is the cause."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=directory)
+    except (Exception, CheckpointException) as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        cause = lines[-1] if lines else type(err).__name__
+        raise CheckpointError(f"checkpoint {directory}: does not fit {target} ({cause})") from None
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -172,9 +200,6 @@ def _fsync(path: Path) -> None:
 def export(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Write a checkpoint's weights as a Hugging Face folder (safetensors, config, tokenizer, generation config),
     whatever number of ranks saved it. The model's architecture and tokenizer come from the run's `model.path`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     from rlpipe.models import load_model, read_hf_config, save_state_dict
     from rlpipe.models.builtin import resolve_model_path
 
@@ -186,10 +211,6 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     model_path = resolve_model_path(model_cfg["path"])
     model = load_model(model_path)
     state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
-    try:
-        dcp.load(state, checkpoint_id=str(source / LEARNER_STATE))
-    except (Exception, CheckpointException) as err:
-        cause = [line.strip() for line in str(err).splitlines() if line.strip()][-1:]
-        raise CheckpointError(f"checkpoint {source}: does not fit {model_path} ({''.join(cause)})") from None
+    load_tensors(state, str(source / LEARNER_STATE), model_path)
     weights = {name[len("model.") :]: tensor for name, tensor in state.items()}
     return save_state_dict(weights, read_hf_config(model_path), out_dir, source_dir=model_cfg["tokenizer"] or model_path)

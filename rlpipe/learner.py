@@ -14,7 +14,7 @@ from rlpipe.algo import (
     policy_loss,
     truncated_importance_weights,
 )
-from rlpipe.checkpoint import CheckpointError
+from rlpipe.checkpoint import load_tensors
 from rlpipe.config import Config, KernelsConfig
 from rlpipe.kernels import linear_logprob, logits_logprob
 from rlpipe.models import load_model, read_hf_config, save_state_dict
@@ -387,14 +387,8 @@ class Learner:
 
     def load_checkpoint(self, directory: str) -> None:
         """Load a learner state saved by `save_checkpoint` with any number of ranks, resharded to this learner."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
         state = self.checkpoint_state()
-        try:
-            dcp.load(state, checkpoint_id=directory)
-        except (Exception, CheckpointException) as err:  # DCP wraps each rank's failure; its last line is the cause
-            raise CheckpointError(f"checkpoint {directory}: does not fit this model ({_last_line(err)})") from None
+        load_tensors(state, directory, "this model")
         steps = int(state["optim.step"].item())
         self.optimizer_steps_taken = steps
         self.policy_version = int(state["learner.policy_version"].item())
@@ -407,11 +401,6 @@ class Learner:
         if self.rank == 0:
             save_state_dict(state, self.hf_config, out_dir, source_dir=self.cfg.model.tokenizer or self.model_path)
         return out_dir
-
-
-def _last_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[-1] if lines else type(err).__name__
 
 
 def _fit(tensor: torch.Tensor, width: int) -> torch.Tensor:
