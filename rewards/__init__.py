@@ -6,6 +6,14 @@ loaded; model-written code runs only in `rewards.sandbox`.
 """
 
 from rewards.registry import RewardConfigError, load_reward
-from rewards.runner import FailureWatch, RewardFailure, RewardResult, RewardRunner
+from rewards.runner import SAMPLE_COLUMNS, FailureWatch, RewardFailure, RewardResult, RewardRunner
 
-__all__ = ["FailureWatch", "RewardConfigError", "RewardFailure", "RewardResult", "RewardRunner", "load_reward"]
+__all__ = [
+    "SAMPLE_COLUMNS",
+    "FailureWatch",
+    "RewardConfigError",
+    "RewardFailure",
+    "RewardResult",
+    "RewardRunner",
+    "load_reward",
+]

@@ -25,24 +25,34 @@ from rewards.extract import last_answer_tag, last_boxed, last_line, last_number
 logger = logging.getLogger("rewards")
 
 
-def verifier(prompts: list[str], completions: list[str], entry: list[Any], **_: Any) -> list[float | None]:
+def verifier(
+    prompts: list[str], completions: list[str], entry: list[Any], task: str | None = None, **_: Any
+) -> list[float]:
     """1.0 when reasoning-gym's scorer fully accepts the completion's answer for that entry, else 0.0.
 
-    `entry` holds reasoning-gym entries (dicts with `question`, `answer`, `metadata.source_dataset`), or
-    their JSON text, as datasets often store the heterogeneous `metadata` serialized. An entry whose
-    scorer raises scores None (that sample only).
+    `entry` holds reasoning-gym entries (dicts with `question`, `answer`, `metadata`), or their JSON text, as
+    datasets often store the heterogeneous `metadata` serialized. The scorer is that of the task named by
+    `task` (any reasoning-gym dataset name), by default the entry's `metadata.source_dataset`. An answer the
+    scorer cannot parse (it raises) is wrong: 0.0.
     """
-    return [_score(completion, _as_entry(item)) for completion, item in zip(completions, entry, strict=True)]
+    return [
+        _score(completion, _as_entry(item), task) for completion, item in zip(completions, entry, strict=True)
+    ]
 
 
-def _score(completion: str, entry: Mapping[str, Any]) -> float | None:
-    score_answer = _scorer(entry["metadata"]["source_dataset"])
+def _score(completion: str, entry: Mapping[str, Any], task: str | None) -> float:
+    score_answer = _scorer(task or entry["metadata"]["source_dataset"])
+    return float(any(_accepts(score_answer, candidate, entry) for candidate in _candidates(completion)))
+
+
+def _accepts(score_answer: Callable[[str | None, dict], float], candidate: str, entry: Mapping[str, Any]) -> bool:
+    # Some scorers raise on answers they cannot parse (prime_factorization on words): that answer is wrong, and
+    # scoring it 0 rather than None keeps the policy from escaping the task's reward by writing garbage.
     try:
-        accepted = any(score_answer(candidate, entry) == 1.0 for candidate in _candidates(completion))
+        return score_answer(candidate, entry) == 1.0
     except Exception:
-        logger.debug("reasoning-gym scorer raised on entry %r", entry.get("question"), exc_info=True)
-        return None
-    return float(accepted)
+        logger.debug("reasoning-gym scorer raised on answer %r", candidate, exc_info=True)
+        return False
 
 
 def _candidates(completion: str) -> list[str]:

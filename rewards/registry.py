@@ -23,6 +23,7 @@ BUILTIN_REWARDS = {
     "code_tests": "rewards.code:tests_pass",
     "format_regex": "rewards.format:regex",
     "format_tags": "rewards.format:tags",
+    "overlong": "rewards.shaping:overlong",
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import logging
 import math
 import numbers
@@ -21,7 +22,10 @@ from rewards.registry import RewardConfigError, describe_error, display_name, lo
 
 logger = logging.getLogger("rewards")
 
-_SPEC_KEYS = ("name", "weight", "kwargs")
+_SPEC_KEYS = ("name", "weight", "kwargs", "group")
+SAMPLE_COLUMNS = ("completion_tokens", "finish_reason", "max_tokens")
+"""Columns the reward pool adds to the dataset's for every sample: the completion's length in tokens, why it
+ended ("stop" or "length") and the length limit it was sampled under. Datasets may not use these names."""
 
 
 @dataclass
@@ -45,6 +49,8 @@ class _Reward:
     fn: Callable
     weight: float
     kwargs: dict[str, Any]
+    group: bool = False
+    """Called once per group (the group's completions of one prompt) instead of once per batch."""
 
 
 @dataclass
@@ -59,8 +65,9 @@ class _Outcome:
 class RewardRunner:
     """Scores batches with a fixed list of reward functions.
 
-    `specs` are `{"name": "pkg.mod:fn", "weight": 1.0, "kwargs": {}}` dicts; every function is loaded
-    here so that a bad name fails at startup rather than at the first batch.
+    `specs` are `{"name": "pkg.mod:fn", "weight": 1.0, "kwargs": {}, "group": False}` dicts; every function
+    is loaded here so that a bad name fails at startup rather than at the first batch. A `group` function is
+    called once per group with that group's samples only, so it can score completions against each other.
     """
 
     def __init__(self, specs: list[dict], timeout_s: float = 30.0):
@@ -77,18 +84,24 @@ class RewardRunner:
         return [reward.name for reward in self._rewards]
 
     def score(
-        self, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
+        self,
+        prompts: list[str],
+        completions: list[str],
+        columns: dict[str, list] | None = None,
+        group_sizes: list[int] | None = None,
     ) -> RewardResult:
+        """Score a batch; `group_sizes` splits it into consecutive groups (default: one group)."""
         columns = dict(columns or {})
         num_samples = len(completions)
         _check_batch_lengths(prompts, completions, columns)
+        windows = _group_windows(group_sizes, num_samples)
         if num_samples == 0:
             return RewardResult([], {r.name: [] for r in self._rewards}, {r.name: 0 for r in self._rewards})
 
         # Functions run concurrently, each in its own daemon thread, so the batch waits at most
         # `timeout_s` in total and a hung function cannot keep the process from exiting.
         calls = [
-            _ThreadedCall(reward, prompts, completions, columns, self.timeout_s) for reward in self._rewards
+            _ThreadedCall(reward, prompts, completions, columns, self.timeout_s, windows) for reward in self._rewards
         ]
         deadline = time.monotonic() + self.timeout_s
         for call in calls:
@@ -105,6 +118,8 @@ class RewardRunner:
             outcome = _failed_call(num_samples, f"{name}: timed out after {self.timeout_s:g}s")
         elif call.error is not None:
             outcome = _failed_call(num_samples, f"{name}: {describe_error(call.error)}", call.error)
+        elif call.reward.group:
+            outcome = _merge([_group_outcome(name, part, window) for part, window in zip(call.value, call.windows)])
         else:
             outcome = _validate(name, call.value, num_samples)
         if outcome.first_error is not None:
@@ -145,8 +160,10 @@ class _ThreadedCall:
         completions: list[str],
         columns: dict[str, list],
         timeout_s: float,
+        windows: list[slice],
     ):
         self.reward = reward
+        self.windows = windows
         self.value: Any = None
         self.error: BaseException | None = None
         self.timed_out = False
@@ -168,15 +185,70 @@ class _ThreadedCall:
 
     def _run(self) -> None:
         try:
-            value = self.reward.fn(*self._args, **self._kwargs)
-            if inspect.isawaitable(value):
-                value = asyncio.run(_await_within(value, self._timeout_s))
-            self.value = value
+            if not self.reward.group:
+                self.value = self._call(*self._args, **self._kwargs)
+                return
+            # One failing group unscores that group only; the deadline covers all groups together.
+            deadline = time.monotonic() + self._timeout_s
+            self.value = []
+            for window in self.windows:
+                self._timeout_s = max(0.0, deadline - time.monotonic())
+                try:
+                    part = self._call(
+                        *(values[window] for values in self._args),
+                        **{
+                            key: values if key in self.reward.kwargs else values[window]
+                            for key, values in self._kwargs.items()
+                        },
+                    )
+                except _TimedOut:
+                    raise
+                except BaseException as err:  # as below: user code may raise SystemExit
+                    part = err
+                self.value.append(part)
         except _TimedOut:
             self.timed_out = True
         # BaseException too: a SystemExit raised by user code would otherwise end the thread silently.
         except BaseException as err:
             self.error = err
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        value = self.reward.fn(*args, **kwargs)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_await_within(value, self._timeout_s))
+        return value
+
+
+def _group_windows(group_sizes: list[int] | None, num_samples: int) -> list[slice]:
+    if group_sizes is None:
+        return [slice(0, num_samples)]
+    if sum(group_sizes) != num_samples or any(size < 1 for size in group_sizes):
+        raise ValueError(f"group sizes {group_sizes} do not split {num_samples} samples into non-empty groups")
+    stops = list(itertools.accumulate(group_sizes))
+    return [slice(stop - size, stop) for size, stop in zip(group_sizes, stops)]
+
+
+def _group_outcome(name: str, value: Any, window: slice) -> _Outcome:
+    size = window.stop - window.start
+    if isinstance(value, BaseException):
+        where = f"group of samples {window.start}-{window.stop - 1}"
+        return _failed_call(size, f"{name}: {describe_error(value)} ({where})", value)
+    return _validate(name, value, size)
+
+
+def _merge(parts: list[_Outcome]) -> _Outcome:
+    """Outcomes of consecutive groups as one outcome of the whole batch."""
+    merged = _Outcome(scores=[], extras={})
+    for part in parts:
+        for key in part.extras.keys() - merged.extras.keys():
+            merged.extras[key] = [None] * len(merged.scores)
+        for key, values in merged.extras.items():
+            values.extend(part.extras.get(key, [None] * len(part.scores)))
+        merged.scores.extend(part.scores)
+        merged.failures += part.failures
+        if merged.first_error is None and part.first_error is not None:
+            merged.first_error, merged.exception = part.first_error, part.exception
+    return merged
 
 
 async def _await_within(awaitable: Awaitable, timeout_s: float) -> Any:
@@ -274,10 +346,14 @@ def _parse_specs(specs: list[dict]) -> list[_Reward]:
         if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
             raise RewardConfigError(f"{where}: 'kwargs' must be a mapping with string keys, got {kwargs!r}")
 
+        group = spec.get("group", False)
+        if not isinstance(group, bool):
+            raise RewardConfigError(f"{where}: 'group' must be true or false, got {group!r}")
+
         fn = load_reward(spec["name"])
         name = _unique(display_name(spec["name"]), taken)
         taken.add(name)
-        rewards.append(_Reward(name=name, fn=fn, weight=float(weight), kwargs=dict(kwargs)))
+        rewards.append(_Reward(name=name, fn=fn, weight=float(weight), kwargs=dict(kwargs), group=group))
     return rewards
 
 

