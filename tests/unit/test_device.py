@@ -47,3 +47,13 @@ def test_bad_placements_are_named():
         tpu_process_env(["h"], "2,2", 0, 0)
     with pytest.raises(ValueError, match="outside the 1 hosts"):
         tpu_process_env(["h"], "2,2,1", 1, 0)
+
+
+def test_hosts_tile_the_slices_topology():
+    hosts = ["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"]
+    env = tpu_process_env(hosts, "2,2,1", worker_index=1, local_chip=0, topology="4x4")
+    assert env["TPU_HOST_BOUNDS"] == "2,2,1" and env["TPU_PROCESS_BOUNDS"] == "4,4,1"
+    v5p = tpu_process_env(hosts * 2, "2,2,1", worker_index=7, local_chip=3, topology="2x4x4")
+    assert v5p["TPU_HOST_BOUNDS"] == "1,2,4" and v5p["CLOUD_TPU_TASK_ID"] == "31"
+    with pytest.raises(ValueError, match="4 hosts of 2,2,1 chips do not tile topology 2x4"):
+        tpu_process_env(hosts, "2,2,1", 0, 0, topology="2x4")

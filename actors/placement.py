@@ -1,0 +1,194 @@
+"""Where the roles' actors run: one Ray placement group per role, built from `placement.<role>` in the config.
+
+On CPU/GPU nodes a role's group has one bundle per actor — a CPU plus the role's custom resources — placed with
+the role's strategy, so `placement.learner.resources: {learner_host: 1}` puts every learner rank on nodes that
+advertise `learner_host`. A role with `placement.<role>.tpu` reserves a whole TPU slice instead (one bundle
+per host) and runs one actor per chip (learner ranks) or per `rollout.tensor_parallel` chips (engines), each
+with the TPU environment of its chips computed from the bundle order (rlpipe/device.py). Learner and rollout
+ask for separate slices, so they never share one.
+
+The TPU path follows Ray's documented slice API (`ray.util.tpu.SlicePlacementGroup`; on older Rays the
+`TPU-<pod type>-head` resource plus per-host bundles); it has not run on TPU hardware yet. The arithmetic —
+which chip each actor drives and the environment it gets — is unit-tested against described clusters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlpipe.config import ConfigError, RolePlacement
+from rlpipe.device import TPU_BASE_PORT, TpuSlice, tpu_process_env, tpu_slice
+
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+
+
+@dataclass
+class Slot:
+    """Where one actor goes: a bundle of its role's placement group, and the environment it needs there."""
+
+    bundle_index: int
+    env: dict[str, str] = field(default_factory=dict)
+    tpu_chips: int = 0
+
+
+@dataclass
+class RoleGroup:
+    """A role's placement group and one slot per actor, in rank order."""
+
+    role: str
+    group: PlacementGroup
+    slots: list[Slot]
+    head_groups: list[PlacementGroup] = field(default_factory=list)  # slice reservations to release with it
+
+    def options(self, index: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+        """`.options(...)` for the actor in slot `index`, adding `env` to its environment."""
+        slot = self.slots[index]
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=slot.bundle_index)
+        options: dict[str, Any] = {
+            "scheduling_strategy": strategy,
+            "runtime_env": {"env_vars": {**(env or {}), **slot.env}},
+        }
+        if slot.tpu_chips:  # actors share a host's bundle, so they take chips, not the host's CPU
+            options.update(num_cpus=0, resources={"TPU": slot.tpu_chips})
+        else:
+            options.update(num_cpus=1)
+        return options
+
+    def remove(self) -> None:
+        for group in [self.group, *self.head_groups]:
+            try:
+                remove_placement_group(group)
+            except Exception:  # already gone with a lost node or a shut-down cluster
+                pass
+
+
+def place_role(role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int = 1) -> RoleGroup:
+    """Reserve the placement for `actors` actors of `role`, waiting at most `timeout_s` for it."""
+    if spec.tpu:
+        return _place_on_slice(role, spec, actors, timeout_s, chips_per_actor)
+    bundles = cpu_bundles(spec, actors)
+    group = placement_group(bundles, strategy=spec.strategy, name=f"rlpipe-{role}")
+    _wait(group, role, timeout_s, f"{actors} bundle(s) of {bundles[0]} ({spec.strategy})")
+    return RoleGroup(role, group, [Slot(index) for index in range(actors)])
+
+
+def cpu_bundles(spec: RolePlacement, actors: int) -> list[dict[str, float]]:
+    return [{"CPU": 1.0, **{str(k): float(v) for k, v in spec.resources.items()}} for _ in range(actors)]
+
+
+def _wait(group: PlacementGroup, role: str, timeout_s: float, wanted: str) -> None:
+    if not group.wait(timeout_seconds=timeout_s):
+        remove_placement_group(group)
+        available = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+        raise ConfigError(
+            f"placement.{role}: the cluster cannot place {wanted} within {timeout_s:g} s "
+            f"(ray.placement_timeout_s); available: {available}"
+        )
+
+
+# ------------------------------------------------------------------ TPU slices
+
+
+def check_slice_counts(role: str, tslice: TpuSlice, actors: int, chips_per_actor: int) -> None:
+    """One learner rank per chip; engines of `chips_per_actor` chips within one host, filling the slice."""
+    key = "learner.ranks" if role == "learner" else "rollout.num_engines x rollout.tensor_parallel"
+    if actors * chips_per_actor != tslice.chips:
+        raise ConfigError(
+            f"{key}: {actors * chips_per_actor} chips, but placement.{role}.tpu {tslice.pod_type} "
+            f"({tslice.topology}) has {tslice.chips}"
+        )
+    if tslice.chips_per_host % chips_per_actor or chips_per_actor not in _CHIP_BOUNDS:
+        raise ConfigError(
+            f"rollout.tensor_parallel: {chips_per_actor} chips per engine must divide the {tslice.chips_per_host} "
+            f"chips of one {tslice.pod_type} host (engines do not span hosts)"
+        )
+
+
+def slice_slots(
+    tslice: TpuSlice, bundle_nodes: dict[int, str], nodes: list[dict], chips_per_actor: int
+) -> list[Slot]:
+    """Every actor's slot on a reserved slice, in rank order: host by host (by TPU worker id where the nodes
+    carry it, else by bundle index), then chip by chip on each host.
+
+    `bundle_nodes` maps bundle index to node id (`placement_group_table`); `nodes` is `ray.nodes()`.
+    """
+    by_id = {node["NodeID"]: node for node in nodes}
+    if len(bundle_nodes) != tslice.hosts:
+        raise ValueError(f"{tslice.pod_type} has {tslice.hosts} hosts but the placement has {len(bundle_nodes)} bundles")
+
+    def host_order(bundle: int) -> tuple[int, int]:
+        worker_id = by_id[bundle_nodes[bundle]].get("Labels", {}).get(WORKER_ID_LABEL)
+        return (int(worker_id) if worker_id is not None else bundle, bundle)
+
+    bundles = sorted(bundle_nodes, key=host_order)
+    addresses = [by_id[bundle_nodes[bundle]]["NodeManagerAddress"] for bundle in bundles]
+    slots = []
+    for host, bundle in enumerate(bundles):
+        for first_chip in range(0, tslice.chips_per_host, chips_per_actor):
+            if chips_per_actor == 1:  # a learner rank: one process of the slice-wide job
+                env = tpu_process_env(
+                    addresses, tslice.chips_per_host_bounds, host, first_chip, topology=tslice.topology
+                )
+            else:  # an engine: a job of its own on a few chips of one host
+                env = {
+                    "TPU_VISIBLE_CHIPS": ",".join(str(c) for c in range(first_chip, first_chip + chips_per_actor)),
+                    "TPU_CHIPS_PER_PROCESS_BOUNDS": _CHIP_BOUNDS[chips_per_actor],
+                    "TPU_PROCESS_BOUNDS": "1,1,1",
+                    "TPU_PROCESS_PORT": str(TPU_BASE_PORT + first_chip),
+                    "RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS": "1",
+                }
+            slots.append(Slot(bundle, env, chips_per_actor))
+    return slots
+
+
+def fallback_slice_bundles(tslice: TpuSlice, head_node: dict) -> tuple[list[dict], list[dict[str, str]]]:
+    """Per-host bundles for the slice whose head host is `head_node`, for Rays without `SlicePlacementGroup`:
+    every bundle must land on a host carrying that slice's name label."""
+    name = head_node.get("Labels", {}).get(SLICE_NAME_LABEL)
+    if not name:
+        raise ConfigError(
+            f"TPU host {head_node.get('NodeManagerAddress')} has no {SLICE_NAME_LABEL} label; cannot find its slice"
+        )
+    bundles = [{"CPU": 1.0, "TPU": float(tslice.chips_per_host)} for _ in range(tslice.hosts)]
+    return bundles, [{SLICE_NAME_LABEL: name} for _ in range(tslice.hosts)]
+
+
+def _place_on_slice(role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int) -> RoleGroup:
+    try:
+        tslice = tpu_slice(spec.tpu, spec.topology)
+    except ValueError as err:
+        raise ConfigError(f"placement.{role}.tpu: {err}") from None
+    check_slice_counts(role, tslice, actors, chips_per_actor)
+    wanted = f"a {tslice.pod_type} slice ({tslice.topology}: {tslice.hosts} host(s) x {tslice.chips_per_host} chips)"
+    head_groups: list[PlacementGroup] = []
+    try:
+        from ray.util.tpu import SlicePlacementGroup
+    except ImportError:  # Ray before slice placement groups: reserve the head host, then the rest of its slice
+        head = placement_group([{f"TPU-{tslice.pod_type}-head": 1.0}], name=f"rlpipe-{role}-head")
+        _wait(head, role, timeout_s, f"the head host of {wanted}")
+        head_groups.append(head)
+        nodes = {node["NodeID"]: node for node in ray.nodes()}
+        head_node = nodes[placement_group_table(head)["bundles_to_node_id"][0]]
+        bundles, selectors = fallback_slice_bundles(tslice, head_node)
+        group = placement_group(bundles, strategy="STRICT_SPREAD", name=f"rlpipe-{role}", bundle_label_selector=selectors)
+    else:
+        reservation = SlicePlacementGroup(
+            topology=tslice.topology,
+            accelerator_version=tslice.generation,
+            resources_per_bundle={"CPU": 1.0, "TPU": float(tslice.chips_per_host)},
+            name=f"rlpipe-{role}",
+            chips_per_vm=tslice.chips_per_host,
+            head_reservation_timeout_s=timeout_s,
+        )
+        group, head_groups = reservation.placement_group, list(reservation.head_placement_groups)
+    _wait(group, role, timeout_s, wanted)
+    bundle_nodes = {int(k): v for k, v in placement_group_table(group)["bundles_to_node_id"].items()}
+    slots = slice_slots(tslice, bundle_nodes, ray.nodes(), chips_per_actor)
+    return RoleGroup(role, group, slots, head_groups)

@@ -1,0 +1,519 @@
+"""`rlpipe plan`: per-chip memory of the learner and the rollout engines against the TPU slices' HBM.
+
+Pure arithmetic on the config and the model's Hugging Face `config.json` (from `model.path` when that folder
+exists here, else `configs/models/<basename of model.path>.json`); no model is built and nothing is allocated.
+All figures are bytes per chip; the printed table shows GiB (2**30 bytes).
+
+Learner (M = learner.ranks; SimpleFSDP shards every parameter Shard(0) over M ranks, one rank per chip):
+- parameters      P x master_bytes / M                  master = model.dtype
+- gradients       P x master_bytes / M                  `.grad` of a sharded parameter is stored in the master dtype;
+                                                        the reduce-scatter runs in learner.reduce_dtype
+- AdamW moments   2 x P x master_bytes / M              torch AdamW / FunctionalAdamW keep exp_avg and exp_avg_sq
+                                                        in the parameter's dtype (8P/M for float32 masters)
+- reference model P x master_bytes / M                  only when algo.kl_beta > 0
+- gathered weights only when sharded (M > 1 or param_dtype != model.dtype); U = the largest unit gathered at once:
+                  one decoder layer, the input embedding or the output projection. r' = reduce_bytes when the
+                  reduce-scatter runs in another dtype than the compute dtype, else 0.
+    learner.activation_checkpointing on:   U x (2 x compute_bytes + r')
+                  one unit at a time: backward re-runs each layer, and the re-run gathers its weights again, so a
+                  layer's gathered copy lives from its (re)computation to its backward only; with it its full
+                  gradient in the compute dtype, cast to reduce_dtype for the reduce-scatter when the two differ.
+    learner.activation_checkpointing off:  (P - E_in) x compute_bytes + U x (compute_bytes + r')
+                  autograd saves every gathered weight a matmul read (the linear ops keep their weight input), so
+                  they are all held at the peak, where backward starts; E_in is the untied input embedding, whose
+                  lookup keeps only the token ids. Plus one unit's gradient, as above.
+- activations     for one micro-batch: n = rows x seq tokens; seq = data.max_prompt_tokens + rollout.max_tokens,
+                  padded up to the smallest of learner.length_buckets that holds it when learner.graph; rows =
+                  train.micro_batch_size with the graph (rows are padded), else min(micro_batch_size, the rank's share
+                  of a mini-batch). Always + n x ((4 + a) x h + 4): the final norm and the log-sum-exp kept per token.
+    learner.activation_checkpointing on:   L x n x per_token_saved + n x per_token_layer
+                  each layer keeps its input (a x h) and, because the fused attention kernels are tagged as seeded
+                  (for dropout) and are never recomputed, their output and log-sum-exp (a x q + 4 x heads);
+                  per_token_saved = a x (h + q) + 4 x heads. Backward re-runs one layer at a time, holding that
+                  layer's full activations (the largest layer kind's per_token_layer) during its recompute.
+    learner.activation_checkpointing off:  L x n x per_token_layer
+                  per_token_layer (bytes), with a = compute bytes, h = hidden, q = heads x head_dim,
+                  kv = kv_heads x head_dim, I = intermediate, E experts, k experts per token, Ie = expert intermediate:
+                    2 RMSNorms        2 x (4 + a) x h      each keeps its input in float32 and its output
+                    q/k norm (Qwen3)  4 x (q + kv)         float32 inputs
+                    attention         a x (q + 2 kv)       q, k, v kept by the (flash) attention kernel; no s x s scores
+                    attention output  a x q                the input of o_proj
+                    dense MLP         a x 4 I              gate, up, silu(gate), silu(gate) x up
+                    MoE MLP           a x (E + k (2 h + 4 Ie))  router logits; per routed copy its input, its output
+                                                           (kept for the routing-weight gradient) and gate/up/act/product
+- log-prob path   3 x 4 x n x C + 4 x n x h             model.kernels.logprob: chunked -> C = logprob_chunk (float32
+                                                        logits, exponentials and their gradient for one vocabulary
+                                                        chunk, plus the float32 hidden-state gradient accumulator);
+                                                        reference -> C = vocab; pallas -> C = 0 (blocks live in VMEM)
+
+Rollout (per chip of one engine; T = rollout.tensor_parallel, N = rollout.num_engines):
+- weights   (P - P_kv) x rollout_bytes / T + P_kv x rollout_bytes x kv_per_chip / kv_heads
+            vLLM splits heads, MLP columns, experts' intermediate dim and the vocabulary over T; the k/v projections
+            (P_kv) are split by kv head and replicated when T > kv_heads. The previous version kept for roll-back
+            (sync.keep_previous) lives in host memory, not HBM.
+- KV cache  ceil(prompts_per_step x group_size / N) sequences x max_model_len tokens x 2 (k, v) x layers x kv_per_chip
+            x head_dim x rollout_bytes: every sequence of a step resident at once at full length.
+            kv_per_chip = kv_heads / T when T divides kv_heads, else 1 (a head replicated) when kv_heads divides T.
+- Engine activations, sampler and compiled-program workspace are not counted; the headroom covers them.
+
+Fit: a side fits when its total <= a usable share of the chip's HBM: USABLE_FRACTION (90%) for the learner (the
+rest for the compiler's temporaries, collectives' buffers and the runtime), rollout.gpu_memory_utilization for the
+rollout (the share vLLM claims for weights plus KV cache). The plan is OK (exit 0) when both sides
+fit and no problem was found (slice sizes against learner.ranks and num_engines x tensor_parallel, topology, kv-head
+split, context length); a side without a TPU slice (placement.<role>.tpu null) is shown without a verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlpipe.config import Config, ConfigError
+from rlpipe.device import TpuSlice, tpu_slice
+
+GIB = 2**30
+USABLE_FRACTION = 0.9
+MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ------------------------------------------------------------------ architecture
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the arithmetic needs from a Hugging Face config.json (Llama family, Qwen2/3, Qwen3-MoE, Mixtral)."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    num_experts: int = 0  # 0: dense
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    moe_layers: int = 0  # how many of the layers have the MoE block (the others a dense MLP)
+    max_position_embeddings: int | None = None
+
+    @classmethod
+    def from_hf(cls, hf: dict, name: str = "model") -> Architecture:
+        def need(key: str):
+            if hf.get(key) is None:
+                raise ValueError(f"{name}: config.json has no {key!r}")
+            return hf[key]
+
+        model_type = hf.get("model_type") or ""
+        hidden, heads, layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
+        qwen3 = model_type.startswith("qwen3")
+        head_dim = hf.get("head_dim") or (128 if qwen3 else hidden // heads)
+        attention_bias = bool(hf.get("attention_bias", False))
+        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        moe_layers = 0
+        if experts:
+            step = int(hf.get("decoder_sparse_step") or 1)
+            dense_only = set(hf.get("mlp_only_layers") or [])
+            moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        return cls(
+            name=name,
+            model_type=model_type,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=qwen3,
+            qkv_bias=model_type.startswith("qwen2") or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            num_experts=experts,
+            experts_per_token=int(hf.get("num_experts_per_tok") or 0) if experts else 0,
+            expert_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]) if experts else 0,
+            moe_layers=moe_layers,
+            max_position_embeddings=hf.get("max_position_embeddings"),
+        )
+
+    # --- shapes
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    # --- parameter counts
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def output_params(self) -> int:
+        """The output projection (lm_head); 0 when tied to the input embedding."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def kv_proj_params(self) -> int:
+        """k_proj + v_proj of one layer."""
+        return 2 * (self.hidden_size * self.kv_dim + (self.kv_dim if self.qkv_bias else 0))
+
+    @property
+    def attention_params(self) -> int:
+        h = self.hidden_size
+        q = h * self.q_dim + (self.q_dim if self.qkv_bias else 0)
+        o = self.q_dim * h + (h if self.o_bias else 0)
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        return q + self.kv_proj_params + o + norms
+
+    def _mlp_params(self, intermediate: int) -> int:
+        h = self.hidden_size
+        return 3 * h * intermediate + ((2 * intermediate + h) if self.mlp_bias else 0)
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return self._mlp_params(self.intermediate_size)
+
+    def moe_params(self, experts: int) -> int:
+        """Router plus `experts` expert MLPs of one MoE layer."""
+        return self.hidden_size * self.num_experts + experts * self._mlp_params(self.expert_intermediate_size)
+
+    def layer_params(self, moe: bool, active: bool = False) -> int:
+        mlp = self.moe_params(self.experts_per_token if active else self.num_experts) if moe else self.dense_mlp_params
+        return self.attention_params + mlp + 2 * self.hidden_size  # + input/post-attention RMSNorm
+
+    def _total(self, active: bool) -> int:
+        dense_layers = self.num_layers - self.moe_layers
+        layers = dense_layers * self.layer_params(False) + self.moe_layers * self.layer_params(True, active)
+        return self.embedding_params + self.output_params + layers + self.hidden_size  # + final norm
+
+    @property
+    def params(self) -> int:
+        return self._total(active=False)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through (MoE: only its experts)."""
+        return self._total(active=True)
+
+    @property
+    def largest_unit_params(self) -> int:
+        """The largest piece gathered at once: a decoder layer, the input embedding or the output projection."""
+        layer = self.layer_params(self.moe_layers > 0)
+        return max(layer, self.embedding_params, self.output_params)
+
+    # --- activations
+    def activation_bytes_per_token_layer(self, compute_bytes: int, moe: bool) -> int:
+        a, h = compute_bytes, self.hidden_size
+        total = 2 * (4 + a) * h  # input + post-attention RMSNorm: float32 input, compute-dtype output
+        if self.qk_norm:
+            total += 4 * (self.q_dim + self.kv_dim)
+        total += a * (self.q_dim + 2 * self.kv_dim)  # q, k, v kept by attention
+        total += a * self.q_dim  # attention output, o_proj's input
+        if moe:
+            k, expert = self.experts_per_token, self.expert_intermediate_size
+            total += a * (self.num_experts + k * (2 * h + 4 * expert))
+        else:
+            total += a * 4 * self.intermediate_size
+        return total
+
+    def describe(self) -> str:
+        kind = (
+            f"MoE {self.num_experts} experts, top-{self.experts_per_token} x {self.expert_intermediate_size}"
+            if self.num_experts
+            else f"MLP {self.intermediate_size}"
+        )
+        active = f", {self.active_params / 1e9:.2f} B active" if self.num_experts else ""
+        return (
+            f"{self.params / 1e9:.2f} B parameters{active}; {self.num_layers} layers, hidden {self.hidden_size}, "
+            f"{self.num_heads} q / {self.num_kv_heads} kv heads x {self.head_dim}, {kind}, vocab {self.vocab_size}"
+            f"{' (tied)' if self.tie_word_embeddings else ''}"
+        )
+
+
+def architecture_source(model_path: str) -> Path:
+    """The config.json the plan reads for `model.path`."""
+    name = model_path.rstrip("/").rsplit("/", 1)[-1].removeprefix("builtin:")
+    if model_path.startswith("builtin:"):  # converted once into the cache by the first run
+        from rlpipe.models.builtin import cache_dir
+
+        local = cache_dir() / "models" / name / "config.json"
+    else:
+        local = Path(model_path) / "config.json"
+    if local.is_file():
+        return local
+    shipped = MODELS_DIR / f"{name}.json"
+    if shipped.is_file():
+        return shipped
+    raise ConfigError(
+        f"model.path: no {local} here and no {shipped.relative_to(MODELS_DIR.parent.parent)}; download the model "
+        f"folder to {model_path}, or save its Hugging Face config.json as configs/models/{name}.json"
+    )
+
+
+def load_architecture(model_path: str) -> tuple[Architecture, Path]:
+    source = architecture_source(model_path)
+    try:
+        hf = json.loads(source.read_text())
+        return Architecture.from_hf(hf, name=source.parent.name if source.name == "config.json" else source.stem), source
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"model.path: {source}: {err}") from None
+
+
+# ------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class Part:
+    key: str  # stable name for tests: "parameters", "kv_cache", ...
+    label: str  # what the table prints
+    bytes: float
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / GIB
+
+
+@dataclass(frozen=True)
+class SidePlan:
+    role: str  # "learner" | "rollout"
+    summary: str
+    parts: tuple[Part, ...]
+    slice: TpuSlice | None
+    usable_fraction: float = USABLE_FRACTION
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(part.bytes for part in self.parts)
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GIB
+
+    @property
+    def usable_bytes(self) -> float | None:
+        return None if self.slice is None else self.usable_fraction * self.slice.hbm_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """None when no TPU slice is configured for this role."""
+        return None if self.slice is None else self.total_bytes <= self.usable_bytes
+
+    def part(self, key: str) -> Part:
+        for part in self.parts:
+            if part.key == key:
+                return part
+        raise KeyError(key)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model: Architecture
+    source: Path
+    learner: SidePlan
+    rollout: SidePlan
+    problems: tuple[str, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.learner.fits is not False and self.rollout.fits is not False and not self.problems
+
+
+def _slice(cfg: Config, role: str) -> TpuSlice | None:
+    placement = getattr(cfg.placement, role)
+    if placement.tpu is None:
+        return None
+    try:
+        return tpu_slice(placement.tpu, placement.topology)
+    except ValueError as err:
+        raise ConfigError(f"placement.{role}.tpu: {err}") from None
+
+
+def kv_heads_per_chip(kv_heads: int, tensor_parallel: int) -> int:
+    """vLLM splits kv heads over the tensor-parallel ranks, or replicates one per rank when there are fewer heads."""
+    if tensor_parallel <= kv_heads:
+        return math.ceil(kv_heads / tensor_parallel)
+    return 1
+
+
+def learner_sequence(cfg: Config) -> tuple[int, int]:
+    """(rows, tokens per row) of one micro-batch on one rank."""
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
+    if cfg.learner.graph:
+        fitting = [b for b in sorted(cfg.learner.length_buckets) if b >= longest]
+        return cfg.train.micro_batch_size, (fitting[0] if fitting else longest)
+    mini = cfg.train.mini_batch_size or cfg.samples_per_step
+    return min(cfg.train.micro_batch_size, math.ceil(mini / cfg.learner.ranks)), longest
+
+
+def plan(cfg: Config, arch: Architecture | None = None) -> MemoryPlan:
+    """The per-chip memory plan of a resolved config (its model read by `load_architecture` unless given)."""
+    source = Path("<given>")
+    if arch is None:
+        arch, source = load_architecture(cfg.model.path)
+    problems: list[str] = []
+    notes: list[str] = []
+    P = arch.params
+    learner_slice, rollout_slice = _slice(cfg, "learner"), _slice(cfg, "rollout")
+
+    # --- learner
+    M = cfg.learner.ranks
+    master = cfg.model.dtype
+    compute = cfg.learner.param_dtype or master
+    reduce = cfg.learner.reduce_dtype
+    b, a, r = DTYPE_BYTES[master], DTYPE_BYTES[compute], DTYPE_BYTES[reduce]
+    parts = [
+        Part("parameters", f"parameters ({master}, 1/{M})", P * b / M),
+        Part("gradients", f"gradients ({master}, 1/{M})", P * b / M),
+        Part("optimizer", f"AdamW moments (2 x {master}, 1/{M})", 2 * P * b / M),
+    ]
+    if cfg.algo.kl_beta > 0:
+        parts.append(Part("reference", f"reference model ({master}, 1/{M})", P * b / M))
+    sharded = M > 1 or compute != master
+    recompute = cfg.learner.activation_checkpointing
+    if sharded:
+        unit = arch.largest_unit_params
+        gradient = a + (r if r != a else 0)  # the unit's full gradient, and its reduce-dtype cast when different
+        if recompute:
+            parts.append(
+                Part("gathered", f"gathered unit + its gradient ({unit / 1e6:.0f} M params, transient)", unit * (a + gradient))
+            )
+        else:
+            kept = P - (0 if arch.tie_word_embeddings else arch.embedding_params)
+            parts.append(
+                Part(
+                    "gathered",
+                    f"gathered weights, all kept for backward ({kept / 1e9:.2f} B params), + a unit gradient",
+                    kept * a + unit * gradient,
+                )
+            )
+    rows, seq = learner_sequence(cfg)
+    tokens = rows * seq
+    layer_kinds = [(moe, count) for moe, count in ((False, arch.num_layers - arch.moe_layers), (True, arch.moe_layers)) if count]
+    final = (4 + a) * arch.hidden_size + 4  # final norm, and the log-sum-exp kept per token
+    if recompute:
+        # Each layer keeps its input and the attention kernel's output and log-sum-exp; one layer is re-run at a time.
+        saved = a * (arch.hidden_size + arch.q_dim) + 4 * arch.num_heads
+        widest = max(arch.activation_bytes_per_token_layer(a, moe) for moe, _ in layer_kinds)
+        label = f"activations ({rows} x {seq} tokens, {arch.num_layers} layers, recomputed)"
+        activations = tokens * (arch.num_layers * saved + widest + final)
+    else:
+        per_token = sum(arch.activation_bytes_per_token_layer(a, moe) * count for moe, count in layer_kinds)
+        label = f"activations ({rows} x {seq} tokens, {arch.num_layers} layers)"
+        activations = tokens * (per_token + final)
+    parts.append(Part("activations", label, activations))
+    impl = cfg.model.kernels.logprob
+    chunk = {"chunked": min(cfg.model.kernels.logprob_chunk, arch.vocab_size), "reference": arch.vocab_size}.get(impl, 0)
+    parts.append(
+        Part("logprob", f"log-prob path ({impl}, {chunk} vocab columns)", 3 * 4 * tokens * chunk + 4 * tokens * arch.hidden_size)
+    )
+    learner = SidePlan(
+        "learner",
+        f"{M} rank{'s' if M > 1 else ''}, master {master}, compute {compute}, reduce {reduce}",
+        tuple(parts),
+        learner_slice,
+    )
+
+    # --- rollout
+    T, N = cfg.rollout.tensor_parallel, cfg.rollout.num_engines
+    rb = DTYPE_BYTES[cfg.rollout.dtype]
+    kv_chip = kv_heads_per_chip(arch.num_kv_heads, T)
+    if arch.num_kv_heads % T and T % arch.num_kv_heads:
+        problems.append(
+            f"rollout.tensor_parallel: {T} neither divides nor is a multiple of the model's {arch.num_kv_heads} kv heads"
+        )
+    kv_params = arch.kv_proj_params * arch.num_layers
+    weights = (P - kv_params) * rb / T + kv_params * rb * kv_chip / arch.num_kv_heads
+    sequences = math.ceil(cfg.samples_per_step / N)
+    context = cfg.rollout.max_model_len
+    kv = sequences * context * 2 * arch.num_layers * kv_chip * arch.head_dim * rb
+    rollout = SidePlan(
+        "rollout",
+        f"{N} engine{'s' if N > 1 else ''} x tensor-parallel {T}, {cfg.rollout.dtype}",
+        (
+            Part("weights", f"weights ({cfg.rollout.dtype}, 1/{T})", weights),
+            Part("kv_cache", f"KV cache ({sequences} seqs x {context} tokens, {kv_chip} kv heads/chip)", kv),
+        ),
+        rollout_slice,
+        usable_fraction=min(cfg.rollout.gpu_memory_utilization, 1.0),
+    )
+
+    # --- consistency
+    for role, role_slice, wanted, what in (
+        ("learner", learner_slice, M, "learner.ranks"),
+        ("rollout", rollout_slice, N * T, "rollout.num_engines x rollout.tensor_parallel"),
+    ):
+        if role_slice is None:
+            notes.append(f"{role}: no placement.{role}.tpu, so no HBM to compare against")
+            continue
+        if wanted != role_slice.chips:
+            problems.append(
+                f"{what} = {wanted} but placement.{role}.tpu {role_slice.pod_type} has {role_slice.chips} chips "
+                f"(one process per chip)"
+            )
+    if learner_slice is not None and cfg.learner.device != "tpu":
+        problems.append(f"learner.device is {cfg.learner.device!r} but placement.learner.tpu is {learner_slice.pod_type}")
+    limit = arch.max_position_embeddings
+    if limit and context > limit:
+        problems.append(f"rollout.max_model_len {context} exceeds the model's max_position_embeddings {limit}")
+    return MemoryPlan(arch, source, learner, rollout, tuple(problems), tuple(notes))
+
+
+# ------------------------------------------------------------------ printing
+
+
+def _side_lines(side: SidePlan, width: int) -> list[str]:
+    where = (
+        f" on {side.slice.pod_type} ({side.slice.chips} chips x {side.slice.hbm_gib} GiB HBM)"
+        if side.slice is not None
+        else " (no TPU slice)"
+    )
+    lines = [f"{side.role}{where}: {side.summary}"]
+    lines += [f"  {part.label:<{width}} {part.gib:9.2f}" for part in side.parts]
+    total = f"  {'total per chip':<{width}} {side.total_gib:9.2f}"
+    if side.fits is None:
+        lines.append(total)
+    else:
+        usable = side.usable_bytes / GIB
+        verdict = "fits" if side.fits else f"DOES NOT FIT (over by {side.total_gib - usable:.2f} GiB)"
+        share = f"{side.usable_fraction:.0%} of {side.slice.hbm_gib}"
+        lines.append(f"{total}  of {usable:.2f} usable ({share}): {verdict}")
+    return lines
+
+
+def format_plan(result: MemoryPlan) -> str:
+    width = max(len(part.label) for side in (result.learner, result.rollout) for part in side.parts)
+    width = max(width, len("total per chip"))
+    lines = [
+        f"model {result.model.name} ({result.model.model_type}, from {result.source}): {result.model.describe()}",
+        f"{'memory per chip':<{width + 2}} {'GiB':>9}",
+        *_side_lines(result.learner, width),
+        *_side_lines(result.rollout, width),
+    ]
+    if result.problems:
+        lines.append("problems:")
+        lines += [f"  - {problem}" for problem in result.problems]
+    if result.notes:
+        lines.append("notes:")
+        lines += [f"  - {note}" for note in result.notes]
+    failing = [side.role for side in (result.learner, result.rollout) if side.fits is False]
+    if result.ok:
+        lines.append("plan: OK")
+    else:
+        why = [f"{role} does not fit" for role in failing] + (["see problems"] if result.problems else [])
+        lines.append(f"plan: NOT OK ({'; '.join(why)})")
+    return "\n".join(lines)

@@ -1,0 +1,256 @@
+"""`rlpipe plan`: per-chip memory arithmetic, shipped architectures, pod types, the TPU recipes, exit codes."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlpipe.cli import main
+from rlpipe.config import ConfigError, load_config
+from rlpipe.device import tpu_slice
+from rlpipe.plan import (
+    GIB,
+    Architecture,
+    kv_heads_per_chip,
+    load_architecture,
+    plan,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+# Every recipe in configs/ that places a role on a TPU slice.
+TPU_RECIPES = sorted(p.name for p in (REPO / "configs").glob("*.yaml") if "tpu:" in p.read_text())
+
+# A made-up architecture small enough to count by hand.
+TINY = {
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+}
+
+
+def _tiny_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "tiny"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(TINY))
+    return folder
+
+
+def _tiny_config(folder: Path, *extra: str):
+    return load_config(
+        None,
+        [
+            f"model.path={folder}",
+            "model.dtype=float32",
+            "learner.ranks=2",
+            "learner.device=tpu",
+            "learner.param_dtype=bfloat16",
+            "learner.reduce_dtype=float32",
+            "train.prompts_per_step=2",
+            "rollout.group_size=2",
+            "train.micro_batch_size=2",
+            "data.max_prompt_tokens=8",
+            "rollout.max_tokens=8",
+            "rollout.max_model_len=16",
+            "rollout.num_engines=1",
+            "rollout.tensor_parallel=2",
+            "rollout.dtype=bfloat16",
+            "placement.learner.tpu=v5litepod-2",
+            "placement.learner.topology=1x2",
+            "placement.rollout.tpu=v5litepod-2",
+            "placement.rollout.topology=1x2",
+            *extra,
+        ],
+    )
+
+
+def test_arithmetic_of_a_small_architecture_by_hand(tmp_path):
+    result = plan(_tiny_config(_tiny_folder(tmp_path)))
+    assert result.source == tmp_path / "tiny" / "config.json"  # the local folder wins over configs/models
+
+    # Parameters: embedding + untied lm_head + 2 x (q, k, v, o + gate/up/down + 2 norms) + final norm.
+    embed = 100 * 16
+    layer = (16 * 32) + 2 * (16 * 16) + (32 * 16) + 3 * (16 * 32) + 2 * 16
+    P = 2 * embed + 2 * layer + 16
+    assert P == 9424
+    assert result.model.params == P
+
+    learner = result.learner
+    assert learner.part("parameters").bytes == P * 4 / 2
+    assert learner.part("gradients").bytes == P * 4 / 2
+    assert learner.part("optimizer").bytes == 2 * P * 4 / 2
+    # Without activation checkpointing autograd keeps every gathered bf16 weight for backward (all but the untied
+    # input embedding, whose lookup keeps only the ids), plus the gradient of the largest unit, one decoder layer
+    # (3104 > 1600): bf16 and its fp32 cast for the reduce-scatter.
+    assert learner.part("gathered").bytes == (P - embed) * 2 + layer * (2 + 4)
+    # One micro-batch: 2 rows x (8 + 8) tokens. Per token and layer, bf16 compute (a = 2):
+    tokens = 2 * 16
+    norms = 2 * (4 + 2) * 16
+    qkv = 2 * (4 * 8 + 2 * 2 * 8)
+    attn_out = 2 * (4 * 8)
+    mlp = 2 * 4 * 32
+    per_layer = norms + qkv + attn_out + mlp
+    final = (4 + 2) * 16 + 4  # final norm + log-sum-exp
+    assert learner.part("activations").bytes == tokens * (2 * per_layer + final)
+    # Chunked log-probs: the chunk is the whole (100-entry) vocabulary here.
+    logprob = 3 * 4 * tokens * 100 + 4 * tokens * 16
+    assert learner.part("logprob").bytes == logprob
+    assert learner.total_bytes == pytest.approx(
+        P * 4 / 2 * 4 + (P - embed) * 2 + layer * 6 + tokens * (2 * per_layer + final) + logprob
+    )
+
+    # With it the re-run layer gathers its weights again: one unit at a time, its bf16 copy and its gradient. Each
+    # layer keeps its bf16 input (16) and the attention kernel's output (4 heads x 8) and fp32 log-sum-exp (4 heads);
+    # one layer's full activations exist during its recompute.
+    checkpointed = plan(_tiny_config(_tiny_folder(tmp_path / "ac"), "learner.activation_checkpointing=true")).learner
+    assert checkpointed.part("gathered").bytes == layer * (2 + 2 + 4)
+    saved = 2 * (16 + 4 * 8) + 4 * 4
+    assert checkpointed.part("activations").bytes == tokens * (2 * saved + per_layer + final)
+    assert checkpointed.total_bytes == pytest.approx(
+        P * 4 / 2 * 4 + layer * 8 + tokens * (2 * saved + per_layer + final) + logprob
+    )
+
+    # Rollout: TP 2 splits everything but k/v, whose 2 kv heads split 1 per chip (here also exactly 1/2).
+    rollout = result.rollout
+    assert rollout.part("weights").bytes == P * 2 / 2
+    # 4 sequences (2 prompts x 2 samples, 1 engine) x 16 tokens x (k, v) x 2 layers x 1 kv head x 8 x bf16.
+    assert rollout.part("kv_cache").bytes == 4 * 16 * 2 * 2 * 1 * 8 * 2
+    assert result.ok and not result.problems
+
+
+def test_rollout_replicates_kv_heads_when_tensor_parallel_exceeds_them(tmp_path):
+    result = plan(_tiny_config(_tiny_folder(tmp_path), "rollout.tensor_parallel=4", "placement.rollout.tpu=v5litepod-4",
+                               "placement.rollout.topology=2x2"))
+    kv_per_layer = 2 * 16 * 16  # k_proj + v_proj
+    P = result.model.params
+    # Everything else (the vocabulary too) split 4 ways; k/v: 1 of the 2 heads on each chip, i.e. half of them.
+    assert result.rollout.part("weights").bytes == (P - 2 * kv_per_layer) * 2 / 4 + 2 * kv_per_layer * 2 / 2
+    assert result.rollout.part("kv_cache").bytes == 4 * 16 * 2 * 2 * 1 * 8 * 2
+    assert kv_heads_per_chip(8, 2) == 4 and kv_heads_per_chip(4, 8) == 1 and kv_heads_per_chip(8, 8) == 1
+    odd = plan(_tiny_config(_tiny_folder(tmp_path / "odd"), "rollout.tensor_parallel=3", "placement.rollout.tpu=v5litepod-3",
+                       "placement.rollout.topology=1x3"))
+    assert any("neither divides" in problem for problem in odd.problems)
+
+
+# Published totals (model cards): Qwen3-0.6B 0.6B (0.44B non-embedding), Qwen3-8B 8.2B (6.95B non-embedding),
+# Llama-3-70B 70.6B, Qwen3-30B-A3B 30.5B total / 3.3B activated (29.9B non-embedding).
+@pytest.mark.parametrize(
+    "name, total, non_embedding, active",
+    [
+        ("Qwen3-0.6B", 0.6e9, 0.44e9, None),
+        ("Qwen3-8B", 8.2e9, 6.95e9, None),
+        ("Meta-Llama-3-70B", 70.6e9, None, None),
+        ("Qwen3-30B-A3B", 30.5e9, 29.9e9, 3.3e9),
+    ],
+)
+def test_shipped_architectures_match_published_sizes(name, total, non_embedding, active):
+    arch, source = load_architecture(f"/nonexistent/models/{name}")
+    assert source == REPO / "configs" / "models" / f"{name}.json"
+    assert arch.params == pytest.approx(total, rel=0.02)
+    if non_embedding is not None:
+        embeddings = arch.embedding_params + arch.output_params
+        assert arch.params - embeddings == pytest.approx(non_embedding, rel=0.02)
+    if active is not None:
+        assert arch.active_params == pytest.approx(active, rel=0.02)
+    else:
+        assert arch.active_params == arch.params
+
+
+def test_moe_counts_router_and_every_expert():
+    arch = Architecture.from_hf(
+        {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    )
+    attention = (16 * 32) + 2 * (16 * 16) + (32 * 16) + 2 * 8  # + q/k norm (Qwen3)
+    moe = 16 * 4 + 4 * 3 * 16 * 8
+    active = 16 * 4 + 2 * 3 * 16 * 8
+    assert arch.params == 2 * 100 * 16 + 2 * (attention + moe + 2 * 16) + 16
+    assert arch.active_params == 2 * 100 * 16 + 2 * (attention + active + 2 * 16) + 16
+
+
+@pytest.mark.parametrize(
+    "pod_type, chips, hbm",
+    [("v5p-64", 32, 95), ("v5p-16", 8, 95), ("v6e-16", 16, 32), ("v6e-8", 8, 32), ("v5litepod-8", 8, 16), ("v4-8", 4, 32)],
+)
+def test_chips_per_pod_type(pod_type, chips, hbm):
+    tpu = tpu_slice(pod_type)
+    assert (tpu.chips, tpu.hbm_gib, tpu.hbm_bytes) == (chips, hbm, hbm * GIB)
+
+
+@pytest.mark.parametrize("bad", ["v5p-7", "v9x-8", "tpu-8", "v6e"])
+def test_unknown_pod_types_are_config_errors(bad):
+    with pytest.raises(ConfigError, match="placement.learner.tpu"):
+        plan(load_config(REPO / "configs" / "qwen3-8b-v6e.yaml", [f"placement.learner.tpu={bad}"]))
+
+
+@pytest.mark.parametrize("recipe", TPU_RECIPES)
+def test_every_shipped_tpu_recipe_loads_and_fits(recipe, capsys):
+    cfg = load_config(REPO / "configs" / recipe)
+    assert cfg.learner.device == "tpu" and cfg.placement.learner.tpu and cfg.placement.rollout.tpu
+    result = plan(cfg)
+    assert result.learner.fits and result.rollout.fits, (result.learner.total_gib, result.rollout.total_gib)
+    assert result.ok, result.problems
+    assert main(["plan", str(REPO / "configs" / recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "plan: OK" in out and "DOES NOT FIT" not in out
+
+
+def test_the_tpu_recipes_are_shipped():
+    assert {
+        "qwen3-0.6b-gsm8k-v6e.yaml",
+        "qwen3-0.6b-gsm8k-v5e.yaml",
+        "qwen3-8b-v6e.yaml",
+        "llama3-70b-v5p.yaml",
+        "qwen3-30b-a3b-v6e.yaml",
+    } <= set(TPU_RECIPES)
+
+
+def test_oversized_micro_batch_does_not_fit(capsys):
+    recipe = str(REPO / "configs" / "qwen3-8b-v6e.yaml")
+    assert main(["plan", recipe, "train.prompts_per_step=32", "train.micro_batch_size=16"]) == 1
+    out = capsys.readouterr().out
+    assert "learner on v6e-16 (16 chips x 32 GiB HBM)" in out and "DOES NOT FIT" in out and "plan: NOT OK (learner does not fit)" in out
+
+
+def test_the_big_recipes_fit_only_with_activation_checkpointing():
+    """Without it every gathered weight is kept for backward: 8B in bf16 alone is over half a v6e chip."""
+    for recipe in ("qwen3-8b-v6e.yaml", "llama3-70b-v5p.yaml", "qwen3-30b-a3b-v6e.yaml"):
+        without = plan(load_config(REPO / "configs" / recipe, ["learner.activation_checkpointing=false"]))
+        arch = without.model
+        kept = arch.params - (0 if arch.tie_word_embeddings else arch.embedding_params)
+        assert without.learner.part("gathered").bytes == kept * 2 + arch.largest_unit_params * (2 + 4), recipe
+        assert without.learner.fits is False, recipe
+
+
+def test_wrong_rank_count_is_a_problem_line(capsys):
+    recipe = str(REPO / "configs" / "qwen3-8b-v6e.yaml")
+    fewer = ["learner.ranks=8", "train.micro_batch_size=28"]  # a rank's whole share in one pass, as the graph step needs
+    result = plan(load_config(recipe, fewer))
+    assert "learner.ranks = 8 but placement.learner.tpu v6e-16 has 16 chips (one process per chip)" in result.problems
+    assert not result.ok
+    assert main(["plan", recipe, *fewer, "rollout.num_engines=2"]) == 1
+    out = capsys.readouterr().out
+    assert "learner.ranks = 8 but placement.learner.tpu v6e-16 has 16 chips" in out
+    assert "rollout.num_engines x rollout.tensor_parallel = 4 but placement.rollout.tpu v6e-8 has 8 chips" in out
+
+
+def test_topology_must_match_the_pod_type():
+    recipe = REPO / "configs" / "qwen3-8b-v6e.yaml"
+    with pytest.raises(ConfigError, match="placement.rollout.tpu: TPU topology '4x4' does not have the 8 chips of v6e-8"):
+        plan(load_config(recipe, ["placement.rollout.topology=4x4"]))
+
+
+def test_unknown_model_is_a_config_error(tmp_path, capsys):
+    assert main(["plan", str(REPO / "configs" / "qwen3-8b-v6e.yaml"), f"model.path={tmp_path}/NoSuchModel-1B"]) == 2
+    assert "configs/models/NoSuchModel-1B.json" in capsys.readouterr().err
+
+
+def test_side_without_a_slice_has_no_verdict(tmp_path):
+    result = plan(load_config(None, [f"model.path={_tiny_folder(tmp_path)}"]))
+    assert result.learner.fits is None and result.rollout.fits is None
+    assert result.ok and not result.problems
