@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import ray
 from ray._private import ray_constants
 
 from actors.calls import get_all
 from actors.learner import LearnerActor
+from actors.placement import RoleGroup, place_role
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
 from rlpipe.config import Config, ConfigError
@@ -20,7 +21,7 @@ from rlpipe.weightsync import SyncError, SyncPlan, plan_sync
 
 # Ray sets OMP_NUM_THREADS to an actor's logical CPU share (1); the roles take turns in synchronous mode,
 # so each may use every core while it runs.
-THREADS_ENV = {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}
+THREADS = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
 
 
 def start_ray(cfg: Config) -> None:
@@ -59,25 +60,40 @@ class Roles:
         self.cfg = cfg
         # An actor that cannot be placed waits forever; say so instead of hanging.
         needed, available = actors_needed(cfg), ray.cluster_resources().get("CPU", 0)
-        if available < needed:
+        on_tpu = cfg.placement.learner.tpu or cfg.placement.rollout.tpu
+        if available < needed and not on_tpu:
             raise ConfigError(
                 f"ray.num_cpus: the cluster has {available:g} CPUs but the roles need {needed} "
                 f"(one each per learner rank, rollout engine and reward worker)"
             )
+        self.placements: list[RoleGroup] = []
+        self.learners, self.engines, self.rewarders = [], [], []
+        try:
+            self._start(model_path, tokenizer_path, resume)
+        except BaseException:  # release what did start: placement groups would otherwise hold the cluster
+            self.shutdown()
+            raise
+
+    def _start(self, model_path: str, tokenizer_path: str | None, resume: dict | None) -> None:
+        cfg = self.cfg
         ranks = cfg.learner.ranks
+        learners = self._place("learner", ranks)
+        engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
+        rewarders = self._place("reward", cfg.reward.num_workers)
         self.learners = [
-            LearnerActor.options(num_cpus=1, runtime_env=THREADS_ENV).remote(model_path, cfg, rank, ranks)
+            LearnerActor.options(**learners.options(rank, THREADS)).remote(model_path, cfg, rank, ranks)
             for rank in range(ranks)
         ]
         self.engines = [
-            RolloutActor.options(num_cpus=1, runtime_env=THREADS_ENV).remote(
+            RolloutActor.options(**engines.options(index, THREADS)).remote(
                 model_path, cfg.rollout, cfg.run.seed + index, tokenizer_path, cfg.sync
             )
             for index in range(cfg.rollout.num_engines)
         ]
         specs = [asdict(spec) for spec in cfg.reward.functions]
         self.rewarders = [
-            RewardActor.options(num_cpus=1).remote(specs, cfg.reward.timeout_s) for _ in range(cfg.reward.num_workers)
+            RewardActor.options(**rewarders.options(index)).remote(specs, cfg.reward.timeout_s)
+            for index in range(cfg.reward.num_workers)
         ]
         # Surface a bad model folder or reward path now rather than at the first step.
         get_all(
@@ -108,6 +124,21 @@ class Roles:
             )
         self.rehearsal = self._rehearse_sync(plan.shapes["model.embed_tokens.weight"][0])
 
+    def where(self) -> dict[str, list[str]]:
+        """The node id each actor runs on, as the actor itself reports it, per role in rank order."""
+        def node_of(_actor) -> str:  # runs inside the actor
+            return ray.get_runtime_context().get_node_id()
+
+        roles = {"learner": self.learners, "rollout": self.engines, "reward": self.rewarders}
+        return {role: get_all([h.__ray_call__.remote(node_of) for h in handles]) for role, handles in roles.items()}
+
+    def _place(self, role: str, actors: int, chips_per_actor: int = 1) -> RoleGroup:
+        group = place_role(
+            role, getattr(self.cfg.placement, role), actors, self.cfg.ray.placement_timeout_s, chips_per_actor
+        )
+        self.placements.append(group)
+        return group
+
     def _rehearse_sync(self, vocab: int) -> dict[str, float]:
         """Send the starting weights through the whole channel once — transfer, write, probe — before training:
         a transport or layout that does not work fails here rather than after the first training step, the first
@@ -137,15 +168,24 @@ class Roles:
         return plan
 
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[Group]:
+        return self.finish_generation(self.start_generation(prompts, n, **sampling))
+
+    def start_generation(self, prompts: list[Prompt], n: int, **sampling) -> Generation:
+        """Send the prompts, split evenly across the engines, and return at once (asynchronous mode keeps the
+        engines generating the next step while the learner trains)."""
         shares = _split(prompts, len(self.engines))
         futures = [e.generate.remote(share, n, **sampling) for e, share in zip(self.engines, shares) if share]
-        completions: list[list[Completion]] = [c for part in ray.get(futures) for c in part]
+        return Generation(prompts, n, sampling, futures)
+
+    def finish_generation(self, generation: Generation) -> list[Group]:
+        completions: list[list[Completion]] = [c for part in get_all(generation.futures) for c in part]
         # A prompt whose requests a weight sync aborted comes back empty; it is sampled again, by the new policy.
         retry = [index for index, group in enumerate(completions) if not group]
         if retry:
-            for index, group in zip(retry, self.generate([prompts[i] for i in retry], n, **sampling)):
+            again = self.generate([generation.prompts[i] for i in retry], generation.n, **generation.sampling)
+            for index, group in zip(retry, again):
                 completions[index] = group.completions
-        return [Group(prompt, group) for prompt, group in zip(prompts, completions)]
+        return [Group(prompt, group) for prompt, group in zip(generation.prompts, completions)]
 
     def score(self, groups: list[Group]) -> tuple[dict[str, int], dict[str, str]]:
         """Fill each group's rewards; returns failures per reward function and the first error of each."""
@@ -154,9 +194,13 @@ class Roles:
         for worker, share in zip(self.rewarders, shares):
             samples = [(g, c) for g in share for c in g.completions]
             columns = {key: [g.prompt.columns[key] for g, _ in samples] for key in share[0].prompt.columns}
-            futures.append(
-                worker.score.remote([g.prompt.question for g, _ in samples], [c.text for _, c in samples], columns)
+            columns.update(
+                completion_tokens=[len(c.token_ids) for _, c in samples],
+                finish_reason=[c.finish_reason for _, c in samples],
+                max_tokens=[self.cfg.rollout.max_tokens] * len(samples),
             )
+            prompts, texts = [g.prompt.question for g, _ in samples], [c.text for _, c in samples]
+            futures.append(worker.score.remote(prompts, texts, columns, [len(g.completions) for g in share]))
         failures: dict[str, int] = {}
         errors: dict[str, str] = {}
         for share, result in zip(shares, ray.get(futures)):
@@ -236,6 +280,18 @@ class Roles:
             pass
         for handle in [*self.learners, *self.engines, *self.rewarders]:
             ray.kill(handle)
+        for group in self.placements:
+            group.remove()
+
+
+@dataclass
+class Generation:
+    """Prompts sent to the engines, whose completions are still to be collected."""
+
+    prompts: list[Prompt]
+    n: int
+    sampling: dict
+    futures: list
 
 
 def _split(items: list, parts: int) -> list[list]:

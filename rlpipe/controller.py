@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import deque
 import math
 import shutil
 import time
@@ -17,7 +18,7 @@ from rlpipe.checkpoint import CheckpointError
 from rlpipe.algo import group_advantages, uniform_groups
 from rlpipe.config import Config, ConfigError
 from rlpipe.data import PromptSet, Sampler, load_rows
-from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics
+from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics, staleness_metrics
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.types import Group, TrainBatch
 from rewards import FailureWatch, RewardRunner
@@ -29,8 +30,14 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     from actors.groups import Roles, start_ray
 
     run = prepare(cfg, resume)
-    start_ray(cfg)
-    roles = Roles(cfg, run.model_path, cfg.model.tokenizer, run.resume)
+    try:
+        start_ray(cfg)
+        roles = Roles(cfg, run.model_path, cfg.model.tokenizer, run.resume)
+    except BaseException:  # the roles never started: leave no run directory behind that this call created
+        run.log.close()
+        if run.created_dir:
+            shutil.rmtree(run.dir, ignore_errors=True)
+        raise
     log = run.log
     try:
         check = roles.rehearsal
@@ -41,19 +48,22 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         )
         summary = run.summary or {"eval_before": evaluate(roles, run.eval_set, cfg)}
         summary["sync_check"] = check
+        summary["placement"] = roles.where()  # node id of every actor, per role
         log.note(f"held-out accuracy before training: {summary['eval_before']}")
         watch = FailureWatch(cfg.reward.max_failed_share, cfg.reward.max_failed_steps)
+        ahead = Lookahead(run, roles, cfg)
         for step in range(run.first_step, cfg.train.steps + 1):
-            roles.seed(step)
             clock = Clock()
-            with clock("generate"):
-                prompts = run.train_set.prompts(run.sampler.next(cfg.train.prompts_per_step))
-                groups = roles.generate(prompts, cfg.rollout.group_size)
+            with clock("generate"):  # asynchronous mode: only what is left of a generation started a step ago
+                groups = ahead.take(step)
+            ahead.start(until=step + cfg.train.max_staleness)  # later steps generate while this one trains
+            metrics = staleness_metrics(groups, roles.policy_version)
             with clock("reward"):
                 failures, errors = roles.score(groups)
             log.reward_errors(errors)
             watch.update(failures, len(groups) * cfg.rollout.group_size, errors)  # a function broken for good stops
-            batch, metrics = make_train_batch(groups, cfg, run.pad_id)
+            batch, batch_metrics = make_train_batch(groups, cfg, run.pad_id)
+            metrics.update(batch_metrics)
             if batch is not None:  # every sample unscored or filtered: nothing to learn from this step
                 with clock("train"):
                     metrics.update(roles.train(batch))
@@ -64,7 +74,8 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             log.log(step, {**metrics, "policy_version": float(roles.policy_version)})
             log.log_samples(step, groups)
             if step == cfg.train.steps or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-                log.note(f"checkpoint saved: {save_checkpoint(run, roles, step, cfg, summary)}")
+                saved = save_checkpoint(run, roles, step, cfg, summary, ahead.sampler_state())
+                log.note(f"checkpoint saved: {saved}")
         summary["eval_after"] = evaluate(roles, run.eval_set, cfg)
         log.note(f"held-out accuracy after training: {summary['eval_after']} (before: {summary['eval_before']})")
         if cfg.metrics.export:
@@ -91,16 +102,46 @@ class Run:
     first_step: int = 1
     resume: dict | None = None  # for Roles: the checkpoint's learner state and the ranks' RNG states
     summary: dict | None = None  # a resumed run's summary so far (the held-out accuracy before training)
+    created_dir: bool = False  # the run directory did not exist before this run
 
 
-def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict) -> Path:
+class Lookahead:
+    """Generations started ahead of training. Synchronous mode (train.max_staleness 0) starts each step's
+    generation when the step begins; with max_staleness S, steps up to k + S are started while step k trains, so
+    a step's samples come from a policy at most S versions older than the learner that trains on them (the loss
+    corrects for the lag with the importance weight against their behaviour log-probs, algo.tis_cap / mis)."""
+
+    def __init__(self, run: Run, roles, cfg: Config):
+        self.run, self.roles, self.cfg = run, roles, cfg
+        self.pending: deque[tuple[dict, object]] = deque()  # (sampler state before the step's draw, generation)
+        self.next_step = run.first_step
+
+    def start(self, until: int) -> None:
+        while self.next_step <= min(until, self.cfg.train.steps):
+            sampler_state = self.run.sampler.state_dict()
+            self.roles.seed(self.next_step)  # per-step sampling seeds: a resumed run samples the same way
+            prompts = self.run.train_set.prompts(self.run.sampler.next(self.cfg.train.prompts_per_step))
+            self.pending.append((sampler_state, self.roles.start_generation(prompts, self.cfg.rollout.group_size)))
+            self.next_step += 1
+
+    def take(self, step: int) -> list[Group]:
+        self.start(until=step)
+        return self.roles.finish_generation(self.pending.popleft()[1])
+
+    def sampler_state(self) -> dict:
+        """Where the sampler stood before the first step not yet trained: a checkpoint resumes from there, so
+        prompts drawn for a generation still in flight are drawn again."""
+        return self.pending[0][0] if self.pending else self.run.sampler.state_dict()
+
+
+def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, sampler_state: dict) -> Path:
     """The whole training state after `step`, written atomically (see rlpipe/checkpoint.py)."""
     partial = checkpoint.begin_save(run.dir, step)
     learner_rngs = roles.save_checkpoint(str(partial / checkpoint.LEARNER_STATE))
     state = {
         "step": step,
         "policy_version": roles.policy_version,
-        "sampler": run.sampler.state_dict(),
+        "sampler": sampler_state,
         "rng": checkpoint.rng_state(),
         "learner_rng": learner_rngs,
         "config": cfg.to_dict(),
@@ -113,6 +154,11 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict) -> P
 def prepare(cfg: Config, resume: str | None = None) -> Run:
     """Check every input (model, tokenizer, rewards, data, the checkpoint to resume) before a run directory or a
     cluster exists."""
+    if cfg.learner.device != "cpu":
+        raise ConfigError(
+            f"learner.device: {cfg.learner.device!r} is declared in rlpipe/device.py (and planned by `rlpipe plan`), "
+            "but this build trains on cpu only"
+        )
     model_path = resolve_model_path(cfg.model.path)
     check_model(model_path)
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
@@ -134,10 +180,11 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
                 f"the latest, or set another run.name to branch off from this one"
             )
         sampler.load_state_dict(state["sampler"])
+    created_dir = not cfg.run_dir.exists()
     run_dir = prepare_run_dir(cfg, resuming=state is not None)
     log = MetricsLogger(run_dir, cfg.train.steps, tensorboard=cfg.metrics.tensorboard)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    run = Run(run_dir, model_path, train_set, eval_set, sampler, pad_id, log)
+    run = Run(run_dir, model_path, train_set, eval_set, sampler, pad_id, log, created_dir=created_dir)
     if state is not None:
         log.restore(state["metrics"])
         log.note(f"resuming from {source} (step {state['step']}, policy version {state['policy_version']})")
@@ -213,11 +260,13 @@ def load_tokenizer(path: str):
 
 
 class Clock:
-    """Wall time of each phase of a step."""
+    """Wall time of each phase of a step, the time the driver spends outside them (its own overhead), and the CPU
+    time the driver process used (serialisation, batching, metrics) over the whole step."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
         self.started = time.monotonic()
+        self.started_cpu = time.process_time()
 
     def __call__(self, phase: str):
         clock = self
@@ -232,8 +281,11 @@ class Clock:
         return _Phase()
 
     def metrics(self, generated_tokens: float) -> dict[str, float]:
+        step = time.monotonic() - self.started
         return {
             **{f"time/{k}": v for k, v in self.seconds.items()},
-            "time/step": time.monotonic() - self.started,
+            "time/step": step,
+            "time/outside_phases": step - sum(self.seconds.values()),
+            "time/driver_cpu": time.process_time() - self.started_cpu,
             "tokens_per_s/generate": generated_tokens / max(self.seconds.get("generate", 0.0), 1e-9),
         }

@@ -80,6 +80,8 @@ class Learner:
         self.hf_config = read_hf_config(model_path)
         self.kernels = cfg.model.kernels
         self.model = self._load(model_path)
+        # Only the policy: the reference model runs under no_grad, where nothing is saved for backward anyway.
+        self.model.model.activation_checkpointing = cfg.learner.activation_checkpointing
         # Without a KL term there is nothing to compare against, so no second copy of the model is held.
         self.reference = None
         if cfg.algo.kl_beta > 0:

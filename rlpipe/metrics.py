@@ -39,6 +39,12 @@ def rollout_metrics(
     return out
 
 
+def staleness_metrics(groups: list[Group], learner_version: int) -> dict[str, float]:
+    """How many policy versions the learner is ahead of the policy that sampled each completion."""
+    lags = [learner_version - c.policy_version for g in groups for c in g.completions]
+    return {"staleness/max": float(max(lags, default=0)), "staleness/mean": float(np.mean(lags)) if lags else 0.0}
+
+
 class MetricsLogger:
     """Writes every step's metrics to metrics.jsonl (and TensorBoard) in the run directory and prints a line."""
 
@@ -95,7 +101,10 @@ class MetricsLogger:
                     "sample_id": group.prompt.sample_id,
                     "prompt": group.prompt.question,
                     "completions": [c.text for c in group.completions],
+                    "completion_tokens": [len(c.token_ids) for c in group.completions],
+                    "finish_reasons": [c.finish_reason for c in group.completions],
                     "rewards": group.rewards,
+                    "reward_parts": group.reward_parts,
                 }
                 f.write(json.dumps(record) + "\n")
 

@@ -6,72 +6,10 @@ import os
 
 import pytest
 
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The builders live in rlpipe (the e2e bench builds the same tiny model); re-exported for the tests.
+from rlpipe.tiny_model import CHATML, SPECIALS, build_tiny_model, build_tokenizer
 
-
-def build_tokenizer(folder) -> "PreTrainedTokenizerFast":  # noqa: F821
-    """A byte-level BPE trained on a few arithmetic sentences: any text encodes, the vocabulary stays small."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    corpus = [f"Calculate {a} + {b}. The answer is {a + b}.\n" for a in range(40) for b in range(0, 40, 7)]
-    corpus += ["system user assistant Solve the problem. End your reply with the final answer."]
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    core.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
-    )
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(folder)
-    return tokenizer
-
-
-def build_tiny_model(folder, family: str, seed: int = 0) -> str:
-    """A random 2-layer model of `family` (qwen3 | llama) saved as an HF folder with the tiny tokenizer."""
-    import torch
-    import transformers
-
-    tokenizer = build_tokenizer(folder)
-    common = dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    if family == "qwen3":
-        config = transformers.Qwen3Config(**common, tie_word_embeddings=True)
-        model_cls = transformers.Qwen3ForCausalLM
-    elif family == "llama":
-        config = transformers.LlamaConfig(**common, tie_word_embeddings=False)
-        model_cls = transformers.LlamaForCausalLM
-    else:
-        raise ValueError(family)
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    # Larger-than-default weights make the random policy's distribution peaked enough that a few
-    # optimizer steps move its logprobs measurably.
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.1) if param.dim() > 1 else param.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
-    model.generation_config.save_pretrained(folder)
-    return str(folder)
+__all__ = ["CHATML", "SPECIALS", "build_tiny_model", "build_tokenizer"]
 
 
 @pytest.fixture(scope="session")

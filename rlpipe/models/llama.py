@@ -8,12 +8,14 @@ activation dtype) so that log-probs agree with HF and vLLM.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from rlpipe.kernels.attention import causal_attention
 from rlpipe.kernels.rmsnorm import rms_norm
@@ -363,8 +365,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _save_seeded_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """What a checkpointed layer keeps: the outputs of ops tagged as drawing random numbers (here the fused
+    attention kernels, tagged for their dropout), so a recompute never re-draws them (the compiled step's
+    rematerialisation refuses seeded ops); everything else, the weights' all-gathers included, is recomputed."""
+    seeded = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+    return CheckpointPolicy.MUST_SAVE if seeded else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_RECOMPUTE_ALL_BUT_SEEDED = functools.partial(create_selective_checkpoint_contexts, _save_seeded_ops)
+
+
 class DecoderStack(nn.Module):
     """HF's `model.` prefix: embeddings, decoder layers, final norm."""
+
+    # learner.activation_checkpointing: while grad is enabled each layer runs under torch.utils.checkpoint, so
+    # autograd keeps only the layer's input (and the attention kernel's output, see _save_seeded_ops) and backward
+    # re-runs the layer. Under SimpleFSDP that re-run reads the weights again, i.e. all-gathers them again, so no
+    # gathered layer weight is kept from forward to backward.
+    activation_checkpointing = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -378,8 +397,12 @@ class DecoderStack(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, x.dtype)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False, context_fn=_RECOMPUTE_ALL_BUT_SEEDED)
+            else:
+                x = layer(x, cos, sin)
         return self.norm(x)
 
 

@@ -114,8 +114,11 @@ def test_qwen3_from_jsonl(tmp_path, tiny_qwen3, ray_cluster):
         "data.source=file",
         f"data.path={data}",
         # none_first cannot score the first sample of each call: that sample is counted and left out.
+        # rank_in_group raises when it sees samples of two prompts; overlong reads the pool's per-sample columns.
         "reward.functions=[{name: 'rewards.math:numeric_answer'}, {name: 'tests.unit.reward_fixtures:length', "
-        "weight: 0.01}, {name: 'tests.unit.reward_fixtures:none_first', weight: 0.0}]",
+        "weight: 0.01}, {name: 'tests.unit.reward_fixtures:none_first', weight: 0.0}, "
+        "{name: 'tests.unit.reward_fixtures:rank_in_group', weight: 0.0, group: true}, "
+        "{name: overlong, weight: 0.1, kwargs: {buffer_tokens: 4}}]",
     ])
     summary = train(cfg)
     run_dir = tmp_path / "runs" / "qwen3"
@@ -123,6 +126,13 @@ def test_qwen3_from_jsonl(tmp_path, tiny_qwen3, ray_cluster):
     record = _read_metrics(run_dir)[0]
     assert "reward/numeric_answer" in record and "reward/length" in record
     assert record["reward/failures/none_first"] == 1 and record["reward/unscored"] == 1
+    assert record["reward/failures/rank_in_group"] == 0
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    for sample in samples:
+        assert sum(sample["reward_parts"]["rank_in_group"]) >= 1  # a shortest completion in every group
+        expected = [max(-1.0, min(0.0, (cfg.rollout.max_tokens - 4 - n) / 4)) for n in sample["completion_tokens"]]
+        assert sample["reward_parts"]["overlong"] == pytest.approx(expected)
+    assert any(v < 0.0 for s in samples for v in s["reward_parts"]["overlong"])  # the tiny model runs long
 
 
 def test_local_cluster_is_bound_to_loopback(ray_cluster):
@@ -144,11 +154,15 @@ def test_llama_from_reasoning_gym(tmp_path, tiny_llama, ray_cluster):
         "sync.transport=gloo",  # one point-to-point group of the learner and both engines
         "algo.kl_beta=0.05",
         "reward.functions=[{name: reasoning_gym}, {name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
+        "train.max_staleness=1",  # asynchronous: step 2 generates (with version 0) while step 1 trains
     ])
     summary = train(cfg)
     run_dir = tmp_path / "runs" / "llama"
     _check_run(run_dir, summary)
-    assert "kl" in _read_metrics(run_dir)[1]
+    first, second = _read_metrics(run_dir)
+    assert "kl" in second
+    assert first["staleness/max"] == 0 and second["staleness/max"] == second["staleness/mean"] == 1
+    assert second["logprob_gap/mean_abs"] > first["logprob_gap/mean_abs"]  # step 2 trains on a stale policy
 
 
 def test_roles_that_do_not_fit_the_cluster_fail_fast(tiny_qwen3, ray_cluster):

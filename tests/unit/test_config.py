@@ -227,6 +227,7 @@ def test_describe_lists_every_leaf_key_with_default_and_help():
     assert rows["train.micro_batch_size"] == ("8", "samples per forward/backward (gradient accumulation)")
     assert rows["algo.clip_high"][0] == "0.28"
     assert rows["ray.address"][0] == "null"
+    assert rows["placement.reward.strategy"][0] == "SPREAD" and rows["placement.learner.strategy"][0] == "PACK"
     assert rows["train.betas"][0] == "[0.9, 0.999]"
     assert "rewards.reasoning_gym:verifier" in rows["reward.functions"][0]
     # Sections are not keys, and nested reward function fields are not separate keys.
@@ -239,7 +240,8 @@ def test_describe_covers_every_config_field():
 
     def leaves(cls, prefix):
         for f in dataclasses.fields(cls):
-            nested = f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
+            made = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            nested = type(made) if dataclasses.is_dataclass(made) else None
             yield from leaves(nested, f"{prefix}{f.name}.") if nested else [f"{prefix}{f.name}"]
 
     expected = set(leaves(Config, ""))
@@ -270,3 +272,45 @@ def test_a_section_with_no_keys_is_empty(tmp_path):
     recipe.write_text("train:\nrun: {name: x}\n")
     cfg = load_config(recipe, ["train.steps=2"])
     assert cfg.train.steps == 2 and cfg.run.name == "x"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("placement.reward.tpu=v6e-8", "placement.reward.tpu"),
+        ("placement.learner.topology=2x4", "placement.learner.topology"),
+        ("placement.rollout.resources={rollout_host: -1}", "placement.rollout.resources"),
+        ("placement.learner.strategy=EVERYWHERE", "placement.learner.strategy"),
+        ("rollout.tensor_parallel=0", "rollout.tensor_parallel"),
+        ("ray.placement_timeout_s=0", "ray.placement_timeout_s"),
+    ],
+)
+def test_bad_placement_settings_name_their_key(override, key):
+    assert _error(override).startswith(key + ":")
+
+
+def test_tpu_recipes_load_though_training_on_tpu_is_refused_at_run_time():
+    cfg = load_config(None, ["learner.device=tpu", "placement.learner.tpu=v6e-8", "learner.ranks=8"])
+    assert cfg.placement.learner.tpu == "v6e-8" and cfg.placement.reward.strategy == "SPREAD"
+    from rlpipe.controller import prepare
+
+    with pytest.raises(ConfigError, match="learner.device: 'tpu' .* this build trains on cpu only"):
+        prepare(cfg)
+
+
+def test_asynchronous_mode_needs_an_importance_correction():
+    assert load_config(None, ["train.max_staleness=1"]).train.max_staleness == 1  # tis_cap is on by default
+    assert _error("train.max_staleness=-1").startswith("train.max_staleness:")
+    message = _error("train.max_staleness=1", "algo.tis_cap=null")
+    assert message.startswith("algo.tis_cap: asynchronous mode")
+
+
+def test_graph_step_with_activation_checkpointing_takes_one_micro_batch_per_rank():
+    # torch.compile rematerialises checkpointed layers for only one backward per graph.
+    base = ("train.prompts_per_step=4", "rollout.group_size=4", "learner.ranks=2", "learner.activation_checkpointing=true")
+    message = _error(*base, "learner.graph=true", "train.micro_batch_size=4")
+    assert message.startswith("learner.activation_checkpointing with learner.graph")
+    assert "train.micro_batch_size >= 8" in message
+    assert load_config(None, [*base, "learner.graph=true", "train.micro_batch_size=8"]).learner.activation_checkpointing
+    assert load_config(None, [*base, "train.micro_batch_size=4"]).train.micro_batch_size == 4  # eager: any micro-batch
+    assert not load_config(None, []).learner.activation_checkpointing  # off by default

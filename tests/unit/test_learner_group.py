@@ -17,7 +17,7 @@ from rlpipe.weightsync import shard_rows
 STEPS = 3
 
 
-def _config(model_path, ranks, graph=False):
+def _config(model_path, ranks, graph=False, *extra):
     return load_config(
         None,
         [
@@ -34,6 +34,7 @@ def _config(model_path, ranks, graph=False):
             f"train.steps={STEPS}",
             f"learner.ranks={ranks}",
             "algo.kl_beta=0.05",  # a sharded reference model takes part too
+            *extra,
         ],
     )
 
@@ -99,3 +100,69 @@ def test_two_ranks_equal_one(tiny_qwen3, graph):
     for name, tensor in single.model.state_dict().items():
         torch.testing.assert_close(torch.from_numpy(state[name]), tensor, atol=1e-5, rtol=0)
     assert max((start[n] - t).abs().max() for n, t in single.model.state_dict().items()) > 1e-3  # it trained
+
+
+def _recompute_rank(rank, model_path, ports, results):
+    """Eager and graph learners, each without and with activation checkpointing, one after another on this rank."""
+    import torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass as remat
+
+    torch.set_num_threads(1)
+    rematerialise, gathers = remat.remat_using_tags_for_fwd_loss_bwd_graph, {}
+
+    def counting(graph_module):
+        # The compiled step's forward-loss-backward graph after torch re-emitted checkpointed ops for backward.
+        graph_module = rematerialise(graph_module)
+        nodes = [n for n in graph_module.graph.nodes if "all_gather_into_tensor" in str(n.target)]
+        gathers[current] = (len(nodes), sum(n.name.endswith("_recomputed") for n in nodes))
+        return graph_module
+
+    remat.remat_using_tags_for_fwd_loss_bwd_graph = counting
+    out = {}
+    runs = [(graph, recompute) for graph in (False, True) for recompute in (False, True)]
+    for port, current in zip(ports, runs):
+        graph, recompute = current
+        cfg = _config(
+            model_path,
+            2,
+            graph,
+            f"learner.activation_checkpointing={str(recompute).lower()}",
+            "train.micro_batch_size=3",  # a rank's 3 rows in one pass, as the graph step with checkpointing needs
+        )
+        learner = Learner(model_path, cfg, rank, 2)
+        learner.join_group("127.0.0.1", port)
+        sums = [learner.train_step(batch) for batch in _batches()]
+        state = {k: v.detach().numpy().copy() for k, v in learner.full_state_dict().items()}
+        out[current] = (sums, state, learner.model.model.activation_checkpointing)
+        torch.distributed.destroy_process_group()
+    results.put((rank, out, gathers))
+
+
+def test_activation_checkpointing_on_two_ranks_changes_no_numbers(tiny_qwen3):
+    """Sharded eager and compiled (AOT-eager) steps with checkpointed layers equal those without; in the compiled
+    graph every layer weight's all-gather is re-emitted for backward, so backward reads no forward-gathered copy."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    ports = [find_free_port() for _ in range(4)]
+    procs = [context.Process(target=_recompute_rank, args=(r, tiny_qwen3, ports, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    outputs = dict((rank, (out, gathers)) for rank, out, gathers in (results.get(timeout=600) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for graph in (False, True):
+        per_rank = {rank: (outputs[rank][0][(graph, False)], outputs[rank][0][(graph, True)]) for rank in range(2)}
+        assert per_rank[0][1][2] and not per_rank[0][0][2]
+        for step in range(STEPS):
+            keep = combine_rank_metrics([per_rank[rank][0][0][step] for rank in range(2)])
+            recompute = combine_rank_metrics([per_rank[rank][1][0][step] for rank in range(2)])
+            for key in ("loss", "kl", "entropy", "grad_norm"):
+                assert abs(recompute[key] - keep[key]) < 1e-6, (graph, step, key)
+        for name, tensor in per_rank[0][0][1].items():
+            torch.testing.assert_close(torch.from_numpy(per_rank[0][1][1][name]), torch.from_numpy(tensor), atol=1e-6, rtol=0)
+    layer_params = sum(1 for _ in load_model(tiny_qwen3).model.layers.parameters())  # 2 layers x 11
+    for rank in range(2):
+        gathers = outputs[rank][1]
+        forward, recomputed = gathers[(True, True)]
+        assert gathers[(True, False)][1] == 0 and recomputed == layer_params
+        assert forward == gathers[(True, False)][0] + layer_params

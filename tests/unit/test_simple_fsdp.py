@@ -11,12 +11,14 @@ from __future__ import annotations
 import multiprocessing
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import ProfilerActivity
 
 from rlpipe.models import build_model
 from rlpipe.parallel import (
@@ -30,6 +32,7 @@ from rlpipe.parallel import (
     make_mesh,
     shard_model,
 )
+from rlpipe.parallel import simple_fsdp
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -97,6 +100,79 @@ def _train(model: nn.Module, rows: torch.Tensor, total_tokens: int, on_first_bac
             torch.distributed.all_reduce(full_loss)
         losses.append(full_loss.item())
     return losses
+
+
+@contextmanager
+def _counting_gathers():
+    """Counts the parametrization's all-gathers (one per parameter read) while the block runs."""
+    count = {"calls": 0}
+    original = simple_fsdp._all_gather
+
+    def counted(param, mp):
+        count["calls"] += 1
+        return original(param, mp)
+
+    simple_fsdp._all_gather = counted
+    try:
+        yield count
+    finally:
+        simple_fsdp._all_gather = original
+
+
+def _observe_one_step(model: nn.Module, full_shapes: dict[str, tuple], compute_dtype: torch.dtype) -> dict:
+    """One forward and backward of a sharded model: what autograd saved in forward (every saved tensor passes the
+    saved-tensors hook), and the all-gathers of forward and of backward (parametrization calls and, on a mesh of
+    more than one rank, the collectives themselves)."""
+    layer_weight_shapes = {shape for name, shape in full_shapes.items() if ".layers." in name and len(shape) == 2}
+    output_shape = full_shapes.get("lm_head.weight", full_shapes["model.embed_tokens.weight"])
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    # 3 x 7 = 21 tokens: no activation shares a shape with a weight of these models.
+    ids = torch.randint(0, CONFIGS["llama-gqa-untied"]["vocab_size"], (3, 8), generator=torch.Generator().manual_seed(7))
+    with _counting_gathers() as forward_gathers, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = _loss(model, ids, ids[:, 1:].numel())
+    # The profiler sees the collectives gloo runs, and needs no dispatch mode (which would disturb the recompute).
+    with _counting_gathers() as backward_gathers, torch.profiler.profile(activities=[ProfilerActivity.CPU]) as profile:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+
+    def weight_shaped(tensor, shapes):
+        return tensor.dim() == 2 and tensor.dtype == compute_dtype and (tensor.shape in shapes or tensor.T.shape in shapes)
+
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in saved}
+    return dict(
+        saved_bytes=sum(storages.values()),
+        saved_layer_weights=sorted({tuple(t.shape) for t in saved if weight_shaped(t, layer_weight_shapes)}),
+        saved_output_projection=any(weight_shaped(t, {output_shape}) for t in saved),
+        forward_gathers=forward_gathers["calls"],
+        backward_gathers=backward_gathers["calls"],
+        backward_all_gather_collectives=sum(
+            event.count for event in profile.key_averages() if event.key == "gloo:all_gather"
+        ),
+        layer_params=sum(1 for layer in model.model.layers for _ in layer.parameters()),
+    )
+
+
+def _recompute_run(config_name: str, rank: int) -> dict:
+    """fp32 SimpleFSDP on 2 ranks with and without activation checkpointing: one observed step, then STEPS of
+    training (losses and final full weights)."""
+    ids = _token_ids()
+    rows = ids.chunk(WORLD_SIZE)[rank]
+    out = {}
+    for recompute in (False, True):
+        model = _build(config_name)
+        full_shapes = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+        shard_model(model, make_mesh(WORLD_SIZE, "cpu"))
+        model.model.activation_checkpointing = recompute
+        observed = _observe_one_step(model, full_shapes, torch.float32)
+        observed["losses"] = _train(model, rows, ids[:, 1:].numel())
+        observed["final_full"] = full_state_dict(model)
+        out["recompute" if recompute else "keep"] = observed
+    return out
 
 
 # ---------------------------------------------------------------- spawned ranks
@@ -204,6 +280,7 @@ def _rank_main(rank: int, port: int, config_name: str, run_names: list[str], out
             results[run_name] = _sharded_run(config_name, replicate, mp, rank)
             results[run_name]["seconds"] = time.perf_counter() - started
         results["plain_module"] = _plain_module_checks()
+        results["activation_checkpointing"] = _recompute_run(config_name, rank)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
         (Path(out_dir) / f"rank{rank}.error").write_text(traceback.format_exc())
@@ -373,6 +450,45 @@ def test_float_inputs_are_cast_and_disabled_gathering_writes_shards(sharded):
         observed = per_rank["plain_module"]
         assert observed["output_dtype"] == "torch.bfloat16"
         assert torch.equal(observed["weight_after_fill"], torch.full((3, 5), 0.5))
+
+
+def test_activation_checkpointing_regathers_in_backward_on_two_ranks(sharded):
+    """With checkpointed layers backward re-runs each layer, whose weight reads all-gather again (real collectives
+    here), so autograd keeps no gathered layer weight; the numbers do not change."""
+    for per_rank in sharded:
+        keep, recompute = per_rank["activation_checkpointing"]["keep"], per_rank["activation_checkpointing"]["recompute"]
+        assert keep["backward_gathers"] == keep["backward_all_gather_collectives"] == 0
+        assert recompute["backward_gathers"] == recompute["backward_all_gather_collectives"] == recompute["layer_params"]
+        assert keep["forward_gathers"] == recompute["forward_gathers"]
+        assert keep["saved_layer_weights"] and not recompute["saved_layer_weights"]
+        assert recompute["saved_bytes"] < keep["saved_bytes"] / 2
+        assert recompute["losses"] == pytest.approx(keep["losses"], abs=1e-6)
+        differences = _max_difference(recompute["final_full"], keep["final_full"])
+        assert max(differences.values()) < 1e-6, differences
+
+
+def test_activation_checkpointing_keeps_no_gathered_layer_weight_for_backward(monkeypatch):
+    """A mesh of one with bf16 compute: every weight read makes a full bf16 copy. Without checkpointing autograd
+    saves the copies of every layer weight until backward; with it none, because backward gathers them again."""
+    init_distributed("gloo", 0, 1, "127.0.0.1", find_free_port(), timeout_s=60)
+    try:
+        observed = {}
+        for recompute in (False, True):
+            model = _build("llama-gqa-untied")
+            full_shapes = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+            shard_model(model, make_mesh(1, "cpu"), MixedPrecision(param_dtype=torch.bfloat16))
+            model.model.activation_checkpointing = recompute
+            observed[recompute] = _observe_one_step(model, full_shapes, torch.bfloat16)
+    finally:
+        destroy_distributed()
+    keep, recompute = observed[False], observed[True]
+    layer_shapes = {shape for name, shape in full_shapes.items() if ".layers." in name and len(shape) == 2}
+    assert {shape if shape in layer_shapes else shape[::-1] for shape in keep["saved_layer_weights"]} == layer_shapes
+    assert recompute["saved_layer_weights"] == []
+    assert keep["backward_gathers"] == 0 and recompute["backward_gathers"] == recompute["layer_params"] == 18
+    assert recompute["saved_bytes"] < keep["saved_bytes"] / 2, (recompute["saved_bytes"], keep["saved_bytes"])
+    # The output projection is outside the checkpointed layers: one gathered unit, kept until its backward.
+    assert keep["saved_output_projection"] and recompute["saved_output_projection"]
 
 
 def test_make_mesh_rejects_a_replicate_factor_that_does_not_divide_the_world():
