@@ -175,6 +175,11 @@ class LearnerConfig:
         "recompute each decoder layer in backward: saves activations and, when sharded, keeps only one layer's "
         "gathered weights alive because the recompute gathers them again",
     )
+    packing: bool = _key(
+        True,
+        "eager forward passes run on each micro-batch's sequences packed into one row, so no padding token is "
+        "computed (the graph step keeps padded rows: its shapes are static)",
+    )
     length_buckets: list[int] = _key(
         [64, 128, 256, 512, 1024], "sequence lengths are padded up to these, so the graph compiles once per bucket"
     )

@@ -27,14 +27,19 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     kernels: KernelsConfig | None = None,
+    lengths: torch.Tensor | None = None,
 ):
     """Logprob of each token given the ones before it, aligned with input_ids (position 0 gets 0).
 
     With `with_entropy`, also the policy's entropy at each position (detached; a metric, not a loss term).
     rlpipe's models go through the output projection with `kernels.logprob` (by default in vocabulary chunks, so
     [tokens x vocab] logits never exist); any other callable returning logits is read the plain way.
+    With `lengths` (real tokens per row) an rlpipe model runs on the rows packed into one (`pack`), so no padding
+    token is computed; padding positions then get 0.
     """
     kernels = kernels or KernelsConfig()
+    if lengths is not None and hasattr(model, "output_embedding"):
+        return _packed_token_logprobs(model, input_ids, lengths, temperature, with_entropy, kernels)
     targets = input_ids[:, 1:]
     if hasattr(model, "output_embedding"):
         hidden = model.hidden_states(input_ids)[:, :-1]
@@ -53,6 +58,31 @@ def token_logprobs(
     if not with_entropy:
         return picked
     return picked, torch.nn.functional.pad(entropy.view(targets.shape), (1, 0))
+
+
+def pack(input_ids: torch.Tensor, lengths: torch.Tensor):
+    """Right-padded rows [B, T] as one row of their real tokens: ids [1, N], position ids [1, N] restarting at 0
+    for each sequence, the sequences' lengths, and the [B, T] mask of real tokens (where the values go back)."""
+    real = torch.arange(input_ids.shape[1]) < lengths[:, None]
+    positions = (real.cumsum(dim=1) - 1)[real]
+    return input_ids[real][None], positions[None], tuple(lengths.tolist()), real
+
+
+def _packed_token_logprobs(model, input_ids, lengths, temperature, with_entropy, kernels):
+    ids, positions, segments, real = pack(input_ids, lengths)
+    hidden = model.hidden_states(ids, positions, segments)[0]
+    # Every token is scored from the hidden state before it; a sequence's first token has no prediction (its
+    # score from the previous sequence's last token is computed, one token per sequence, and dropped).
+    picked, entropy = linear_logprob(
+        hidden[:-1], model.output_embedding(), ids[0, 1:], temperature, impl=kernels.logprob, chunk=kernels.logprob_chunk
+    )
+    first = positions[0] == 0
+
+    def unpacked(values: torch.Tensor) -> torch.Tensor:
+        values = torch.where(first, 0.0, torch.nn.functional.pad(values, (1, 0)))
+        return values.new_zeros(input_ids.shape).masked_scatter(real, values)
+
+    return (unpacked(picked), unpacked(entropy)) if with_entropy else unpacked(picked)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -173,6 +203,10 @@ class Learner:
             out.append((rows[0], rows[-1] + 1, True) if rows else (first, first + 1, False))
         return out
 
+    def _packed(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """The lengths that make an eager forward run packed (learner.packing), else None (padded rows)."""
+        return lengths if self.cfg.learner.packing else None
+
     def _mini_batches(self, size: int) -> list[tuple[int, int]]:
         bounds = torch.arange(size).tensor_split(self.optimizer_steps_per_batch)
         return [(int(b[0]), int(b[-1]) + 1) for b in bounds if len(b)]
@@ -184,7 +218,9 @@ class Learner:
         for first, last in self._mini_batches(len(batch)):
             for start, stop, real in self._micro_batches(first, last):
                 part = batch.slice(start, stop)
-                values = token_logprobs(model, part.input_ids, self.temperature, kernels=self.kernels)
+                values = token_logprobs(
+                    model, part.input_ids, self.temperature, kernels=self.kernels, lengths=self._packed(part.lengths)
+                )
                 if real:
                     out[start:stop, : part.input_ids.shape[1]] = values
         return out
@@ -234,6 +270,7 @@ class Learner:
                 out = defaultdict(float)
                 for part in self._micro_batches(first, last):
                     micro = self._micro_batch(batch, part, old_logprobs, ref_logprobs)
+                    micro["lengths"] = self._packed(batch.lengths[part[0] : part[1]])
                     loss, stats = self._micro_loss(self.model, {**micro, **totals})
                     loss.backward()
                     _accumulate(out, {"loss": float(loss.detach()), **{k: float(v) for k, v in stats.items()}})
@@ -281,7 +318,12 @@ class Learner:
         algo = self.cfg.algo
         mask = micro["mask"]
         logprobs, entropy = token_logprobs(
-            model, micro["input_ids"], self.temperature, with_entropy=True, kernels=self.kernels
+            model,
+            micro["input_ids"],
+            self.temperature,
+            with_entropy=True,
+            kernels=self.kernels,
+            lengths=micro.get("lengths"),
         )
         old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
         # Corrections for the rollout engine's numerics (and staleness): reweight (TIS) and/or drop (MIS).

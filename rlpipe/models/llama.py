@@ -334,9 +334,17 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         batch, length, _ = x.shape
-        out = causal_attention(*self.rotated_qkv(x, cos, sin), self.sliding_window, self.impl)
+        q, k, v = self.rotated_qkv(x, cos, sin)
+        if segments is None:
+            out = causal_attention(q, k, v, self.sliding_window, self.impl)
+        else:
+            # A packed row: each sequence attends within itself only, so no score across sequences is computed.
+            pieces = zip(q.split(segments, dim=2), k.split(segments, dim=2), v.split(segments, dim=2))
+            out = torch.cat([causal_attention(*piece, self.sliding_window, self.impl) for piece in pieces], dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -360,8 +368,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -392,7 +402,9 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, segments: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         x = self.embed_tokens(input_ids)
@@ -400,15 +412,18 @@ class DecoderStack(nn.Module):
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False, context_fn=_RECOMPUTE_ALL_BUT_SEEDED)
+                x = checkpoint(
+                    layer, x, cos, sin, segments, use_reentrant=False, context_fn=_RECOMPUTE_ALL_BUT_SEEDED
+                )
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, segments)
         return self.norm(x)
 
 
 class CausalLM(nn.Module):
-    """Decoder-only LM over right-padded batches: padding only follows real tokens, so causal attention alone
-    keeps it from influencing them and no attention mask is taken."""
+    """Decoder-only LM over right-padded batches (padding only follows real tokens, so causal attention alone
+    keeps it from influencing them and no attention mask is taken) or over packed rows: one row holding several
+    sequences back to back, given as `segments` (their lengths) with position ids restarting at each."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -441,9 +456,15 @@ class CausalLM(nn.Module):
                 module.impl = attention
         return self
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-normed hidden states [B, T, H], the input of the output projection."""
-        return self.model(input_ids, position_ids)
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segments: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [B, T, H], the input of the output projection. With `segments` (lengths
+        summing to T, B = 1) the row is packed: each segment attends only within itself."""
+        return self.model(input_ids, position_ids, segments)
 
     def output_embedding(self) -> torch.Tensor:
         """The output projection's weight [V, H]: lm_head, or the input embedding when tied."""
