@@ -28,6 +28,7 @@ def token_logprobs(
     with_entropy: bool = False,
     kernels: KernelsConfig | None = None,
     lengths: torch.Tensor | None = None,
+    scored: torch.Tensor | None = None,
 ):
     """Logprob of each token given the ones before it, aligned with input_ids (position 0 gets 0).
 
@@ -35,11 +36,12 @@ def token_logprobs(
     rlpipe's models go through the output projection with `kernels.logprob` (by default in vocabulary chunks, so
     [tokens x vocab] logits never exist); any other callable returning logits is read the plain way.
     With `lengths` (real tokens per row) an rlpipe model runs on the rows packed into one (`pack`), so no padding
-    token is computed; padding positions then get 0.
+    token is computed, and `scored` ([B, T] bool, e.g. the completion mask) limits the output projection to the
+    tokens whose log-prob is used; every other position gets 0.
     """
     kernels = kernels or KernelsConfig()
     if lengths is not None and hasattr(model, "output_embedding"):
-        return _packed_token_logprobs(model, input_ids, lengths, temperature, with_entropy, kernels)
+        return _packed_token_logprobs(model, input_ids, lengths, temperature, with_entropy, kernels, scored)
     targets = input_ids[:, 1:]
     if hasattr(model, "output_embedding"):
         hidden = model.hidden_states(input_ids)[:, :-1]
@@ -68,18 +70,22 @@ def pack(input_ids: torch.Tensor, lengths: torch.Tensor):
     return input_ids[real][None], positions[None], tuple(lengths.tolist()), real
 
 
-def _packed_token_logprobs(model, input_ids, lengths, temperature, with_entropy, kernels):
+def _packed_token_logprobs(model, input_ids, lengths, temperature, with_entropy, kernels, scored):
     ids, positions, segments, real = pack(input_ids, lengths)
     hidden = model.hidden_states(ids, positions, segments)[0]
-    # Every token is scored from the hidden state before it; a sequence's first token has no prediction (its
-    # score from the previous sequence's last token is computed, one token per sequence, and dropped).
+    # Token j is scored from hidden state j - 1; a sequence's first token has no prediction. On RL batches the
+    # prompt tokens are about half of all tokens, and their log-probs are never used, so they skip the projection.
+    wanted = positions[0] > 0 if scored is None else scored[real] & (positions[0] > 0)
+    targets = wanted.nonzero().squeeze(1)
+    if len(targets) == 0:  # e.g. a padding pass of a sharded learner: still one row, so every rank runs the same ops
+        targets = torch.tensor([len(wanted) - 1])
     picked, entropy = linear_logprob(
-        hidden[:-1], model.output_embedding(), ids[0, 1:], temperature, impl=kernels.logprob, chunk=kernels.logprob_chunk
+        hidden[targets - 1], model.output_embedding(), ids[0, targets], temperature,
+        impl=kernels.logprob, chunk=kernels.logprob_chunk,
     )
-    first = positions[0] == 0
 
     def unpacked(values: torch.Tensor) -> torch.Tensor:
-        values = torch.where(first, 0.0, torch.nn.functional.pad(values, (1, 0)))
+        values = torch.where(wanted, values.new_zeros(len(wanted)).index_put((targets,), values), 0.0)
         return values.new_zeros(input_ids.shape).masked_scatter(real, values)
 
     return (unpacked(picked), unpacked(entropy)) if with_entropy else unpacked(picked)
@@ -219,7 +225,12 @@ class Learner:
             for start, stop, real in self._micro_batches(first, last):
                 part = batch.slice(start, stop)
                 values = token_logprobs(
-                    model, part.input_ids, self.temperature, kernels=self.kernels, lengths=self._packed(part.lengths)
+                    model,
+                    part.input_ids,
+                    self.temperature,
+                    kernels=self.kernels,
+                    lengths=self._packed(part.lengths),
+                    scored=part.completion_mask,
                 )
                 if real:
                     out[start:stop, : part.input_ids.shape[1]] = values
@@ -324,6 +335,7 @@ class Learner:
             with_entropy=True,
             kernels=self.kernels,
             lengths=micro.get("lengths"),
+            scored=mask,
         )
         old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
         # Corrections for the rollout engine's numerics (and staleness): reweight (TIS) and/or drop (MIS).

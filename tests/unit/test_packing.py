@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlpipe.config import KernelsConfig, load_config
+from rlpipe.kernels import linear_logprob
 from rlpipe.learner import Learner, combine_rank_metrics, pack, token_logprobs
 from rlpipe.models import CausalLM, ModelConfig
 from rlpipe.models.llama import FULL_ATTENTION, SLIDING_ATTENTION
@@ -70,6 +71,27 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(window, recompute):
         torch.testing.assert_close(packed[2][name], grad, atol=TOLERANCE, rtol=1e-4, msg=name)
 
 
+def test_only_the_scored_tokens_go_through_the_output_projection(monkeypatch):
+    import rlpipe.learner
+
+    model, batch = _model(), _batch()
+    rows = []
+
+    def counting(hidden, *args, **kwargs):
+        rows.append(hidden.shape[0])
+        return linear_logprob(hidden, *args, **kwargs)
+
+    padded = token_logprobs(model, batch.input_ids)
+    monkeypatch.setattr(rlpipe.learner, "linear_logprob", counting)
+    scored = token_logprobs(model, batch.input_ids, lengths=batch.lengths, scored=batch.completion_mask)
+    mask = batch.completion_mask
+    assert rows == [int(mask.sum())]  # the completion tokens, not the prompts, not the padding
+    torch.testing.assert_close(scored[mask], padded[mask], atol=TOLERANCE, rtol=0)
+    assert scored[~mask].abs().sum() == 0
+    nothing = token_logprobs(model, batch.input_ids, lengths=batch.lengths, scored=torch.zeros_like(mask))
+    assert nothing.abs().sum() == 0 and rows[-1] == 1  # a pass that scores nothing still runs one row
+
+
 def test_packed_attention_keeps_sequences_apart():
     """Changing one sequence changes no other sequence's log-probs (no attention across the packed row)."""
     model, batch = _model(), _batch()
@@ -90,7 +112,8 @@ def _learner_config(model_path: str, *overrides: str):
 
 def test_a_packed_learner_trains_as_the_padded_one_without_computing_padding(tiny_qwen3):
     """Three GRPO updates (two optimizer steps each, old and reference log-probs, KL) packed and padded: same
-    metrics and weights; and the packed model sees exactly the batch's real tokens."""
+    metrics and weights; and the packed model sees exactly the batch's real tokens (its output projection only
+    the completion tokens)."""
     learners = {
         packing: Learner(tiny_qwen3, _learner_config(tiny_qwen3, f"learner.packing={str(packing).lower()}"))
         for packing in (False, True)
