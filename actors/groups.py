@@ -91,8 +91,13 @@ class Roles:
             for index in range(cfg.rollout.num_engines)
         ]
         specs = [asdict(spec) for spec in cfg.reward.functions]
+        # Reward actors hold no state a step needs, so Ray restarts a dead one and re-runs its call there: the share
+        # it was scoring is scored once, by the new process (tests/integration/test_grpo_e2e.py kills one).
+        restarts = cfg.reward.max_restarts
         self.rewarders = [
-            RewardActor.options(**rewarders.options(index)).remote(specs, cfg.reward.timeout_s)
+            RewardActor.options(**rewarders.options(index), max_restarts=restarts, max_task_retries=restarts).remote(
+                specs, cfg.reward.timeout_s
+            )
             for index in range(cfg.reward.num_workers)
         ]
         # Surface a bad model folder or reward path now rather than at the first step.
@@ -203,7 +208,14 @@ class Roles:
             futures.append(worker.score.remote(prompts, texts, columns, [len(g.completions) for g in share]))
         failures: dict[str, int] = {}
         errors: dict[str, str] = {}
-        for share, result in zip(shares, ray.get(futures)):
+        try:
+            results = ray.get(futures)
+        except ray.exceptions.RayActorError as err:
+            raise RuntimeError(
+                f"a reward worker died more than reward.max_restarts={self.cfg.reward.max_restarts} times while "
+                f"scoring ({str(err).splitlines()[0]})"
+            ) from None
+        for share, result in zip(shares, results):
             start = 0
             for group in share:
                 window = slice(start, start + len(group.completions))

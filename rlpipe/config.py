@@ -110,6 +110,9 @@ class RewardConfig:
     )
     timeout_s: float = _key(30.0, "time limit per reward function call")
     num_workers: int = _key(1, "reward actors")
+    max_restarts: int = _key(
+        3, "a reward actor that dies (killed, out of memory) is restarted and its call re-run, this many times"
+    )
     success_threshold: float = _key(1.0, "a sample with total reward >= this counts as correct (accuracy)")
     max_failed_share: float = _key(
         0.5, "stop the run when one function fails on more than this share of a step's samples ..."
@@ -460,6 +463,7 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p: must be in (0, 1]")
     need(cfg.rollout.num_engines >= 1, "rollout.num_engines: must be >= 1")
     need(cfg.reward.num_workers >= 1, "reward.num_workers: must be >= 1")
+    need(cfg.reward.max_restarts >= 0, "reward.max_restarts: must be >= 0")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s: must be > 0")
     need(len(cfg.reward.functions) >= 1, "reward.functions: at least one reward function is needed")
     need(cfg.train.lr > 0, "train.lr: must be > 0")

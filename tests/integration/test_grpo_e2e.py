@@ -261,3 +261,37 @@ def test_a_reward_function_broken_for_good_stops_the_run_naming_it(tmp_path, tin
     with pytest.raises(RewardFailure, match=r"reward function .*raising failed on more than 50% .* 2 steps"):
         train(cfg)
     assert [r["step"] for r in _read_metrics(tmp_path / "runs" / "broken-reward")] == [1]  # stopped in step 2
+
+
+def test_a_reward_worker_killed_mid_call_is_restarted_and_its_share_scored_once(tmp_path, tiny_qwen3, ray_cluster):
+    import os
+    import signal
+    import threading
+    import time
+
+    pid_file = tmp_path / "reward_worker.pid"
+    killed: list[int] = []
+
+    def kill_the_first_worker():
+        deadline = time.monotonic() + 300
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed.append(int(pid_file.read_text()))
+        os.kill(killed[0], signal.SIGKILL)  # mid-call: the function sleeps for 2 s after writing its pid
+
+    killer = threading.Thread(target=kill_the_first_worker, daemon=True)
+    killer.start()
+    cfg = load_config(None, _overrides(tmp_path / "runs", tiny_qwen3) + [
+        "run.name=reward-killed", "metrics.export=false", "data.eval_size=0",
+        f"reward.functions=[{{name: 'tests.unit.reward_fixtures:slow_length', kwargs: {{pid_file: '{pid_file}', "
+        f"seconds: 2}}}}]",
+    ])
+    train(cfg)
+    killer.join(timeout=10)
+    assert killed, "the reward worker was never killed"
+    assert int(pid_file.read_text()) != killed[0]  # a new worker process scored the killed one's share
+    for record in _read_metrics(tmp_path / "runs" / "reward-killed"):
+        assert record["samples_trained"] == 8 and record["reward/unscored"] == 0  # every sample scored, once
+    samples = [json.loads(line) for line in (tmp_path / "runs" / "reward-killed" / "samples.jsonl").read_text().splitlines()]
+    for group in samples:  # the scores are the function's, computed for these very completions
+        assert group["rewards"] == [float(len(text)) for text in group["completions"]]

@@ -2,7 +2,9 @@
 
 import asyncio
 import math
+import os
 import time
+from pathlib import Path
 
 SLOW_SECONDS = 3.0
 NOT_A_FUNCTION = 42
@@ -10,6 +12,13 @@ NOT_A_FUNCTION = 42
 
 def length(prompts, completions, **_):
     return [float(len(completion)) for completion in completions]
+
+
+def slow_length(prompts, completions, pid_file, seconds, **_):
+    """`length`, slowly, after leaving this worker's process id in `pid_file` (a test kills the worker mid-call)."""
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(seconds)
+    return length(prompts, completions)
 
 
 def constant(prompts, completions, value=1.0, **_):
