@@ -351,10 +351,28 @@ def _parse_specs(specs: list[dict]) -> list[_Reward]:
             raise RewardConfigError(f"{where}: 'group' must be true or false, got {group!r}")
 
         fn = load_reward(spec["name"])
+        _check_signature(spec["name"], fn, kwargs)
         name = _unique(display_name(spec["name"]), taken)
         taken.add(name)
         rewards.append(_Reward(name=name, fn=fn, weight=float(weight), kwargs=dict(kwargs), group=group))
     return rewards
+
+
+def _check_signature(path: str, fn: Callable, kwargs: Mapping[str, Any]) -> None:
+    """A function is called as fn(prompts, completions, **columns, **kwargs), the columns always including
+    SAMPLE_COLUMNS: refuse one that could never take that call. A parameter left unbound may still be a dataset
+    column (`answer`), so only what can never bind fails here."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some C callables have no signature to check
+        return
+    try:
+        signature.bind_partial([], [], **{**{column: [] for column in SAMPLE_COLUMNS}, **kwargs})
+    except TypeError as err:
+        raise RewardConfigError(
+            f"reward function {path!r} cannot be called as fn(prompts, completions, **columns, **kwargs) "
+            f"({', '.join(SAMPLE_COLUMNS)} are always among the columns; end its parameters with **_): {err}"
+        ) from None
 
 
 def _unique(name: str, taken: set[str]) -> str:

@@ -410,6 +410,8 @@ def _set_path(tree: dict, path: list[str], value: Any, dotted: str) -> None:
 
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a YAML recipe file")
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:

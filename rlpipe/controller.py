@@ -6,6 +6,7 @@ import json
 from collections import deque
 import math
 import shutil
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -161,7 +162,8 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
         )
     model_path = resolve_model_path(cfg.model.path)
     check_model(model_path)
-    tokenizer = load_tokenizer(cfg.model.tokenizer or model_path)
+    tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, tokenizer_key)
     RewardRunner([asdict(f) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s)
     train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
     train_set = PromptSet(train_rows, tokenizer, cfg.data)
@@ -180,6 +182,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
                 f"the latest, or set another run.name to branch off from this one"
             )
         sampler.load_state_dict(state["sampler"])
+    check_ray_address(cfg.ray.address)
     created_dir = not cfg.run_dir.exists()
     run_dir = prepare_run_dir(cfg, resuming=state is not None)
     log = MetricsLogger(run_dir, cfg.train.steps, tensorboard=cfg.metrics.tensorboard)
@@ -244,19 +247,40 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
 
 def check_model(path: str) -> None:
     from rlpipe.models import ModelConfig, read_hf_config
+    from rlpipe.models.hf import safetensors_files
 
     try:
         ModelConfig.from_hf(read_hf_config(path))
+        safetensors_files(Path(path))  # the weights the learner and the engines load: safetensors only
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.path: {err}") from None
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, key: str = "model.path"):
     from transformers import AutoTokenizer
 
     if not Path(path).is_dir():
-        raise ConfigError(f"model.path: {path} is not a folder")
-    return AutoTokenizer.from_pretrained(path)
+        raise ConfigError(f"{key}: {path} is not a folder")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # transformers raises several types, with multi-line messages, for a folder it cannot use
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ConfigError(f"{key}: cannot load a tokenizer from {path}: {reason}") from None
+
+
+def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """A cluster named by ray.address must answer before a run directory exists: ray.init keeps retrying an
+    address where nothing listens (still waiting, with warnings, after two minutes for 127.0.0.1:1)."""
+    if not address or address in ("auto", "local"):
+        return
+    host, sep, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # not host:port; ray.init reports it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, OverflowError) as err:
+        reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+        raise ConfigError(f"ray.address: cannot reach {address}: {reason}") from None
 
 
 class Clock:

@@ -38,7 +38,8 @@ def _reasoning_gym_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[di
         try:
             dataset = reasoning_gym.create_dataset(cfg.task, size=size, seed=task_seed, **cfg.task_args)
         except Exception as err:  # the library raises several types for unknown tasks and bad arguments
-            raise ConfigError(f"data.task: reasoning-gym cannot build {cfg.task!r}: {err}") from None
+            reason = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the library wrote
+            raise ConfigError(f"data.task: reasoning-gym cannot build {cfg.task!r}: {reason}") from None
         # `entry` carries the metadata the task's own verifier needs.
         return [{"question": e["question"], "answer": str(e["answer"]), "entry": e} for e in dataset]
 
@@ -86,10 +87,24 @@ def _file_rows(path: str, split: str, prompt_field: str) -> list[dict]:
     formats = {_file_format(f) for f in files}
     if None in formats or len(formats) != 1:
         raise ConfigError(f"data.path: {path} must hold files of one format among {', '.join(sorted(_FILE_FORMATS))}")
+    if all(f.stat().st_size == 0 for f in files):  # datasets fails on an empty file with a bare StopIteration
+        raise ConfigError(f"data.path: {path} has no rows")
+    # Quiet while reading: no progress bars or logged parser errors on stderr around rlpipe's one-line error.
+    bars_were_on, verbosity = not datasets.utils.are_progress_bars_disabled(), datasets.logging.get_verbosity()
+    datasets.utils.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         table = datasets.load_dataset(formats.pop(), data_files={split: [str(f) for f in files]}, split=split)
     except Exception as err:  # datasets wraps parser errors in several exception types
+        if "corresponds to no data" in str(err):  # how datasets says the split it read (e.g. a bare CSV header) is empty
+            raise ConfigError(f"data.path: {path} has no rows") from None
+        while err.__cause__ is not None:  # the parser's own error says what is wrong with the file
+            err = err.__cause__
         raise ConfigError(f"data.path: cannot read {path}: {(str(err).splitlines() or [type(err).__name__])[0]}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars_were_on:
+            datasets.utils.enable_progress_bars()
     if len(table) == 0:
         raise ConfigError(f"data.path: {path} has no rows")
     if prompt_field not in table.column_names:

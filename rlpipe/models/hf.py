@@ -60,7 +60,7 @@ def read_hf_config(path: str | os.PathLike) -> dict:
 def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every tensor in the folder's safetensors file(s), floating-point ones cast to `dtype` when given."""
     state: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(Path(path)):
+    for file in safetensors_files(Path(path)):
         with safe_open(file, framework="pt") as tensors:
             for name in tensors.keys():
                 tensor = tensors.get_tensor(name)
@@ -70,7 +70,7 @@ def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = None) -
     return state
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def safetensors_files(folder: Path) -> list[Path]:
     index_file = folder / SAFETENSORS_INDEX_FILE
     if index_file.is_file():
         try:

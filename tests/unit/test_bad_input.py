@@ -1,0 +1,561 @@
+"""Bad-input corpus: every case runs the real CLI (`rlpipe train ...`) on one broken input and must stop with a
+non-zero exit code (2), exactly one stderr line `rlpipe: ...` naming the cause (the key, the file or the reward
+function), no traceback, and nothing written under tmp_path: no run directory, no checkpoint.
+
+Each case starts from arguments that pass every check (see `test_the_base_arguments_pass_every_check`) and breaks
+one thing. Ray never starts: `start_ray` is replaced by a tripwire, so a case whose input slips through fails on it
+instead of starting a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from rlpipe.cli import main
+
+RUN_NAME = "bad-input"
+GOOD_ROWS = [{"question": f"Calculate {a} + {b}.", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (5, 6), (7, 8))]
+
+
+class ReachedRay(AssertionError):
+    """The inputs passed every check and train() went on to start Ray."""
+
+
+@pytest.fixture(autouse=True)
+def tripwire(monkeypatch):
+    import actors.groups
+
+    def start_ray(cfg):
+        raise ReachedRay(f"start_ray reached with run dir {cfg.run_dir}")
+
+    monkeypatch.setattr(actors.groups, "start_ray", start_ray)
+
+
+@dataclass
+class Inputs:
+    """The files one case breaks, all under tmp_path/inputs; the run's output goes to tmp_path/runs."""
+
+    root: Path
+    model: Path
+    monkeypatch: pytest.MonkeyPatch
+    modules: list[str] = field(default_factory=list)
+
+    def write(self, name: str, text: str) -> Path:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
+
+    def jsonl(self, name: str, rows: list[dict]) -> Path:
+        return self.write(name, "".join(json.dumps(row) + "\n" for row in rows))
+
+    def model_copy(self, name: str = "model") -> Path:
+        return Path(shutil.copytree(self.model, self.root / name))
+
+    def reward_module(self, source: str) -> str:
+        """A module importable for this test only; returns its name."""
+        name = f"bad_input_rewards_{len(self.modules)}_{os.getpid()}_{id(self)}"
+        self.write(f"pymods/{name}.py", source)
+        self.monkeypatch.syspath_prepend(str(self.root / "pymods"))
+        self.modules.append(name)
+        return name
+
+
+@dataclass
+class Case:
+    args: list[str]  # overrides (and flags) after the base arguments
+    expect: list[str]  # substrings of the one error line
+    recipe: Path | None = None
+
+
+@pytest.fixture
+def inputs(tmp_path, tiny_qwen3, monkeypatch):
+    root = tmp_path / "inputs"
+    root.mkdir()
+    made = Inputs(root, Path(tiny_qwen3), monkeypatch)
+    made.jsonl("good.jsonl", GOOD_ROWS)
+    yield made
+    for name in made.modules:
+        sys.modules.pop(name, None)
+    for path in [root, *root.rglob("*")]:  # a case may have made a folder read-only
+        if path.is_dir() and not path.is_symlink():
+            path.chmod(0o755)
+
+
+def base_args(inputs: Inputs, output: Path) -> list[str]:
+    """A run that passes every check: the tiny model, a 4-row jsonl file, a cheap reward, no held-out set."""
+    return [
+        f"model.path={inputs.model}",
+        f"run.output_dir={output}",
+        f"run.name={RUN_NAME}",
+        "data.source=file",
+        f"data.path={inputs.root / 'good.jsonl'}",
+        "data.eval_size=0",
+        "reward.functions=[{name: format_tags}]",
+        "metrics.tensorboard=false",
+        "train.steps=1",
+    ]
+
+
+# ---------------------------------------------------------------- the corpus: id -> builder(inputs) -> Case
+
+CASES = {}
+
+
+def case(builder):
+    CASES[builder.__name__] = builder
+    return builder
+
+
+# Recipe and command line.
+
+
+@case
+def recipe_malformed_yaml(d):
+    recipe = d.write("recipe.yaml", "run: {name: x\ntrain: [1, 2\n")
+    return Case([], [str(recipe), "malformed YAML"], recipe)
+
+
+@case
+def recipe_top_level_not_a_mapping(d):
+    recipe = d.write("recipe.yaml", "- train\n- steps\n")
+    return Case([], [str(recipe), "top level must be a mapping"], recipe)
+
+
+@case
+def recipe_is_a_directory(d):
+    recipe = d.root / "recipe.yaml"
+    recipe.mkdir()
+    return Case([], [str(recipe), "is a directory"], recipe)
+
+
+@case
+def recipe_missing(d):
+    recipe = d.root / "no-such-recipe.yaml"
+    return Case([], [str(recipe), "not found"], recipe)
+
+
+@case
+def recipe_unknown_key(d):
+    recipe = d.write("recipe.yaml", "rollout:\n  group_sise: 4\n")
+    return Case([], ["rollout.group_sise: unknown key"], recipe)
+
+
+@case
+def unknown_section(d):
+    return Case(["trian.steps=3"], ["trian: unknown key"])
+
+
+@case
+def unknown_key(d):
+    return Case(["train.stepz=3"], ["train.stepz: unknown key"])
+
+
+@case
+def override_without_a_value(d):
+    return Case(["train.steps"], ["train.steps", "section.key=value"])
+
+
+@case
+def wrong_type_integer(d):
+    return Case(["train.steps=three"], ["train.steps: expected an integer"])
+
+
+@case
+def wrong_type_boolean(d):
+    return Case(["metrics.plot=maybe"], ["metrics.plot: expected true/false"])
+
+
+@case
+def wrong_type_number(d):
+    return Case(["train.lr=fast"], ["train.lr: expected a number"])
+
+
+@case
+def wrong_type_list(d):
+    return Case(["train.betas=0.9"], ["train.betas: expected a list"])
+
+
+@case
+def value_not_among_the_choices(d):
+    return Case(["algo.loss_agg=sum"], ["algo.loss_agg: 'sum' is not one of"])
+
+
+@case
+def section_given_a_value(d):
+    return Case(["train=5"], ["train: expected a mapping"])
+
+
+# Impossible combinations (config validation).
+
+
+@case
+def group_size_one(d):
+    return Case(["rollout.group_size=1"], ["rollout.group_size: must be >= 2"])
+
+
+@case
+def mini_batch_does_not_divide_the_step(d):
+    return Case(["train.mini_batch_size=5"], ["train.mini_batch_size: 5 does not divide"])
+
+
+@case
+def micro_batch_does_not_divide_the_mini_batch(d):
+    return Case(["train.micro_batch_size=3"], ["train.micro_batch_size: 3 does not divide"])
+
+
+@case
+def context_shorter_than_prompt_plus_completion(d):
+    return Case(["rollout.max_model_len=100"], ["rollout.max_model_len: 100 is shorter than"])
+
+
+@case
+def no_reward_functions(d):
+    return Case(["reward.functions=[]"], ["reward.functions: at least one"])
+
+
+@case
+def reward_weight_not_a_number(d):
+    return Case(["reward.functions=[{name: format_tags, weight: heavy}]"], ["reward.functions[0].weight"])
+
+
+@case
+def top_p_zero(d):
+    return Case(["rollout.top_p=0"], ["rollout.top_p: must be in (0, 1]"])
+
+
+@case
+def asynchronous_without_importance_correction(d):
+    return Case(["train.max_staleness=1", "algo.tis_cap=null"], ["algo.tis_cap: asynchronous mode"])
+
+
+@case
+def file_source_without_a_path(d):
+    return Case(["data.path=null"], ["data.path: required"])
+
+
+@case
+def learner_device_not_in_this_build(d):
+    return Case(["learner.device=cuda"], ["learner.device: 'cuda'", "cpu only"])
+
+
+# The model folder and its tokenizer.
+
+
+@case
+def model_folder_missing(d):
+    missing = d.root / "no-such-model"
+    return Case([f"model.path={missing}"], ["model.path:", str(missing)])
+
+
+@case
+def model_path_is_a_file(d):
+    return Case([f"model.path={d.root / 'good.jsonl'}"], ["model.path:", str(d.root / "good.jsonl")])
+
+
+@case
+def model_config_malformed(d):
+    model = d.model_copy()
+    (model / "config.json").write_text("{not json")
+    return Case([f"model.path={model}"], ["model.path:", str(model / "config.json"), "not valid JSON"])
+
+
+@case
+def model_type_unsupported(d):
+    model = d.model_copy()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    return Case([f"model.path={model}"], ["model.path:", "unsupported model_type 'gpt2'"])
+
+
+@case
+def model_without_safetensors(d):
+    model = d.model_copy()
+    (model / "model.safetensors").unlink()
+    return Case([f"model.path={model}"], ["model.path:", str(model), "model.safetensors"])
+
+
+@case
+def model_with_only_pickle_weights(d):
+    model = d.model_copy()
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+    return Case([f"model.path={model}"], ["model.path:", "pytorch_model.bin", "safetensors is required"])
+
+
+@case
+def unknown_builtin_model(d):
+    return Case(["model.path=builtin:no-such-model"], ["model.path: unknown built-in model 'no-such-model'"])
+
+
+@case
+def tokenizer_without_chat_template(d):
+    model = d.model_copy()
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    for template in model.glob("chat_template*"):
+        template.unlink()
+    return Case([f"model.path={model}"], ["model.tokenizer:", str(model), "no chat template"])
+
+
+@case
+def tokenizer_folder_missing(d):
+    missing = d.root / "no-such-tokenizer"
+    return Case([f"model.tokenizer={missing}"], [f"model.tokenizer: {missing} is not a folder"])
+
+
+@case
+def tokenizer_folder_without_a_tokenizer(d):
+    empty = d.root / "empty-tokenizer"
+    empty.mkdir()
+    return Case([f"model.tokenizer={empty}"], [f"model.tokenizer: cannot load a tokenizer from {empty}: Couldn't instantiate the backend tokenizer"])
+
+
+# The dataset.
+
+
+@case
+def dataset_file_missing(d):
+    missing = d.root / "no-such-data.jsonl"
+    return Case([f"data.path={missing}"], [f"data.path: {missing} does not exist"])
+
+
+@case
+def dataset_file_type_unsupported(d):
+    path = d.write("data.txt", "Calculate 1 + 2.\n")
+    return Case([f"data.path={path}"], [f"data.path: {path} must hold files of one format"])
+
+
+@case
+def dataset_folder_without_data_files(d):
+    folder = d.root / "data"
+    folder.mkdir()
+    return Case([f"data.path={folder}"], ["data.path: no ", f"files in {folder}"])
+
+
+@case
+def dataset_empty(d):
+    path = d.write("empty.jsonl", "")
+    return Case([f"data.path={path}"], [f"data.path: {path} has no rows"])
+
+
+@case
+def dataset_csv_with_only_a_header(d):
+    path = d.write("rows.csv", "question,answer\n")
+    return Case([f"data.path={path}"], [f"data.path: {path} has no rows"])
+
+
+@case
+def dataset_malformed_json(d):
+    path = d.write("broken.jsonl", '{"question": "Calculate 1 + 2."\n{not json\n')
+    return Case([f"data.path={path}"], [f"data.path: cannot read {path}: JSON parse error"])
+
+
+@case
+def rows_without_the_prompt_field(d):
+    path = d.jsonl("rows.jsonl", [{"q": row["question"], "answer": row["answer"]} for row in GOOD_ROWS])
+    return Case([f"data.path={path}"], ["data.prompt_field: 'question' is not a column", str(path)])
+
+
+@case
+def row_with_an_empty_prompt(d):
+    path = d.jsonl("rows.jsonl", [GOOD_ROWS[0], {"question": "  ", "answer": "0"}])
+    return Case([f"data.path={path}"], [f"data.prompt_field: row 1 of {path} has no text"])
+
+
+@case
+def prompt_longer_than_max_prompt_tokens(d):
+    return Case(["data.max_prompt_tokens=4"], ["data.max_prompt_tokens: row 0 has", "more than 4"])
+
+
+@case
+def held_out_set_takes_every_row(d):
+    return Case([f"data.eval_size={len(GOOD_ROWS)}"], ["data.eval_size: 4 leaves no training rows"])
+
+
+@case
+def dataset_with_a_reserved_column(d):
+    path = d.jsonl("rows.jsonl", [{**row, "finish_reason": "stop"} for row in GOOD_ROWS])
+    return Case([f"data.path={path}"], [f"data.path: {path} has column(s) finish_reason"])
+
+
+@case
+def reasoning_gym_unknown_task(d):
+    return Case(
+        ["data.source=reasoning_gym", "data.task=no_such_task", "data.size=8"],
+        ["data.task: reasoning-gym cannot build 'no_such_task'"],
+    )
+
+
+@case
+def reasoning_gym_bad_task_args(d):
+    return Case(
+        ["data.source=reasoning_gym", "data.task=basic_arithmetic", "data.size=8", "data.task_args={no_such_arg: 1}"],
+        ["data.task: reasoning-gym cannot build 'basic_arithmetic'", "no_such_arg"],
+    )
+
+
+# Reward functions.
+
+
+@case
+def reward_module_does_not_import(d):
+    return Case(["reward.functions=[{name: 'no_such_module:fn'}]"], ["'no_such_module:fn'", "cannot import"])
+
+
+@case
+def reward_module_raises_on_import(d):
+    module = d.reward_module("raise RuntimeError('broken at import')\n")
+    return Case(
+        [f"reward.functions=[{{name: '{module}:fn'}}]"], [f"'{module}:fn'", "RuntimeError: broken at import"]
+    )
+
+
+@case
+def reward_function_missing_from_its_module(d):
+    return Case(["reward.functions=[{name: 'rewards.format:no_such_fn'}]"], ["'rewards.format:no_such_fn'", "no attribute"])
+
+
+@case
+def reward_not_callable(d):
+    module = d.reward_module("SCORE = 3\n")
+    return Case([f"reward.functions=[{{name: '{module}:SCORE'}}]"], [f"'{module}:SCORE'", "not callable"])
+
+
+@case
+def reward_unknown_short_name(d):
+    return Case(["reward.functions=[{name: shouting}]"], ["reward name 'shouting' is not a built-in"])
+
+
+@case
+def reward_takes_one_argument(d):
+    module = d.reward_module("def score(completions):\n    return [0.0 for _ in completions]\n")
+    return Case(
+        [f"reward.functions=[{{name: '{module}:score'}}]"],
+        [f"reward function '{module}:score' cannot be called", "too many positional arguments"],
+    )
+
+
+@case
+def reward_does_not_take_the_sample_columns(d):
+    module = d.reward_module("def score(prompts, completions):\n    return [0.0 for _ in completions]\n")
+    return Case(
+        [f"reward.functions=[{{name: '{module}:score'}}]"],
+        [f"reward function '{module}:score' cannot be called", "completion_tokens"],
+    )
+
+
+@case
+def reward_does_not_take_its_kwargs(d):
+    module = d.reward_module(
+        "def score(prompts, completions, completion_tokens, finish_reason, max_tokens):\n"
+        "    return [0.0 for _ in completions]\n"
+    )
+    return Case(
+        [f"reward.functions=[{{name: '{module}:score', kwargs: {{bonus: 2}}}}]"],
+        [f"reward function '{module}:score' cannot be called", "'bonus'"],
+    )
+
+
+# Where the run goes, the cluster, the checkpoint to resume.
+
+
+@case
+def output_dir_not_writable(d):
+    if os.geteuid() == 0:  # root ignores permission bits: a path under a regular file fails for everyone
+        parent = d.write("not-a-folder", "")
+    else:
+        parent = d.root / "read-only"
+        parent.mkdir()
+        parent.chmod(0o500)
+    return Case([f"run.output_dir={parent / 'runs'}"], ["run.output_dir: cannot create", str(parent / "runs")])
+
+
+@case
+def output_dir_is_a_file(d):
+    path = d.write("runs", "")
+    return Case([f"run.output_dir={path}"], ["run.output_dir: cannot create", str(path / RUN_NAME)])
+
+
+@case
+def run_dir_already_holds_a_run(d):
+    # Written where the run goes (tmp_path/runs/bad-input); the snapshot taken before main() includes it.
+    previous = d.root.parent / "runs" / RUN_NAME
+    previous.mkdir(parents=True)
+    (previous / "metrics.jsonl").write_text('{"step": 1}\n')
+    return Case([], ["run.name:", str(previous), "already holds a run"])
+
+
+@case
+def ray_address_unreachable(d):
+    return Case(["ray.address=127.0.0.1:1"], ["ray.address: cannot reach 127.0.0.1:1"])
+
+
+@case
+def ray_address_flag_unreachable(d):
+    return Case(["--address", "127.0.0.1:1"], ["ray.address: cannot reach 127.0.0.1:1"])
+
+
+@case
+def resume_from_a_missing_checkpoint(d):
+    missing = d.root / "no-such-checkpoint"
+    return Case(["--resume", str(missing)], [f"rlpipe: checkpoint {missing}: no such file or directory"])
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in root.rglob("*")}
+
+
+def _train(inputs: Inputs, tmp_path: Path, spec: Case) -> int:
+    argv = ["train", *([str(spec.recipe)] if spec.recipe else []), *base_args(inputs, tmp_path / "runs"), *spec.args]
+    return main(argv)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_stops_with_one_line_and_writes_nothing(name, inputs, tmp_path, capfd):
+    spec = CASES[name](inputs)
+    run_dir = tmp_path / "runs" / RUN_NAME
+    had_run_dir = run_dir.exists()
+    before = _tree(tmp_path)
+    capfd.readouterr()
+    started = time.monotonic()
+
+    code = _train(inputs, tmp_path, spec)
+
+    elapsed = time.monotonic() - started
+    out, err = capfd.readouterr()
+    assert code == 2, (code, err)
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got:\n{err}"
+    (line,) = lines
+    assert line.startswith("rlpipe: "), line
+    assert "Traceback" not in err and "Traceback" not in out
+    for expected in spec.expect:
+        assert expected in line, f"{expected!r} not in {line!r}"
+    assert run_dir.exists() == had_run_dir, "a run directory was created"
+    assert not [p for p in tmp_path.rglob("*") if p.name in ("checkpoints", "metrics.jsonl") and not had_run_dir]
+    assert _tree(tmp_path) == before, "the failed run wrote or removed files under tmp_path"
+    assert elapsed < 30, f"{name} took {elapsed:.1f} s to fail"
+
+
+def test_the_corpus_is_large_enough():
+    assert len(CASES) >= 30
+
+
+def test_the_base_arguments_pass_every_check(inputs, tmp_path, capfd):
+    """The control: unbroken, the same arguments get through every check to Ray (the tripwire), and train()
+    removes the run directory it created. So each case above fails on the one thing it breaks."""
+    with pytest.raises(ReachedRay):
+        _train(inputs, tmp_path, Case([], []))
+    assert not (tmp_path / "runs" / RUN_NAME).exists()
