@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """A bad config: the message is one line and names the key."""
 
 
+def one_line(err: BaseException) -> str:
+    """An error's message on one line, whatever a library wrote (its type name when it has no message)."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
 def _key(default: Any, help: str) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})

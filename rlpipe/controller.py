@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections import deque
 import math
 import shutil
 import socket
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,7 +17,7 @@ import yaml
 from rlpipe import checkpoint
 from rlpipe.checkpoint import CheckpointError
 from rlpipe.algo import group_advantages, uniform_groups
-from rlpipe.config import Config, ConfigError
+from rlpipe.config import Config, ConfigError, one_line
 from rlpipe.data import PromptSet, Sampler, load_rows
 from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics, staleness_metrics
 from rlpipe.models.builtin import resolve_model_path
@@ -264,8 +264,7 @@ def load_tokenizer(path: str, key: str = "model.path"):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as err:  # transformers raises several types, with multi-line messages, for a folder it cannot use
-        reason = " ".join(str(err).split()) or type(err).__name__
-        raise ConfigError(f"{key}: cannot load a tokenizer from {path}: {reason}") from None
+        raise ConfigError(f"{key}: cannot load a tokenizer from {path}: {one_line(err)}") from None
 
 
 def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:

@@ -8,10 +8,13 @@ from typing import Any
 import numpy as np
 
 from rewards import SAMPLE_COLUMNS
-from rlpipe.config import ConfigError, DataConfig
+from rlpipe.config import ConfigError, DataConfig, one_line
 from rlpipe.types import Prompt
 
-_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+_FILE_FORMATS = {
+    ".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json",
+    ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv",
+}
 # Offset between the training and the held-out reasoning-gym seeds, so the two sets are drawn independently.
 _EVAL_SEED_OFFSET = 1_000_003
 
@@ -38,8 +41,7 @@ def _reasoning_gym_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[di
         try:
             dataset = reasoning_gym.create_dataset(cfg.task, size=size, seed=task_seed, **cfg.task_args)
         except Exception as err:  # the library raises several types for unknown tasks and bad arguments
-            reason = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the library wrote
-            raise ConfigError(f"data.task: reasoning-gym cannot build {cfg.task!r}: {reason}") from None
+            raise ConfigError(f"data.task: reasoning-gym cannot build {cfg.task!r}: {one_line(err)}") from None
         # `entry` carries the metadata the task's own verifier needs.
         return [{"question": e["question"], "answer": str(e["answer"]), "entry": e} for e in dataset]
 
