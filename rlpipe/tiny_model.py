@@ -38,7 +38,7 @@ def build_tokenizer(folder) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(folder, family: str, seed: int = 0) -> str:
-    """A random 2-layer model of `family` (qwen3 | llama) saved as an HF folder with the tiny tokenizer."""
+    """A random 2-layer model of `family` (qwen3 | qwen3_moe | llama) saved as an HF folder with the tiny tokenizer."""
     import torch
     import transformers
 
@@ -59,6 +59,12 @@ def build_tiny_model(folder, family: str, seed: int = 0) -> str:
     if family == "qwen3":
         config = transformers.Qwen3Config(**common, tie_word_embeddings=True)
         model_cls = transformers.Qwen3ForCausalLM
+    elif family == "qwen3_moe":
+        # 4 experts, top-2, in both layers; intermediate sizes small so that experts stay cheap on CPU.
+        config = transformers.Qwen3MoeConfig(
+            **common, tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+        )
+        model_cls = transformers.Qwen3MoeForCausalLM
     elif family == "llama":
         config = transformers.LlamaConfig(**common, tie_word_embeddings=False)
         model_cls = transformers.LlamaForCausalLM

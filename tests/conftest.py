@@ -27,3 +27,8 @@ def _offline():
     # Tests never reach a model hub.
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe")

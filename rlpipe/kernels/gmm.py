@@ -3,7 +3,10 @@
 x [M, K] with rows ordered by group, weights [G, K, N], group_sizes [G] (summing to M) -> out [M, N], where the
 rows of group g are multiplied by weights[g].
 
-- `torch`: the reference, one matmul per group.
+- `torch`: the reference, one matmul per group, reached through the `rlpipe::grouped_matmul` custom op: the
+  per-group split needs the group sizes on the host, which a traced graph cannot take, so the op is opaque to
+  torch.compile (its fake implementation gives the static output shape) and its backward is two more grouped
+  matmuls (input gradient against the transposed weights, weight gradient per group).
 - `pallas`: each group's rows are laid out padded to whole row blocks, so every row block belongs to exactly one
   group; a per-block group id, prefetched as a scalar (`PrefetchScalarGridSpec`), lets the weight's BlockSpec
   fetch that group's matrix. Forward: grid (row block, column block, K block) with K the reduction axis. The
@@ -26,7 +29,7 @@ BLOCK_M, BLOCK_K, BLOCK_N = 128, 128, 128
 
 def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor, impl: str = "torch") -> torch.Tensor:
     if impl == "torch":
-        return reference_grouped_matmul(x, weights, group_sizes)
+        return torch_grouped_matmul(x, weights, group_sizes)
     if impl == "pallas":
         return pallas_grouped_matmul(x.contiguous(), weights.contiguous(), group_sizes.to(torch.int32))
     raise ValueError(f"grouped_matmul: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
@@ -35,6 +38,44 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Te
 def reference_grouped_matmul(x, weights, group_sizes) -> torch.Tensor:
     parts = torch.split(x, group_sizes.tolist())
     return torch.cat([part @ weight for part, weight in zip(parts, weights)])
+
+
+@torch.library.custom_op("rlpipe::grouped_matmul", mutates_args=())
+def torch_grouped_matmul(x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    return reference_grouped_matmul(x, weights, group_sizes)
+
+
+@torch_grouped_matmul.register_fake
+def _(x, weights, group_sizes):
+    return x.new_empty((x.shape[0], weights.shape[2]))
+
+
+@torch.library.custom_op("rlpipe::grouped_matmul_backward", mutates_args=())
+def _torch_grouped_matmul_backward(
+    x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x = reference_grouped_matmul(grad, weights.transpose(1, 2), group_sizes)
+    sizes = group_sizes.tolist()
+    grad_w = torch.stack([part.T @ g for part, g in zip(torch.split(x, sizes), torch.split(grad, sizes))])
+    return grad_x, grad_w
+
+
+@_torch_grouped_matmul_backward.register_fake
+def _(x, weights, group_sizes, grad):
+    # Contiguous, as the real gradients are, whatever the strides of a transposed weight view.
+    return x.new_empty(x.shape), weights.new_empty(weights.shape)
+
+
+def _torch_backward(ctx, grad):
+    x, weights, group_sizes = ctx.saved_tensors
+    return (*_torch_grouped_matmul_backward(x, weights, group_sizes, grad), None)
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+torch_grouped_matmul.register_autograd(_torch_backward, setup_context=_save_inputs)
 
 
 def _matmul_kernel(block_group_ref, x_ref, w_ref, out_ref):
@@ -170,13 +211,9 @@ def _(x, weights, group_sizes, grad):
     return torch.empty_like(x), torch.empty_like(weights)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
 def _backward(ctx, grad):
     x, weights, group_sizes = ctx.saved_tensors
     return (*_pallas_grouped_matmul_backward(x, weights, group_sizes, grad), None)
 
 
-pallas_grouped_matmul.register_autograd(_backward, setup_context=_setup_context)
+pallas_grouped_matmul.register_autograd(_backward, setup_context=_save_inputs)

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rlpipe.models.llama import CausalLM
+from rlpipe.models.moe import split_expert_weights, stack_expert_weights
 from rlpipe.models.registry import build_model
 
 CONFIG_FILE = "config.json"
@@ -105,6 +106,8 @@ def load_model(
     with torch.device("meta"):
         model = build_model(hf_config)
     state = load_state_dict(path, dtype)
+    if model.config.num_experts:
+        state = stack_expert_weights(state, model.config.num_experts)
     for name in [name for name in state if name.endswith(_IGNORED_CHECKPOINT_SUFFIXES)]:
         del state[name]
     if model.config.tie_word_embeddings:
@@ -167,12 +170,13 @@ def save_state_dict(
     max_shard_bytes: int = 2**31,
     overwrite: bool = False,
 ) -> Path:
-    """`save_model` for weights already gathered into whole tensors under Hugging Face names."""
+    """`save_model` for weights already gathered into whole tensors under the model's names (stacked experts are
+    written per expert, as Hugging Face checkpoints hold them)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
 
-    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in split_expert_weights(state).items()}
     staging_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     staging_dir.mkdir(parents=True)
     try:

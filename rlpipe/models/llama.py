@@ -1,4 +1,5 @@
-"""Llama-family decoder-only causal LM (Llama, Mistral, Qwen2, Qwen3) in plain torch.
+"""Llama-family decoder-only causal LM (Llama, Mistral, Qwen2, Qwen3, and Qwen3-MoE: Qwen3 whose MLP is a sparse
+mixture of experts in some or all layers, see rlpipe/models/moe.py) in plain torch.
 
 The module tree mirrors Hugging Face's (`model.layers[i].self_attn.q_proj`, ...), so `state_dict()` names are
 exactly the names in HF safetensors files and in vLLM's weight loaders: checkpoints load and weights sync with
@@ -19,15 +20,19 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from rlpipe.kernels.attention import causal_attention
 from rlpipe.kernels.rmsnorm import rms_norm
+from rlpipe.models.moe import Experts, SparseMoeBlock, TopKRouter
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 # HF fills these from the config class when config.json omits them; the values differ per family.
-_DEFAULT_MAX_POSITION_EMBEDDINGS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_MAX_POSITION_EMBEDDINGS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768}
+# Qwen3-MoE's config class defaults, used when config.json omits a key (as transformers does).
+_QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
+_QWEN3_FAMILY = ("qwen3", "qwen3_moe")
 _QWEN3_DEFAULT_HEAD_DIM = 128
 _SILU_NAMES = ("silu", "swish")  # HF's ACT2FN maps both names to SiLU
 _REQUIRED_ROPE_KEYS = {
@@ -62,6 +67,17 @@ class ModelConfig:
     # One of FULL_ATTENTION / SLIDING_ATTENTION per layer; empty means every layer attends to the full prefix.
     layer_types: tuple[str, ...] = ()
     hidden_act: str = "silu"
+    # Mixture of experts (0 experts: dense). Layer i has the sparse MLP when i is not in mlp_only_layers and
+    # (i + 1) is a multiple of decoder_sparse_step, as in transformers' Qwen3-MoE; other layers keep the dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Weight of the load-balancing loss in training; transformers adds it only with output_router_logits, so a
+    # config without that flag reads as 0. A training setting, not architecture, hence left out of comparisons.
+    router_aux_loss_coef: float = field(default=0.0, compare=False)
     # Only shapes fresh (untrained) weights, so two configs describing the same architecture compare equal.
     initializer_range: float = field(default=0.02, compare=False)
 
@@ -90,6 +106,27 @@ class ModelConfig:
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         _validate_rope_scaling(self.rope_scaling)
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be between 1 and num_experts ({self.num_experts}), got {self.experts_per_token}"
+                )
+            if self.moe_intermediate_size < 1:
+                raise ValueError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+            if self.decoder_sparse_step < 1:
+                raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer_index not in self.mlp_only_layers
+            and (layer_index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(index for index in range(self.num_layers) if self.is_moe_layer(index))
 
     @classmethod
     def from_hf(cls, hf_config: dict) -> ModelConfig:
@@ -111,6 +148,7 @@ class ModelConfig:
             "max_position_embeddings", _DEFAULT_MAX_POSITION_EMBEDDINGS[model_type]
         )
         default_head_dim = _QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" else hidden_size // num_heads
+        moe = _moe_settings(hf_config) if model_type == "qwen3_moe" else {}
         rope_theta, rope_scaling = _rope_settings(hf_config, max_position_embeddings)
         attention_bias = bool(hf_config.get("attention_bias", False))
         sliding_window, layer_types = _attention_windows(hf_config, model_type, num_layers)
@@ -129,15 +167,39 @@ class ModelConfig:
             max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             # Qwen2 hard-codes biases on q/k/v only; Llama and Qwen3 put `attention_bias` on all four projections.
-            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
-            o_proj_bias=model_type in ("llama", "qwen3") and attention_bias,
+            qkv_bias=model_type == "qwen2" or (model_type in ("llama", *_QWEN3_FAMILY) and attention_bias),
+            o_proj_bias=model_type in ("llama", *_QWEN3_FAMILY) and attention_bias,
             mlp_bias=model_type == "llama" and bool(hf_config.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in _QWEN3_FAMILY,
             sliding_window=sliding_window,
             layer_types=layer_types,
             hidden_act=hf_config.get("hidden_act", "silu"),
             initializer_range=hf_config.get("initializer_range", 0.02),
+            **moe,
         )
+
+
+def _moe_settings(hf_config: dict) -> dict:
+    """The mixture-of-experts fields of a Qwen3-MoE config.json (transformers writes the expert count as
+    `num_local_experts`, Qwen's own configs as `num_experts`)."""
+
+    def setting(*keys: str):
+        for key in keys:
+            if hf_config.get(key) is not None:
+                return hf_config[key]
+        return _QWEN3_MOE_DEFAULTS[keys[0]]
+
+    return dict(
+        num_experts=setting("num_experts", "num_local_experts"),
+        experts_per_token=setting("num_experts_per_tok"),
+        moe_intermediate_size=setting("moe_intermediate_size"),
+        norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+        decoder_sparse_step=hf_config.get("decoder_sparse_step") or 1,
+        mlp_only_layers=tuple(hf_config.get("mlp_only_layers") or ()),
+        router_aux_loss_coef=(
+            float(hf_config.get("router_aux_loss_coef", 0.001)) if hf_config.get("output_router_logits") else 0.0
+        ),
+    )
 
 
 def _rope_settings(hf_config: dict, max_position_embeddings: int) -> tuple[float, dict | None]:
@@ -182,7 +244,7 @@ def _validate_rope_scaling(rope_scaling: dict | None) -> None:
 def _attention_windows(hf_config: dict, model_type: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """(sliding_window, layer_types) the way each family's HF attention applies them."""
     window = hf_config.get("sliding_window")
-    if model_type == "mistral" and window:
+    if (model_type == "mistral" or (model_type == "qwen3_moe" and hf_config.get("use_sliding_window"))) and window:
         return window, (SLIDING_ATTENTION,) * num_layers
     if model_type in ("qwen2", "qwen3") and hf_config.get("use_sliding_window") and window:
         layer_types = hf_config.get("layer_types") or [
@@ -364,15 +426,19 @@ class DecoderLayer(nn.Module):
         super().__init__()
         is_sliding = config.layer_types[layer_index] == SLIDING_ATTENTION
         self.self_attn = Attention(config, config.sliding_window if is_sliding else None)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_index) else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: tuple[int, ...] | None = None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output and, for a mixture-of-experts layer, its router logits [tokens, experts]."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if isinstance(self.mlp, SparseMoeBlock):
+            out, router_logits = self.mlp.routed(self.post_attention_layernorm(x))
+            return x + out, router_logits
+        return x + self.mlp(self.post_attention_layernorm(x)), None
 
 
 def _save_seeded_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -403,7 +469,11 @@ class DecoderStack(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, segments: tuple[int, ...] | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        segments: tuple[int, ...] | None = None,
+        router_logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
@@ -412,11 +482,14 @@ class DecoderStack(nn.Module):
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:
-                x = checkpoint(
+                x, logits = checkpoint(
                     layer, x, cos, sin, segments, use_reentrant=False, context_fn=_RECOMPUTE_ALL_BUT_SEEDED
                 )
             else:
-                x = layer(x, cos, sin, segments)
+                x, logits = layer(x, cos, sin, segments)
+            # Collected here, outside the checkpointed call, so a recompute in backward never appends twice.
+            if router_logits is not None and logits is not None:
+                router_logits.append(logits)
         return self.norm(x)
 
 
@@ -446,14 +519,19 @@ class CausalLM(nn.Module):
                 module.bias.zero_()
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            if isinstance(module, (Experts, TopKRouter)):
+                for param in module.parameters(recurse=False):
+                    param.normal_(0.0, std)
 
-    def use_kernels(self, rmsnorm: str = "torch", attention: str = "torch") -> CausalLM:
+    def use_kernels(self, rmsnorm: str = "torch", attention: str = "torch", experts: str = "torch") -> CausalLM:
         """Choose the implementation of the ops that have several (rlpipe/kernels; config `model.kernels`)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.impl = rmsnorm
             if isinstance(module, Attention):
                 module.impl = attention
+            if isinstance(module, Experts):
+                module.impl = experts
         return self
 
     def hidden_states(
@@ -461,10 +539,12 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segments: tuple[int, ...] | None = None,
+        router_logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H], the input of the output projection. With `segments` (lengths
-        summing to T, B = 1) the row is packed: each segment attends only within itself."""
-        return self.model(input_ids, position_ids, segments)
+        summing to T, B = 1) the row is packed: each segment attends only within itself. With a `router_logits`
+        list, every mixture-of-experts layer appends its router logits [B * T, experts] to it, in layer order."""
+        return self.model(input_ids, position_ids, segments, router_logits)
 
     def output_embedding(self) -> torch.Tensor:
         """The output projection's weight [V, H]: lm_head, or the input embedding when tied."""

@@ -20,6 +20,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 

@@ -16,6 +16,7 @@ from rlpipe.kernels import rmsnorm as rmsnorm_module
 from rlpipe.kernels._jax import interpret
 from rlpipe.learner import token_logprobs
 from rlpipe.models import load_model
+from rlpipe.models.moe import Experts, TopKRouter
 
 
 @pytest.fixture
@@ -179,6 +180,11 @@ def test_the_bridges_satisfy_the_custom_op_contract(small_blocks):
     )
     x, weights, group_sizes, _ = _grouped_case(torch.float32, sizes=(3, 0, 4))
     torch.library.opcheck(
+        gmm_module.torch_grouped_matmul,
+        (x, weights, group_sizes),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+    torch.library.opcheck(
         gmm_module.pallas_grouped_matmul,
         (x, weights, group_sizes.to(torch.int32)),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
@@ -189,6 +195,40 @@ def test_the_bridges_satisfy_the_custom_op_contract(small_blocks):
         (q, k, v, 0),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
+
+
+def _routed_tokens(tokens=21, hidden=24, intermediate=20, experts=6, top_k=2):
+    generator = torch.Generator().manual_seed(5)
+    module = Experts(hidden, intermediate, experts)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_(0.0, 0.3, generator=generator)
+    router = TopKRouter(hidden, experts, top_k, normalize=True)
+    torch.nn.init.normal_(router.weight, 0.0, 0.5, generator=generator)
+    x = torch.randn(tokens, hidden, generator=generator).requires_grad_()
+    _, weights, chosen = router(x)
+    # Expert 3 receives no token: its weights must get exactly zero gradient from every implementation.
+    chosen = torch.where(chosen == 3, (chosen + 1) % experts, chosen)
+    chosen[:, 1] = torch.where(chosen[:, 1] == chosen[:, 0], (chosen[:, 0] + 2) % experts, chosen[:, 1])
+    assert not (chosen == 3).any() and (chosen[:, 0] != chosen[:, 1]).all()
+    return module, x, chosen, weights, torch.randn(tokens, hidden, generator=generator)
+
+
+@pytest.mark.parametrize("impl", ["torch", "pallas"])
+def test_moe_experts_grouped_matmul_matches_the_per_expert_loop(small_blocks, impl):
+    """Tokens sorted by expert through one grouped matmul per projection equal a loop over experts, in the output
+    and in the gradients of the input, both expert weights and the routing weights."""
+    module, x, chosen, weights, upstream = _routed_tokens()
+    results = []
+    for implementation in ("loop", impl):
+        module.impl = implementation
+        out = module(x, chosen, weights)
+        inputs = (x, module.gate_up_proj, module.down_proj, weights)
+        results.append((out.detach(), *torch.autograd.grad((out * upstream).sum(), inputs, retain_graph=True)))
+    for name, want, have in zip(["out", "grad x", "grad gate_up", "grad down", "grad routing"], *results):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=name)
+    assert results[1][2][3].abs().max() == 0 and results[1][3][3].abs().max() == 0
+    assert results[1][2].abs().sum() > 0 and results[1][4].abs().sum() > 0
 
 
 class _LargestTensor(TorchDispatchMode):

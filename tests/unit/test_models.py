@@ -13,9 +13,13 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from rlpipe.models import CausalLM, ModelConfig, build_model, load_model, load_state_dict, read_hf_config, save_model
+from rlpipe.models.moe import load_balancing_loss, split_expert_weights, stack_expert_weights
 
 TOLERANCE = 1e-4
 TINY = dict(
@@ -71,7 +75,25 @@ VARIANTS = {
         Qwen2ForCausalLM,
         dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     ),
+    # Mixture of experts: renormalised top-2 of 8 in both layers; plain top-3 of 4 in layer 1 only
+    # (decoder_sparse_step=2); top-1 of 4 in layer 0 only (mlp_only_layers).
+    "qwen3-moe-top2-normalized": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    "qwen3-moe-sparse-step-2-tied": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=24, decoder_sparse_step=2, tie_word_embeddings=True),
+    ),
+    "qwen3-moe-mlp-only-layer-1": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=24, mlp_only_layers=[1]),
+    ),
 }
+MOE_VARIANTS = [variant for variant in VARIANTS if variant.startswith("qwen3-moe")]
 
 
 def make_hf_model(variant: str, **overrides):
@@ -133,7 +155,8 @@ def test_logits_match_transformers(variant, checkpoints):
 def test_state_dict_names_are_the_checkpoint_names(variant, checkpoints):
     _, folder = checkpoints(variant)
     model = load_model(folder)
-    assert set(model.state_dict()) == set(load_state_dict(folder))
+    # Stacked experts are named as in transformers' modules and split per expert in files (identity when dense).
+    assert set(split_expert_weights(model.state_dict())) == set(load_state_dict(folder))
     tied = read_hf_config(folder)["tie_word_embeddings"]
     assert ("lm_head.weight" in model.state_dict()) != tied
     assert (model.output_embedding() is model.model.embed_tokens.weight) == tied
@@ -147,6 +170,95 @@ def test_expected_parameters_per_family(checkpoints):
     llama_biases = {"model.layers.1.self_attn.o_proj.bias", "model.layers.1.mlp.up_proj.bias"}
     assert llama_biases <= names["llama-linear-biases-tied"]
     assert not any(name.endswith(".bias") for name in names["llama-llama3-untied"])
+
+
+def test_moe_layers_and_parameters_follow_the_config(checkpoints):
+    def model(variant):
+        return load_model(checkpoints(variant)[1])
+
+    step_2 = model("qwen3-moe-sparse-step-2-tied")
+    assert step_2.config.moe_layers == (1,)
+    assert "model.layers.0.mlp.gate_proj.weight" in step_2.state_dict()
+    assert step_2.state_dict()["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 2 * 24, TINY["hidden_size"])
+    assert step_2.state_dict()["model.layers.1.mlp.experts.down_proj"].shape == (4, TINY["hidden_size"], 24)
+    assert step_2.state_dict()["model.layers.1.mlp.gate.weight"].shape == (4, TINY["hidden_size"])
+    assert model("qwen3-moe-mlp-only-layer-1").config.moe_layers == (0,)
+    assert model("qwen3-moe-top2-normalized").config.moe_layers == (0, 1)
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+@pytest.mark.parametrize("experts", ["torch", "pallas", "loop"])
+def test_moe_logits_match_transformers_with_every_expert_implementation(variant, experts, checkpoints):
+    hf_model, folder = checkpoints(variant)
+    model = load_model(folder).use_kernels(experts=experts)
+    with torch.no_grad():
+        assert max_abs_diff(model(random_ids()), hf_model(random_ids()).logits) < TOLERANCE
+
+
+def test_moe_tolerance_catches_unnormalised_routing(checkpoints):
+    """norm_topk_prob matters: the same weights routed without renormalisation miss the logits by far."""
+    hf_model, folder = checkpoints("qwen3-moe-top2-normalized")
+    model = load_model(folder)
+    unnormalised = build_model({**read_hf_config(folder), "norm_topk_prob": False})
+    unnormalised.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert max_abs_diff(unnormalised(random_ids()), hf_model(random_ids()).logits) > 100 * TOLERANCE
+
+
+def test_router_logits_and_load_balancing_loss_equal_transformers(checkpoints):
+    hf_model, folder = checkpoints("qwen3-moe-top2-normalized")
+    model = load_model(folder)
+    ids = random_ids()
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 7:] = False  # a right-padded row: its padding is left out of the loss
+    with torch.no_grad():
+        hf_out = hf_model(ids, output_router_logits=True)
+        ours = []
+        model.hidden_states(ids, router_logits=ours)
+    assert len(ours) == len(hf_out.router_logits) == 2
+    for have, want in zip(ours, hf_out.router_logits):
+        assert max_abs_diff(have, want) < TOLERANCE
+    want = load_balancing_loss_func(hf_out.router_logits, 8, 2, attention_mask=mask)
+    assert abs(load_balancing_loss(ours, 2, mask).item() - want.item()) < 1e-5
+    unmasked = load_balancing_loss_func(hf_out.router_logits, 8, 2)
+    assert abs(load_balancing_loss(ours, 2).item() - unmasked.item()) < 1e-5
+    assert abs(unmasked.item() - want.item()) > 1e-4  # the mask changes the value, so the masked check means something
+
+
+def test_moe_export_is_per_expert_and_loads_in_transformers(checkpoints, tmp_path):
+    hf_model, folder = checkpoints("qwen3-moe-sparse-step-2-tied")
+    model = load_model(folder)
+    save_model(model, read_hf_config(folder), tmp_path / "export")
+    assert set(load_state_dict(tmp_path / "export")) == set(load_state_dict(folder))
+    reloaded = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "export").eval()
+    with torch.no_grad():
+        assert max_abs_diff(reloaded(random_ids()).logits, hf_model(random_ids()).logits) < TOLERANCE
+
+
+def test_stacking_experts_round_trips_and_leaves_incomplete_layers_named():
+    state = {
+        f"model.layers.0.mlp.experts.{e}.{proj}.weight": torch.randn(6 if proj != "down_proj" else 4, 4 if proj != "down_proj" else 6)
+        for e in range(3)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    }
+    state["model.norm.weight"] = torch.ones(4)
+    stacked = stack_expert_weights(state, 3)
+    assert stacked["model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 12, 4)
+    assert torch.equal(stacked["model.layers.0.mlp.experts.gate_up_proj"][2, 6:], state["model.layers.0.mlp.experts.2.up_proj.weight"])
+    split = split_expert_weights(stacked)
+    assert split.keys() == state.keys() and all(torch.equal(split[k], state[k]) for k in state)
+    del state["model.layers.0.mlp.experts.1.up_proj.weight"]
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in stack_expert_weights(state, 3)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [(dict(num_experts_per_tok=5), "num_experts_per_tok"), (dict(moe_intermediate_size=0), "moe_intermediate_size")],
+)
+def test_bad_moe_settings_are_named(overrides, named):
+    hf_config = {"model_type": "qwen3_moe", **TINY, "num_experts": 4, "num_experts_per_tok": 2, **overrides}
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf(hf_config)
 
 
 def test_bfloat16_logits_match_transformers_sdpa(checkpoints):
