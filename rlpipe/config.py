@@ -52,6 +52,11 @@ class KernelsConfig:
     attention: Literal["torch", "pallas"] = _key(
         "torch", "causal GQA attention: torch's scaled_dot_product_attention, or the Pallas flash kernel (interpreted off TPU)"
     )
+    experts: Literal["torch", "pallas", "loop"] = _key(
+        "torch",
+        "mixture-of-experts layers: tokens sorted by expert, one grouped matmul per projection with the torch "
+        "reference or the Pallas kernel (interpreted off TPU); loop: one slice per expert (transformers' way, eager only)",
+    )
 
 
 @dataclass
@@ -145,6 +150,12 @@ class AlgoConfig:
         "token", "what MIS drops: single tokens, or whole sequences by their geometric-mean ratio"
     )
     drop_uniform_groups: bool = _key(False, "skip groups whose rewards are all equal (no signal)")
+    router_aux_loss_coef: float | None = _key(
+        None,
+        "mixture-of-experts models: weight of the router's load-balancing loss added to the policy loss "
+        "(null: the model config's router_aux_loss_coef when its output_router_logits is true, as transformers "
+        "trains, else 0)",
+    )
 
 
 @dataclass
@@ -478,6 +489,10 @@ def validate(cfg: Config) -> None:
     need(cfg.train.adam_eps > 0, "train.adam_eps: must be > 0")
     need(cfg.algo.clip_low >= 0 and cfg.algo.clip_high >= 0, "algo.clip_low/clip_high: must be >= 0")
     need(cfg.algo.kl_beta >= 0, "algo.kl_beta: must be >= 0")
+    need(
+        cfg.algo.router_aux_loss_coef is None or cfg.algo.router_aux_loss_coef >= 0,
+        "algo.router_aux_loss_coef: must be >= 0 or null",
+    )
     need(cfg.algo.tis_cap is None or cfg.algo.tis_cap > 0, "algo.tis_cap: must be > 0 or null")
     need(cfg.algo.mis_threshold is None or cfg.algo.mis_threshold > 1, "algo.mis_threshold: must be > 1 or null")
     need(
@@ -522,6 +537,11 @@ def validate(cfg: Config) -> None:
         f"learner.activation_checkpointing with learner.graph needs one micro-batch per rank and optimizer step "
         f"(torch.compile recomputes layers for only one backward per graph): set train.micro_batch_size >= "
         f"{rows_per_rank} (the mini-batch's rows per learner.ranks), or learner.graph=false",
+    )
+    need(
+        not (cfg.learner.graph and cfg.model.kernels.experts == "loop"),
+        "model.kernels.experts: 'loop' has shapes that depend on the routing and runs eagerly only; "
+        "use torch or pallas with learner.graph=true",
     )
     need(cfg.sync.bucket_mb > 0, "sync.bucket_mb: must be > 0")
     need(cfg.sync.probe_tolerance is None or cfg.sync.probe_tolerance > 0, "sync.probe_tolerance: must be > 0 or null")

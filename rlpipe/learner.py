@@ -18,6 +18,7 @@ from rlpipe.checkpoint import load_tensors
 from rlpipe.config import Config, KernelsConfig
 from rlpipe.kernels import linear_logprob, logits_logprob
 from rlpipe.models import load_model, read_hf_config, save_state_dict
+from rlpipe.models.moe import expert_token_counts, load_balancing_loss
 from rlpipe.types import TrainBatch
 
 
@@ -29,6 +30,7 @@ def token_logprobs(
     kernels: KernelsConfig | None = None,
     lengths: torch.Tensor | None = None,
     scored: torch.Tensor | None = None,
+    router_logits: list[torch.Tensor] | None = None,
 ):
     """Logprob of each token given the ones before it, aligned with input_ids (position 0 gets 0).
 
@@ -38,13 +40,17 @@ def token_logprobs(
     With `lengths` (real tokens per row) an rlpipe model runs on the rows packed into one (`pack`), so no padding
     token is computed, and `scored` ([B, T] bool, e.g. the completion mask) limits the output projection to the
     tokens whose log-prob is used; every other position gets 0.
+    A `router_logits` list receives a mixture-of-experts model's router logits, one [tokens, experts] tensor per
+    MoE layer, over the rows as run: packed (the real tokens in row order) or padded (B x T).
     """
     kernels = kernels or KernelsConfig()
     if lengths is not None and hasattr(model, "output_embedding"):
-        return _packed_token_logprobs(model, input_ids, lengths, temperature, with_entropy, kernels, scored)
+        return _packed_token_logprobs(
+            model, input_ids, lengths, temperature, with_entropy, kernels, scored, router_logits
+        )
     targets = input_ids[:, 1:]
     if hasattr(model, "output_embedding"):
-        hidden = model.hidden_states(input_ids)[:, :-1]
+        hidden = model.hidden_states(input_ids, router_logits=router_logits)[:, :-1]
         picked, entropy = linear_logprob(
             hidden.reshape(-1, hidden.shape[-1]),
             model.output_embedding(),
@@ -70,9 +76,9 @@ def pack(input_ids: torch.Tensor, lengths: torch.Tensor):
     return input_ids[real][None], positions[None], tuple(lengths.tolist()), real
 
 
-def _packed_token_logprobs(model, input_ids, lengths, temperature, with_entropy, kernels, scored):
+def _packed_token_logprobs(model, input_ids, lengths, temperature, with_entropy, kernels, scored, router_logits):
     ids, positions, segments, real = pack(input_ids, lengths)
-    hidden = model.hidden_states(ids, positions, segments)[0]
+    hidden = model.hidden_states(ids, positions, segments, router_logits)[0]
     # Token j is scored from hidden state j - 1; a sequence's first token has no prediction. On RL batches the
     # prompt tokens are about half of all tokens, and their log-probs are never used, so they skip the projection.
     wanted = positions[0] > 0 if scored is None else scored[real] & (positions[0] > 0)
@@ -116,6 +122,13 @@ class Learner:
         self.hf_config = read_hf_config(model_path)
         self.kernels = cfg.model.kernels
         self.model = self._load(model_path)
+        model_config = self.model.config
+        self.moe_layers = model_config.moe_layers
+        self.router_aux_loss_coef = (
+            cfg.algo.router_aux_loss_coef
+            if cfg.algo.router_aux_loss_coef is not None
+            else model_config.router_aux_loss_coef
+        )
         # Only the policy: the reference model runs under no_grad, where nothing is saved for backward anyway.
         self.model.model.activation_checkpointing = cfg.learner.activation_checkpointing
         # Without a KL term there is nothing to compare against, so no second copy of the model is held.
@@ -132,7 +145,9 @@ class Learner:
 
     def _load(self, model_path: str):
         model = load_model(model_path, dtype=self.dtype)
-        return model.use_kernels(rmsnorm=self.kernels.rmsnorm, attention=self.kernels.attention)
+        return model.use_kernels(
+            rmsnorm=self.kernels.rmsnorm, attention=self.kernels.attention, experts=self.kernels.experts
+        )
 
     def join_group(self, master_addr: str, master_port: int) -> None:
         """Form the torch.distributed group and shard the model; every rank calls this at the same time."""
@@ -328,6 +343,7 @@ class Learner:
         the same function runs eagerly and traced into the compiled step."""
         algo = self.cfg.algo
         mask = micro["mask"]
+        router_logits = [] if self.moe_layers else None
         logprobs, entropy = token_logprobs(
             model,
             micro["input_ids"],
@@ -336,6 +352,7 @@ class Learner:
             kernels=self.kernels,
             lengths=micro.get("lengths"),
             scored=mask,
+            router_logits=router_logits,
         )
         old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
         # Corrections for the rollout engine's numerics (and staleness): reweight (TIS) and/or drop (MIS).
@@ -381,7 +398,29 @@ class Learner:
             total_seqs=micro["total_seqs"],
             max_tokens=self.cfg.rollout.max_tokens,
         )
+        if router_logits:
+            loss = loss + self._router_terms(router_logits, micro, out)
         return loss, out
+
+    def _router_terms(self, router_logits: list[torch.Tensor], micro: dict, out: dict) -> torch.Tensor:
+        """The load-balancing loss term of one micro-batch (zero unless a coefficient is set), and into `out` the
+        router statistics: routed copies per (MoE layer, expert) and the loss's value, over the completion tokens
+        (the ones the policy loss trains on; the same tokens whether the rows run packed or padded)."""
+        mask, lengths = micro["mask"], micro.get("lengths")
+        if lengths is not None:  # packed: the router saw the real tokens of each row, back to back
+            token_mask = mask[torch.arange(mask.shape[1]) < lengths[:, None]]
+        else:
+            token_mask = mask.reshape(-1)
+        top_k = self.model.config.experts_per_token
+        for layer, logits in zip(self.moe_layers, router_logits):
+            counts = expert_token_counts(logits.detach(), top_k, token_mask)
+            for expert in range(counts.shape[0]):
+                out[f"router_tokens.{layer}.{expert}"] = counts[expert]
+        aux = load_balancing_loss(router_logits, top_k, token_mask)
+        tokens = token_mask.sum().float()
+        out["router_aux_loss"] = aux.detach() * tokens
+        # Token-weighted over micro-batches, so the sum over a mini-batch's micro-batches is its mean.
+        return self.router_aux_loss_coef * aux * tokens / micro["total_tokens"]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors under Hugging Face names (a collective when sharded: every rank calls it)."""
@@ -505,4 +544,35 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         metrics["mis/dropped_fraction"] = total["mis_dropped"] / tokens
     if "compiles" in first:
         metrics["learner/graph_compiles"] = first["compiles"]
+    metrics.update(_router_metrics(total, tokens))
     return metrics
+
+
+def _router_metrics(total: dict[str, float], tokens: float) -> dict[str, float]:
+    """Expert load of a mixture-of-experts step from the routed copies per (layer, expert), summed over ranks:
+    the least and most loaded expert as a multiple of the balanced share (1.0 each when balanced; 0 for an expert
+    that got nothing), worst over layers, and the entropy of the load over experts as a fraction of its maximum
+    (log of the expert count), averaged over layers. Routing is dropless (no capacity), so no token is dropped."""
+    per_layer: dict[int, dict[int, float]] = defaultdict(dict)
+    for key, value in total.items():
+        if key.startswith("router_tokens."):
+            _, layer, expert = key.split(".")
+            per_layer[int(layer)][int(expert)] = value
+    if not per_layer:
+        return {}
+    shares, entropies = [], []
+    for counts in per_layer.values():
+        load = torch.tensor([counts[e] for e in sorted(counts)], dtype=torch.float64)
+        if load.sum() <= 0:
+            continue
+        shares.append(load / load.mean())
+        p = load / load.sum()
+        entropies.append(float(-(p[p > 0] * p[p > 0].log()).sum() / math.log(len(load))))
+    if not shares:
+        return {}
+    return {
+        "moe/expert_load_min": float(min(share.min() for share in shares)),
+        "moe/expert_load_max": float(max(share.max() for share in shares)),
+        "moe/expert_load_entropy": sum(entropies) / len(entropies),
+        "moe/aux_loss": total.get("router_aux_loss", 0.0) / tokens,
+    }

@@ -314,3 +314,11 @@ def test_graph_step_with_activation_checkpointing_takes_one_micro_batch_per_rank
     assert load_config(None, [*base, "learner.graph=true", "train.micro_batch_size=8"]).learner.activation_checkpointing
     assert load_config(None, [*base, "train.micro_batch_size=4"]).train.micro_batch_size == 4  # eager: any micro-batch
     assert not load_config(None, []).learner.activation_checkpointing  # off by default
+
+
+def test_moe_settings_name_their_key():
+    assert _error("model.kernels.experts=loop", "learner.graph=true").startswith("model.kernels.experts:")
+    assert load_config(None, ["model.kernels.experts=loop"]).model.kernels.experts == "loop"  # eager: fine
+    assert _error("model.kernels.experts=grouped").startswith("model.kernels.experts")
+    assert _error("algo.router_aux_loss_coef=-1").startswith("algo.router_aux_loss_coef:")
+    assert load_config(None, []).algo.router_aux_loss_coef is None

@@ -200,3 +200,52 @@ def test_activation_checkpointing_changes_no_numbers(tiny_qwen3, graph):
             assert got[key] == pytest.approx(expected[key], abs=1e-6), (seed, key)
     for name, tensor in plain.model.state_dict().items():
         torch.testing.assert_close(recomputed.model.state_dict()[name], tensor, atol=1e-6, rtol=0)
+
+
+def _expected_expert_load(model, batch: TrainBatch) -> torch.Tensor:
+    """Routed copies per (MoE layer, expert) over the completion tokens, from one unpacked forward per row."""
+    top_k = model.config.experts_per_token
+    load = torch.zeros(len(model.config.moe_layers), model.config.num_experts)
+    with torch.no_grad():
+        for row in range(len(batch)):
+            length = int(batch.lengths[row])
+            router_logits = []
+            model.hidden_states(batch.input_ids[row : row + 1, :length], router_logits=router_logits)
+            completion = batch.completion_mask[row, :length]
+            for layer, logits in enumerate(router_logits):
+                for expert in logits[completion].topk(top_k, dim=-1).indices.flatten().tolist():
+                    load[layer, expert] += 1
+    return load
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_router_metrics_report_the_expert_load_of_the_completion_tokens(tiny_qwen3_moe, packing):
+    learner = Learner(tiny_qwen3_moe, _config(tiny_qwen3_moe, f"learner.packing={str(packing).lower()}"))
+    batch = _batch()
+    load = _expected_expert_load(learner.model, batch)  # before the step: the step's forward sees these weights
+    metrics = _step(learner, batch)
+    share = load / load.mean(dim=1, keepdim=True)
+    p = load / load.sum(dim=1, keepdim=True)
+    entropy = (-(p * p.clamp_min(1e-30).log()).sum(dim=1) / math.log(load.shape[1])).mean()
+    assert metrics["moe/expert_load_min"] == pytest.approx(share.min().item(), abs=1e-6)
+    assert metrics["moe/expert_load_max"] == pytest.approx(share.max().item(), abs=1e-6)
+    assert metrics["moe/expert_load_entropy"] == pytest.approx(entropy.item(), abs=1e-6)
+    assert share.max() > share.min()  # an unbalanced load, so min and max are not trivially 1
+    assert metrics["moe/aux_loss"] > 0
+
+
+def test_dense_models_report_no_router_metrics(tiny_qwen3):
+    metrics = _step(Learner(tiny_qwen3, _config(tiny_qwen3)), _batch())
+    assert not any(key.startswith("moe/") for key in metrics)
+
+
+def test_router_aux_loss_is_added_with_its_coefficient(tiny_qwen3_moe):
+    plain = Learner(tiny_qwen3_moe, _config(tiny_qwen3_moe))
+    assert plain.router_aux_loss_coef == 0.0  # the tiny config does not set output_router_logits
+    balanced = Learner(tiny_qwen3_moe, _config(tiny_qwen3_moe, "algo.router_aux_loss_coef=0.5"))
+    without, with_aux = _step(plain, _batch()), _step(balanced, _batch())
+    assert with_aux["moe/aux_loss"] == pytest.approx(without["moe/aux_loss"], abs=1e-6)
+    assert with_aux["loss"] - without["loss"] == pytest.approx(0.5 * without["moe/aux_loss"], abs=1e-5)
+    router = "model.layers.0.mlp.gate.weight"
+    moved = (balanced.model.state_dict()[router] - plain.model.state_dict()[router]).abs().max()
+    assert moved > 1e-4  # the loss reaches the router's weights
