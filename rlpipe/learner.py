@@ -18,7 +18,7 @@ from rlpipe.checkpoint import load_tensors
 from rlpipe.config import Config, KernelsConfig
 from rlpipe.kernels import linear_logprob, logits_logprob
 from rlpipe.models import load_model, read_hf_config, save_state_dict
-from rlpipe.models.moe import expert_token_counts, load_balancing_loss
+from rlpipe.models.moe import balance_loss_from_sums, expert_token_counts, load_balancing_loss, router_probability_sums
 from rlpipe.types import TrainBatch
 
 
@@ -404,23 +404,28 @@ class Learner:
 
     def _router_terms(self, router_logits: list[torch.Tensor], micro: dict, out: dict) -> torch.Tensor:
         """The load-balancing loss term of one micro-batch (zero unless a coefficient is set), and into `out` the
-        router statistics: routed copies per (MoE layer, expert) and the loss's value, over the completion tokens
-        (the ones the policy loss trains on; the same tokens whether the rows run packed or padded)."""
+        router statistics as sums over the completion tokens (the ones the policy loss trains on; the same tokens
+        whether the rows run packed or padded): routed copies per (MoE layer, expert) and router probability per
+        expert over all MoE layers. Sums add up over micro-batches and ranks, so the step's metrics do not depend
+        on how the batch was split. The loss term itself is per micro-batch, as in transformers with gradient
+        accumulation: its gradient does depend on the split."""
         mask, lengths = micro["mask"], micro.get("lengths")
         if lengths is not None:  # packed: the router saw the real tokens of each row, back to back
             token_mask = mask[torch.arange(mask.shape[1]) < lengths[:, None]]
         else:
             token_mask = mask.reshape(-1)
         top_k = self.model.config.experts_per_token
+        probability = 0.0
         for layer, logits in zip(self.moe_layers, router_logits):
             counts = expert_token_counts(logits.detach(), top_k, token_mask)
             for expert in range(counts.shape[0]):
                 out[f"router_tokens.{layer}.{expert}"] = counts[expert]
+            probability = probability + router_probability_sums(logits.detach(), token_mask)
+        for expert in range(probability.shape[0]):
+            out[f"router_probability.{expert}"] = probability[expert]
         aux = load_balancing_loss(router_logits, top_k, token_mask)
-        tokens = token_mask.sum().float()
-        out["router_aux_loss"] = aux.detach() * tokens
         # Token-weighted over micro-batches, so the sum over a mini-batch's micro-batches is its mean.
-        return self.router_aux_loss_coef * aux * tokens / micro["total_tokens"]
+        return self.router_aux_loss_coef * aux * token_mask.sum().float() / micro["total_tokens"]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors under Hugging Face names (a collective when sharded: every rank calls it)."""
@@ -552,7 +557,8 @@ def _router_metrics(total: dict[str, float], tokens: float) -> dict[str, float]:
     """Expert load of a mixture-of-experts step from the routed copies per (layer, expert), summed over ranks:
     the least and most loaded expert as a multiple of the balanced share (1.0 each when balanced; 0 for an expert
     that got nothing), worst over layers, and the entropy of the load over experts as a fraction of its maximum
-    (log of the expert count), averaged over layers. Routing is dropless (no capacity), so no token is dropped."""
+    (log of the expert count), averaged over layers; and the load-balancing loss of the whole step's completion
+    tokens. Routing is dropless (no capacity), so no token is dropped."""
     per_layer: dict[int, dict[int, float]] = defaultdict(dict)
     for key, value in total.items():
         if key.startswith("router_tokens."):
@@ -570,9 +576,12 @@ def _router_metrics(total: dict[str, float], tokens: float) -> dict[str, float]:
         entropies.append(float(-(p[p > 0] * p[p > 0].log()).sum() / math.log(len(load))))
     if not shares:
         return {}
+    experts = sorted(next(iter(per_layer.values())))
+    copies = torch.tensor([sum(counts[e] for counts in per_layer.values()) for e in experts])
+    probability = torch.tensor([total[f"router_probability.{e}"] for e in experts])
     return {
         "moe/expert_load_min": float(min(share.min() for share in shares)),
         "moe/expert_load_max": float(max(share.max() for share in shares)),
         "moe/expert_load_entropy": sum(entropies) / len(entropies),
-        "moe/aux_loss": total.get("router_aux_loss", 0.0) / tokens,
+        "moe/aux_loss": float(balance_loss_from_sums(copies, probability, tokens * len(per_layer))),
     }

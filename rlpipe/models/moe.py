@@ -52,6 +52,9 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Kept apart because under SimpleFSDP every read of a weight attribute is an all-gather, so each forward
+        # reads each weight exactly once, never just for its shape.
+        self.num_experts = num_experts
         self.impl = "torch"  # see EXPERT_IMPLEMENTATIONS; CausalLM.use_kernels sets it
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -67,7 +70,7 @@ class Experts(nn.Module):
         return self._grouped(x, chosen, weights)
 
     def _grouped(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        num_experts, top_k = self.gate_up_proj.shape[0], chosen.shape[1]
+        num_experts, top_k = self.num_experts, chosen.shape[1]
         flat_experts = chosen.reshape(-1)
         # Stable, so each expert's rows keep token order and the result does not depend on the sort's tie-breaking.
         order = flat_experts.argsort(stable=True)
@@ -85,12 +88,13 @@ class Experts(nn.Module):
 
     def _per_expert_loop(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
-        for expert in range(self.gate_up_proj.shape[0]):
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
+        for expert in range(self.num_experts):
             token, slot = (chosen == expert).nonzero(as_tuple=True)
             if len(token) == 0:
                 continue
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            rows = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            gate, up = F.linear(x[token], gate_up_proj[expert]).chunk(2, dim=-1)
+            rows = F.linear(F.silu(gate) * up, down_proj[expert])
             out.index_add_(0, token, rows * weights[token, slot, None])
         return out
 
@@ -125,28 +129,32 @@ def expert_token_counts(router_logits: torch.Tensor, top_k: int, token_mask: tor
     )
 
 
+def router_probability_sums(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Router probabilities [E] (float32) of one layer's router logits [N, E], summed over the tokens where
+    `token_mask` [N] is true."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    if token_mask is not None:
+        probs = probs * token_mask.reshape(-1, 1).to(torch.float32)
+    return probs.sum(dim=0)
+
+
+def balance_loss_from_sums(copies: torch.Tensor, probability: torch.Tensor, rows: torch.Tensor | float) -> torch.Tensor:
+    """E x sum over experts of (routed copies / rows) x (summed probability / rows): the load-balancing loss from
+    its sums, which add up over layers, micro-batches and ranks."""
+    rows = torch.as_tensor(rows, dtype=torch.float32).clamp(min=1.0)  # no counted token (a padding pass): no loss
+    return copies.shape[-1] * torch.sum((copies / rows) * (probability / rows))
+
+
 def load_balancing_loss(
     router_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The Switch-Transformer auxiliary loss as transformers computes it for Qwen3-MoE: E x sum over experts of
-    (share of routed copies) x (mean router probability), with both pooled over all MoE layers' tokens; tokens
-    where `token_mask` [N] is false are left out. Minimal (= k) when load and probability are uniform."""
-    num_experts = router_logits[0].shape[-1]
-    copies = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
-    probability = torch.zeros_like(copies)
-    rows = torch.zeros((), dtype=torch.float32, device=copies.device)
-    for logits in router_logits:
-        probs = torch.softmax(logits.float(), dim=-1)
-        weight = (
-            torch.ones(probs.shape[0], device=probs.device)
-            if token_mask is None
-            else token_mask.reshape(-1).to(torch.float32)
-        )
-        copies = copies + expert_token_counts(logits, top_k, token_mask)
-        probability = probability + (probs * weight[:, None]).sum(dim=0)
-        rows = rows + weight.sum()
-    rows = rows.clamp(min=1.0)  # a micro-batch without counted tokens (a padding pass) adds no loss
-    return num_experts * torch.sum((copies / rows) * (probability / rows))
+    """The Switch-Transformer auxiliary loss as transformers computes it for Qwen3-MoE, with routed copies and
+    router probabilities pooled over all MoE layers' tokens; tokens where `token_mask` [N] is false are left
+    out. Minimal (= k) when load and probability are uniform."""
+    copies = sum(expert_token_counts(logits, top_k, token_mask) for logits in router_logits)
+    probability = sum(router_probability_sums(logits, token_mask) for logits in router_logits)
+    tokens = router_logits[0].shape[0] if token_mask is None else token_mask.sum().to(torch.float32)
+    return balance_loss_from_sums(copies, probability, tokens * len(router_logits))
 
 
 def stack_expert_weights(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:

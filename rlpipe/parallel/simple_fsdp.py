@@ -20,6 +20,18 @@ Consequences worth knowing:
   `load_full_state_dict`.
 - A weight used twice per step (tied embeddings read for the input lookup and the output projection) is gathered
   twice; the two gradients are reduce-scattered separately and summed into the one sharded `.grad`.
+
+Mixture-of-experts weights (rlpipe/models/moe.py) are stacked per layer, [E, 2I, H] and [E, H, I], and so are
+sharded on the expert dimension like every other parameter's dim 0: each rank stores whole experts (E / M each;
+3 experts on 2 ranks: 2 + 1). Chosen over the hidden (or intermediate) dimension because
+- a rank's shard is then a set of complete experts, the unit that expert parallelism places on a device and that
+  vLLM's fused layers index ([E, ...] as well), so the weight sync sends contiguous whole experts per rank and a
+  later expert-parallel learner (tokens exchanged all-to-all, each rank computing its own experts) could keep
+  this storage without resharding;
+- no special case is needed here, in checkpoints or in the sync plan, which all assume Shard(0).
+The cost: ranks hold unequal shares when M does not divide E, and none at all beyond E ranks (with E = 128 in
+Qwen3-MoE models that matters only past 128 ranks). Sharding is storage only: the all-gather in forward still
+assembles every expert on every rank, as for dense weights.
 """
 
 from __future__ import annotations

@@ -63,9 +63,13 @@ def _rank(rank, world_size, model_path, port, graph, results):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_two_ranks_equal_one(tiny_qwen3, graph):
-    """Two sharded ranks (eager, or each step as one captured graph) against one eager unsharded rank."""
+def test_two_ranks_equal_one(request, family, graph):
+    """Two sharded ranks (eager, or each step as one captured graph) against one eager unsharded rank. The
+    mixture-of-experts model's stacked expert weights are sharded on the expert dimension (2 of its 4 experts a
+    rank), and its router metrics, summed over ranks, equal the single rank's."""
+    tiny_qwen3 = request.getfixturevalue(f"tiny_{family}")
     single = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
     single_metrics = [combine_rank_metrics([single.train_step(b)]) for b in _batches()]
 
@@ -94,8 +98,12 @@ def test_two_ranks_equal_one(tiny_qwen3, graph):
         combined = combine_rank_metrics([sums[step] for sums in per_rank_sums])
         if graph:
             assert combined["learner/graph_compiles"] == 1
-        for key in ("loss", "kl", "entropy", "grad_norm", "train_tokens"):
+        router_keys = ("moe/expert_load_min", "moe/expert_load_max", "moe/expert_load_entropy", "moe/aux_loss")
+        keys = ("loss", "kl", "entropy", "grad_norm", "train_tokens", *(router_keys if family == "qwen3_moe" else ()))
+        for key in keys:
             assert abs(combined[key] - single_metrics[step][key]) < 1e-5, (step, key)
+    if family == "qwen3_moe":
+        assert local[0]["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 2  # whole experts per rank
     start = load_model(tiny_qwen3).state_dict()
     for name, tensor in single.model.state_dict().items():
         torch.testing.assert_close(torch.from_numpy(state[name]), tensor, atol=1e-5, rtol=0)

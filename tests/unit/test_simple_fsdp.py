@@ -55,6 +55,18 @@ _COMMON = dict(
 CONFIGS = {
     "llama-gqa-untied": dict(_COMMON, model_type="llama", tie_word_embeddings=False),
     "qwen3-gqa-tied": dict(_COMMON, model_type="qwen3", head_dim=16, tie_word_embeddings=True),
+    # 3 experts over 2 ranks: the stacked expert weights split unevenly on the expert dimension (2 + 1 experts);
+    # layer 0 keeps a dense MLP (mlp_only_layers), so both kinds of MLP are sharded side by side.
+    "qwen3-moe-3-experts": dict(
+        _COMMON,
+        model_type="qwen3_moe",
+        head_dim=16,
+        num_experts=3,
+        num_experts_per_tok=2,
+        moe_intermediate_size=20,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+    ),
 }
 # run name -> (mesh replicate factor, mixed precision)
 RUNS = {
