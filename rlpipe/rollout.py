@@ -14,7 +14,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
 from rlpipe.config import RolloutConfig, SyncConfig
-from rlpipe.models.hf import load_state_dict, read_hf_config
+from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.types import Completion, Prompt
 from rlpipe.weightsync import EngineLayout, Staging, SyncError, SyncPlan, engine_tensors, make_transport
 
@@ -42,6 +42,7 @@ class WeightReceiver:
             self._abandon_partial_reload()
             raise
         self._refresh_tied_output_layer()
+        self._prepack_reloaded_experts({name for name, _ in weights})
         return len(weights)
 
     def rlpipe_seed(self, seed: int) -> None:
@@ -83,6 +84,29 @@ class WeightReceiver:
         model = self.model_runner.get_model()
         fused = {key: list(parts) for key, parts in getattr(model, "packed_modules_mapping", {}).items()}
         return fused, [name for name, _ in model.named_parameters()]
+
+    def _prepack_reloaded_experts(self, names: set[str]) -> None:
+        """Redo the CPU MoE kernel's weight prepacking for the expert layers this reload wrote.
+
+        vLLM 0.32's unquantized MoE method, on a weight update (its kernel already built), re-runs only its generic
+        weight shuffle and skips the experts' own `process_weights_after_loading`, which on CPU packs w13/w2 into
+        the grouped-GEMM layout the kernel reads. Without this the CPU kernel reads the freshly loaded plain
+        weights as if packed and the engine's log-probs drift far from the learner's (0.8 nats on the tiny test
+        model). Only layers that received weights are packed, so none is packed twice.
+        """
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        written = {name.partition(".mlp.experts.")[0] for name in names if ".mlp.experts." in name}
+        if not written:
+            return
+        for module_name, module in self.model_runner.get_model().named_modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is None or not hasattr(module, "w13_weight"):
+                continue
+            if module_name.partition(".mlp.experts")[0] in written:
+                kernel.fused_experts.process_weights_after_loading(module)
 
     def _refresh_tied_output_layer(self) -> None:
         """Re-derive a tied lm_head from the reloaded embedding.
@@ -257,7 +281,7 @@ class RolloutEngine:
         """This engine's layout for the sync plan, and its parameter names (to check the plan against)."""
         (fused, params), *_ = self.llm.collective_rpc("rlpipe_layout")
         tp = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
-        layout = EngineLayout.from_hf_config(read_hf_config(self.model_path), tp, self.cfg.dtype, fused)
+        layout = EngineLayout.from_hf_config(read_hf_config(self.model_path), tp, self.cfg.dtype, fused, params)
         return layout, params
 
     def begin_sync(self, plan: SyncPlan, version: int) -> None:
@@ -363,5 +387,6 @@ class RolloutEngine:
 
     def _previous_weights(self) -> dict[str, torch.Tensor]:
         if self._current_weights is None:  # version 0: what the engine loaded from the model folder
-            self._current_weights = load_state_dict(self.model_path, getattr(torch, self.cfg.dtype))
+            # Under the learner's names, which both vLLM's loaders and rlpipe's model in vLLM take.
+            self._current_weights = load_model_weights(self.model_path, getattr(torch, self.cfg.dtype))
         return self._current_weights

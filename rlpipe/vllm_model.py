@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rlpipe.models.llama import CausalLM, ModelConfig
+from rlpipe.models.moe import stack_expert_weights
 from rlpipe.models.registry import model_type_of
 
 ARCHITECTURE = "RlpipeForCausalLM"
@@ -83,11 +84,21 @@ class RlpipeForCausalLM(CausalLM):
 
         params = dict(self.named_parameters())
         loaded = set()
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
-                continue  # a tied model's lm_head is its embedding
+        per_expert = {}  # checkpoint files hold experts one by one; the model holds them stacked
+
+        def load(name: str, tensor: torch.Tensor) -> None:
             if name not in params:
                 raise KeyError(f"rlpipe model in vLLM: checkpoint tensor {name!r} has no parameter here")
             getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor)
             loaded.add(name)
+
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # a tied model's lm_head is its embedding
+            if ".mlp.experts." in name and name.partition(".mlp.experts.")[2][:1].isdigit():
+                per_expert[name] = tensor
+                continue
+            load(name, tensor)
+        for name, tensor in stack_expert_weights(per_expert, self.config.num_experts).items():
+            load(name, tensor)
         return loaded

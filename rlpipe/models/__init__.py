@@ -1,6 +1,13 @@
 """Model definitions whose state-dict names equal Hugging Face's, and HF folder I/O (safetensors only)."""
 
-from rlpipe.models.hf import load_model, load_state_dict, read_hf_config, save_model, save_state_dict
+from rlpipe.models.hf import (
+    load_model,
+    load_model_weights,
+    load_state_dict,
+    read_hf_config,
+    save_model,
+    save_state_dict,
+)
 from rlpipe.models.llama import CausalLM, ModelConfig
 from rlpipe.models.registry import build_model
 
@@ -9,6 +16,7 @@ __all__ = [
     "ModelConfig",
     "build_model",
     "load_model",
+    "load_model_weights",
     "load_state_dict",
     "read_hf_config",
     "save_model",

@@ -71,6 +71,15 @@ def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = None) -
     return state
 
 
+def load_model_weights(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The folder's weights under the model's own names: as stored, except that per-expert tensors of a
+    mixture-of-experts model are stacked (rlpipe/models/moe.py)."""
+    with torch.device("meta"):  # the module tree only, for the architecture it reads from config.json
+        num_experts = build_model(read_hf_config(path)).config.num_experts
+    state = load_state_dict(path, dtype)
+    return stack_expert_weights(state, num_experts) if num_experts else state
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     index_file = folder / SAFETENSORS_INDEX_FILE
     if index_file.is_file():

@@ -7,6 +7,12 @@ Computed once per run from two layouts:
 - the engine's: tensor-parallel degree T, the modules vLLM fuses (`packed_modules_mapping`: q/k/v -> qkv_proj,
   gate/up -> gate_up_proj), head counts, and the rollout dtype.
 
+Mixture-of-experts layers: the learner's stacked `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]
+land in vLLM's fused MoE parameters `w13_weight` [E, 2I/T, H] (each rank's gate rows, then its up rows) and
+`w2_weight` [E, H, I/T]: the same layout, with the expert intermediate dim split over T (vLLM's tensor-parallel
+MoE; expert parallelism is not planned). SimpleFSDP shards these on the expert dim, so a learner rank sends whole
+experts. The router (`mlp.gate.weight`) is replicated.
+
 Buckets group whole tensors up to a byte budget, so a bucket is complete once every rank's part of it arrived;
 inside a bucket each rank packs only the rows it owns, so no learner rank assembles the model. The engine side
 assembles rows into Hugging Face tensors and hands them to vLLM's own loader, which fuses and slices for its
@@ -76,14 +82,32 @@ class EngineLayout:
     intermediate_size: int
     vocab_size: int
     tied_embeddings: bool
+    moe_intermediate_size: int = 0  # 0: no mixture-of-experts layers
+    # Where the engine keeps a MoE layer's fused expert weights, relative to `mlp.experts.` (vLLM 0.32 nests them
+    # in a `routed_experts` module, other versions hold `w13_weight` directly; rlpipe's model in vLLM holds
+    # `gate_up_proj` / `down_proj`). The layout is the same in every case.
+    expert_params: tuple[str, str] = ("w13_weight", "w2_weight")
     fused: Mapping[str, Sequence[str]] = field(
         default_factory=lambda: {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     )
 
     @classmethod
-    def from_hf_config(cls, hf_config: dict, tensor_parallel: int, dtype: str, fused=None) -> EngineLayout:
+    def from_hf_config(
+        cls, hf_config: dict, tensor_parallel: int, dtype: str, fused=None, engine_params: Sequence[str] = ()
+    ) -> EngineLayout:
+        """The layout for a Hugging Face config; `fused` and `engine_params` are what the engine's model reports
+        (its packed modules and parameter names), when known."""
         heads = hf_config["num_attention_heads"]
         extra = {} if fused is None else {"fused": {k: tuple(v) for k, v in fused.items()}}
+        if hf_config.get("model_type") == "qwen3_moe":
+            extra["moe_intermediate_size"] = hf_config.get("moe_intermediate_size") or 768  # HF's default
+            found = [name.partition(".mlp.experts.")[2] for name in engine_params if ".mlp.experts." in name]
+            w13 = next((name for name in found if name.endswith("w13_weight")), None)
+            w2 = next((name for name in found if name.endswith("w2_weight")), None)
+            if w13 and w2:
+                extra["expert_params"] = (w13, w2)
+            elif "gate_up_proj" in found:  # rlpipe's model inside vLLM holds the learner's stacked tensors
+                extra["expert_params"] = ("gate_up_proj", "down_proj")
         return cls(
             tensor_parallel=tensor_parallel,
             dtype=dtype,
@@ -175,6 +199,8 @@ def _destinations(name: str, shape: tuple[int, ...], engine: EngineLayout) -> li
     parent, _, module = module_path.rpartition(".")
     fused_into = next((fused for fused, parts in engine.fused.items() if module in parts), None)
     dests = []
+    if module == "experts" and leaf in ("gate_up_proj", "down_proj"):
+        return _expert_destinations(f"{module_path}.", leaf, engine)
     for rank in range(tp):
         if fused_into == "qkv_proj" or (fused_into is None and module in ("q_proj", "k_proj", "v_proj")):
             # Query heads split evenly; key/value heads split too, or each replicated over T / kv ranks.
@@ -212,6 +238,22 @@ def _destinations(name: str, shape: tuple[int, ...], engine: EngineLayout) -> li
             dests.append(Destination(rank, name, 0, 0, rows, 0, rows, replicated=True))
     return dests
 
+
+def _expert_destinations(prefix: str, leaf: str, engine: EngineLayout) -> list[Destination]:
+    """Stacked expert weights into vLLM's fused MoE parameters, the expert intermediate dim split over T."""
+    tp = engine.tensor_parallel
+    rows = engine.moe_intermediate_size // tp
+    w13, w2 = engine.expert_params
+    dests = []
+    for rank in range(tp):
+        if leaf == "gate_up_proj":  # dim 1 holds gate [0, I) then up [I, 2I); each rank keeps its slice of both
+            gate_src = rank * rows
+            up_src = engine.moe_intermediate_size + rank * rows
+            dests.append(Destination(rank, prefix + w13, 1, gate_src, gate_src + rows, 0, rows))
+            dests.append(Destination(rank, prefix + w13, 1, up_src, up_src + rows, rows, 2 * rows))
+        else:  # down_proj [E, H, I]: row-parallel, the intermediate (input) dim is split
+            dests.append(Destination(rank, prefix + w2, 2, rank * rows, (rank + 1) * rows, 0, rows))
+    return dests
 
 
 def engine_tensors(

@@ -19,14 +19,22 @@ pytestmark = pytest.mark.integration
 PROBE = list(range(5, 45))
 
 
-@pytest.fixture(scope="module", params=["vllm", "rlpipe"])
-def setup(tiny_qwen3, request):
-    """The engine runs vLLM's own Qwen3 (fused qkv / gate-up) or rlpipe's model inside vLLM (the learner's names)."""
+@pytest.fixture(
+    scope="module",
+    params=[("qwen3", "vllm"), ("qwen3", "rlpipe"), ("qwen3_moe", "vllm"), ("qwen3_moe", "rlpipe")],
+    ids=["qwen3-vllm", "qwen3-rlpipe", "qwen3_moe-vllm", "qwen3_moe-rlpipe"],
+)
+def setup(request):
+    """The engine runs vLLM's own Qwen3 (fused qkv / gate-up) or rlpipe's model inside vLLM (the learner's names).
+    For the tiny Qwen3-MoE, vLLM's own model holds the experts fused (w13 / w2 of its CPU MoE layer)."""
     from rlpipe.rollout import RolloutEngine
+
+    family, model_impl = request.param
+    tiny_qwen3 = request.getfixturevalue(f"tiny_{family}")
 
     cfg = load_config(None, [f"model.path={tiny_qwen3}", "sync.transport=shm", "sync.bucket_mb=0.05",
                              "sync.probe_tolerance=1e-5"])
-    rollout = RolloutConfig(max_model_len=512, max_tokens=16, model_impl=request.param)
+    rollout = RolloutConfig(max_model_len=512, max_tokens=16, model_impl=model_impl)
     engine = RolloutEngine(tiny_qwen3, rollout, 0, sync=cfg.sync)
     learner = Learner(tiny_qwen3, cfg)
     layout, params = engine.layout()

@@ -463,3 +463,67 @@ def test_tpu_weight_session_order_and_cleanup():
     with pytest.raises(RuntimeError, match="write failed"):
         tpu_weight_session(failing, {"w": torch.zeros(2)})
     assert failing.calls[-1] == "finish_weight_update"  # the KV cache is rebuilt even when the write fails
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+EXPERTS, EXPERT_INTERMEDIATE = 4, 6
+
+
+def _moe_shapes() -> dict[str, tuple[int, ...]]:
+    prefix = "model.layers.0.mlp"
+    return {
+        f"{prefix}.gate.weight": (EXPERTS, HIDDEN),
+        f"{prefix}.experts.gate_up_proj": (EXPERTS, 2 * EXPERT_INTERMEDIATE, HIDDEN),
+        f"{prefix}.experts.down_proj": (EXPERTS, HIDDEN, EXPERT_INTERMEDIATE),
+    }
+
+
+def _moe_layout(tp: int, engine_params=()) -> EngineLayout:
+    config = {
+        "model_type": "qwen3_moe",
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 2,
+        "hidden_size": HIDDEN,
+        "head_dim": HEAD_DIM,
+        "intermediate_size": INTERMEDIATE,
+        "moe_intermediate_size": EXPERT_INTERMEDIATE,
+        "vocab_size": VOCAB,
+    }
+    return EngineLayout.from_hf_config(config, tp, "float32", engine_params=engine_params)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_plan_maps_stacked_experts_to_vllms_fused_moe_layout(tp):
+    """Each tensor-parallel rank's w13 holds its slice of every expert's gate rows, then the same slice of the up
+    rows; w2 holds the same slice of the intermediate (input) columns; the router is replicated."""
+    names = ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.routed_experts.w13_weight",
+             "model.layers.0.mlp.experts.routed_experts.w2_weight"]
+    layout = _moe_layout(tp, names)
+    assert layout.expert_params == ("routed_experts.w13_weight", "routed_experts.w2_weight")
+    plan = plan_sync(_moe_shapes(), 2, layout, 1 << 20)
+    assert plan.engine_params() == set(names)
+    full = _full_tensors(_moe_shapes())
+    gate_up, down = full["model.layers.0.mlp.experts.gate_up_proj"], full["model.layers.0.mlp.experts.down_proj"]
+    gate, up = gate_up[:, :EXPERT_INTERMEDIATE], gate_up[:, EXPERT_INTERMEDIATE:]
+    per_rank = EXPERT_INTERMEDIATE // tp
+    for rank in range(tp):
+        built = engine_tensors(plan, full, tp_rank=rank)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        want_w13 = torch.cat([gate[:, mine], up[:, mine]], dim=1)
+        torch.testing.assert_close(built[names[1]], want_w13, rtol=0, atol=0)
+        torch.testing.assert_close(built[names[2]], down[:, :, mine], rtol=0, atol=0)
+        torch.testing.assert_close(built[names[0]], full["model.layers.0.mlp.gate.weight"], rtol=0, atol=0)
+    # A learner rank sends whole experts: SimpleFSDP shards the stacked tensors on the expert dimension.
+    pieces = [piece for bucket in plan.buckets for piece in bucket.parts[1] if "experts" in piece.name]
+    assert {(piece.start, piece.stop) for piece in pieces} == {(EXPERTS // 2, EXPERTS)}
+
+
+def test_plan_names_rlpipes_own_expert_tensors_inside_vllm():
+    names = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    plan = plan_sync(_moe_shapes(), 1, _moe_layout(1, names), 1 << 20)
+    assert set(names) <= plan.engine_params()
+    full = _full_tensors(_moe_shapes())
+    built = engine_tensors(plan, full, tp_rank=0)
+    for name in names:
+        torch.testing.assert_close(built[name], full[name], rtol=0, atol=0)
