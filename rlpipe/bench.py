@@ -2,7 +2,9 @@
 
 `rlpipe bench learner`: GRPO train-step throughput of the learner — eager vs the captured graph, one rank vs two
 SimpleFSDP ranks — on a random Llama-shaped model, with MFU against this machine's fp32 matmul peak measured
-in the same run.
+in the same run. With `--experts N` the model is a Qwen3-MoE and a mode may name the experts' implementation
+(`eager+loop`: transformers' per-expert loop; `eager`, `graph`: the grouped matmul), with each single-rank
+mode's peak memory growth over the loaded learner.
 
 `rlpipe bench e2e`: one GRPO workload (the default recipe's) run by rlpipe synchronous, rlpipe one-step
 asynchronous and TRL's GRPOTrainer, each in a fresh process: samples/s, time to a reward, ratios against TRL.
@@ -32,8 +34,24 @@ class LearnerBenchShape:
     seq: int = 256
     batch: int = 8
     steps: int = 3
+    experts: int = 0  # > 0: a Qwen3-MoE with this many experts in every layer
+    top_k: int = 2
+    expert_intermediate: int = 384
 
     def hf_config(self) -> dict:
+        if self.experts:
+            return {
+                **self._llama_config(),
+                "model_type": "qwen3_moe",
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "num_experts": self.experts,
+                "num_experts_per_tok": self.top_k,
+                "moe_intermediate_size": self.expert_intermediate,
+                "norm_topk_prob": True,
+            }
+        return self._llama_config()
+
+    def _llama_config(self) -> dict:
         return {
             "model_type": "llama",
             "architectures": ["LlamaForCausalLM"],
@@ -53,10 +71,11 @@ class LearnerBenchShape:
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 per weight multiply-add pass (forward + backward), plus attention scores."""
         head_dim = self.hidden // self.heads
-        per_layer = (
-            self.hidden * head_dim * (self.heads * 2 + self.kv_heads * 2)  # q, o, k, v projections
-            + 3 * self.hidden * self.intermediate  # gate, up, down
-        )
+        if self.experts:  # the router, and gate, up, down of the k experts a token visits
+            mlp = self.hidden * self.experts + self.top_k * 3 * self.hidden * self.expert_intermediate
+        else:
+            mlp = 3 * self.hidden * self.intermediate  # gate, up, down
+        per_layer = self.hidden * head_dim * (self.heads * 2 + self.kv_heads * 2) + mlp  # + q, o, k, v projections
         matmul_weights = self.layers * per_layer + self.vocab * self.hidden  # the embedding lookup is no matmul
         attention = self.layers * 2 * self.heads * head_dim * self.seq  # QK^T and PV, causal half on average
         return 6 * matmul_weights + 6 * attention
@@ -73,7 +92,7 @@ def matmul_peak_gflops(seconds: float = 2.0, n: int = 2048) -> float:
     return 2 * n**3 * count / (time.perf_counter() - start) / 1e9
 
 
-def _bench_config(model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool):
+def _bench_config(model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, experts: str = "torch"):
     from rlpipe.config import load_config
 
     return load_config(
@@ -90,6 +109,7 @@ def _bench_config(model_path: str, shape: LearnerBenchShape, ranks: int, graph: 
             f"data.max_prompt_tokens={shape.seq // 2}",
             f"rollout.max_tokens={shape.seq // 2}",
             f"rollout.max_model_len={shape.seq}",
+            f"model.kernels.experts={experts}",
         ],
     )
 
@@ -105,20 +125,34 @@ def _batch(shape: LearnerBenchShape):
     return TrainBatch.from_sequences(prompts, completions, logprobs, torch.randn(shape.batch, generator=generator).tolist())
 
 
-def _time_rank(model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, rank: int = 0, port: int = 0):
-    """Seconds per train step on one rank, after warm-up (which includes compilation in graph mode)."""
+def _time_rank(
+    model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, rank: int = 0, port: int = 0, experts: str = "torch"
+):
+    """Seconds per train step on one rank after warm-up (which includes compilation in graph mode), the warm-up
+    step's seconds, and the growth of peak resident memory over the loaded learner (meaningful in a fresh process)."""
+    import resource
+
     from rlpipe.learner import Learner
 
-    learner = Learner(model_path, _bench_config(model_path, shape, ranks, graph), rank, ranks)
+    learner = Learner(model_path, _bench_config(model_path, shape, ranks, graph, experts), rank, ranks)
     learner.join_group("127.0.0.1", port)
     batch = _batch(shape)
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     started = time.perf_counter()
     learner.train_step(batch)
     warmup = time.perf_counter() - started
     started = time.perf_counter()
     for _ in range(shape.steps):
         learner.train_step(batch)
-    return (time.perf_counter() - started) / shape.steps, warmup
+    seconds = (time.perf_counter() - started) / shape.steps
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return seconds, warmup, max(0, peak - before)
+
+
+def _single_rank_run(model_path, shape, graph, experts, threads, results) -> None:
+    torch.set_num_threads(threads)
+    results.put(_time_rank(model_path, shape, 1, graph, experts=experts))
 
 
 def _rank_main(rank, model_path, shape, graph, port, threads, queue):
@@ -159,7 +193,7 @@ def _time_two_ranks(model_path: str, shape: LearnerBenchShape, graph: bool, thre
     for rank, result in results.items():
         if isinstance(result, str):
             raise RuntimeError(f"rank {rank} failed: {result}")
-    return max(r[0] for r in results.values()), max(r[1] for r in results.values())
+    return max(r[0] for r in results.values()), max(r[1] for r in results.values()), None
 
 
 def bench_learner(shape: LearnerBenchShape, modes: list[str], out: str | None = None) -> list[dict]:
@@ -177,26 +211,40 @@ def bench_learner(shape: LearnerBenchShape, modes: list[str], out: str | None = 
         save_state_dict(build_model(shape.hf_config()).state_dict(), shape.hf_config(), f"{folder}/model", overwrite=True)
         model_path = f"{folder}/model"
         for mode in modes:
-            graph = mode.startswith("graph")
-            if mode.endswith("m2"):
-                seconds, warmup = _time_two_ranks(model_path, shape, graph, max(1, threads // 2))
-            else:
-                seconds, warmup = _time_rank(model_path, shape, 1, graph)
+            run, _, experts = mode.partition("+")
+            graph = run.startswith("graph")
+            if run.endswith("m2"):
+                seconds, warmup, extra_bytes = _time_two_ranks(model_path, shape, graph, max(1, threads // 2))
+            else:  # a fresh process each, so that its peak memory is this mode's alone
+                seconds, warmup, extra_bytes = _in_fresh_process(
+                    _single_rank_run, model_path, shape, graph, experts or "torch", threads
+                )
             row = {
                 "mode": mode,
                 "seconds_per_step": seconds,
                 "first_step_seconds": warmup,
                 "tokens_per_s": tokens / seconds,
                 "mfu": flops / seconds / (peak * 1e9),
+                "step_peak_extra_bytes": extra_bytes,
             }
             rows.append(row)
+            memory = "" if extra_bytes is None else f"  step peak +{extra_bytes / 2**20:7.1f} MiB"
             print(
-                f"{mode:>10}: {row['tokens_per_s']:8.0f} tokens/s  MFU {100 * row['mfu']:5.1f}%  "
-                f"first step {warmup:6.1f}s  ({seconds:.2f}s/step)",
+                f"{mode:>12}: {row['tokens_per_s']:8.0f} tokens/s  MFU {100 * row['mfu']:5.1f}%  "
+                f"first step {warmup:6.1f}s  ({seconds:.2f}s/step){memory}",
                 flush=True,
             )
-    base = rows[0]["tokens_per_s"]
-    print(f"ratios against {rows[0]['mode']}: " + ", ".join(f"{r['mode']} {r['tokens_per_s'] / base:.2f}x" for r in rows))
+    base = rows[0]
+    print(f"speed against {base['mode']}: " + ", ".join(f"{r['mode']} {r['tokens_per_s'] / base['tokens_per_s']:.2f}x" for r in rows))
+    if base["step_peak_extra_bytes"]:
+        print(
+            f"step peak memory against {base['mode']}: "
+            + ", ".join(
+                f"{r['mode']} {r['step_peak_extra_bytes'] / base['step_peak_extra_bytes']:.2f}x"
+                for r in rows
+                if r["step_peak_extra_bytes"] is not None
+            )
+        )
     if out:
         with open(out, "w") as f:
             json.dump({"shape": shape.__dict__, "peak_gflops": peak, "rows": rows}, f, indent=2)

@@ -59,7 +59,15 @@ def _parser() -> argparse.ArgumentParser:
     learner.add_argument("--seq", type=int, default=256)
     learner.add_argument("--batch", type=int, default=8)
     learner.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
-    learner.add_argument("--modes", default="eager,graph,eager-m2,graph-m2", help="first one is the baseline")
+    learner.add_argument(
+        "--modes",
+        default=None,
+        help="first one is the baseline; +loop / +pallas / +torch picks the MoE experts' implementation "
+        "(default: eager,graph,eager-m2,graph-m2; with --experts: eager+loop,eager,graph)",
+    )
+    learner.add_argument("--experts", type=int, default=0, help="> 0: a Qwen3-MoE with this many experts a layer")
+    learner.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
+    learner.add_argument("--expert-intermediate", type=int, default=384, help="each expert's MLP width")
     sync = benches.add_parser("sync", help="weight-sync bytes/s per transport against this host's memcpy")
     sync.add_argument("--models", default="smollm2-135m,random-500m")
     sync.add_argument("--transports", default="ray,shm,gloo")
@@ -168,9 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         from rlpipe.bench import LearnerBenchShape, bench_learner
 
         shape = LearnerBenchShape(
-            layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch, steps=args.steps
+            layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch, steps=args.steps,
+            experts=args.experts, top_k=args.top_k, expert_intermediate=args.expert_intermediate,
         )
-        bench_learner(shape, args.modes.split(","), args.out)
+        if args.experts < 0:
+            parser.error("bench learner --experts: must be >= 0")
+        if args.experts and not 1 <= args.top_k <= args.experts:
+            parser.error(f"bench learner --top-k: must be between 1 and --experts ({args.experts})")
+        modes = args.modes or ("eager+loop,eager,graph" if args.experts else "eager,graph,eager-m2,graph-m2")
+        bench_learner(shape, modes.split(","), args.out)
         return 0
     try:
         cfg = _resolve(args)
