@@ -117,7 +117,8 @@ class Architecture:
         model_type = hf.get("model_type") or ""
         hidden, heads, layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
         qwen3 = model_type.startswith("qwen3")
-        head_dim = hf.get("head_dim") or (128 if qwen3 else hidden // heads)
+        # Qwen3's config class defaults head_dim to 128; Qwen3-MoE's has none, so its attention uses hidden / heads.
+        head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads)
         attention_bias = bool(hf.get("attention_bias", False))
         experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
         moe_layers = 0

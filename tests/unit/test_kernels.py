@@ -291,3 +291,7 @@ def test_an_unknown_implementation_names_the_config_key():
         rms_norm(hidden, torch.ones(8), 1e-6, "fast")
     with pytest.raises(ValueError, match="model.kernels.attention: unknown implementation 'fast'"):
         causal_attention(hidden[None, None], hidden[None, None], hidden[None, None], impl="fast")
+    experts = Experts(8, 4, 2)
+    experts.impl = "fast"
+    with pytest.raises(ValueError, match="model.kernels.experts: unknown implementation 'fast'"):
+        experts(hidden, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1))
