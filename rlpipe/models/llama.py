@@ -3,8 +3,10 @@ mixture of experts in some or all layers, see rlpipe/models/moe.py) in plain tor
 
 The module tree mirrors Hugging Face's (`model.layers[i].self_attn.q_proj`, ...), so `state_dict()` names are
 exactly the names in HF safetensors files and in vLLM's weight loaders: checkpoints load and weights sync with
-no renaming table. Numerics follow HF's modeling code (fp32 RMSNorm statistics, fp32 RoPE tables cast to the
-activation dtype) so that log-probs agree with HF and vLLM.
+no renaming table (mixture-of-experts weights are the one exception: stacked per layer under transformers 5's
+in-memory names, which vLLM also loads; files hold them per expert, see moe.py). Numerics follow HF's modeling
+code (fp32 RMSNorm statistics, fp32 RoPE tables cast to the activation dtype) so that log-probs agree with HF and
+vLLM.
 """
 
 from __future__ import annotations
