@@ -155,6 +155,29 @@ def _single_rank_run(model_path, shape, graph, experts, threads, results) -> Non
     results.put(_time_rank(model_path, shape, 1, graph, experts=experts))
 
 
+def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: int, results) -> None:
+    """Best seconds per step of each single-rank mode, the modes' steps taking turns for `rounds` rounds: on a
+    machine shared with other work, load that comes and goes then slows every mode alike instead of whichever
+    happened to run at the time."""
+    from rlpipe.learner import Learner
+
+    torch.set_num_threads(threads)
+    batch = _batch(shape)
+    learners = {}
+    for mode in modes:
+        run, _, experts = mode.partition("+")
+        config = _bench_config(model_path, shape, 1, run.startswith("graph"), experts or "torch")
+        learners[mode] = Learner(model_path, config)
+        learners[mode].train_step(batch)  # warm-up, compilation included
+    best = dict.fromkeys(modes, float("inf"))
+    for _ in range(rounds):
+        for mode, learner in learners.items():
+            started = time.perf_counter()
+            learner.train_step(batch)
+            best[mode] = min(best[mode], time.perf_counter() - started)
+    results.put(best)
+
+
 def _rank_main(rank, model_path, shape, graph, port, threads, queue):
     torch.set_num_threads(threads)
     try:
@@ -196,7 +219,10 @@ def _time_two_ranks(model_path: str, shape: LearnerBenchShape, graph: bool, thre
     return max(r[0] for r in results.values()), max(r[1] for r in results.values()), None
 
 
-def bench_learner(shape: LearnerBenchShape, modes: list[str], out: str | None = None) -> list[dict]:
+def bench_learner(shape: LearnerBenchShape, modes: list[str], out: str | None = None, rounds: int = 1) -> list[dict]:
+    """With `rounds` > 1 the single-rank modes are timed again in one process, taking turns step by step, and
+    each reports its best step (see `_interleaved_run`); their first step and memory still come from a fresh
+    process each."""
     from rlpipe.models import build_model, save_state_dict
 
     threads = os.cpu_count() or 1
@@ -234,6 +260,15 @@ def bench_learner(shape: LearnerBenchShape, modes: list[str], out: str | None = 
                 f"first step {warmup:6.1f}s  ({seconds:.2f}s/step){memory}",
                 flush=True,
             )
+        single = [row for row in rows if not row["mode"].partition("+")[0].endswith("m2")]
+        if rounds > 1 and single:
+            modes_timed = [row["mode"] for row in single]
+            best = _in_fresh_process(_interleaved_run, model_path, shape, modes_timed, rounds, threads)
+            print(f"best step of {rounds} interleaved rounds:", flush=True)
+            for row in single:
+                seconds = best[row["mode"]]
+                row.update(seconds_per_step=seconds, tokens_per_s=tokens / seconds, mfu=flops / seconds / (peak * 1e9))
+                print(f"{row['mode']:>12}: {row['tokens_per_s']:8.0f} tokens/s  ({seconds:.3f}s/step)", flush=True)
     base = rows[0]
     print(f"speed against {base['mode']}: " + ", ".join(f"{r['mode']} {r['tokens_per_s'] / base['tokens_per_s']:.2f}x" for r in rows))
     if base["step_peak_extra_bytes"]:

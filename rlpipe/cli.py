@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         help="first one is the baseline; +loop / +pallas / +torch picks the MoE experts' implementation "
         "(default: eager,graph,eager-m2,graph-m2; with --experts: eager+loop,eager,graph)",
     )
+    learner.add_argument(
+        "--rounds", type=int, default=1, help="> 1: time the single-rank modes again taking turns, best step each"
+    )
     learner.add_argument("--experts", type=int, default=0, help="> 0: a Qwen3-MoE with this many experts a layer")
     learner.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
     learner.add_argument("--expert-intermediate", type=int, default=384, help="each expert's MLP width")
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.experts and not 1 <= args.top_k <= args.experts:
             parser.error(f"bench learner --top-k: must be between 1 and --experts ({args.experts})")
         modes = args.modes or ("eager+loop,eager,graph" if args.experts else "eager,graph,eager-m2,graph-m2")
-        bench_learner(shape, modes.split(","), args.out)
+        bench_learner(shape, modes.split(","), args.out, rounds=max(1, args.rounds))
         return 0
     try:
         cfg = _resolve(args)
