@@ -299,7 +299,9 @@ class Learner:
                     micro["lengths"] = self._packed(batch.lengths[part[0] : part[1]])
                     loss, stats = self._micro_loss(self.model, {**micro, **totals})
                     loss.backward()
-                    _accumulate(out, {"loss": float(loss.detach()), **{k: float(v) for k, v in stats.items()}})
+                    # One host transfer for all of them: a MoE model adds a count per (layer, expert).
+                    values = torch.stack([loss.detach().float(), *(v.detach().float() for v in stats.values())])
+                    _accumulate(out, dict(zip(["loss", *stats], values.tolist())))
                 max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
                 out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
