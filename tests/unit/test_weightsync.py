@@ -263,13 +263,16 @@ def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, c
                 assert torch.equal(packed, local[piece.name].to(torch.bfloat16).reshape(-1)), piece.name
 
 
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("adopt", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, adopt):
-    shapes = _hf_shapes(kv_heads=2)
+def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, adopt, experts):
+    """With experts: stacked [E, ...] tensors whose expert dimension (4) splits 2 + 2 or 2 + 2 + 0 over the ranks."""
+    shapes = {**_hf_shapes(kv_heads=2), **(_moe_shapes() if experts else {})}
     full = _full_tensors(shapes)
-    plan = plan_sync(shapes, ranks, _layout(1, 2, dtype), 30_000)
+    layout = _moe_layout(1, dtype=dtype) if experts else _layout(1, 2, dtype)
+    plan = plan_sync(shapes, ranks, layout, 30_000)
     staging = Staging(plan, version=1, adopt_buffers=adopt)
     for rank in reversed(range(ranks)):  # arrival order does not matter
         local = _local_shards(full, rank, ranks)
@@ -479,7 +482,7 @@ def _moe_shapes() -> dict[str, tuple[int, ...]]:
     }
 
 
-def _moe_layout(tp: int, engine_params=()) -> EngineLayout:
+def _moe_layout(tp: int, engine_params=(), dtype: str = "float32") -> EngineLayout:
     config = {
         "model_type": "qwen3_moe",
         "num_attention_heads": HEADS,
@@ -490,7 +493,7 @@ def _moe_layout(tp: int, engine_params=()) -> EngineLayout:
         "moe_intermediate_size": EXPERT_INTERMEDIATE,
         "vocab_size": VOCAB,
     }
-    return EngineLayout.from_hf_config(config, tp, "float32", engine_params=engine_params)
+    return EngineLayout.from_hf_config(config, tp, dtype, engine_params=engine_params)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3])
