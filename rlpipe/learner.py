@@ -413,7 +413,7 @@ class Learner:
         accumulation: its gradient does depend on the split."""
         mask, lengths = micro["mask"], micro.get("lengths")
         if lengths is not None:  # packed: the router saw the real tokens of each row, back to back
-            token_mask = mask[torch.arange(mask.shape[1]) < lengths[:, None]]
+            token_mask = mask[torch.arange(mask.shape[1], device=mask.device) < lengths[:, None].to(mask.device)]
         else:
             token_mask = mask.reshape(-1)
         top_k = self.model.config.experts_per_token
