@@ -120,9 +120,9 @@ def xla_counters() -> XlaCounters:
         return int(data[0]) if data else 0
 
     fallbacks = tuple((op, int(metrics.counter_value(op) or 0)) for op in sorted(metrics.executed_fallback_ops()))
-    return XlaCounters(
-        samples("CompileTime"), samples("ExecuteTime"), samples("TransferFromDeviceTime"), fallbacks
-    )
+    # An SPMD program runs on every device of the mesh at once and is counted under its own name.
+    executions = samples("ExecuteTime") + samples("ExecuteReplicatedTime")
+    return XlaCounters(samples("CompileTime"), executions, samples("TransferFromDeviceTime"), fallbacks)
 
 
 # ------------------------------------------------------------------ TPU process layout

@@ -118,6 +118,15 @@ class Learner:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.model_path = model_path
+        # On xla, learner.ranks > 1 is one process driving that many XLA devices as an SPMD mesh (see
+        # rlpipe/parallel/simple_fsdp.py for why not one process per device).
+        self.spmd_mesh = None
+        if cfg.learner.device == "xla" and cfg.learner.ranks > 1:
+            if world_size > 1:
+                raise ValueError("learner.device: 'xla' runs one learner process that shards over its devices (SPMD)")
+            from rlpipe.parallel.simple_fsdp import xla_spmd_mesh
+
+            self.spmd_mesh = xla_spmd_mesh(cfg.learner.ranks)  # before any XLA tensor exists
         self.device = torch_device(cfg.learner.device)
         self.dtype = getattr(torch, cfg.model.dtype)
         self.param_dtype = getattr(torch, cfg.learner.param_dtype or cfg.model.dtype)
@@ -135,6 +144,12 @@ class Learner:
         # vLLM reports logprobs after temperature; greedy decoding (0) has no temperature to divide by.
         self.temperature = cfg.rollout.temperature or 1.0
         self.policy_version = 0
+        if self.spmd_mesh is not None:
+            from rlpipe.parallel.simple_fsdp import shard_dim0_spmd
+
+            shard_dim0_spmd(self.model.parameters(), self.spmd_mesh)
+            if self.reference is not None:
+                shard_dim0_spmd(self.reference.parameters(), self.spmd_mesh)
         if not self.sharded:
             self._build_optimizer()
 
@@ -191,6 +206,11 @@ class Learner:
                 backend=compiler,
                 buckets=self.cfg.learner.length_buckets,
             )
+            if self.spmd_mesh is not None:
+                from rlpipe.parallel.simple_fsdp import shard_dim0_spmd
+
+                optimizer = self.graph_step.optimizer
+                shard_dim0_spmd([*optimizer.exp_avg, *optimizer.exp_avg_sq], self.spmd_mesh)
             return
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -222,7 +242,13 @@ class Learner:
         return lengths if self.cfg.learner.packing and self.device.type != "xla" else None
 
     def _on_device(self, tensors: dict) -> dict:
-        return {key: value.to(self.device) if isinstance(value, torch.Tensor) else value for key, value in tensors.items()}
+        """A micro-batch's tensors on the learner's device; on an SPMD mesh its rows are split over the devices."""
+        moved = {key: value.to(self.device) if isinstance(value, torch.Tensor) else value for key, value in tensors.items()}
+        if self.spmd_mesh is not None:
+            from rlpipe.parallel.simple_fsdp import shard_dim0_spmd
+
+            shard_dim0_spmd([value for value in moved.values() if isinstance(value, torch.Tensor)], self.spmd_mesh)
+        return moved
 
     def _mini_batches(self, size: int) -> list[tuple[int, int]]:
         bounds = torch.arange(size).tensor_split(self.optimizer_steps_per_batch)
