@@ -220,10 +220,11 @@ def _input_caster(dtype: torch.dtype):
 # of its XLA devices as a 1-D ("shard",) SPMD mesh, every parameter (and its AdamW moments) is annotated Shard(0),
 # each micro-batch's rows are split over the mesh, and XLA's SPMD partitioner turns the one traced step into a
 # per-device program with the all-gathers at each use and the reduce-scatter of each gradient that SimpleFSDP
-# spells out by hand. Why not one process per device: torch_xla 2.9's PJRT CPU client runs collectives only among
-# the devices of one process (two processes of one device each abort in XLA's rendezvous, waiting for a peer
-# thread that lives in the other process), so multi-process SimpleFSDP cannot run on these machines; SPMD is also
-# what torch_xla recommends on TPU pods (one process per host).
+# spells out by hand. Why not the DTensor path with one replica per device: on PJRT's CPU client torch_xla 2.9 has no
+# multi-process mode (`torch_xla.launch` starts one process and one thread per CPU device), and a 2-device
+# all_gather through the "xla" process group from those threads aborted here in XLA's rendezvous ("Expected 2
+# threads to join the rendezvous, but only 1 of them arrived"); SPMD is also what torch_xla recommends on TPU pods
+# (one process per host).
 
 
 def xla_spmd_mesh(devices: int):
