@@ -139,7 +139,13 @@ def _time_xla(model_path: str, shape: LearnerBenchShape, devices: int):
         learner.train_step(batch)
     seconds = (time.perf_counter() - started) / shape.steps
     step = learner.graph_step
-    return seconds, warmup, {"compiles": step.compiles, "hidden_syncs": step.graph_breaks, "fallback_ops": step.xla_fallbacks}
+    from rlpipe.kernels._xla import xla_kernel_routes
+
+    kernels = learner.kernels
+    routes = xla_kernel_routes(kernels.attention, kernels.rmsnorm, kernels.logprob)
+    return seconds, warmup, {
+        "compiles": step.compiles, "hidden_syncs": step.graph_breaks, "fallback_ops": step.xla_fallbacks, "kernels": routes
+    }
 
 
 def _xla_main(model_path, shape, devices, queue):
@@ -247,7 +253,7 @@ def bench_learner(shape: LearnerBenchShape, modes: list[str], out: str | None = 
             rows.append(row)
             counted = (
                 f"  XLA programs compiled {xla['compiles']}, host syncs in the step {xla['hidden_syncs']}, "
-                f"ops run on the host {xla['fallback_ops'] or 'none'}"
+                f"ops run on the host {xla['fallback_ops'] or 'none'}; kernels {xla['kernels']}"
                 if xla
                 else ""
             )

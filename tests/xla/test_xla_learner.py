@@ -98,3 +98,18 @@ def test_a_host_sync_inside_the_step_is_counted(tiny_qwen3):
     step.loss_fn = loss_with_a_sync
     learner.train_step(_batch(0))
     assert step.graph_breaks >= 1
+
+
+def test_pallas_kernel_choices_stay_inside_the_xla_program(tiny_qwen3):
+    """On XLA's CPU client torch_xla's Pallas bridge cannot run (it builds TPU custom calls), so `pallas` means the
+    torch implementations there: the same losses as the default kernels, and still one program a step."""
+    from rlpipe.kernels._xla import xla_kernel_routes
+
+    pallas = ["model.kernels.attention=pallas", "model.kernels.rmsnorm=pallas", "model.kernels.logprob=pallas"]
+    routes = xla_kernel_routes("pallas", "pallas", "pallas")
+    assert all("torch" in route or "chunked" in route for route in routes.values()), routes
+    batches = [_batch(seed) for seed in range(2)]
+    default = Learner(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true"))
+    chosen = Learner(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *pallas))
+    assert _losses(chosen, batches) == pytest.approx(_losses(default, batches), abs=1e-6)
+    assert chosen.graph_step.graph_breaks == 0 and chosen.graph_step.xla_fallbacks == {}
