@@ -120,8 +120,9 @@ def xla_counters() -> XlaCounters:
         return int(data[0]) if data else 0
 
     fallbacks = tuple((op, int(metrics.counter_value(op) or 0)) for op in sorted(metrics.executed_fallback_ops()))
-    # An SPMD program runs on every device of the mesh at once and is counted under its own name.
-    executions = samples("ExecuteTime") + samples("ExecuteReplicatedTime")
+    # Programs launched, counted where the lazy tensors' graph is built for a launch (cached or not), in the
+    # calling thread; the execution-time metrics are recorded by XLA's own threads, sometimes after a wait returns.
+    executions = samples("TensorsGraphSize")
     return XlaCounters(samples("CompileTime"), executions, samples("TransferFromDeviceTime"), fallbacks)
 
 
