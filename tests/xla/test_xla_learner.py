@@ -113,3 +113,4 @@ def test_pallas_kernel_choices_stay_inside_the_xla_program(tiny_qwen3):
     chosen = Learner(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *pallas))
     assert _losses(chosen, batches) == pytest.approx(_losses(default, batches), abs=1e-6)
     assert chosen.graph_step.graph_breaks == 0 and chosen.graph_step.xla_fallbacks == {}
+
