@@ -261,16 +261,24 @@ class Learner:
         for first, last in self._mini_batches(len(batch)):
             for start, stop, real in self._micro_batches(first, last):
                 part = batch.slice(start, stop)
+                rows, width = part.input_ids.shape
+                ids = part.input_ids
+                if self.device.type == "xla":
+                    # Static shapes, as in the train step: each bucket compiles once instead of every new width.
+                    from rlpipe.parallel.graph_trainer import bucket_length
+
+                    bucket = bucket_length(width, self.cfg.learner.length_buckets)
+                    ids = _pad_rows(_fit(ids, bucket), self.cfg.train.micro_batch_size)
                 values = token_logprobs(
                     model,
-                    part.input_ids.to(self.device),
+                    ids.to(self.device),
                     self.temperature,
                     kernels=self.kernels,
                     lengths=self._packed(part.lengths),
                     scored=part.completion_mask,
                 )
                 if real:
-                    out[start:stop, : part.input_ids.shape[1]] = values.cpu()
+                    out[start:stop, :width] = values[:rows, :width].cpu()
         return out
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
