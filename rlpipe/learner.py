@@ -16,7 +16,7 @@ from rlpipe.algo import (
 )
 from rlpipe.checkpoint import load_tensors
 from rlpipe.config import Config, KernelsConfig
-from rlpipe.device import torch_device
+from rlpipe.device import step_boundary, torch_device
 from rlpipe.kernels import linear_logprob, logits_logprob
 from rlpipe.models import load_model, read_hf_config, save_state_dict
 from rlpipe.types import TrainBatch
@@ -493,6 +493,9 @@ class Learner:
         """Load a learner state saved by `save_checkpoint` with any number of ranks, resharded to this learner."""
         state = self.checkpoint_state()
         load_tensors(state, directory, "this model")
+        # On xla the loaded values are still pending copies: materialised here, the next step's program is the one
+        # every step runs instead of a variant that also performs the load.
+        step_boundary(self.device)
         steps = int(state["optim.step"].item())
         self.optimizer_steps_taken = steps
         self.policy_version = int(state["learner.policy_version"].item())
