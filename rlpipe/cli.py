@@ -64,7 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     learner.add_argument("--seq", type=int, default=256)
     learner.add_argument("--batch", type=int, default=8)
     learner.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
-    learner.add_argument("--modes", default="eager,graph,eager-m2,graph-m2", help="first one is the baseline")
+    learner.add_argument(
+        "--modes",
+        default="eager,graph,eager-m2,graph-m2",
+        help="first one is the baseline; xla-graph and xla-graph-m2 (2-device SPMD mesh) need torch_xla's environment",
+    )
     sync = benches.add_parser("sync", help="weight-sync bytes/s per transport against this host's memcpy")
     sync.add_argument("--models", default="smollm2-135m,random-500m")
     sync.add_argument("--transports", default="ray,shm,gloo")

@@ -531,6 +531,10 @@ def validate(cfg: Config) -> None:
         not cfg.learner.graph or max(cfg.learner.length_buckets, default=0) >= longest,
         f"learner.length_buckets: the largest bucket must hold data.max_prompt_tokens + rollout.max_tokens = {longest}",
     )
+    need(
+        cfg.learner.device != "xla" or cfg.learner.param_dtype in (None, cfg.model.dtype),
+        "learner.param_dtype: on xla the learner computes in model.dtype (mixed precision there is not built)",
+    )
     rows_per_rank = -(-mini // cfg.learner.ranks)  # a rank's share of a mini-batch, rounded up
     need(
         not (cfg.learner.graph and cfg.learner.activation_checkpointing) or cfg.train.micro_batch_size >= rows_per_rank,

@@ -314,3 +314,8 @@ def test_graph_step_with_activation_checkpointing_takes_one_micro_batch_per_rank
     assert load_config(None, [*base, "learner.graph=true", "train.micro_batch_size=8"]).learner.activation_checkpointing
     assert load_config(None, [*base, "train.micro_batch_size=4"]).train.micro_batch_size == 4  # eager: any micro-batch
     assert not load_config(None, []).learner.activation_checkpointing  # off by default
+
+
+def test_mixed_precision_on_xla_is_refused_by_name():
+    assert _error("learner.device=xla", "learner.param_dtype=bfloat16").startswith("learner.param_dtype: on xla")
+    assert load_config(None, ["learner.device=xla", "learner.param_dtype=float32"]).learner.device == "xla"
