@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import ray
@@ -14,7 +15,7 @@ from actors.learner import LearnerActor
 from actors.placement import RoleGroup, place_role
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
-from rlpipe.config import Config, ConfigError
+from rlpipe.config import Config, ConfigError, first_line
 from rlpipe.learner import combine_rank_metrics
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
 from rlpipe.weightsync import SyncError, SyncPlan, plan_sync
@@ -41,6 +42,7 @@ def start_ray(cfg: Config) -> None:
         num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, actors_needed(cfg)),
         include_dashboard=cfg.ray.dashboard,
         dashboard_host="127.0.0.1",
+        dashboard_port=cfg.ray.dashboard_port,
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
     )
@@ -54,10 +56,18 @@ class Roles:
     """Handles to the learner, the rollout engines and the reward workers."""
 
     def __init__(
-        self, cfg: Config, model_path: str, tokenizer_path: str | None = None, resume: dict | None = None
+        self,
+        cfg: Config,
+        model_path: str,
+        tokenizer_path: str | None = None,
+        resume: dict | None = None,
+        note: Callable[[str], None] = print,
     ):
-        """`resume`: {"learner": directory of a checkpoint's learner state, "rng": each rank's RNG state or None}."""
-        self.cfg = cfg
+        """`resume`: {"learner": directory of a checkpoint's learner state, "rng": each rank's RNG state or None}.
+        `note`: where to report events worth a line in the run's log (an engine restarted)."""
+        self.cfg, self.note = cfg, note
+        self.model_path, self.tokenizer_path = model_path, tokenizer_path
+        self.engine_restarts = [0] * cfg.rollout.num_engines
         # An actor that cannot be placed waits forever; say so instead of hanging.
         needed, available = actors_needed(cfg), ray.cluster_resources().get("CPU", 0)
         on_tpu = cfg.placement.learner.tpu or cfg.placement.rollout.tpu
@@ -78,18 +88,13 @@ class Roles:
         cfg = self.cfg
         ranks = cfg.learner.ranks
         learners = self._place("learner", ranks)
-        engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
+        self.engine_placement = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
         rewarders = self._place("reward", cfg.reward.num_workers)
         self.learners = [
             LearnerActor.options(**learners.options(rank, THREADS)).remote(model_path, cfg, rank, ranks)
             for rank in range(ranks)
         ]
-        self.engines = [
-            RolloutActor.options(**engines.options(index, THREADS)).remote(
-                model_path, cfg.rollout, cfg.run.seed + index, tokenizer_path, cfg.sync
-            )
-            for index in range(cfg.rollout.num_engines)
-        ]
+        self.engines = [self._new_engine(index) for index in range(cfg.rollout.num_engines)]
         specs = [asdict(spec) for spec in cfg.reward.functions]
         # Reward actors hold no state a step needs, so Ray restarts a dead one and re-runs its call there: the share
         # it was scoring is scored once, by the new process (tests/integration/test_grpo_e2e.py kills one).
@@ -117,17 +122,31 @@ class Roles:
             self.policy_version = versions[0]
         plan = self._plan_sync()
         self.sync_plan = ray.put(plan)
-        if cfg.sync.transport == "gloo":
-            address, port = ray.get(self.learners[0].rendezvous_address.remote())
-            world = ranks + len(self.engines)
-            get_all(
-                [learner.connect_sync_group.remote(address, port, world) for learner in self.learners]
-                + [
-                    engine.connect_sync_group.remote(address, port, ranks + index, ranks, world)
-                    for index, engine in enumerate(self.engines)
-                ]
-            )
-        self.rehearsal = self._rehearse_sync(plan.shapes["model.embed_tokens.weight"][0])
+        self._connect_sync_group()
+        vocab = plan.shapes["model.embed_tokens.weight"][0]
+        self.probe_tokens = [(index * 7919) % vocab for index in range(1, 33)]  # any fixed sequence serves
+        self.rehearsal = self._rehearse_sync()
+
+    def _new_engine(self, index: int):
+        return RolloutActor.options(**self.engine_placement.options(index, THREADS)).remote(
+            self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync
+        )
+
+    def _connect_sync_group(self) -> None:
+        """The gloo transport's own process group: learner ranks, then engines. Formed again, by everyone, when an
+        engine is replaced (a gloo group cannot take in a new member)."""
+        if self.cfg.sync.transport != "gloo":
+            return
+        ranks = self.cfg.learner.ranks
+        address, port = ray.get(self.learners[0].rendezvous_address.remote())
+        world = ranks + len(self.engines)
+        get_all(
+            [learner.connect_sync_group.remote(address, port, world) for learner in self.learners]
+            + [
+                engine.connect_sync_group.remote(address, port, ranks + index, ranks, world)
+                for index, engine in enumerate(self.engines)
+            ]
+        )
 
     def where(self) -> dict[str, list[str]]:
         """The node id each actor runs on, as the actor itself reports it, per role in rank order."""
@@ -144,17 +163,16 @@ class Roles:
         self.placements.append(group)
         return group
 
-    def _rehearse_sync(self, vocab: int) -> dict[str, float]:
+    def _rehearse_sync(self) -> dict[str, float]:
         """Send the starting weights through the whole channel once — transfer, write, probe — before training:
         a transport or layout that does not work fails here rather than after the first training step, the first
         sync does not pay for first-touch buffers, and the engines keep what arrived as their rollback copy.
         The engines already hold these weights, so the policy version stays 0; a resumed run's engines do not, so
         there the transfer is a real one, of the checkpoint's version."""
-        probe = [(index * 7919) % vocab for index in range(1, 33)]  # any fixed sequence serves as a probe
         if self.policy_version:  # resumed: the engines must take the checkpoint's weights, as that version
-            metrics, _ = self._transfer(self.policy_version, probe)
+            metrics, _ = self._transfer(self.policy_version, self.probe_tokens)
         else:
-            metrics, _ = self._transfer(1, probe, rehearsal=True)
+            metrics, _ = self._transfer(1, self.probe_tokens, rehearsal=True)
         return metrics
 
     def _plan_sync(self) -> SyncPlan:
@@ -178,19 +196,54 @@ class Roles:
     def start_generation(self, prompts: list[Prompt], n: int, **sampling) -> Generation:
         """Send the prompts, split evenly across the engines, and return at once (asynchronous mode keeps the
         engines generating the next step while the learner trains)."""
-        shares = _split(prompts, len(self.engines))
-        futures = [e.generate.remote(share, n, **sampling) for e, share in zip(self.engines, shares) if share]
-        return Generation(prompts, n, sampling, futures)
+        parts, start = [], 0
+        for index, (engine, share) in enumerate(zip(self.engines, _split(prompts, len(self.engines)))):
+            if share:
+                parts.append(Part(index, engine, range(start, start + len(share)), engine.generate.remote(share, n, **sampling)))
+            start += len(share)
+        return Generation(prompts, n, sampling, parts)
 
     def finish_generation(self, generation: Generation) -> list[Group]:
-        completions: list[list[Completion]] = [c for part in get_all(generation.futures) for c in part]
-        # A prompt whose requests a weight sync aborted comes back empty; it is sampled again, by the new policy.
+        """Collect the completions. An engine that died (killed, out of memory) is replaced and given the current
+        weights, and only the prompts it held are generated again, so every prompt comes back exactly once. A prompt
+        whose requests a weight sync aborted comes back empty; it is sampled again too, by the new policy."""
+        completions: list[list[Completion]] = [[] for _ in generation.prompts]
+        for part in generation.parts:
+            try:
+                for index, group in zip(part.prompts, ray.get(part.future)):
+                    completions[index] = group
+            except ray.exceptions.RayActorError as err:
+                self._replace_engine(part.engine_index, part.engine, err, push_weights=True)
         retry = [index for index, group in enumerate(completions) if not group]
         if retry:
             again = self.generate([generation.prompts[i] for i in retry], generation.n, **generation.sampling)
             for index, group in zip(retry, again):
                 completions[index] = group.completions
         return [Group(prompt, group) for prompt, group in zip(generation.prompts, completions)]
+
+    def _replace_engine(self, index: int, dead, error: Exception, push_weights: bool) -> None:
+        """Start a new engine in the place of `dead` (engine `index`), unless that was done already (several calls
+        to one engine fail when it dies), and bring it to the pool's policy version: the learner still holds exactly
+        those weights whenever this runs with `push_weights` (between a sync and the next training step). During a
+        sync (`push_weights` False) the transfer in progress brings it to the new version instead."""
+        if self.engines[index] is not dead:
+            return
+        self.engine_restarts[index] += 1
+        if self.engine_restarts[index] > self.cfg.rollout.max_restarts:
+            raise WorkerLost(
+                f"rollout engine {index} died more than rollout.max_restarts={self.cfg.rollout.max_restarts} times "
+                f"({first_line(error)})"
+            )
+        self.note(
+            f"rollout engine {index} died ({first_line(error)}); starting it again "
+            f"(restart {self.engine_restarts[index]} of at most {self.cfg.rollout.max_restarts})"
+        )
+        ray.kill(dead, no_restart=True)
+        self.engines[index] = self._new_engine(index)
+        ray.get(self.engines[index].policy_version.remote())  # started: the model is loaded
+        self._connect_sync_group()
+        if push_weights and self.policy_version > 0:  # version 0 is what the new engine loaded from the model folder
+            self._transfer(self.policy_version, self.probe_tokens, engines=[index])
 
     def score(self, groups: list[Group]) -> tuple[dict[str, int], dict[str, str]]:
         """Fill each group's rewards; returns failures per reward function and the first error of each."""
@@ -230,7 +283,10 @@ class Roles:
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
-        return combine_rank_metrics(get_all([learner.train_step.remote(batch_ref) for learner in self.learners]))
+        try:
+            return combine_rank_metrics(get_all([learner.train_step.remote(batch_ref) for learner in self.learners]))
+        except ray.exceptions.RayActorError as err:  # the other ranks cannot go on without it: the step stops
+            raise WorkerLost(f"a learner rank died during a training step ({first_line(err)})") from err
 
     def sync_weights(self, probe: Group) -> dict[str, float]:
         """Push the learner's weights to every engine as the next policy version, verified.
@@ -251,17 +307,44 @@ class Roles:
         )
         return metrics
 
-    def _transfer(self, version: int, probe_tokens: list[int], rehearsal: bool = False):
-        """Stream the learner's weights to every engine as `version`, then write and check them there."""
+    def _transfer(self, version: int, probe_tokens: list[int], rehearsal: bool = False, engines: list[int] | None = None):
+        """Stream the learner's weights to the engines (all, or those indexed by `engines`) as `version`, then write
+        and check them there. An engine that dies on the way is replaced and the transfer repeated for the engines
+        that have not committed the version; the others keep it."""
         expected = get_all([learner.sequence_logprobs.remote(probe_tokens) for learner in self.learners])[0]
-        get_all([engine.begin_sync.remote(self.sync_plan, version) for engine in self.engines])
+        targets = list(range(len(self.engines))) if engines is None else list(engines)
+        while True:
+            handles = [self.engines[index] for index in targets]
+            try:
+                return self._transfer_to(version, probe_tokens, expected, rehearsal, targets, handles)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:  # the latter: a learner's send
+                dead = self._dead_engines(targets)
+                if not dead:
+                    raise
+                for index in dead:
+                    self._replace_engine(index, self.engines[index], err, push_weights=False)
+                if not rehearsal:
+                    done = get_all([self.engines[index].held_version.remote() for index in targets])
+                    targets = [index for index, held in zip(targets, done) if held < version]
+
+    def _dead_engines(self, indexes: list[int]) -> list[int]:
+        dead = []
+        for index in indexes:
+            try:
+                ray.get(self.engines[index].held_version.remote(), timeout=60)
+            except ray.exceptions.RayActorError:
+                dead.append(index)
+        return dead
+
+    def _transfer_to(self, version, probe_tokens, expected, rehearsal, targets: list[int], handles: list):
+        get_all([engine.begin_sync.remote(self.sync_plan, version) for engine in handles])
         started = time.perf_counter()
         try:
-            sent = get_all([learner.send_weights.remote(self.sync_plan, version, self.engines) for learner in self.learners])
-            transfer_s = time.perf_counter() - started
-            results = get_all(
-                [engine.commit.remote(version, probe_tokens, expected, rehearsal) for engine in self.engines]
+            sent = get_all(
+                [learner.send_weights.remote(self.sync_plan, version, handles, targets) for learner in self.learners]
             )
+            transfer_s = time.perf_counter() - started
+            results = get_all([engine.commit.remote(version, probe_tokens, expected, rehearsal) for engine in handles])
         finally:
             get_all([learner.release_weights.remote() for learner in self.learners])
         metrics = {
@@ -282,7 +365,14 @@ class Roles:
 
     def seed(self, step: int) -> None:
         """Seed every engine's sampling for this step (see RolloutEngine.seed)."""
-        get_all([e.seed.remote(self.cfg.run.seed * 1_000_003 + step * 1009 + i) for i, e in enumerate(self.engines)])
+        seeds = [self.cfg.run.seed * 1_000_003 + step * 1009 + index for index in range(len(self.engines))]
+        calls = [(engine, engine.seed.remote(seed)) for engine, seed in zip(self.engines, seeds)]
+        for index, (engine, call) in enumerate(calls):
+            try:
+                ray.get(call)
+            except ray.exceptions.RayActorError as err:  # died since the last step: replaced, then seeded
+                self._replace_engine(index, engine, err, push_weights=True)
+                ray.get(self.engines[index].seed.remote(seeds[index]))
 
     def shutdown(self) -> None:
         # Unlink shared-memory segments now rather than leave them to the resource tracker of a killed process.
@@ -296,6 +386,21 @@ class Roles:
             group.remove()
 
 
+class WorkerLost(RuntimeError):
+    """A role's actor died and could not be replaced; a run restarted from its latest checkpoint may go on
+    (`rlpipe train --auto-resume`)."""
+
+
+@dataclass
+class Part:
+    """The prompts (indexes into Generation.prompts) one engine is generating."""
+
+    engine_index: int
+    engine: object  # the handle the request went to: a replaced engine is not replaced twice
+    prompts: range
+    future: object
+
+
 @dataclass
 class Generation:
     """Prompts sent to the engines, whose completions are still to be collected."""
@@ -303,7 +408,7 @@ class Generation:
     prompts: list[Prompt]
     n: int
     sampling: dict
-    futures: list
+    parts: list[Part]
 
 
 def _split(items: list, parts: int) -> list[list]:

@@ -67,8 +67,10 @@ class LearnerActor:
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.learner.weight_shapes()
 
-    def send_weights(self, plan: SyncPlan, version: int, engines: list) -> int:
-        """Stream this rank's parts of every bucket to every engine; returns the bytes sent to each engine."""
+    def send_weights(self, plan: SyncPlan, version: int, engines: list, engine_indexes: list[int]) -> int:
+        """Stream this rank's parts of every bucket to `engines` (the pool's engines `engine_indexes`); returns the
+        bytes sent to each engine."""
+        self.transport.select(engine_indexes)
         return send_parts(plan, self.learner.rank, self.learner.local_weights(), self.transport, engines, version)
 
     def release_weights(self) -> None:

@@ -34,6 +34,11 @@ class RolloutActor:
         self.engine.seed(seed)
 
     @ray.method(concurrency_group="sync")
+    def held_version(self) -> int:
+        """The policy version, answered even while a generation runs (a liveness check as well)."""
+        return self.engine.policy_version
+
+    @ray.method(concurrency_group="sync")
     def layout(self):
         return self.engine.layout()
 

@@ -92,18 +92,23 @@ def matmul_peak_gflops(seconds: float = 2.0, n: int = 2048) -> float:
     return 2 * n**3 * count / (time.perf_counter() - start) / 1e9
 
 
-def _bench_config(model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, experts: str = "torch"):
+def _bench_config(
+    model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, device: str = "cpu", experts: str = "torch"
+):
     from rlpipe.config import load_config
 
+    # On xla one process holds the whole batch and the SPMD mesh splits its rows over the devices.
+    micro_batch = shape.batch if device == "xla" else shape.batch // ranks
     return load_config(
         None,
         [
             f"model.path={model_path}",
             f"train.prompts_per_step={shape.batch // 2}",
             "rollout.group_size=2",
-            f"train.micro_batch_size={shape.batch // ranks}",
+            f"train.micro_batch_size={micro_batch}",
             f"train.steps={shape.steps + 2}",
             f"learner.ranks={ranks}",
+            f"learner.device={device}",
             f"learner.graph={str(graph).lower()}",
             f"learner.length_buckets=[{shape.seq}]",
             f"data.max_prompt_tokens={shape.seq // 2}",
@@ -134,7 +139,7 @@ def _time_rank(
 
     from rlpipe.learner import Learner
 
-    learner = Learner(model_path, _bench_config(model_path, shape, ranks, graph, experts), rank, ranks)
+    learner = Learner(model_path, _bench_config(model_path, shape, ranks, graph, experts=experts), rank, ranks)
     learner.join_group("127.0.0.1", port)
     batch = _batch(shape)
     with open("/proc/self/statm") as f:
@@ -166,7 +171,7 @@ def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: 
     learners = {}
     for mode in modes:
         run, _, experts = mode.partition("+")
-        config = _bench_config(model_path, shape, 1, run.startswith("graph"), experts or "torch")
+        config = _bench_config(model_path, shape, 1, run.startswith("graph"), experts=experts or "torch")
         learners[mode] = Learner(model_path, config)
         learners[mode].train_step(batch)  # warm-up, compilation included
     best = dict.fromkeys(modes, float("inf"))
@@ -176,6 +181,60 @@ def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: 
             learner.train_step(batch)
             best[mode] = min(best[mode], time.perf_counter() - started)
     results.put(best)
+
+
+def _time_xla(model_path: str, shape: LearnerBenchShape, devices: int):
+    """Seconds per step of the xla learner (its step one XLA program), the first step's seconds (tracing and
+    compiling), and what torch_xla counted: programs compiled, host syncs inside the step, ops run on the host."""
+    from rlpipe.learner import Learner
+
+    learner = Learner(model_path, _bench_config(model_path, shape, devices, True, "xla"))
+    batch = _batch(shape)
+    started = time.perf_counter()
+    learner.train_step(batch)
+    warmup = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(shape.steps):
+        learner.train_step(batch)
+    seconds = (time.perf_counter() - started) / shape.steps
+    step = learner.graph_step
+    from rlpipe.kernels._xla import xla_kernel_routes
+
+    kernels = learner.kernels
+    routes = xla_kernel_routes(kernels.attention, kernels.rmsnorm, kernels.logprob)
+    return seconds, warmup, {
+        "compiles": step.compiles, "hidden_syncs": step.graph_breaks, "fallback_ops": step.xla_fallbacks, "kernels": routes
+    }
+
+
+def _xla_main(model_path, shape, devices, queue):
+    # A fresh process: the device count of PJRT's CPU client and SPMD mode are fixed when torch_xla starts.
+    if os.environ.setdefault("PJRT_DEVICE", "CPU") == "CPU":
+        os.environ["CPU_NUM_DEVICES"] = str(devices)
+    try:
+        queue.put(_time_xla(model_path, shape, devices))
+    except Exception as err:  # reported by the parent
+        queue.put(repr(err))
+
+
+def _time_xla_process(model_path: str, shape: LearnerBenchShape, devices: int):
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    proc = context.Process(target=_xla_main, args=(model_path, shape, devices, queue))
+    proc.start()
+    while True:
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queue_module.Empty:
+            if proc.exitcode not in (None, 0):
+                raise RuntimeError(f"the xla learner process exited with code {proc.exitcode} before reporting") from None
+    proc.join()
+    if isinstance(result, str):
+        raise RuntimeError(f"xla learner failed: {result}")
+    return result
 
 
 def _rank_main(rank, model_path, shape, graph, port, threads, queue):
@@ -239,7 +298,10 @@ def bench_learner(shape: LearnerBenchShape, modes: list[str], out: str | None = 
         for mode in modes:
             run, _, experts = mode.partition("+")
             graph = run.startswith("graph")
-            if run.endswith("m2"):
+            xla, extra_bytes = {}, None
+            if run in ("xla-graph", "xla-graph-m2"):  # torch_xla's environment only (scripts/setup-xla.sh)
+                seconds, warmup, xla = _time_xla_process(model_path, shape, 2 if run.endswith("m2") else 1)
+            elif run.endswith("m2"):
                 seconds, warmup, extra_bytes = _time_two_ranks(model_path, shape, graph, max(1, threads // 2))
             else:  # a fresh process each, so that its peak memory is this mode's alone
                 seconds, warmup, extra_bytes = _in_fresh_process(
@@ -252,15 +314,22 @@ def bench_learner(shape: LearnerBenchShape, modes: list[str], out: str | None = 
                 "tokens_per_s": tokens / seconds,
                 "mfu": flops / seconds / (peak * 1e9),
                 "step_peak_extra_bytes": extra_bytes,
+                **xla,
             }
             rows.append(row)
+            counted = (
+                f"  XLA programs compiled {xla['compiles']}, host syncs in the step {xla['hidden_syncs']}, "
+                f"ops run on the host {xla['fallback_ops'] or 'none'}; kernels {xla['kernels']}"
+                if xla
+                else ""
+            )
             memory = "" if extra_bytes is None else f"  step peak +{extra_bytes / 2**20:7.1f} MiB"
             print(
                 f"{mode:>12}: {row['tokens_per_s']:8.0f} tokens/s  MFU {100 * row['mfu']:5.1f}%  "
-                f"first step {warmup:6.1f}s  ({seconds:.2f}s/step){memory}",
+                f"first step {warmup:6.1f}s  ({seconds:.3f}s/step){memory}{counted}",
                 flush=True,
             )
-        single = [row for row in rows if not row["mode"].partition("+")[0].endswith("m2")]
+        single = [row for row in rows if not row["mode"].partition("+")[0].endswith("m2") and "xla" not in row["mode"]]
         if rounds > 1 and single:
             modes_timed = [row["mode"] for row in single]
             best = _in_fresh_process(_interleaved_run, model_path, shape, modes_timed, rounds, threads)

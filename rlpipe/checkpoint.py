@@ -21,7 +21,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -51,6 +55,40 @@ def begin_save(run_dir: str | os.PathLike, step: int) -> Path:
     return partial
 
 
+def save(run_dir: str | os.PathLike, step: int, write_learner: Callable[[str], T], trainer_state: Callable[[T], dict],
+         keep: int) -> Path:
+    """The whole save: `write_learner(directory)` writes the learner state (returning what `trainer_state` needs to
+    build trainer.json), then `finish_save`. A failure anywhere — a full disk, a rank that died while writing —
+    removes everything this save wrote, leaves `latest` as it was, and raises one CheckpointError naming the cause."""
+    partial = None
+    try:
+        partial = begin_save(run_dir, step)
+        written = write_learner(str(partial / LEARNER_STATE))
+        return finish_save(partial, trainer_state(written), keep)
+    except BaseException as err:  # torch.distributed.checkpoint reports a failed write as a BaseException
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        latest = Path(run_dir) / CHECKPOINTS / LATEST
+        kept = latest.read_text().strip() if latest.is_file() else "none"
+        raise CheckpointError(
+            f"checkpoint {step_name(step)} could not be written in {Path(run_dir) / CHECKPOINTS} ({_cause(err)}); "
+            f"nothing of it was kept, the latest complete checkpoint is still {kept}"
+        ) from None
+
+
+def _cause(err: BaseException) -> str:
+    """One line for an error that may come wrapped: by Ray (`.cause`) or by torch.distributed.checkpoint (a per-rank
+    report whose last line is the cause)."""
+    while getattr(err, "cause", None) is not None and err.cause is not err:
+        err = err.cause
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
 def finish_save(partial: Path, trainer_state: dict, keep: int) -> Path:
     """Write trainer.json last, make the partial directory durable, publish it, move `latest`, prune to `keep`."""
     _write_durably(partial / TRAINER_STATE, json.dumps({"format": FORMAT, **trainer_state}, indent=1))
@@ -62,9 +100,16 @@ def finish_save(partial: Path, trainer_state: dict, keep: int) -> Path:
     if final.exists():  # replacing it could leave `latest` pointing at nothing; a checkpoint is never overwritten
         shutil.rmtree(partial, ignore_errors=True)
         raise CheckpointError(f"checkpoint {final} already exists; it is not overwritten")
+    pointer = root / LATEST
+    previous = pointer.read_text() if pointer.is_file() else None
     os.rename(partial, final)
-    _fsync(root)
-    _write_durably(root / LATEST, final.name + "\n")
+    try:
+        _fsync(root)
+        _write_durably(pointer, final.name + "\n")
+    except BaseException:  # not published after all: the pointer as it was, the directory back under its partial name
+        _restore(pointer, previous)
+        os.rename(final, partial)
+        raise
     _prune(root, keep, final.name)
     return final
 
@@ -168,24 +213,42 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def _prune(root: Path, keep: int, newest: str) -> None:
+    """Best effort: the new checkpoint is published already, and an old one left behind is pruned by the next save."""
     complete = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in complete[: max(0, len(complete) - keep)]:
         if old.name != newest:
             # Renamed first, so a deletion cut short never leaves a half-deleted directory under a checkpoint's name.
             doomed = root / f"{_DELETING}{old.name}"
-            os.rename(old, doomed)
+            try:
+                os.rename(old, doomed)
+            except OSError:
+                continue
             shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _write_durably(path: Path, text: str) -> None:
     """Write `path` so that it is either absent/old or complete: temporary file, fsync, rename, fsync dir."""
     temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     _fsync(path.parent)
+
+
+def _restore(path: Path, text: str | None) -> None:
+    """Put back a small file's earlier content (None: it did not exist)."""
+    if text is None:
+        path.unlink(missing_ok=True)
+    elif not path.is_file() or path.read_text() != text:
+        temporary = path.with_name(f".{path.name}.restore")
+        temporary.write_text(text)
+        os.replace(temporary, path)
 
 
 def _fsync(path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rewards import RewardConfigError, RewardFailure
 from rlpipe.checkpoint import CheckpointError
-from rlpipe.config import Config, ConfigError, help_text, load_config
+from rlpipe.config import Config, ConfigError, first_line, help_text, load_config
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
                 "--resume", nargs="?", const="latest", metavar="PATH",
                 help="continue from this run's latest checkpoint, or from PATH (a checkpoint or run directory)",
             )
+            sub.add_argument(
+                "--auto-resume", action="store_true",
+                help="when a worker dies for good (a learner rank, an engine past rollout.max_restarts), restart the run "
+                "from its latest checkpoint, up to train.max_auto_resumes times",
+            )
     submit = commands.add_parser(
         "submit", help="run a recipe as a Ray job on a cluster and follow its logs (exit status: the job's)"
     )
@@ -62,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     learner.add_argument(
         "--modes",
         default=None,
-        help="first one is the baseline; +loop / +pallas / +torch picks the MoE experts' implementation "
+        help="first one is the baseline; xla-graph and xla-graph-m2 (2-device SPMD mesh) need torch_xla's "
+        "environment; +loop / +pallas / +torch picks the MoE experts' implementation "
         "(default: eager,graph,eager-m2,graph-m2; with --experts: eager+loop,eager,graph)",
     )
     learner.add_argument(
@@ -202,9 +208,13 @@ def main(argv: list[str] | None = None) -> int:
             result = plan(cfg)
             print(format_plan(result))
             return 0 if result.ok else 1
-        from rlpipe.controller import train
+        from actors.groups import WorkerLost
 
-        train(cfg, getattr(args, "resume", None))
+        try:
+            train_with_restarts(cfg, args.resume, args.auto_resume)
+        except WorkerLost as err:  # mid-run: the checkpoints written so far stay
+            print(f"rlpipe: {err}", file=sys.stderr)
+            return 1
         return 0
     except (ConfigError, RewardConfigError) as err:
         print(f"rlpipe: config error: {err}", file=sys.stderr)
@@ -215,6 +225,34 @@ def main(argv: list[str] | None = None) -> int:
     except RewardFailure as err:  # mid-run: the checkpoints written so far stay
         print(f"rlpipe: {err}", file=sys.stderr)
         return 1
+
+
+def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> dict:
+    """`rlpipe train`; with `auto_resume`, a run that loses a worker for good starts again from its latest checkpoint
+    (from the beginning when it has none: the run directory then holds only what this run wrote). Raises WorkerLost
+    when it gives up."""
+    import ray
+
+    from actors.groups import WorkerLost
+    from rlpipe import checkpoint
+    from rlpipe.controller import train
+
+    restarts = 0
+    while True:
+        try:
+            return train(cfg, resume)
+        except (WorkerLost, ray.exceptions.RayActorError) as err:
+            first = first_line(err)
+            if not auto_resume or restarts == cfg.train.max_auto_resumes:
+                raise WorkerLost(first) from err
+            restarts += 1
+            try:
+                resume, where = "latest", checkpoint.resolve(cfg.run_dir).name
+            except CheckpointError:
+                resume, where = None, "the beginning (no checkpoint yet)"
+                cfg.run.overwrite = True
+            print(f"rlpipe: {first}; restarting from {where} (auto-resume {restarts} of {cfg.train.max_auto_resumes})",
+                  file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message: where a multi-line report (Ray's, for a dead actor) says what happened."""
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+
+
 def _key(default: Any, help: str) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
@@ -103,6 +108,9 @@ class RolloutConfig:
     model_impl: Literal["vllm", "rlpipe"] = _key(
         "vllm", "the model code the engine runs: vLLM's own, or rlpipe's (the learner's modules; vLLM's paged attention)"
     )
+    max_restarts: int = _key(
+        3, "an engine that dies is started again (current weights pushed, its prompts regenerated), this many times"
+    )
 
 
 @dataclass
@@ -174,6 +182,9 @@ class TrainConfig:
     grad_clip: float = _key(1.0, "max gradient norm (0: off)")
     checkpoint_every: int = _key(0, "save a training-state checkpoint every this many steps (0: only at the end)")
     keep_checkpoints: int = _key(2, "checkpoints kept in <run_dir>/checkpoints (older ones are deleted)")
+    max_auto_resumes: int = _key(
+        3, "with `rlpipe train --auto-resume`: restarts from the latest checkpoint after a worker dies, at most"
+    )
     max_staleness: int = _key(
         0, "asynchronous mode: the engines generate up to this many steps ahead, with a policy up to this many "
         "versions older than the learner's (0: synchronous; 1: the next step generates while this one trains)"
@@ -236,6 +247,7 @@ class RayConfig:
     address: str | None = _key(None, "join this Ray cluster; null starts a local one on 127.0.0.1")
     num_cpus: int | None = _key(None, "logical CPUs of the local cluster (null: enough for the actors)")
     dashboard: bool = _key(False, "start the Ray dashboard (bound to 127.0.0.1)")
+    dashboard_port: int = _key(8265, "port of that dashboard; it must be free")
     placement_timeout_s: float = _key(120.0, "how long to wait for the cluster to place a role's actors")
 
 
@@ -468,6 +480,7 @@ def validate(cfg: Config) -> None:
     need(0 <= cfg.reward.max_failed_share <= 1, "reward.max_failed_share: must be between 0 and 1")
     need(cfg.reward.max_failed_steps >= 1, "reward.max_failed_steps: must be >= 1")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints: must be >= 1")
+    need(cfg.train.max_auto_resumes >= 0, "train.max_auto_resumes: must be >= 0")
     need(cfg.train.max_staleness >= 0, "train.max_staleness: must be >= 0")
     need(
         cfg.train.max_staleness == 0 or cfg.algo.tis_cap is not None or cfg.algo.mis_threshold is not None,
@@ -482,6 +495,8 @@ def validate(cfg: Config) -> None:
     need(cfg.rollout.num_engines >= 1, "rollout.num_engines: must be >= 1")
     need(cfg.reward.num_workers >= 1, "reward.num_workers: must be >= 1")
     need(cfg.reward.max_restarts >= 0, "reward.max_restarts: must be >= 0")
+    need(cfg.rollout.max_restarts >= 0, "rollout.max_restarts: must be >= 0")
+    need(0 < cfg.ray.dashboard_port < 65536, "ray.dashboard_port: must be a port number (1-65535)")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s: must be > 0")
     need(len(cfg.reward.functions) >= 1, "reward.functions: at least one reward function is needed")
     need(cfg.train.lr > 0, "train.lr: must be > 0")
@@ -530,6 +545,10 @@ def validate(cfg: Config) -> None:
     need(
         not cfg.learner.graph or max(cfg.learner.length_buckets, default=0) >= longest,
         f"learner.length_buckets: the largest bucket must hold data.max_prompt_tokens + rollout.max_tokens = {longest}",
+    )
+    need(
+        cfg.learner.device != "xla" or cfg.learner.param_dtype in (None, cfg.model.dtype),
+        "learner.param_dtype: on xla the learner computes in model.dtype (mixed precision there is not built)",
     )
     rows_per_rank = -(-mini // cfg.learner.ranks)  # a rank's share of a mini-batch, rounded up
     need(

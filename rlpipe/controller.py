@@ -33,7 +33,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     run = prepare(cfg, resume)
     try:
         start_ray(cfg)
-        roles = Roles(cfg, run.model_path, cfg.model.tokenizer, run.resume)
+        roles = Roles(cfg, run.model_path, cfg.model.tokenizer, run.resume, note=run.log.note)
     except BaseException:  # the roles never started: leave no run directory behind that this call created
         run.log.close()
         if run.created_dir:
@@ -72,6 +72,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
                     metrics.update(roles.sync_weights(probe=groups[0]))
             metrics.update(rollout_metrics(groups, cfg.reward.success_threshold, failures))
             metrics.update(clock.metrics(generated_tokens=metrics["completion_tokens"]))
+            metrics["rollout/restarts"] = float(sum(roles.engine_restarts))  # engines started again so far
             log.log(step, {**metrics, "policy_version": float(roles.policy_version)})
             log.log_samples(step, groups)
             if step == cfg.train.steps or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
@@ -137,19 +138,20 @@ class Lookahead:
 
 def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, sampler_state: dict) -> Path:
     """The whole training state after `step`, written atomically (see rlpipe/checkpoint.py)."""
-    partial = checkpoint.begin_save(run.dir, step)
-    learner_rngs = roles.save_checkpoint(str(partial / checkpoint.LEARNER_STATE))
-    state = {
-        "step": step,
-        "policy_version": roles.policy_version,
-        "sampler": sampler_state,
-        "rng": checkpoint.rng_state(),
-        "learner_rng": learner_rngs,
-        "config": cfg.to_dict(),
-        "metrics": run.log.history,
-        "summary": {"eval_before": summary.get("eval_before")},
-    }
-    return checkpoint.finish_save(partial, state, cfg.train.keep_checkpoints)
+
+    def trainer_state(learner_rngs: list[str]) -> dict:
+        return {
+            "step": step,
+            "policy_version": roles.policy_version,
+            "sampler": sampler_state,
+            "rng": checkpoint.rng_state(),
+            "learner_rng": learner_rngs,
+            "config": cfg.to_dict(),
+            "metrics": run.log.history,
+            "summary": {"eval_before": summary.get("eval_before")},
+        }
+
+    return checkpoint.save(run.dir, step, roles.save_checkpoint, trainer_state, cfg.train.keep_checkpoints)
 
 
 def prepare(cfg: Config, resume: str | None = None) -> Run:
@@ -183,6 +185,8 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
             )
         sampler.load_state_dict(state["sampler"])
     check_ray_address(cfg.ray.address)
+    if cfg.ray.dashboard and not cfg.ray.address:
+        check_port_free("ray.dashboard_port", "127.0.0.1", cfg.ray.dashboard_port)
     created_dir = not cfg.run_dir.exists()
     run_dir = prepare_run_dir(cfg, resuming=state is not None)
     log = MetricsLogger(run_dir, cfg.train.steps, tensorboard=cfg.metrics.tensorboard)
@@ -280,6 +284,17 @@ def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
     except (OSError, OverflowError) as err:
         reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
         raise ConfigError(f"ray.address: cannot reach {address}: {reason}") from None
+
+
+def check_port_free(key: str, host: str, port: int) -> None:
+    """A port the local cluster is told to listen on must be free: Ray would otherwise start without the service,
+    or stop with a long report, after the run directory exists."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to use
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise ConfigError(f"{key}: {host}:{port} is in use or not available ({err.strerror}); choose another port") from None
 
 
 class Clock:

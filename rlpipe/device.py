@@ -1,5 +1,13 @@
 """The backend table: for each device kind, its torch device, collective backend, compile backend and rollout engine.
 
+The xla row is PyTorch/XLA (torch_xla 2.9, which needs torch 2.9.0 exactly, so it lives in its own environment:
+scripts/test-xla.sh). torch_xla is imported only when an xla device is asked for. On xla the learner's step is not
+captured by Dynamo: torch 2.9's Dynamo cannot trace `torch.autograd.grad` into a graph (its `trace_autograd_ops`
+switch came later), so forward, backward and optimizer would end up in separate graphs. Instead the step runs as
+ordinary torch ops on lazy XLA tensors, which record it, and `step_boundary` cuts the record into one XLA program,
+compiled once per input shape (XLA caches programs by graph hash) and run once per step. `openxla` stays the
+compile backend for `torch.compile` of other code on this device.
+
 The TPU rows follow TorchTPU's documented process model (one process per chip, `tpu` device, `tpu_dist`
 collectives, `torch.compile(backend="tpu")`); they have not yet run on TPU hardware. What can be checked here,
 the per-process environment derived from a placement, is unit-tested.
@@ -44,7 +52,78 @@ def torch_device(kind: str, local_index: int = 0) -> torch.device:
     spec = backend(kind)
     if spec.kind == "cuda":
         return torch.device("cuda", local_index)
+    if spec.kind == "xla":
+        return _torch_xla().device()  # imported on demand: it registers the xla device type with torch
     return torch.device(spec.torch_device)
+
+
+# ------------------------------------------------------------------ PyTorch/XLA
+
+
+def _torch_xla():
+    try:
+        import torch_xla
+    except ImportError as err:
+        raise RuntimeError(
+            f"learner.device: 'xla' needs torch_xla, which is not importable here ({err}); "
+            "it needs torch 2.9.0 exactly, so it has its own environment: bash scripts/test-xla.sh"
+        ) from None
+    return torch_xla
+
+
+def step_boundary(device: torch.device) -> None:
+    """Run what the step recorded on a lazy device (xla) as one program; nothing to do on eager devices.
+
+    Every live tensor the step wrote (parameters, optimizer state, metrics) is materialised by this one call, so
+    the host reads the metrics afterwards without triggering another program. It waits for the program to finish:
+    the caller reads its results next anyway, and torch_xla's counters are complete only then.
+    """
+    if device.type == "xla":
+        _torch_xla().sync(wait=True)
+
+
+@dataclass(frozen=True)
+class XlaCounters:
+    """torch_xla's process-wide counters, read before and after a stretch of work to see what it cost.
+
+    `executions` counts programs run: a step recorded without a hidden host sync runs exactly one. Every
+    `.item()`, `.tolist()`, printed tensor or data-dependent Python branch inside the step forces the record so
+    far to run first, so extra executions are the step's hidden syncs. `fallbacks` maps each aten op that XLA
+    could not lower (run on the host instead, a sync each time) to its count.
+    """
+
+    compiles: int = 0
+    executions: int = 0
+    transfers_to_host: int = 0
+    fallbacks: tuple[tuple[str, int], ...] = ()
+
+    def __sub__(self, earlier: "XlaCounters") -> "XlaCounters":
+        before = dict(earlier.fallbacks)
+        return XlaCounters(
+            self.compiles - earlier.compiles,
+            self.executions - earlier.executions,
+            self.transfers_to_host - earlier.transfers_to_host,
+            tuple((op, n - before.get(op, 0)) for op, n in self.fallbacks if n > before.get(op, 0)),
+        )
+
+
+def xla_counters() -> XlaCounters:
+    """The current counts (all zero until torch_xla has been imported, so eager devices pay nothing)."""
+    import sys
+
+    if "torch_xla" not in sys.modules:
+        return XlaCounters()
+    import torch_xla.debug.metrics as metrics
+
+    def samples(name: str) -> int:
+        data = metrics.metric_data(name)
+        return int(data[0]) if data else 0
+
+    fallbacks = tuple((op, int(metrics.counter_value(op) or 0)) for op in sorted(metrics.executed_fallback_ops()))
+    # Programs launched, counted where the lazy tensors' graph is built for a launch (cached or not), in the
+    # calling thread; the execution-time metrics are recorded by XLA's own threads, sometimes after a wait returns.
+    executions = samples("TensorsGraphSize")
+    return XlaCounters(samples("CompileTime"), executions, samples("TransferFromDeviceTime"), fallbacks)
 
 
 # ------------------------------------------------------------------ TPU process layout

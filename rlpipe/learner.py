@@ -16,6 +16,7 @@ from rlpipe.algo import (
 )
 from rlpipe.checkpoint import load_tensors
 from rlpipe.config import Config, KernelsConfig
+from rlpipe.device import step_boundary, torch_device
 from rlpipe.kernels import linear_logprob, logits_logprob
 from rlpipe.models import load_model, read_hf_config, save_state_dict
 from rlpipe.models.moe import balance_loss_from_sums, expert_token_counts, load_balancing_loss, router_probability_sums
@@ -110,13 +111,29 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 class Learner:
     """One rank of the learner group. With several ranks (or a compute dtype other than the master dtype)
     the model is sharded SimpleFSDP-style over a torch.distributed group; every rank takes its share of
-    each mini-batch and the gradients meet in the reduce-scatter."""
+    each mini-batch and the gradients meet in the reduce-scatter.
+
+    The model lives on `learner.device`; batches arrive as CPU tensors and each micro-batch is moved there, and
+    weights leave as CPU tensors (`full_state_dict`, `local_weights`). On xla the step is traced lazily and run as
+    one XLA program (see rlpipe/parallel/graph_trainer.py), and rows are never packed: packing makes every
+    micro-batch a new shape, which XLA would compile anew.
+    """
 
     def __init__(self, model_path: str, cfg: Config, rank: int = 0, world_size: int = 1):
         torch.manual_seed(cfg.run.seed)
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.model_path = model_path
+        # On xla, learner.ranks > 1 is one process driving that many XLA devices as an SPMD mesh (see
+        # rlpipe/parallel/simple_fsdp.py for why not one process per device).
+        self.spmd_mesh = None
+        if cfg.learner.device == "xla" and cfg.learner.ranks > 1:
+            if world_size > 1:
+                raise ValueError("learner.device: 'xla' runs one learner process that shards over its devices (SPMD)")
+            from rlpipe.parallel.simple_fsdp import xla_spmd_mesh
+
+            self.spmd_mesh = xla_spmd_mesh(cfg.learner.ranks)  # before any XLA tensor exists
+        self.device = torch_device(cfg.learner.device)
         self.dtype = getattr(torch, cfg.model.dtype)
         self.param_dtype = getattr(torch, cfg.learner.param_dtype or cfg.model.dtype)
         self.hf_config = read_hf_config(model_path)
@@ -140,6 +157,12 @@ class Learner:
         # vLLM reports logprobs after temperature; greedy decoding (0) has no temperature to divide by.
         self.temperature = cfg.rollout.temperature or 1.0
         self.policy_version = 0
+        if self.spmd_mesh is not None:
+            from rlpipe.parallel.simple_fsdp import shard_dim0_spmd
+
+            shard_dim0_spmd(self.model.parameters(), self.spmd_mesh)
+            if self.reference is not None:
+                shard_dim0_spmd(self.reference.parameters(), self.spmd_mesh)
         if not self.sharded:
             self._build_optimizer()
 
@@ -147,7 +170,7 @@ class Learner:
         model = load_model(model_path, dtype=self.dtype)
         return model.use_kernels(
             rmsnorm=self.kernels.rmsnorm, attention=self.kernels.attention, experts=self.kernels.experts
-        )
+        ).to(self.device)
 
     def join_group(self, master_addr: str, master_port: int) -> None:
         """Form the torch.distributed group and shard the model; every rank calls this at the same time."""
@@ -198,6 +221,11 @@ class Learner:
                 backend=compiler,
                 buckets=self.cfg.learner.length_buckets,
             )
+            if self.spmd_mesh is not None:
+                from rlpipe.parallel.simple_fsdp import shard_dim0_spmd
+
+                optimizer = self.graph_step.optimizer
+                shard_dim0_spmd([*optimizer.exp_avg, *optimizer.exp_avg_sq], self.spmd_mesh)
             return
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -225,8 +253,17 @@ class Learner:
         return out
 
     def _packed(self, lengths: torch.Tensor) -> torch.Tensor | None:
-        """The lengths that make an eager forward run packed (learner.packing), else None (padded rows)."""
-        return lengths if self.cfg.learner.packing else None
+        """The lengths that make an eager forward run packed (learner.packing, not on xla), else None (padded rows)."""
+        return lengths if self.cfg.learner.packing and self.device.type != "xla" else None
+
+    def _on_device(self, tensors: dict) -> dict:
+        """A micro-batch's tensors on the learner's device; on an SPMD mesh its rows are split over the devices."""
+        moved = {key: value.to(self.device) if isinstance(value, torch.Tensor) else value for key, value in tensors.items()}
+        if self.spmd_mesh is not None:
+            from rlpipe.parallel.simple_fsdp import shard_dim0_spmd
+
+            shard_dim0_spmd([value for value in moved.values() if isinstance(value, torch.Tensor)], self.spmd_mesh)
+        return moved
 
     def _mini_batches(self, size: int) -> list[tuple[int, int]]:
         bounds = torch.arange(size).tensor_split(self.optimizer_steps_per_batch)
@@ -239,22 +276,31 @@ class Learner:
         for first, last in self._mini_batches(len(batch)):
             for start, stop, real in self._micro_batches(first, last):
                 part = batch.slice(start, stop)
+                rows, width = part.input_ids.shape
+                ids = part.input_ids
+                if self.device.type == "xla":
+                    # Static shapes, as in the train step: each bucket compiles once instead of every new width.
+                    from rlpipe.parallel.graph_trainer import bucket_length
+
+                    bucket = bucket_length(width, self.cfg.learner.length_buckets)
+                    ids = _pad_rows(_fit(ids, bucket), self.cfg.train.micro_batch_size)
                 values = token_logprobs(
                     model,
-                    part.input_ids,
+                    ids.to(self.device),
                     self.temperature,
                     kernels=self.kernels,
                     lengths=self._packed(part.lengths),
                     scored=part.completion_mask,
                 )
                 if real:
-                    out[start:stop, : part.input_ids.shape[1]] = values
+                    out[start:stop, :width] = values[:rows, :width].cpu()
         return out
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprobs of a fixed sequence at temperature 1, the probe that weight sync is checked against."""
         with torch.no_grad():
-            return token_logprobs(self.model, torch.tensor([token_ids]), kernels=self.kernels)[0].tolist()
+            ids = torch.tensor([token_ids], device=self.device)
+            return token_logprobs(self.model, ids, kernels=self.kernels)[0].tolist()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One GRPO update on a step's samples: mini-batches of optimizer steps, each micro-batched.
@@ -281,7 +327,9 @@ class Learner:
 
                 width = bucket_length(int(batch.lengths[first:last].max()), self.cfg.learner.length_buckets)
                 micro_batches = [
-                    {**self._micro_batch(batch, part, old_logprobs, ref_logprobs, width, train.micro_batch_size), **totals}
+                    self._on_device(
+                        {**self._micro_batch(batch, part, old_logprobs, ref_logprobs, width, train.micro_batch_size), **totals}
+                    )
                     for part in self._micro_batches(first, last)
                 ]
                 lr = train.lr * self.scheduler_factor(self.optimizer_steps_taken)
@@ -297,7 +345,7 @@ class Learner:
                 for part in self._micro_batches(first, last):
                     micro = self._micro_batch(batch, part, old_logprobs, ref_logprobs)
                     micro["lengths"] = self._packed(batch.lengths[part[0] : part[1]])
-                    loss, stats = self._micro_loss(self.model, {**micro, **totals})
+                    loss, stats = self._micro_loss(self.model, self._on_device({**micro, **totals}))
                     loss.backward()
                     # One host transfer for all of them: a MoE model adds a count per (layer, expert).
                     values = torch.stack([loss.detach().float(), *(v.detach().float() for v in stats.values())])
@@ -430,9 +478,9 @@ class Learner:
         return self.router_aux_loss_coef * aux * token_mask.sum().float() / micro["total_tokens"]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole tensors under Hugging Face names (a collective when sharded: every rank calls it)."""
+        """Whole tensors under Hugging Face names, on the CPU (a collective when sharded: every rank calls it)."""
         if not self.sharded:
-            return self.model.state_dict()
+            return {name: value.cpu() for name, value in self.model.state_dict().items()}
         from rlpipe.parallel.simple_fsdp import full_state_dict
 
         return full_state_dict(self.model)
@@ -448,7 +496,7 @@ class Learner:
         from torch.distributed.tensor import DTensor
 
         state = self.model.state_dict()
-        return {name: value.to_local() if isinstance(value, DTensor) else value for name, value in state.items()}
+        return {name: (value.to_local() if isinstance(value, DTensor) else value).cpu() for name, value in state.items()}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -491,6 +539,9 @@ class Learner:
         """Load a learner state saved by `save_checkpoint` with any number of ranks, resharded to this learner."""
         state = self.checkpoint_state()
         load_tensors(state, directory, "this model")
+        # On xla the loaded values are still pending copies: materialised here, the next step's program is the one
+        # every step runs instead of a variant that also performs the load.
+        step_boundary(self.device)
         steps = int(state["optim.step"].item())
         self.optimizer_steps_taken = steps
         self.policy_version = int(state["learner.policy_version"].item())

@@ -28,6 +28,8 @@ def causal_attention(q, k, v, window: int | None = None, impl: str = "torch") ->
     if impl == "torch":
         return reference_attention(q, k, v, window)
     if impl == "pallas":
+        if q.device.type == "xla":
+            return _xla_attention(q, k, v, window)
         return pallas_attention(q.contiguous(), k.contiguous(), v.contiguous(), window or 0)
     raise ValueError(f"model.kernels.attention: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
 
@@ -40,6 +42,21 @@ def reference_attention(q, k, v, window: int | None = None) -> torch.Tensor:
     if window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_causal_mask(q.shape[2], window, q.device))
+
+
+def _xla_attention(q, k, v, window: int | None) -> torch.Tensor:
+    """`pallas` on an xla tensor: torch_xla's Pallas flash attention inside the XLA program where it can run (TPU,
+    no sliding window), else the reference (see rlpipe/kernels/_xla.py)."""
+    from rlpipe.kernels._xla import pallas_bridge_available
+
+    if window is not None or not pallas_bridge_available():
+        return reference_attention(q, k, v, window)
+    from torch_xla.experimental.custom_kernel import flash_attention
+
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # torch_xla's kernel takes as many kv heads as query heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return flash_attention(q, k, v, causal=True, sm_scale=1.0 / math.sqrt(q.shape[-1]))
 
 
 def sliding_causal_mask(length: int, window: int, device: torch.device) -> torch.Tensor:

@@ -39,7 +39,7 @@ def linear_logprob(
     inv_temperature = 1.0 / temperature
     if impl == "reference":
         return reference_linear_logprob(hidden, weight, targets, inv_temperature)
-    if impl == "chunked":
+    if impl == "chunked" or (impl == "pallas" and hidden.device.type == "xla"):  # see rlpipe/kernels/_xla.py
         return _ChunkedLinearLogprob.apply(hidden, weight, targets, inv_temperature, chunk)
     if impl == "pallas":
         logprob, entropy, _ = pallas_linear_logprob(hidden, weight, targets.to(torch.int32), inv_temperature)

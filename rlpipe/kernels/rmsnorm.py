@@ -19,7 +19,7 @@ BLOCK_ROWS = 256
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "torch") -> torch.Tensor:
-    if impl == "torch":
+    if impl == "torch" or x.device.type == "xla":  # no Pallas RMSNorm inside an XLA program: rlpipe/kernels/_xla.py
         return reference_rms_norm(x, weight, eps)
     if impl == "pallas":
         shape = x.shape

@@ -40,6 +40,13 @@ of the graph: a different count compiles a new graph.
 
 `compile=False` runs the very same function eagerly (`learner.graph: false`), giving the same numbers up to
 floating-point reassociation.
+
+On a lazy device (xla) nothing is handed to Dynamo: the same function runs on lazy XLA tensors, which record the
+whole step, and `rlpipe.device.step_boundary` turns the record into one XLA program (see rlpipe/device.py for why).
+The programs are cached by graph hash, so each bucket compiles once, as with Dynamo. There `compiles` counts XLA
+compilations and `graph_breaks` counts programs beyond the one per step — each a host sync inside the step that cut
+the record (an `.item()`, a data-dependent branch, an op XLA cannot lower) — and `xla_fallbacks` names the ops
+that ran on the host.
 """
 
 from __future__ import annotations
@@ -220,7 +227,19 @@ class GraphTrainStep:
         self.optimizer = FunctionalAdamW(self.params, betas=betas, eps=eps, weight_decay=weight_decay)
         self.graph_breaks = 0
         self.compile_seconds = 0.0
-        if compile:
+        self.device = self.params[0].device
+        self.lazy = self.device.type == "xla"
+        self._xla_compiles = 0
+        self.xla_fallbacks: dict[str, int] = {}
+        if self.lazy:
+            from rlpipe.device import step_boundary
+
+            # The optimizer's zeros exist only as a record so far; materialised now, the first step's program takes
+            # them as data like every later one, instead of compiling a one-off variant that builds them.
+            step_boundary(self.device)
+            self._counter = None
+            self._step_fn = self._train_step
+        elif compile:
             self._counter = _CompileCounter(backend)
             self._step_fn = torch.compile(
                 _with_own_code(self._train_step), backend=self._counter, fullgraph=fullgraph, dynamic=False
@@ -231,7 +250,9 @@ class GraphTrainStep:
 
     @property
     def compiles(self) -> int:
-        """Graphs compiled so far by this trainer (0 when eager)."""
+        """Graphs compiled so far by this trainer (0 when eager; XLA programs on a lazy device)."""
+        if self.lazy:
+            return self._xla_compiles
         return self._counter.graphs if self._counter is not None else 0
 
     def _train_step(self, micro_batches: list[Batch], lr: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -260,6 +281,19 @@ class GraphTrainStep:
         self.optimizer.update(self.params, grads, lr)
         return total_loss, grad_norm, total_stats
 
+    @staticmethod
+    def _reported(loss: Tensor, grad_norm: Tensor, stats: dict[str, Tensor]) -> Tensor:
+        """Every number the step reports in one tensor, so reading them is one host transfer."""
+        for name, value in stats.items():
+            if name in _REPORTED_BY_STEP:
+                raise ValueError(f"loss_fn stat {name!r} collides with a metric the step reports itself")
+            if value.dim() != 0:
+                raise ValueError(f"loss_fn stat {name!r} has shape {tuple(value.shape)}; stats must be 0-d tensors")
+        reported = [loss, grad_norm, *stats.values()]
+        # Under SimpleFSDP the gradient norm is a DTensor holding per-rank partial results.
+        reported = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in reported]
+        return torch.stack([value.float() for value in reported])
+
     def step(self, batch: Batch | list[Batch], lr: float | Tensor | None = None) -> dict[str, float]:
         """One optimizer step over `batch` (or a list of micro-batches); returns loss, grad_norm, the stats,
         `compiles` and `graph_breaks` as floats. `lr` defaults to the constructor's."""
@@ -269,27 +303,34 @@ class GraphTrainStep:
         lr = self.lr if lr is None else lr
         lr_tensor = torch.as_tensor(lr, dtype=torch.float32, device=self.optimizer.step.device)
         started, compiles_before, breaks_before = time.perf_counter(), self.compiles, _graph_break_count()
-        with torch._dynamo.config.patch(
-            trace_autograd_ops=True,
-            # One graph per bucket, plus slack for a changed micro-batch count or batch size.
-            recompile_limit=len(self.buckets) + 2,
-            fail_on_recompile_limit_hit=True,
-        ):
+        if self.lazy:
+            from rlpipe.device import step_boundary, xla_counters
+
+            xla_before = xla_counters()
             loss, grad_norm, stats = self._step_fn(micro_batches, lr_tensor)
-        if self.compiles > compiles_before:
-            # The first call of a new shape is dominated by compilation; keep it apart from step time.
-            self.compile_seconds += time.perf_counter() - started
-        self.graph_breaks += _graph_break_count() - breaks_before
-        for name, value in stats.items():
-            if name in _REPORTED_BY_STEP:
-                raise ValueError(f"loss_fn stat {name!r} collides with a metric the step reports itself")
-            if value.dim() != 0:
-                raise ValueError(f"loss_fn stat {name!r} has shape {tuple(value.shape)}; stats must be 0-d tensors")
-        # One host transfer for every number the step reports.
-        reported = [loss, grad_norm, *stats.values()]
-        # Under SimpleFSDP the gradient norm is a DTensor holding per-rank partial results.
-        reported = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in reported]
-        values = torch.stack([value.float() for value in reported]).tolist()
+            values_tensor = self._reported(loss, grad_norm, stats)
+            step_boundary(self.device)  # the step, its optimizer update and the metrics: one program
+            spent = xla_counters() - xla_before
+            self._xla_compiles += spent.compiles
+            self.graph_breaks += max(0, spent.executions - 1)
+            for op, count in spent.fallbacks:
+                self.xla_fallbacks[op] = self.xla_fallbacks.get(op, 0) + count
+            if spent.compiles:
+                self.compile_seconds += time.perf_counter() - started
+        else:
+            with torch._dynamo.config.patch(
+                trace_autograd_ops=True,
+                # One graph per bucket, plus slack for a changed micro-batch count or batch size.
+                recompile_limit=len(self.buckets) + 2,
+                fail_on_recompile_limit_hit=True,
+            ):
+                loss, grad_norm, stats = self._step_fn(micro_batches, lr_tensor)
+            if self.compiles > compiles_before:
+                # The first call of a new shape is dominated by compilation; keep it apart from step time.
+                self.compile_seconds += time.perf_counter() - started
+            self.graph_breaks += _graph_break_count() - breaks_before
+            values_tensor = self._reported(loss, grad_norm, stats)
+        values = values_tensor.tolist()
         metrics = dict(zip(["loss", "grad_norm", *stats], values))
         metrics["compiles"] = float(self.compiles)
         metrics["graph_breaks"] = float(self.graph_breaks)

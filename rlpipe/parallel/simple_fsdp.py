@@ -224,3 +224,49 @@ def _input_caster(dtype: torch.dtype):
         return cast_floating(args), cast_floating(kwargs)
 
     return cast_inputs
+
+
+# ------------------------------------------------------------------ PyTorch/XLA: the same layout on an SPMD mesh
+#
+# On xla the layout above is written as sharding annotations instead of DTensor collectives: one process drives all
+# of its XLA devices as a 1-D ("shard",) SPMD mesh, every parameter (and its AdamW moments) is annotated Shard(0),
+# each micro-batch's rows are split over the mesh, and XLA's SPMD partitioner turns the one traced step into a
+# per-device program with the all-gathers at each use and the reduce-scatter of each gradient that SimpleFSDP
+# spells out by hand. Why not the DTensor path with one replica per device: on PJRT's CPU client torch_xla 2.9 has no
+# multi-process mode (`torch_xla.launch` starts one process and one thread per CPU device), and a 2-device
+# all_gather through the "xla" process group from those threads aborted here in XLA's rendezvous ("Expected 2
+# threads to join the rendezvous, but only 1 of them arrived"); SPMD is also what torch_xla recommends on TPU pods
+# (one process per host).
+
+
+def xla_spmd_mesh(devices: int):
+    """This process's XLA devices as a ("shard",) SPMD mesh. Switches torch_xla into SPMD mode, which must happen
+    before any XLA tensor exists; on CPU the device count comes from CPU_NUM_DEVICES."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    available = xr.global_runtime_device_count()
+    if available != devices:
+        raise ValueError(
+            f"learner.ranks: {devices} XLA devices asked for, this process has {available} "
+            "(on xla one process drives all of its devices as one SPMD mesh; on CPU set CPU_NUM_DEVICES)"
+        )
+    return xs.Mesh(np.arange(devices), (devices,), (SHARD_DIM,))
+
+
+def shard_dim0_spmd(tensors, mesh) -> None:
+    """Annotate each tensor as split along its first dimension over the mesh (0-d tensors stay replicated)."""
+    import torch_xla.distributed.spmd as xs
+
+    for tensor in tensors:
+        if tensor.dim() > 0:
+            xs.mark_sharding(tensor, mesh, (SHARD_DIM,) + (None,) * (tensor.dim() - 1))
+
+
+def xla_sharding(tensor: torch.Tensor) -> str:
+    """The sharding XLA holds for `tensor`, e.g. `{devices=[2,1]0,1}` or `{replicated}` (for tests and reports)."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor) or "{replicated}"

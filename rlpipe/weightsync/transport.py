@@ -3,7 +3,9 @@
 Sender side (a learner rank), per part:  `buffer = allocate(nbytes, bucket, version)`, pack into it,
 `handle, deliver = send(buffer)`, tell every engine about `handle`, then call `deliver()`.
 Receiver side (an engine), per part:      `with receive(handle, source_rank, nbytes) as buffer:` read it.
-After the version is committed the sender calls `release()`; `close()` frees everything for good.
+After the version is committed the sender calls `release()`; `close()` frees everything for good. Before a
+transfer the sender says which engines it goes to, `select(engine_indexes)`: usually all, one alone when a replaced
+engine catches up (only gloo, which addresses receivers itself, needs to know).
 
 Buffers are kept per bucket and reused by later versions: touching freshly mapped memory costs a page fault per
 4 KiB, which on this CPU made first-touch buffers, not the copies, the bulk of a sync.
@@ -73,6 +75,9 @@ class _BufferPool:
     def __init__(self) -> None:
         self._buffers: dict[object, np.ndarray] = {}
 
+    def select(self, engine_indexes: list[int]) -> None:
+        return None
+
     def allocate(self, nbytes: int, bucket: int, version: int) -> np.ndarray:
         buffer = self._buffers.get(bucket)
         if buffer is None or buffer.nbytes != nbytes:
@@ -131,6 +136,9 @@ class SharedMemoryTransport:
         self._by_address[buffer.ctypes.data] = segment
         return buffer
 
+    def select(self, engine_indexes: list[int]) -> None:
+        return None
+
     def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
         return self._by_address[buffer.ctypes.data].name, _nothing
 
@@ -185,6 +193,7 @@ class GlooTransport(_BufferPool):
         self.rank = -1
         self.learner_ranks = 0
         self.world = 0
+        self.receivers: list[int] = []  # group ranks of the engines the next parts go to
 
     def connect(self, address: str, port: int, rank: int, learner_ranks: int, world: int, timeout_s: float) -> None:
         import torch.distributed as dist
@@ -192,6 +201,10 @@ class GlooTransport(_BufferPool):
         store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
         self.group = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
         self.rank, self.learner_ranks, self.world = rank, learner_ranks, world
+        self.receivers = list(range(learner_ranks, world))
+
+    def select(self, engine_indexes: list[int]) -> None:
+        self.receivers = [self.learner_ranks + index for index in engine_indexes]
 
     def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
         if self.group is None:
@@ -199,7 +212,7 @@ class GlooTransport(_BufferPool):
         tensor = torch.from_numpy(buffer)
 
         def deliver() -> None:
-            works = [self.group.send([tensor], engine, 0) for engine in range(self.learner_ranks, self.world)]
+            works = [self.group.send([tensor], engine, 0) for engine in self.receivers]
             for work in works:
                 work.wait()
 

@@ -47,6 +47,7 @@ class Inputs:
     model: Path
     monkeypatch: pytest.MonkeyPatch
     modules: list[str] = field(default_factory=list)
+    sockets: list = field(default_factory=list)  # held open for the duration of the case
 
     def write(self, name: str, text: str) -> Path:
         path = self.root / name
@@ -83,6 +84,8 @@ def inputs(tmp_path, tiny_qwen3, monkeypatch):
     made = Inputs(root, Path(tiny_qwen3), monkeypatch)
     made.jsonl("good.jsonl", GOOD_ROWS)
     yield made
+    for sock in made.sockets:
+        sock.close()
     for name in made.modules:
         sys.modules.pop(name, None)
     for path in [root, *root.rglob("*")]:  # a case may have made a folder read-only
@@ -502,6 +505,24 @@ def ray_address_unreachable(d):
 @case
 def ray_address_flag_unreachable(d):
     return Case(["--address", "127.0.0.1:1"], ["ray.address: cannot reach 127.0.0.1:1"])
+
+
+@case
+def dashboard_port_in_use(d):
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    d.sockets.append(listener)
+    port = listener.getsockname()[1]
+    return Case(["ray.dashboard=true", f"ray.dashboard_port={port}"],
+                [f"ray.dashboard_port: 127.0.0.1:{port} is in use", "Address already in use"])
+
+
+@case
+def dashboard_port_out_of_range(d):
+    return Case(["ray.dashboard_port=70000"], ["ray.dashboard_port: must be a port number"])
 
 
 @case

@@ -19,7 +19,7 @@ def test_moe_shape_builds_a_qwen3_moe_and_counts_only_the_visited_experts():
 
 def test_mode_suffix_picks_the_experts_implementation(tmp_path):
     shape = LearnerBenchShape(experts=4)
-    assert _bench_config(str(tmp_path), shape, 1, False, "loop").model.kernels.experts == "loop"
+    assert _bench_config(str(tmp_path), shape, 1, False, experts="loop").model.kernels.experts == "loop"
     assert _bench_config(str(tmp_path), shape, 1, True).model.kernels.experts == "torch"
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -216,3 +217,60 @@ def test_killing_a_save_at_any_point_leaves_a_loadable_latest(tiny_qwen3, tmp_pa
         learner.load_checkpoint(str(latest / checkpoint.LEARNER_STATE))
         outcomes.add(latest.name)
     assert outcomes == {"step_000001", "step_000002"}  # killed before and after the pointer moved
+
+
+# ------------------------------------------------------------------ a full disk
+
+
+class _DiskFull:
+    """Makes the call number `at` among those that allocate or publish (fsync, rename, replace, mkdir) fail with
+    ENOSPC, as a full disk does; fsync is where delayed allocation reports it."""
+
+    CALLS = ("fsync", "rename", "replace", "mkdir")
+
+    def __init__(self, monkeypatch, at: int | None):
+        self.at, self.count = at, 0
+        for name in self.CALLS:
+            monkeypatch.setattr(os, name, self._wrap(getattr(os, name)))
+
+    def _wrap(self, call):
+        def wrapped(*args, **kwargs):
+            if call.__name__ == "mkdir" and os.path.isdir(args[0]):
+                return call(*args, **kwargs)  # `mkdir(exist_ok=True)` of a directory that exists takes no space
+            self.count += 1
+            if self.count == self.at:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return call(*args, **kwargs)
+
+        return wrapped
+
+
+def _save_step_2(learner: Learner, run_dir) -> None:
+    config = {"model": {"path": learner.model_path, "tokenizer": None}}
+    checkpoint.save(run_dir, 2, learner.save_checkpoint, lambda _: {"step": 2, "config": config}, keep=3)
+
+
+def test_a_disk_full_at_any_point_of_a_save_keeps_nothing_of_it_and_names_the_cause(tiny_qwen3, tmp_path):
+    learner = Learner(tiny_qwen3, load_config(None, [f"model.path={tiny_qwen3}"]))
+    pristine, run_dir = tmp_path / "pristine", tmp_path / "run"
+    _save(learner, pristine, 1)
+    shutil.copytree(pristine, tmp_path / "dry")
+    with pytest.MonkeyPatch.context() as patch:
+        dry = _DiskFull(patch, at=None)
+        _save_step_2(learner, tmp_path / "dry")
+    assert dry.count >= 8
+    for at in range(1, dry.count + 1):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.copytree(pristine, run_dir)
+        before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+        with pytest.MonkeyPatch.context() as patch, pytest.raises(CheckpointError) as raised:
+            _DiskFull(patch, at)
+            _save_step_2(learner, run_dir)
+        message = str(raised.value)
+        assert "\n" not in message and "No space left on device" in message, (at, message)
+        assert "checkpoint step_000002 could not be written" in message and message.endswith("still step_000001")
+        # Nothing of the failed save is left (no partial directory, no temporary pointer), `latest` is untouched.
+        assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before, at
+        learner.load_checkpoint(str(checkpoint.resolve(run_dir) / checkpoint.LEARNER_STATE))
+    _save_step_2(learner, run_dir)  # space again: the same save goes through
+    assert checkpoint.resolve(run_dir).name == "step_000002"

@@ -316,6 +316,11 @@ def test_graph_step_with_activation_checkpointing_takes_one_micro_batch_per_rank
     assert not load_config(None, []).learner.activation_checkpointing  # off by default
 
 
+def test_mixed_precision_on_xla_is_refused_by_name():
+    assert _error("learner.device=xla", "learner.param_dtype=bfloat16").startswith("learner.param_dtype: on xla")
+    assert load_config(None, ["learner.device=xla", "learner.param_dtype=float32"]).learner.device == "xla"
+
+
 def test_moe_settings_name_their_key():
     assert _error("model.kernels.experts=loop", "learner.graph=true").startswith("model.kernels.experts:")
     assert load_config(None, ["model.kernels.experts=loop"]).model.kernels.experts == "loop"  # eager: fine

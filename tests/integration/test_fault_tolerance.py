@@ -1,0 +1,203 @@
+"""Workers killed for real (SIGKILL) in a running pool: rollout engines at three points of a step, and a learner rank
+under `rlpipe train --auto-resume`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from rlpipe.config import load_config
+
+pytestmark = pytest.mark.integration
+
+GROUP_SIZE = 2
+TRANSPORT = [f"sync.transport={os.environ['RLPIPE_TEST_TRANSPORT']}"] if os.environ.get("RLPIPE_TEST_TRANSPORT") else []
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    yield
+    ray.shutdown()
+
+
+def _pid(actor) -> int:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
+
+
+def _kill_while_generating(pid: int) -> None:
+    """SIGKILL the engine process once it runs a generate call: Ray titles a worker process after the method it
+    is running."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"RolloutActor.generate" in f.read():
+                os.kill(pid, signal.SIGKILL)
+                return
+        time.sleep(0.002)
+    raise AssertionError(f"engine process {pid} never started generating")
+
+
+def _prompts(first_id: int, count: int = 6):
+    from rlpipe.types import Prompt
+
+    return [Prompt(first_id + i, f"q{i}", [5 + i, 9, 11 + i, 4], {}) for i in range(count)]
+
+
+def _check_groups(groups, prompts, version: int | None = None):
+    """Every prompt came back once, in order, with a whole group of completions."""
+    assert [g.prompt.sample_id for g in groups] == [p.sample_id for p in prompts]
+    for group in groups:
+        assert len(group.completions) == GROUP_SIZE
+        if version is not None:
+            assert {c.policy_version for c in group.completions} == {version}
+
+
+def _train_and_sync(roles, groups):
+    from rlpipe.types import TrainBatch
+
+    samples = [(g.prompt.token_ids, c) for g in groups for c in g.completions]
+    advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
+    batch = TrainBatch.from_sequences([p for p, _ in samples], [c.token_ids for _, c in samples],
+                                      [c.logprobs for _, c in samples], advantages, pad_id=0)
+    roles.train(batch)
+    return roles.sync_weights(probe=groups[0])
+
+
+def _engine_matches_learner(roles, index: int) -> None:
+    import ray
+    import torch
+
+    tokens = roles.probe_tokens
+    learner = ray.get(roles.learners[0].sequence_logprobs.remote(tokens))
+    engine = ray.get(roles.engines[index].sequence_logprobs.remote(tokens))
+    torch.testing.assert_close(torch.tensor(engine[1:]), torch.tensor(learner[1:]), atol=1e-5, rtol=0)
+
+
+def test_a_killed_rollout_engine_is_replaced_and_only_its_prompts_are_generated_again(tiny_qwen3, ray_cluster):
+    """Engine 1 of 2 is killed (1) while generating, (2) idle between steps, (3) while generating ahead during
+    training (asynchronous mode), so that the weight sync meets it dead first. Each time a new engine takes its
+    place with the current weights, and every prompt comes back exactly once."""
+    import ray
+
+    from actors.groups import Roles, start_ray
+
+    start_ray(load_config(None, ["ray.num_cpus=4"]))
+    cfg = load_config(None, [
+        f"model.path={tiny_qwen3}", "rollout.num_engines=2", f"rollout.group_size={GROUP_SIZE}",
+        "rollout.max_tokens=48", "rollout.max_model_len=128", "data.max_prompt_tokens=64", "train.prompts_per_step=6", "train.micro_batch_size=4",
+        "train.lr=1e-3", "sync.probe_tolerance=1e-5", "sync.bucket_mb=0.05", "rollout.max_restarts=3",
+        *TRANSPORT,
+    ])
+    notes: list[str] = []
+    roles = Roles(cfg, tiny_qwen3, note=notes.append)
+    try:
+        # (1) Killed mid-generation: its three prompts are generated again, the other engine's kept.
+        prompts = _prompts(100)
+        first_pid = _pid(roles.engines[1])  # asked first: the actor answers calls one at a time
+        generation = roles.start_generation(prompts, GROUP_SIZE)
+        _kill_while_generating(first_pid)
+        groups = roles.finish_generation(generation)
+        _check_groups(groups, prompts, version=0)
+        assert roles.engine_restarts == [0, 1]
+        assert _pid(roles.engines[1]) != first_pid
+        assert "rollout engine 1 died" in notes[-1]
+        _train_and_sync(roles, groups)
+        assert roles.policy_version == 1
+
+        # (2) Killed while idle, after version 1 was synced: the next step finds it dead when seeding, and the new
+        # engine receives version 1 before it generates anything.
+        os.kill(_pid(roles.engines[1]), signal.SIGKILL)
+        time.sleep(1.0)
+        roles.seed(2)
+        assert roles.engine_restarts == [0, 2]
+        assert ray.get(roles.engines[1].held_version.remote()) == 1
+        _engine_matches_learner(roles, 1)
+        prompts = _prompts(200)
+        groups = roles.finish_generation(roles.start_generation(prompts, GROUP_SIZE))
+        _check_groups(groups, prompts, version=1)
+
+        # (3) Asynchronous mode: the next step generates while this one trains; the engine is killed meanwhile. The
+        # sync finds it dead, replaces it and hands version 2 to the new engine; then its prompts come again.
+        ahead_prompts, pid = _prompts(300), _pid(roles.engines[1])
+        ahead = roles.start_generation(ahead_prompts, GROUP_SIZE)
+        _kill_while_generating(pid)
+        metrics = _train_and_sync(roles, groups)
+        assert roles.engine_restarts == [0, 3] and roles.policy_version == 2
+        assert metrics["sync/probe_max_abs"] < 1e-5
+        assert ray.get(roles.engines[1].held_version.remote()) == 2
+        ahead_groups = roles.finish_generation(ahead)
+        _check_groups(ahead_groups, ahead_prompts)
+        versions = [{c.policy_version for c in g.completions} for g in ahead_groups]
+        assert versions[3:] == [{2}] * 3  # engine 1's share: generated again, by the new engine, with version 2
+        assert all(v <= {1, 2} for v in versions[:3])  # engine 0's share: kept (or, if a sync aborted it, redone)
+        _engine_matches_learner(roles, 1)
+        _engine_matches_learner(roles, 0)
+
+        # A fourth death is one more than rollout.max_restarts: the step stops, naming the limit.
+        from actors.groups import WorkerLost
+
+        pid = _pid(roles.engines[1])
+        generation = roles.start_generation(_prompts(400), GROUP_SIZE)
+        _kill_while_generating(pid)
+        with pytest.raises(WorkerLost, match=r"rollout engine 1 died more than rollout.max_restarts=3 times"):
+            roles.finish_generation(generation)
+    finally:
+        roles.shutdown()
+
+
+def test_a_killed_learner_rank_stops_the_run_and_auto_resume_continues_it(tmp_path, tiny_qwen3):
+    """A learner rank is killed in step 3 of a run with a checkpoint every step: the step stops at once, and
+    `--auto-resume` starts the run again from checkpoint 2 in the same process; every step is logged once."""
+    run_dir = tmp_path / "runs" / "learner-killed"
+    steps = 4
+    command = [
+        sys.executable, "-m", "rlpipe.cli", "train",
+        f"run.output_dir={tmp_path / 'runs'}", "run.name=learner-killed", f"model.path={tiny_qwen3}",
+        "learner.ranks=2", "learner.collective_timeout_s=600", "rollout.group_size=4", "rollout.max_tokens=12",
+        "rollout.max_model_len=128", "data.max_prompt_tokens=112", "data.size=32", "data.eval_size=0",
+        f"train.steps={steps}", "train.prompts_per_step=2", "train.micro_batch_size=4", "train.checkpoint_every=1",
+        "ray.num_cpus=4", "metrics.tensorboard=false", "metrics.plot=false", "metrics.export=false",
+        "--auto-resume",
+    ]
+    killed: list[int] = []
+
+    def kill_a_learner_rank_after_checkpoint_2():
+        from rlpipe import checkpoint
+
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            try:
+                if checkpoint.read_trainer_state(checkpoint.resolve(run_dir))["step"] >= 2:
+                    break
+            except checkpoint.CheckpointError:
+                pass
+            time.sleep(0.2)
+        # Ray names an actor's process after its class; this run's cluster is the only one on the machine.
+        ranks = subprocess.run(["pgrep", "-f", "ray::LearnerActor"], capture_output=True, text=True).stdout.split()
+        if ranks:
+            killed.append(int(ranks[-1]))
+            os.kill(killed[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_a_learner_rank_after_checkpoint_2, daemon=True)
+    killer.start()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, start_new_session=True)
+    killer.join(timeout=10)
+    assert killed, "no learner rank was found to kill"
+    assert done.returncode == 0, done.stderr[-3000:]
+    restarts = [line for line in done.stderr.splitlines() if "auto-resume 1 of 3" in line]
+    assert len(restarts) == 1, done.stderr[-3000:]
+    assert "restarting from step_00000" in restarts[0]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # every step once
+    assert [r["policy_version"] for r in records] == list(range(1, steps + 1))

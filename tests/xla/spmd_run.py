@@ -1,0 +1,39 @@
+"""Run by test_xla_spmd.py in a fresh process (SPMD mode is process-wide and must be chosen before any XLA tensor
+exists): trains the CPU eager learner and the xla learner sharded over an SPMD mesh on the same batches, and prints
+what the test compares as one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rlpipe.device import xla_counters
+from rlpipe.learner import Learner, combine_rank_metrics
+from rlpipe.parallel.simple_fsdp import xla_sharding
+from tests.xla.test_xla_learner import STEPS, _batch, _config
+
+
+def main(model_path: str, devices: int) -> None:
+    batches = [_batch(seed) for seed in range(STEPS)]
+    sharded = Learner(model_path, _config(model_path, "learner.device=xla", "learner.graph=true", f"learner.ranks={devices}"))
+    eager = Learner(model_path, _config(model_path, "learner.device=cpu", "learner.graph=false"))
+    before = xla_counters()
+    losses = {
+        "sharded": [combine_rank_metrics([sharded.train_step(b)])["loss"] for b in batches],
+        "eager": [combine_rank_metrics([eager.train_step(b)])["loss"] for b in batches],
+    }
+    spent = xla_counters() - before
+    expected, got = eager.full_state_dict(), sharded.full_state_dict()
+    name, param = next(iter(sharded.model.named_parameters()))
+    print(json.dumps({
+        **losses,
+        "max_weight_difference": max(float((got[k] - v).abs().max()) for k, v in expected.items()),
+        "parameter_sharding": xla_sharding(param),
+        "moment_sharding": xla_sharding(sharded.graph_step.optimizer.exp_avg[0]),
+        "executions": spent.executions,
+        "graph_breaks": sharded.graph_step.graph_breaks,
+    }))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
