@@ -1,5 +1,5 @@
-"""Workers killed for real (SIGKILL) in a running pool: rollout engines at three points of a step, and a learner rank
-under `rlpipe train --auto-resume`."""
+"""Workers killed for real (SIGKILL) in a running pool: rollout engines at three points of a step; a learner rank
+under `rlpipe train --auto-resume`, then the driver itself, resumed by `rlpipe train --resume`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -156,48 +155,70 @@ def test_a_killed_rollout_engine_is_replaced_and_only_its_prompts_are_generated_
         roles.shutdown()
 
 
-def test_a_killed_learner_rank_stops_the_run_and_auto_resume_continues_it(tmp_path, tiny_qwen3):
-    """A learner rank is killed in step 3 of a run with a checkpoint every step: the step stops at once, and
-    `--auto-resume` starts the run again from checkpoint 2 in the same process; every step is logged once."""
-    run_dir = tmp_path / "runs" / "learner-killed"
-    steps = 4
+def _latest_step(run_dir) -> int:
+    from rlpipe import checkpoint
+
+    try:
+        return checkpoint.read_trainer_state(checkpoint.resolve(run_dir))["step"]
+    except checkpoint.CheckpointError:  # nothing saved yet
+        return 0
+
+
+def _wait_for_checkpoint(driver: subprocess.Popen, run_dir, step: int, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _latest_step(run_dir) < step:
+        assert driver.poll() is None, f"the driver ended (exit {driver.returncode}) before checkpoint {step}"
+        assert time.monotonic() < deadline, f"no checkpoint of step {step} within {timeout_s:g} s"
+        time.sleep(0.2)
+
+
+def test_a_killed_learner_rank_is_auto_resumed_and_a_killed_driver_is_resumed(tmp_path, tiny_qwen3):
+    """One run, two kills (SIGKILL). A learner rank dies after checkpoint 1: the step stops at once and
+    `--auto-resume` starts the run again from that checkpoint, in the same driver. Then the driver itself dies
+    after checkpoint 3: `rlpipe train --resume` continues. Every step is logged once, none lost or repeated."""
+    run_dir = tmp_path / "runs" / "killed"
+    steps = 5
     command = [
         sys.executable, "-m", "rlpipe.cli", "train",
-        f"run.output_dir={tmp_path / 'runs'}", "run.name=learner-killed", f"model.path={tiny_qwen3}",
+        f"run.output_dir={tmp_path / 'runs'}", "run.name=killed", f"model.path={tiny_qwen3}",
         "learner.ranks=2", "learner.collective_timeout_s=600", "rollout.group_size=4", "rollout.max_tokens=12",
         "rollout.max_model_len=128", "data.max_prompt_tokens=112", "data.size=32", "data.eval_size=0",
         f"train.steps={steps}", "train.prompts_per_step=2", "train.micro_batch_size=4", "train.checkpoint_every=1",
         "ray.num_cpus=4", "metrics.tensorboard=false", "metrics.plot=false", "metrics.export=false",
-        "--auto-resume",
     ]
-    killed: list[int] = []
-
-    def kill_a_learner_rank_after_checkpoint_2():
-        from rlpipe import checkpoint
-
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            try:
-                if checkpoint.read_trainer_state(checkpoint.resolve(run_dir))["step"] >= 2:
-                    break
-            except checkpoint.CheckpointError:
-                pass
-            time.sleep(0.2)
+    stderr = tmp_path / "driver.stderr"
+    # Its own session, so the Ray processes it started can be cleaned up after the kill (a killed driver cannot).
+    with open(stderr, "w") as err:
+        driver = subprocess.Popen([*command, "--auto-resume"], start_new_session=True, stdout=subprocess.DEVNULL,
+                                  stderr=err)
+    try:
+        _wait_for_checkpoint(driver, run_dir, step=1)
         # Ray names an actor's process after its class; this run's cluster is the only one on the machine.
         ranks = subprocess.run(["pgrep", "-f", "ray::LearnerActor"], capture_output=True, text=True).stdout.split()
-        if ranks:
-            killed.append(int(ranks[-1]))
-            os.kill(killed[0], signal.SIGKILL)
+        assert ranks, "no learner rank process found"
+        os.kill(int(ranks[-1]), signal.SIGKILL)
+        _wait_for_checkpoint(driver, run_dir, step=3)
+        os.kill(driver.pid, signal.SIGKILL)  # the driver alone, wherever it is in step 4 (or saving it)
+        driver.wait(timeout=30)
+    finally:
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    restarts = [line for line in stderr.read_text().splitlines() if "auto-resume 1 of 3" in line]
+    assert len(restarts) == 1 and "restarting from step_00000" in restarts[0], stderr.read_text()[-3000:]
+    assert "died" in restarts[0]  # where the run noticed it: a training step or a weight sync
+    killed_at = _latest_step(run_dir)
+    assert 3 <= killed_at < steps  # a checkpoint interrupted mid-write is never the one "latest" names
+    # The kill may cut the last line short; the checkpointed steps' lines were written before their checkpoint.
+    kept = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()[:killed_at]]
 
-    killer = threading.Thread(target=kill_a_learner_rank_after_checkpoint_2, daemon=True)
-    killer.start()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, start_new_session=True)
-    killer.join(timeout=10)
-    assert killed, "no learner rank was found to kill"
-    assert done.returncode == 0, done.stderr[-3000:]
-    restarts = [line for line in done.stderr.splitlines() if "auto-resume 1 of 3" in line]
-    assert len(restarts) == 1, done.stderr[-3000:]
-    assert "restarting from step_00000" in restarts[0]
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600,
+                             start_new_session=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))  # every step once
+    assert records[:killed_at] == kept  # continued, not restarted: the checkpointed steps' records (timings too)
     assert [r["policy_version"] for r in records] == list(range(1, steps + 1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["sync_check"]["sync/probe_max_abs"] < 1e-4

@@ -161,6 +161,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # about a minute on 2 cores (two engine workers); opt-in: `bash scripts/test.sh -m slow`
 def test_a_tensor_parallel_moe_engine_gets_the_learners_logprobs(tiny_qwen3_moe):
     """vLLM's own Qwen3-MoE split over 2 tensor-parallel workers (each holds half of every expert's intermediate
     dim): after a sync its log-probs equal the learner's, and the plan for T = 2 names only the engine's parameters.
