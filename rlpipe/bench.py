@@ -141,18 +141,22 @@ def _time_rank(
 
     learner = Learner(model_path, _bench_config(model_path, shape, ranks, graph, experts=experts), rank, ranks)
     learner.join_group("127.0.0.1", port)
-    batch = _batch(shape)
     with open("/proc/self/statm") as f:
         before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    seconds, warmup = _timed_steps(learner, _batch(shape), shape.steps)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return seconds, warmup, max(0, peak - before)
+
+
+def _timed_steps(learner, batch, steps: int) -> tuple[float, float]:
+    """Seconds per step over `steps` steps, after a first step (compilation included) timed on its own."""
     started = time.perf_counter()
     learner.train_step(batch)
     warmup = time.perf_counter() - started
     started = time.perf_counter()
-    for _ in range(shape.steps):
+    for _ in range(steps):
         learner.train_step(batch)
-    seconds = (time.perf_counter() - started) / shape.steps
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return seconds, warmup, max(0, peak - before)
+    return (time.perf_counter() - started) / steps, warmup
 
 
 def _single_rank_run(model_path, shape, graph, experts, threads, results) -> None:
@@ -189,14 +193,7 @@ def _time_xla(model_path: str, shape: LearnerBenchShape, devices: int):
     from rlpipe.learner import Learner
 
     learner = Learner(model_path, _bench_config(model_path, shape, devices, True, "xla"))
-    batch = _batch(shape)
-    started = time.perf_counter()
-    learner.train_step(batch)
-    warmup = time.perf_counter() - started
-    started = time.perf_counter()
-    for _ in range(shape.steps):
-        learner.train_step(batch)
-    seconds = (time.perf_counter() - started) / shape.steps
+    seconds, warmup = _timed_steps(learner, _batch(shape), shape.steps)
     step = learner.graph_step
     from rlpipe.kernels._xla import xla_kernel_routes
 
