@@ -215,20 +215,7 @@ def _xla_main(model_path, shape, devices, queue):
 
 
 def _time_xla_process(model_path: str, shape: LearnerBenchShape, devices: int):
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    proc = context.Process(target=_xla_main, args=(model_path, shape, devices, queue))
-    proc.start()
-    while True:
-        try:
-            result = queue.get(timeout=5)
-            break
-        except queue_module.Empty:
-            if proc.exitcode not in (None, 0):
-                raise RuntimeError(f"the xla learner process exited with code {proc.exitcode} before reporting") from None
-    proc.join()
+    result = _in_fresh_process(_xla_main, model_path, shape, devices)
     if isinstance(result, str):
         raise RuntimeError(f"xla learner failed: {result}")
     return result

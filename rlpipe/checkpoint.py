@@ -194,17 +194,15 @@ def set_torch_rng_text(text: str) -> None:
 
 def load_tensors(state: dict, directory: str, target: str) -> None:
     """Fill `state` in place from a torch.distributed.checkpoint directory (resharding as needed), or raise a
-    one-line CheckpointError saying that it does not fit `target`. DCP wraps each rank's failure in a long
-    report (and in a BaseException); its last line is the cause."""
+    one-line CheckpointError saying that it does not fit `target` (DCP wraps each rank's failure in a long report,
+    and in a BaseException: see `_cause`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         dcp.load(state, checkpoint_id=directory)
     except (Exception, CheckpointException) as err:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        cause = lines[-1] if lines else type(err).__name__
-        raise CheckpointError(f"checkpoint {directory}: does not fit {target} ({cause})") from None
+        raise CheckpointError(f"checkpoint {directory}: does not fit {target} ({_cause(err)})") from None
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
