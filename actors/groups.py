@@ -122,6 +122,7 @@ class Roles:
             self.policy_version = versions[0]
         plan = self._plan_sync()
         self.sync_plan = ray.put(plan)
+        self._share_sync_buffers()
         self._connect_sync_group()
         vocab = plan.shapes["model.embed_tokens.weight"][0]
         self.probe_tokens = [(index * 7919) % vocab for index in range(1, 33)]  # any fixed sequence serves
@@ -131,6 +132,12 @@ class Roles:
         return RolloutActor.options(**self.engine_placement.options(index, THREADS)).remote(
             self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync
         )
+
+    def _share_sync_buffers(self) -> None:
+        """Every learner rank writes into the shared-memory segments named by rank 0, one per bucket."""
+        if self.cfg.sync.transport == "shm":
+            prefix = ray.get(self.learners[0].sync_buffer_prefix.remote())
+            get_all([learner.share_sync_buffers.remote(prefix) for learner in self.learners])
 
     def _connect_sync_group(self) -> None:
         """The gloo transport's own process group: learner ranks, then engines. Formed again, by everyone, when an

@@ -31,7 +31,7 @@ def send_parts(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], transp
             ]
         )
         part.deliver()
-        sent += part.nbytes
+        sent += part.sent_bytes
         if len(receipts) > _BUCKETS_IN_FLIGHT:  # bounds what the object store holds for this sync
             get_all(receipts[-_BUCKETS_IN_FLIGHT - 1])
     get_all([ref for refs in receipts for ref in refs])
@@ -66,6 +66,13 @@ class LearnerActor:
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.learner.weight_shapes()
+
+    def sync_buffer_prefix(self) -> str:
+        """This rank's name for the shared-memory buffers every rank writes into (asked of rank 0)."""
+        return self.transport.buffer_prefix()
+
+    def share_sync_buffers(self, prefix: str) -> None:
+        self.transport.share_buffers(prefix)
 
     def send_weights(self, plan: SyncPlan, version: int, engines: list, engine_indexes: list[int]) -> int:
         """Stream this rank's parts of every bucket to `engines` (the pool's engines `engine_indexes`); returns the

@@ -291,8 +291,8 @@ class RolloutEngine:
         self._plan = plan
         if self._staging is not None:  # an abandoned version: its memory is free again
             self._spare_owned, self._staging = self._staging.owned, None
-        adopt = self.transport.stable_receive_buffers
-        self._staging = Staging(plan, version, reuse=self._spare_owned, adopt_buffers=adopt)
+        adopt, whole = self.transport.stable_receive_buffers, self.transport.whole_buckets
+        self._staging = Staging(plan, version, reuse=self._spare_owned, adopt_buffers=adopt, whole_buckets=whole)
         self._spare_owned = {}
 
     def receive_part(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:

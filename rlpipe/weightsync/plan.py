@@ -34,13 +34,15 @@ VOCAB_PADDING = 64
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [start, stop) of tensor `name`, stored at `offset` in one rank's part of a bucket."""
+    """Rows [start, stop) of tensor `name`, stored at `offset` in one rank's part of a bucket, or at
+    `bucket_offset` when every rank writes into one buffer holding the bucket's whole tensors end to end."""
 
     name: str
     start: int
     stop: int
     offset: int
     nbytes: int
+    bucket_offset: int
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Bucket:
     index: int
     names: tuple[str, ...]
     parts: tuple[tuple[Piece, ...], ...]  # parts[rank]: the pieces that learner rank sends
+    tensor_offsets: tuple[int, ...]  # where each of `names` starts in the whole-tensor layout
 
     def part_bytes(self, rank: int) -> int:
         return sum(piece.nbytes for piece in self.parts[rank])
@@ -171,10 +174,13 @@ def plan_sync(
 
     buckets = []
     for index, names in enumerate(groups):
+        tensor_offsets = [0]
+        for name in names:
+            tensor_offsets.append(tensor_offsets[-1] + math.prod(shapes[name]) * itemsize)
         parts = []
         for rank in range(learner_ranks):
             pieces, offset = [], 0
-            for name in names:
+            for name, tensor_offset in zip(names, tensor_offsets):
                 shape = shapes[name]
                 if not shape:  # a 0-dim tensor is replicated on every rank; rank 0 sends it
                     start, stop = (0, 1) if rank == 0 else (0, 0)
@@ -183,10 +189,11 @@ def plan_sync(
                     start, stop = shard_rows(shape[0], rank, learner_ranks)
                     row_bytes = math.prod(shape[1:]) * itemsize
                 if stop > start:
-                    pieces.append(Piece(name, start, stop, offset, (stop - start) * row_bytes))
-                    offset += (stop - start) * row_bytes
+                    nbytes = (stop - start) * row_bytes
+                    pieces.append(Piece(name, start, stop, offset, nbytes, tensor_offset + start * row_bytes))
+                    offset += nbytes
             parts.append(tuple(pieces))
-        buckets.append(Bucket(index, tuple(names), tuple(parts)))
+        buckets.append(Bucket(index, tuple(names), tuple(parts), tuple(tensor_offsets[:-1])))
 
     destinations = {name: tuple(_destinations(name, shape, engine)) for name, shape in shapes.items()}
     return SyncPlan(learner_ranks, engine.dtype, shapes, tuple(buckets), destinations)

@@ -22,7 +22,8 @@ _PACK_AHEAD = 2
 class OutgoingPart:
     bucket: int
     rank: int
-    nbytes: int
+    nbytes: int  # the buffer the engine receives: the part, or the whole bucket when ranks share one
+    sent_bytes: int  # this rank's bytes in it
     checksum: int
     handle: Any
     deliver: Callable[[], None]
@@ -38,10 +39,11 @@ def stream_parts(
 
     def pack(index: int) -> OutgoingPart:
         bucket = buckets[index]
-        buffer = transport.allocate(bucket.part_bytes(rank), bucket.index, version)
-        digest = pack_part(bucket, rank, local, dtype, buffer)
+        whole = transport.whole_buckets
+        buffer = transport.allocate(bucket.nbytes if whole else bucket.part_bytes(rank), bucket.index, version)
+        digest = pack_part(bucket, rank, local, dtype, buffer, whole_bucket=whole)
         handle, deliver = transport.send(buffer)
-        return OutgoingPart(bucket.index, rank, buffer.nbytes, digest, handle, deliver)
+        return OutgoingPart(bucket.index, rank, buffer.nbytes, bucket.part_bytes(rank), digest, handle, deliver)
 
     if not buckets:
         return

@@ -17,6 +17,10 @@ version v+1 never writes the segments of version v, which the engine may still n
 
 - `ray`:  the Ray object store (default; works across hosts). The handle is an object reference.
 - `shm`:  POSIX shared memory on one host. The learner packs straight into a named segment; the handle is its name.
+          Every learner rank writes its rows of a bucket into the same segment, laid out as whole tensors
+          (`whole_buckets`), so the engine uses each tensor in place however many ranks sent it. The segments are
+          named after learner rank 0's transport (`buffer_prefix()` there, `share_buffers(prefix)` on every rank
+          before the first transfer); rank 0 unlinks them.
 - `gloo`: torch.distributed point-to-point over a process group of its own (learner ranks, then engines). Sends
           block until the engine receives, which is why the engines are told first and `deliver()` comes after.
 """
@@ -72,6 +76,8 @@ def _nothing() -> None:
 
 
 class _BufferPool:
+    whole_buckets = False  # each rank's part of a bucket travels in a buffer of its own
+
     def __init__(self) -> None:
         self._buffers: dict[object, np.ndarray] = {}
 
@@ -113,28 +119,53 @@ class RayTransport(_BufferPool):
 class SharedMemoryTransport:
     name = "shm"
     stable_receive_buffers = True
+    whole_buckets = True
 
     def __init__(self) -> None:
-        self._segments: dict[object, Any] = {}  # sender: key -> segment it owns
+        self._segments: dict[object, Any] = {}  # sender: key -> segment
         self._by_address: dict[int, Any] = {}  # sender: buffer address -> segment
         self._attached: dict[str, tuple[Any, np.ndarray]] = {}  # receiver: name -> (segment, view)
+        self._prefix = f"{_SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._owner = True  # unlinks the segments; the other ranks only map them
+
+    def buffer_prefix(self) -> str:
+        return self._prefix
+
+    def share_buffers(self, prefix: str) -> None:
+        """Write into the segments named after `prefix` (learner rank 0's `buffer_prefix()`)."""
+        if self._segments:
+            raise RuntimeError("shm weight transport: share_buffers() after the first transfer")
+        self._prefix, self._owner = prefix, prefix == self._prefix
 
     def allocate(self, nbytes: int, bucket: int, version: int) -> np.ndarray:
-        from multiprocessing import shared_memory
-
         key = (bucket, version % 2)
         segment = self._segments.get(key)
-        if segment is None or segment.size < max(1, nbytes):
+        if segment is None:
             if not self._segments:
                 remove_orphaned_segments()
-            segment = shared_memory.SharedMemory(
-                create=True, size=max(1, nbytes), name=f"{_SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            )
-            self._segments[key] = segment
-            _created_here.add(segment.name)
+            segment = self._segments[key] = self._open(f"{self._prefix}-{bucket}-{version % 2}", max(1, nbytes))
+        if segment.size < nbytes:
+            raise RuntimeError(f"shm weight transport: segment {segment.name} holds {segment.size} bytes, "
+                               f"bucket {bucket} needs {nbytes} (the sync plan changed)")
         buffer = np.ndarray((nbytes,), dtype=np.uint8, buffer=segment.buf)
         self._by_address[buffer.ctypes.data] = segment
         return buffer
+
+    def _open(self, name: str, nbytes: int):
+        """The segment `name`, created by whichever rank gets there first; only the owner keeps it registered with
+        its resource tracker (which would unlink it when that process exits)."""
+        from multiprocessing import resource_tracker, shared_memory
+
+        try:
+            segment = shared_memory.SharedMemory(create=True, size=nbytes, name=name)
+        except FileExistsError:
+            segment = shared_memory.SharedMemory(name=name)
+        if self._owner:
+            _created_here.add(segment.name)
+        else:
+            with contextlib.suppress(Exception):
+                resource_tracker.unregister(segment._name, "shared_memory")
+        return segment
 
     def select(self, engine_indexes: list[int]) -> None:
         return None
@@ -169,9 +200,10 @@ class SharedMemoryTransport:
         for segment in self._segments.values():
             with contextlib.suppress(BufferError):  # a view may still be alive; unlinking frees it regardless
                 segment.close()
-            with contextlib.suppress(FileNotFoundError):
-                segment.unlink()
-            _created_here.discard(segment.name)
+            if self._owner:
+                with contextlib.suppress(FileNotFoundError):
+                    segment.unlink()
+                _created_here.discard(segment.name)
         self._segments.clear()
 
     def __del__(self) -> None:

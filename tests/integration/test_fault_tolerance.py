@@ -185,6 +185,7 @@ def test_a_killed_learner_rank_is_auto_resumed_and_a_killed_driver_is_resumed(tm
         "rollout.max_model_len=128", "data.max_prompt_tokens=112", "data.size=32", "data.eval_size=0",
         f"train.steps={steps}", "train.prompts_per_step=2", "train.micro_batch_size=4", "train.checkpoint_every=1",
         "ray.num_cpus=4", "metrics.tensorboard=false", "metrics.plot=false", "metrics.export=false",
+        "sync.transport=shm",  # both ranks write into rank 0's segments; the killed processes' must not outlive them
     ]
     stderr = tmp_path / "driver.stderr"
     # Its own session, so the Ray processes it started can be cleaned up after the kill (a killed driver cannot).
@@ -222,3 +223,16 @@ def test_a_killed_learner_rank_is_auto_resumed_and_a_killed_driver_is_resumed(tm
     assert [r["policy_version"] for r in records] == list(range(1, steps + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["sync_check"]["sync/probe_max_abs"] < 1e-4
+    assert not _orphaned_segments()  # the killed run's were removed by the resumed one, which freed its own
+
+
+def _orphaned_segments() -> list[str]:
+    """Shared-memory weight-sync segments whose creating process is gone (named rlpipe-<pid>-...)."""
+    orphans = []
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("rlpipe-"):
+            try:
+                os.kill(int(name.split("-")[1]), 0)
+            except ProcessLookupError:
+                orphans.append(name)
+    return orphans

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlpipe.weightsync import codec
+from rlpipe.weightsync import codec, native
 from rlpipe.parallel.mesh import find_free_port
 from rlpipe.weightsync import (
     EngineLayout,
@@ -245,49 +245,80 @@ def test_checksum_notices_any_changed_word_and_length():
     assert checksum(np.zeros(16, np.uint8)) != checksum(np.zeros(8, np.uint8))
 
 
-@pytest.mark.parametrize("chunk_bytes", [6, 10, 1 << 20])
-def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, chunk_bytes):
-    # The checksum is summed chunk by chunk as the buffer fills; chunks of 3 or 5 bf16 values end off the
-    # 8-byte word grid, and the result must still be the checksum of the finished buffer.
+@pytest.mark.parametrize(
+    "chunk_bytes, dtype, use_native",
+    [(6, "bfloat16", False), (10, "bfloat16", False), (1 << 20, "bfloat16", False),
+     (6, "float32", False), (1 << 20, "float32", False), (1 << 20, "float32", True)],
+)
+def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, chunk_bytes, dtype, use_native):
+    # The checksum is summed chunk by chunk (or piece by piece in the native loop) as the buffer fills; chunks
+    # of 3 or 5 values and bf16 pieces end off the 8-byte word grid, and the result must still be the checksum
+    # of the finished buffer. bfloat16 casts; float32 is the plain-copy path.
     monkeypatch.setattr(codec, "_PACK_CHUNK_BYTES", chunk_bytes)
+    if use_native:
+        assert native.copy_checksum() is not None, "no C compiler for the native copy-and-checksum loop"
+    else:
+        monkeypatch.setattr(native, "copy_checksum", lambda: None)
     shapes = _hf_shapes(kv_heads=2)
     full = _full_tensors(shapes)
-    plan = plan_sync(shapes, 3, _layout(1, 2, "bfloat16"), 30_000)
+    plan = plan_sync(shapes, 3, _layout(1, 2, dtype), 30_000)
     for rank in range(3):
         local = _local_shards(full, rank, 3)
         for bucket in plan.buckets:
             buffer = np.full(bucket.part_bytes(rank), 0xAB, dtype=np.uint8)
             assert pack_part(bucket, rank, local, plan.torch_dtype, buffer) == checksum(buffer)
             for piece in bucket.parts[rank]:
-                packed = torch.from_numpy(buffer[piece.offset : piece.offset + piece.nbytes]).view(torch.bfloat16)
-                assert torch.equal(packed, local[piece.name].to(torch.bfloat16).reshape(-1)), piece.name
+                packed = torch.from_numpy(buffer[piece.offset : piece.offset + piece.nbytes]).view(plan.torch_dtype)
+                assert torch.equal(packed, local[piece.name].to(plan.torch_dtype).reshape(-1)), piece.name
+
+
+def test_native_copy_checksum_equals_the_numpy_arithmetic():
+    # Every alignment case of the C loop: heads and tails off the 64-byte and 8-byte grids, empty and
+    # sub-word spans, a destination whose part does not start 8-aligned (the byte-wise path), a long body.
+    fused = native.copy_checksum()
+    assert fused is not None, "no C compiler for the native copy-and-checksum loop"
+    rng = np.random.default_rng(1)
+    source_block = rng.integers(0, 256, size=(1 << 20) + 300, dtype=np.uint8)
+    for length in [0, 1, 7, 8, 63, 64, 65, 127, 128, 129, 1000, (1 << 20) + 13]:
+        for source_shift, target_shift, position in [(0, 0, 0), (3, 0, 0), (0, 5, 5), (1, 12, 4), (0, 3, 0), (7, 0, 9)]:
+            source = source_block[source_shift : source_shift + length]
+            target_block = np.zeros(length + 80, dtype=np.uint8)
+            target = target_block[target_shift : target_shift + length]
+            expected = codec._positional_sum(source, position)
+            assert fused(source, target, position) == expected, (length, source_shift, target_shift, position)
+            assert np.array_equal(target, source)
+            assert not target_block[:target_shift].any() and not target_block[target_shift + length :].any()
 
 
 @pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("adopt", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, adopt, experts):
-    """With experts: stacked [E, ...] tensors whose expert dimension (4) splits 2 + 2 or 2 + 2 + 0 over the ranks."""
+@pytest.mark.parametrize("whole", [False, True], ids=["parts", "whole-buckets"])
+def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, adopt, experts, whole):
+    """With experts: stacked [E, ...] tensors whose expert dimension (4) splits 2 + 2 or 2 + 2 + 0 over the ranks.
+    `whole`: every rank writes its rows into one buffer per bucket, as over shared memory."""
     shapes = {**_hf_shapes(kv_heads=2), **(_moe_shapes() if experts else {})}
     full = _full_tensors(shapes)
     layout = _moe_layout(1, dtype=dtype) if experts else _layout(1, 2, dtype)
     plan = plan_sync(shapes, ranks, layout, 30_000)
-    staging = Staging(plan, version=1, adopt_buffers=adopt)
+    staging = Staging(plan, version=1, adopt_buffers=adopt, whole_buckets=whole)
+    shared = {bucket.index: np.full(bucket.nbytes, 0xAB, dtype=np.uint8) for bucket in plan.buckets}
     for rank in reversed(range(ranks)):  # arrival order does not matter
         local = _local_shards(full, rank, ranks)
         for bucket in plan.buckets:
-            buffer = np.empty(bucket.part_bytes(rank), dtype=np.uint8)
-            if not len(buffer):
+            if not bucket.part_bytes(rank):
                 continue
-            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer)
+            buffer = shared[bucket.index] if whole else np.empty(bucket.part_bytes(rank), dtype=np.uint8)
+            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, whole_bucket=whole)
             staging.add(bucket.index, rank, buffer, digest)
     assembled = staging.complete()
     assert list(assembled) == list(plan.shapes)
     for name, tensor in full.items():
         torch.testing.assert_close(assembled[name], tensor.to(getattr(torch, dtype)), rtol=0, atol=0)
-    # Adopted tensors are the received buffers themselves; only tensors split over ranks are copied.
-    split = {name for name, shape in shapes.items() if shape[0] > 1 and ranks > 1}
+    # Adopted tensors are the received buffers themselves; only tensors split over ranks into separate parts
+    # are copied.
+    split = {name for name, shape in shapes.items() if shape[0] > 1 and ranks > 1 and not whole}
     assert set(staging.owned) == (split if adopt else set(shapes))
     reused = Staging(plan, version=2, reuse=staging.owned)
     if staging.owned:
@@ -316,6 +347,24 @@ def test_a_corrupt_short_or_missing_part_is_refused():
         staging.complete()
 
 
+def test_in_a_shared_bucket_each_ranks_rows_are_checked_on_their_own():
+    shapes = _hf_shapes(kv_heads=2)
+    full = _full_tensors(shapes)
+    plan = plan_sync(shapes, 2, _layout(1, 2), 30_000)
+    bucket = next(b for b in plan.buckets if b.part_bytes(0) and b.part_bytes(1))
+    buffer = np.zeros(bucket.nbytes, dtype=np.uint8)
+    digests = [pack_part(bucket, rank, _local_shards(full, rank, 2), torch.float32, buffer, whole_bucket=True)
+               for rank in range(2)]
+    assert buffer.any()
+    piece = bucket.parts[1][0]
+    buffer[piece.bucket_offset + piece.nbytes // 2] ^= 1  # in rank 1's rows
+    staging = Staging(plan, version=4, adopt_buffers=True, whole_buckets=True)
+    staging.add(bucket.index, 0, buffer, digests[0])
+    with pytest.raises(SyncError, match=f"bucket {bucket.index} from learner rank 1 is corrupt"):
+        staging.add(bucket.index, 1, buffer, digests[1])
+    assert not set(bucket.names) & set(staging.tensors)  # nothing of a half-checked bucket is used
+
+
 def test_a_shard_that_does_not_match_the_plan_is_refused():
     shapes = _hf_shapes(kv_heads=2)
     plan = plan_sync(shapes, 2, _layout(1, 2), 1 << 20)
@@ -333,11 +382,12 @@ def _receive_all(transport_name, parts, plan, results, connect=None):
         transport = make_transport(transport_name)
         if connect:
             transport.connect(*connect)
-        staging = Staging(plan, version=1)
+        staging = Staging(plan, 1, adopt_buffers=transport.stable_receive_buffers, whole_buckets=transport.whole_buckets)
         for bucket, rank, handle, nbytes, digest in parts:
             with transport.receive(handle, rank, nbytes) as buffer:
                 staging.add(bucket, rank, buffer, digest)
-        results.put({name: t.numpy() for name, t in staging.complete().items()})
+        # copies: the adopted tensors are views of the transport's buffers, which go when this function returns
+        results.put({name: t.numpy().copy() for name, t in staging.complete().items()})
     except Exception as err:
         results.put(repr(err))
 
@@ -353,21 +403,33 @@ def _send_over_gloo(port, plan, results):
         results.put(repr(err))
 
 
-@pytest.mark.parametrize("transport_name", ["shm", "gloo"])
-def test_transport_carries_every_bucket_to_another_process(transport_name):
+@pytest.mark.parametrize("transport_name, ranks", [("shm", 1), ("shm", 2), ("gloo", 1)])
+def test_transport_carries_every_bucket_to_another_process(transport_name, ranks):
+    from multiprocessing import shared_memory
+
     shapes = _hf_shapes(kv_heads=2)
     full = _full_tensors(shapes)
-    plan = plan_sync(shapes, 1, _layout(1, 2), 30_000)
+    plan = plan_sync(shapes, ranks, _layout(1, 2), 30_000)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     if transport_name == "shm":
-        sender = make_transport("shm")
-        parts = [(p.bucket, p.rank, p.handle, p.nbytes, p.checksum) for p in stream_parts(plan, 0, full, sender, 1)]
+        senders = [make_transport("shm") for _ in range(ranks)]
+        for sender in senders:  # every rank writes into rank 0's segments
+            sender.share_buffers(senders[0].buffer_prefix())
+        parts = [(p.bucket, p.rank, p.handle, p.nbytes, p.checksum)
+                 for rank, sender in enumerate(senders)
+                 for p in stream_parts(plan, rank, _local_shards(full, rank, ranks), sender, 1)]
+        assert len({handle for _, _, handle, _, _ in parts}) == len(plan.buckets)  # one segment per bucket
         receiver = context.Process(target=_receive_all, args=("shm", parts, plan, results))
         receiver.start()
         received = results.get(timeout=120)
         receiver.join()
-        sender.close()
+        for sender in reversed(senders):
+            sender.close()
+            if sender is not senders[0]:
+                shared_memory.SharedMemory(name=parts[0][2]).close()  # rank 0's segments outlive the others
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=parts[0][2])
     else:
         # gloo handles carry nothing: the receiver knows sizes and checksums travel beside the bytes.
         parts = []
