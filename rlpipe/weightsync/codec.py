@@ -1,11 +1,14 @@
 """Bucket parts as flat byte buffers: packing a rank's rows on the learner, checking and assembling on the engine.
 
 A part is the rank's pieces laid end to end in the rollout dtype, no header: the plan says where each piece
-sits, so both sides compute the layout and only bytes and a checksum travel.
+sits, so both sides compute the layout and only bytes and a checksum travel. Where the transport gives all ranks
+one buffer per bucket (shared memory), each rank instead writes its rows where they belong in the bucket's whole
+tensors, and its part is those spans.
 
-The checksum is the sum of the buffer's 64-bit words (the tail zero-padded) modulo 2^64, mixed with the length:
-it reads memory at bandwidth speed (crc32 here runs at about a sixth of memcpy and would dominate the transfer),
-and any changed word, truncation or zeroed span changes it. It guards against transport faults, not tampering.
+The checksum is the sum of the part's 64-bit words (the tail zero-padded) modulo 2^64, mixed with the length —
+taken over the rank's spans in place when ranks share a buffer: it reads memory at bandwidth speed (crc32 here
+runs at about a sixth of memcpy and would dominate the transfer), and any changed word, truncation or zeroed span
+changes it. It guards against transport faults, not tampering. The sender takes it while copying (`native.py`).
 """
 
 from __future__ import annotations

@@ -48,6 +48,9 @@ static uint64_t bytes_sum(const uint8_t *src, uint8_t *dst, size_t n, size_t pos
     return acc;
 }
 
+#ifdef __cplusplus
+extern "C"
+#endif
 uint64_t copy_checksum(const uint8_t *src, uint8_t *dst, size_t n, size_t position) {
     if ((((uintptr_t)dst - position) & 7) != 0) return bytes_sum(src, dst, n, position);
     /* head: up to the first 64-byte aligned destination address */
@@ -62,14 +65,14 @@ uint64_t copy_checksum(const uint8_t *src, uint8_t *dst, size_t n, size_t positi
     for (; i + 128 <= body; i += 128) {
         __m512i x = _mm512_loadu_si512((const void *)(src + i));
         __m512i y = _mm512_loadu_si512((const void *)(src + i + 64));
-        _mm512_stream_si512((void *)(dst + i), x);
-        _mm512_stream_si512((void *)(dst + i + 64), y);
+        _mm512_stream_si512((__m512i *)(dst + i), x);
+        _mm512_stream_si512((__m512i *)(dst + i + 64), y);
         a0 = _mm512_add_epi64(a0, x);
         a1 = _mm512_add_epi64(a1, y);
     }
     for (; i < body; i += 64) {
         __m512i x = _mm512_loadu_si512((const void *)(src + i));
-        _mm512_stream_si512((void *)(dst + i), x);
+        _mm512_stream_si512((__m512i *)(dst + i), x);
         a0 = _mm512_add_epi64(a0, x);
     }
     acc += (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
@@ -131,12 +134,12 @@ def copy_checksum() -> CopyChecksum | None:
     return its checksum contribution at `position` in the part; None where no C compiler is available."""
     if os.environ.get("RLPIPE_NATIVE", "1") == "0":
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    compiler = next(filter(None, map(shutil.which, [os.environ.get("CC", "cc"), "gcc", "clang", "g++"])), None)
     if compiler is None:
         return None
     try:
         function = ctypes.CDLL(str(_build(compiler))).copy_checksum
-    except (OSError, subprocess.SubprocessError) as error:
+    except (OSError, AttributeError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         warnings.warn(f"weight sync: building the copy-and-checksum loop failed ({error}; "
                       f"{detail.decode(errors='replace').strip()[:200]}); packing uses numpy", stacklevel=2)
