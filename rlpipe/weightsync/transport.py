@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -159,13 +160,32 @@ class SharedMemoryTransport:
         try:
             segment = shared_memory.SharedMemory(create=True, size=nbytes, name=name)
         except FileExistsError:
-            segment = shared_memory.SharedMemory(name=name)
+            segment = self._attach_when_sized(name, nbytes)
         if self._owner:
             _created_here.add(segment.name)
         else:
             with contextlib.suppress(Exception):
                 resource_tracker.unregister(segment._name, "shared_memory")
         return segment
+
+    @staticmethod
+    def _attach_when_sized(name: str, nbytes: int, timeout_s: float = 30.0):
+        """Another rank creates a segment in two steps (create, then set its size): wait for the second."""
+        from multiprocessing import shared_memory
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                segment = shared_memory.SharedMemory(name=name)
+                if segment.size >= nbytes:
+                    return segment
+                segment.close()
+            except ValueError:  # "cannot mmap an empty file": created, not sized yet
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"shm weight transport: segment {name} did not reach {nbytes} bytes "
+                                   f"within {timeout_s:.0f} s (the rank creating it stalled?)")
+            time.sleep(0.001)
 
     def select(self, engine_indexes: list[int]) -> None:
         return None

@@ -467,6 +467,30 @@ def test_shared_memory_alternates_two_segment_sets_and_is_freed_on_close():
             shared_memory.SharedMemory(name=name)
 
 
+def test_a_rank_waits_for_a_shared_segment_another_rank_is_still_sizing():
+    # SharedMemory(create=True) creates the segment, then sets its size: a rank attaching in between must wait.
+    import _posixshmem
+    import threading
+
+    owner = make_transport("shm")
+    other = make_transport("shm")
+    other.share_buffers(owner.buffer_prefix())
+    name = f"{owner.buffer_prefix()}-0-1"
+    descriptor = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    sizing = threading.Timer(0.3, os.ftruncate, (descriptor, 4096))
+    sizing.start()
+    try:
+        buffer = other.allocate(4096, bucket=0, version=1)  # attaches once the size is there, does not fail
+        assert buffer.nbytes == 4096 and other.send(buffer)[0] == name
+    finally:
+        sizing.join()
+        os.close(descriptor)
+        other.close()
+        assert os.path.exists(f"/dev/shm/{name}")  # not the owner: it leaves the segment
+        _posixshmem.shm_unlink("/" + name)
+        owner.close()
+
+
 def _allocate_and_die(names) -> None:
     transport = make_transport("shm")
     names.send(transport.send(transport.allocate(64, bucket=0, version=1))[0])  # a pipe sends before returning
