@@ -204,12 +204,10 @@ class Learner:
             from rlpipe.device import backend
             from rlpipe.parallel.graph_trainer import GraphTrainStep
 
+            # Sharded steps compile with inductor too: the SIGSEGV a 2-rank 12-layer inductor step once hit came from
+            # gloo running several of its in-flight collectives at once; see GLOO_WORKER_THREADS in
+            # rlpipe/parallel/mesh.py.
             compiler = backend(self.cfg.learner.device).compile_backend
-            if self.sharded and compiler == "inductor":
-                # Inductor's code for the step with SimpleFSDP's collectives crashed (SIGSEGV) in a 2-rank 12-layer
-                # run, after torch warned that collective outputs were used without being waited on; AOT-eager
-                # keeps the same single captured graph (forward, backward, optimizer) without inductor's kernels.
-                compiler = "aot_eager"
             self.graph_step = GraphTrainStep(
                 self.model,
                 self._micro_loss,

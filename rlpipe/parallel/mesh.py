@@ -7,7 +7,10 @@ of the model, sharded across its own ranks; gradients are summed across replicas
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -38,13 +41,58 @@ def init_distributed(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
     host = f"[{master_addr}]" if ":" in master_addr else master_addr  # IPv6 literals need brackets in a URL
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{host}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    with _gloo_worker_threads(GLOO_WORKER_THREADS if backend == "gloo" else None):
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{host}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+
+# ProcessGroupGloo runs queued collectives on a pool of worker threads (2 by default), so collectives that are in
+# flight together execute concurrently. Eager SimpleFSDP (and AOT-eager) waits on each gather at its first use,
+# so hardly ever has two in flight, but inductor's code for the compiled step issues a layer's all-gathers back to back before
+# waiting on any, and leaves every gradient's reduce-scatter in flight until the clipping norm. On this machine
+# (torch 2.13 CPU) that crashed a 2-rank 12-layer x 512 step with heap corruption ("malloc(): unaligned tcache
+# chunk detected", SIGSEGV/SIGABRT) in 4 of 5 runs, caught by gdb in both gloo worker threads while each ran an
+# allgather; with one worker thread 3 runs (19 steps) completed. One worker thread runs the collectives one after
+# another, in issue order, still overlapped with the compute.
+GLOO_WORKER_THREADS = 1
+
+
+@contextmanager
+def _gloo_worker_threads(threads: int | None) -> Iterator[None]:
+    """Within this block the default process group is created as a gloo group with `threads` worker threads.
+
+    `init_process_group` ignores `pg_options` for gloo (torch builds ProcessGroupGloo with default options), so the
+    class it calls is swapped for one that passes options; isinstance checks against ProcessGroupGloo still hold.
+    """
+    if threads is None:
+        yield
+        return
+    from torch.distributed import distributed_c10d
+
+    gloo = distributed_c10d.ProcessGroupGloo
+
+    class ProcessGroupGlooWithThreads(gloo):
+        def __init__(self, store, rank, size, timeout):
+            options = gloo._Options()
+            options._timeout = timeout
+            # As torch's own constructor picks them: the interfaces named in GLOO_SOCKET_IFNAME, else the default.
+            interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+            options._devices = [gloo.create_device(interface=name) for name in interfaces] or [
+                gloo.create_default_device()
+            ]
+            options._threads = threads
+            super().__init__(store, rank, size, options)
+
+    distributed_c10d.ProcessGroupGloo = ProcessGroupGlooWithThreads
+    try:
+        yield
+    finally:
+        distributed_c10d.ProcessGroupGloo = gloo
 
 
 def destroy_distributed() -> None:

@@ -146,7 +146,7 @@ def _recompute_rank(rank, model_path, ports, results):
 
 
 def test_activation_checkpointing_on_two_ranks_changes_no_numbers(tiny_qwen3):
-    """Sharded eager and compiled (AOT-eager) steps with checkpointed layers equal those without; in the compiled
+    """Sharded eager and compiled (inductor) steps with checkpointed layers equal those without; in the compiled
     graph every layer weight's all-gather is re-emitted for backward, so backward reads no forward-gathered copy."""
     context = mp.get_context("spawn")
     results = context.Queue()

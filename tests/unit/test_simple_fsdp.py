@@ -518,3 +518,28 @@ def test_find_free_port_returns_a_bindable_port():
     port = find_free_port()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", port))
+
+
+def test_gloo_group_runs_its_collectives_on_one_worker_thread():
+    """With gloo's default two worker threads, the collectives that inductor's code for the sharded step keeps in
+    flight together ran concurrently and corrupted the heap of a 2-rank 12-layer run (see rlpipe/parallel/mesh.py);
+    the learner's group is built with one worker thread, and ProcessGroupGloo itself is left as it was."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from rlpipe.parallel.mesh import GLOO_WORKER_THREADS
+
+    gloo_class = distributed_c10d.ProcessGroupGloo
+    init_distributed("gloo", 0, 1, "127.0.0.1", find_free_port(), timeout_s=30)
+    try:
+        group = distributed_c10d._get_default_group()
+        gloo = group._get_backend(torch.device("cpu"))
+        assert isinstance(gloo, gloo_class)
+        assert gloo.options._threads == GLOO_WORKER_THREADS == 1
+        assert gloo.options._timeout.total_seconds() == 30
+        values = torch.arange(4.0)
+        dist.all_reduce(values)
+        torch.testing.assert_close(values, torch.arange(4.0))
+    finally:
+        destroy_distributed()
+    assert distributed_c10d.ProcessGroupGloo is gloo_class
