@@ -154,7 +154,7 @@ def shard_rows(rows: int, rank: int, ranks: int) -> tuple[int, int]:
 def plan_sync(
     shapes: Mapping[str, Sequence[int]], learner_ranks: int, engine: EngineLayout, bucket_bytes: int
 ) -> SyncPlan:
-    """Plan the transfer of every tensor in `shapes` (Hugging Face names, full shapes, in send order)."""
+    """Plan the transfer of every tensor in `shapes` (Hugging Face names, full shapes)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
     itemsize = torch.empty(0, dtype=getattr(torch, engine.dtype)).element_size()
@@ -162,15 +162,27 @@ def plan_sync(
     if engine.tied_embeddings:
         shapes.pop("lm_head.weight", None)  # the engine derives it from the embedding
 
+    # A sync is a pipeline (the next bucket is packed while the engine checks this one) that fills while the first
+    # bucket is packed and drains while the last is checked. Both ends are kept short: tensors larger than a bucket
+    # (embeddings, the output layer) travel in the middle, and the first and last buckets get a quarter budget.
+    sizes = {name: math.prod(shape) * itemsize for name, shape in shapes.items()}
+    fitting = [name for name in shapes if sizes[name] <= bucket_bytes]
+    oversized = [name for name in shapes if sizes[name] > bucket_bytes]
+    order = fitting[: len(fitting) // 2] + oversized + fitting[len(fitting) // 2 :]
+    end_budget = max(1, bucket_bytes // 4)
     groups: list[list[str]] = [[]]
     group_bytes = 0
-    for name, shape in shapes.items():
-        size = math.prod(shape) * itemsize
-        if groups[-1] and group_bytes + size > bucket_bytes:
+    for name in order:
+        if groups[-1] and group_bytes + sizes[name] > (end_budget if len(groups) == 1 else bucket_bytes):
             groups.append([])
             group_bytes = 0
         groups[-1].append(name)
-        group_bytes += size
+        group_bytes += sizes[name]
+    tail: list[str] = []
+    while len(groups[-1]) > 1 and sum(sizes[name] for name in tail) + sizes[groups[-1][-1]] <= end_budget:
+        tail.insert(0, groups[-1].pop())
+    if tail:
+        groups.append(tail)
 
     buckets = []
     for index, names in enumerate(groups):

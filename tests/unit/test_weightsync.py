@@ -110,6 +110,21 @@ def test_plan_covers_every_row_once_and_respects_the_bucket_budget(ranks):
     assert plan.nbytes == sum(int(np.prod(s)) * 4 for s in shapes.values())
 
 
+def test_the_first_and_last_buckets_are_short_and_tensors_larger_than_a_bucket_travel_between():
+    # The pipeline fills while the first bucket is packed and drains while the last is checked.
+    shapes = _hf_shapes(kv_heads=2)
+    sizes = {name: int(np.prod(shape)) * 4 for name, shape in shapes.items()}
+    budget = max(sizes[name] for name in shapes if "embed" not in name and "lm_head" not in name)
+    assert sizes["model.embed_tokens.weight"] > budget  # embedding and output layer fill a bucket each
+    plan = plan_sync(shapes, 1, _layout(1, 2), budget)
+    first, last = plan.buckets[0], plan.buckets[-1]
+    for bucket in (first, last):
+        assert sum(sizes[name] for name in bucket.names) <= budget // 4 or len(bucket.names) == 1
+    ends = set(first.names) | set(last.names)
+    assert not ends & {"model.embed_tokens.weight", "lm_head.weight"}
+    assert sorted(name for bucket in plan.buckets for name in bucket.names) == sorted(shapes)
+
+
 def test_plan_uses_the_rollout_dtype_and_skips_a_tied_output_layer():
     shapes = _hf_shapes(kv_heads=2)  # the learner may carry lm_head even when the engine ties it
     plan = plan_sync(shapes, 2, _layout(1, 2, "bfloat16", tied=True), 1 << 20)
