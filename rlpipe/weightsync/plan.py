@@ -179,7 +179,8 @@ def plan_sync(
         groups[-1].append(name)
         group_bytes += sizes[name]
     tail: list[str] = []
-    while len(groups[-1]) > 1 and sum(sizes[name] for name in tail) + sizes[groups[-1][-1]] <= end_budget:
+    long_end = sum(sizes[name] for name in groups[-1]) > end_budget
+    while long_end and len(groups[-1]) > 1 and sum(sizes[name] for name in tail) + sizes[groups[-1][-1]] <= end_budget:
         tail.insert(0, groups[-1].pop())
     if tail:
         groups.append(tail)
