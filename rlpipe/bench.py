@@ -38,6 +38,7 @@ class LearnerBenchShape:
     experts: int = 0  # > 0: a Qwen3-MoE with this many experts in every layer
     top_k: int = 2
     expert_intermediate: int = 384
+    group: int = 1  # > 1: consecutive rows share their prompt (the first half of seq), as a GRPO group's samples do
 
     def hf_config(self) -> dict:
         if self.experts:
@@ -93,8 +94,16 @@ def matmul_peak_gflops(seconds: float = 2.0, n: int = 2048) -> float:
     return 2 * n**3 * count / (time.perf_counter() - start) / 1e9
 
 
+def _mode_settings(mode: str) -> tuple[bool, str, bool]:
+    """A single-rank mode's (graph, experts' implementation, learner.share_prompts): `eager`, `graph`, `eager+loop`,
+    `eager-unshared` (packed rows, every sample's prompt run on its own)..."""
+    run, _, experts = mode.partition("+")
+    return run.startswith("graph"), experts or "torch", run != "eager-unshared"
+
+
 def _bench_config(
-    model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, device: str = "cpu", experts: str = "torch"
+    model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, device: str = "cpu", experts: str = "torch",
+    share_prompts: bool = True,
 ):
     from rlpipe.config import load_config
 
@@ -104,8 +113,8 @@ def _bench_config(
         None,
         [
             f"model.path={model_path}",
-            f"train.prompts_per_step={shape.batch // 2}",
-            "rollout.group_size=2",
+            f"train.prompts_per_step={shape.batch // max(2, shape.group)}",
+            f"rollout.group_size={max(2, shape.group)}",
             f"train.micro_batch_size={micro_batch}",
             f"train.steps={shape.steps + 2}",
             f"learner.ranks={ranks}",
@@ -116,6 +125,7 @@ def _bench_config(
             f"rollout.max_tokens={shape.seq // 2}",
             f"rollout.max_model_len={shape.seq}",
             f"model.kernels.experts={experts}",
+            f"learner.share_prompts={str(share_prompts).lower()}",
         ],
     )
 
@@ -126,13 +136,15 @@ def _batch(shape: LearnerBenchShape):
     generator = torch.Generator().manual_seed(0)
     half = shape.seq // 2
     prompts = [torch.randint(0, shape.vocab, (half,), generator=generator).tolist() for _ in range(shape.batch)]
+    prompts = [prompts[row - row % shape.group] for row in range(shape.batch)]
     completions = [torch.randint(0, shape.vocab, (half,), generator=generator).tolist() for _ in range(shape.batch)]
     logprobs = [[-2.0] * half for _ in range(shape.batch)]
     return TrainBatch.from_sequences(prompts, completions, logprobs, torch.randn(shape.batch, generator=generator).tolist())
 
 
 def _time_rank(
-    model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, rank: int = 0, port: int = 0, experts: str = "torch"
+    model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, rank: int = 0, port: int = 0,
+    experts: str = "torch", share_prompts: bool = True,
 ):
     """Seconds per train step on one rank after warm-up (which includes compilation in graph mode), the warm-up
     step's seconds, and the growth of peak resident memory over the loaded learner (meaningful in a fresh process)."""
@@ -140,7 +152,8 @@ def _time_rank(
 
     from rlpipe.learner import Learner
 
-    learner = Learner(model_path, _bench_config(model_path, shape, ranks, graph, experts=experts), rank, ranks)
+    config = _bench_config(model_path, shape, ranks, graph, experts=experts, share_prompts=share_prompts)
+    learner = Learner(model_path, config, rank, ranks)
     learner.join_group("127.0.0.1", port)
     with open("/proc/self/statm") as f:
         before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -160,9 +173,10 @@ def _timed_steps(learner, batch, steps: int) -> tuple[float, float]:
     return (time.perf_counter() - started) / steps, warmup
 
 
-def _single_rank_run(model_path, shape, graph, experts, threads, results) -> None:
+def _single_rank_run(model_path, shape, mode, threads, results) -> None:
     torch.set_num_threads(threads)
-    results.put(_time_rank(model_path, shape, 1, graph, experts=experts))
+    graph, experts, share_prompts = _mode_settings(mode)
+    results.put(_time_rank(model_path, shape, 1, graph, experts=experts, share_prompts=share_prompts))
 
 
 def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: int, results) -> None:
@@ -175,8 +189,8 @@ def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: 
     batch = _batch(shape)
     learners = {}
     for mode in modes:
-        run, _, experts = mode.partition("+")
-        config = _bench_config(model_path, shape, 1, run.startswith("graph"), experts=experts or "torch")
+        graph, experts, share_prompts = _mode_settings(mode)
+        config = _bench_config(model_path, shape, 1, graph, experts=experts, share_prompts=share_prompts)
         learners[mode] = Learner(model_path, config)
         learners[mode].train_step(batch)  # warm-up, compilation included
     best = dict.fromkeys(modes, float("inf"))
@@ -274,14 +288,15 @@ def bench_learner(shape: LearnerBenchShape, modes: list[str], out: str | None = 
     peak = matmul_peak_gflops()
     tokens = shape.batch * shape.seq
     flops = shape.flops_per_token() * tokens
-    print(f"model: {shape}\nfp32 matmul peak here: {peak:.1f} GFLOP/s ({threads} threads); {tokens} tokens a step")
+    counted = " (counting every sample's prompt)" if shape.group > 1 else ""
+    print(f"model: {shape}\nfp32 matmul peak here: {peak:.1f} GFLOP/s ({threads} threads); {tokens} tokens a step{counted}")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(0)
         save_state_dict(build_model(shape.hf_config()).state_dict(), shape.hf_config(), f"{folder}/model", overwrite=True)
         model_path = f"{folder}/model"
         for mode in modes:
-            run, _, experts = mode.partition("+")
+            run = mode.partition("+")[0]
             graph = run.startswith("graph")
             xla, extra_bytes = {}, None
             if run in ("xla-graph", "xla-graph-m2"):  # torch_xla's environment only (scripts/setup-xla.sh)
@@ -289,9 +304,7 @@ def bench_learner(shape: LearnerBenchShape, modes: list[str], out: str | None = 
             elif run.endswith("m2"):
                 seconds, warmup, extra_bytes = _time_two_ranks(model_path, shape, graph, max(1, threads // 2))
             else:  # a fresh process each, so that its peak memory is this mode's alone
-                seconds, warmup, extra_bytes = _in_fresh_process(
-                    _single_rank_run, model_path, shape, graph, experts or "torch", threads
-                )
+                seconds, warmup, extra_bytes = _in_fresh_process(_single_rank_run, model_path, shape, mode, threads)
             row = {
                 "mode": mode,
                 "seconds_per_step": seconds,

@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     learner.add_argument("--experts", type=int, default=0, help="> 0: a Qwen3-MoE with this many experts a layer")
     learner.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
     learner.add_argument("--expert-intermediate", type=int, default=384, help="each expert's MLP width")
+    learner.add_argument(
+        "--group-size", type=int, default=1,
+        help="> 1: rows come in groups sharing their prompt (half of --seq), as GRPO's samples do; mode "
+        "eager-unshared runs them with learner.share_prompts=false",
+    )
     sync = benches.add_parser("sync", help="weight-sync bytes/s per transport against this host's memcpy")
     sync.add_argument("--models", default="smollm2-135m,random-500m")
     sync.add_argument("--transports", default="ray,shm,gloo")
@@ -186,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
 
         shape = LearnerBenchShape(
             layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch, steps=args.steps,
-            experts=args.experts, top_k=args.top_k, expert_intermediate=args.expert_intermediate,
+            experts=args.experts, top_k=args.top_k, expert_intermediate=args.expert_intermediate, group=args.group_size,
         )
+        if args.group_size < 1 or args.batch % args.group_size:
+            parser.error(f"bench learner --group-size: must be >= 1 and divide --batch ({args.batch})")
         if args.experts < 0:
             parser.error("bench learner --experts: must be >= 0")
         if args.experts and not 1 <= args.top_k <= args.experts:

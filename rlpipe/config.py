@@ -210,6 +210,11 @@ class LearnerConfig:
         "eager forward passes run on each micro-batch's sequences packed into one row, so no padding token is "
         "computed (the graph step keeps padded rows: its shapes are static)",
     )
+    share_prompts: bool = _key(
+        True,
+        "in packed forwards a group's common prompt runs once and every completion reads it, instead of once per "
+        "sample (dense models, model.kernels.attention=torch)",
+    )
     length_buckets: list[int] = _key(
         [64, 128, 256, 512, 1024], "sequence lengths are padded up to these, so the graph compiles once per bucket"
     )

@@ -32,6 +32,7 @@ def token_logprobs(
     lengths: torch.Tensor | None = None,
     scored: torch.Tensor | None = None,
     router_logits: list[torch.Tensor] | None = None,
+    prompt_lengths: torch.Tensor | None = None,
 ):
     """Logprob of each token given the ones before it, aligned with input_ids (position 0 gets 0).
 
@@ -40,14 +41,15 @@ def token_logprobs(
     [tokens x vocab] logits never exist); any other callable returning logits is read the plain way.
     With `lengths` (real tokens per row) an rlpipe model runs on the rows packed into one (`pack`), so no padding
     token is computed, and `scored` ([B, T] bool, e.g. the completion mask) limits the output projection to the
-    tokens whose log-prob is used; every other position gets 0.
+    tokens whose log-prob is used; every other position gets 0. With `prompt_lengths` too, rows with the same
+    prompt run it once (see `pack`).
     A `router_logits` list receives a mixture-of-experts model's router logits, one [tokens, experts] tensor per
     MoE layer, over the rows as run: packed (the real tokens in row order) or padded (B x T).
     """
     kernels = kernels or KernelsConfig()
     if lengths is not None and hasattr(model, "output_embedding"):
         return _packed_token_logprobs(
-            model, input_ids, lengths, temperature, with_entropy, kernels, scored, router_logits
+            model, input_ids, lengths, temperature, with_entropy, kernels, scored, router_logits, prompt_lengths
         )
     targets = input_ids[:, 1:]
     if hasattr(model, "output_embedding"):
@@ -69,31 +71,63 @@ def token_logprobs(
     return picked, torch.nn.functional.pad(entropy.view(targets.shape), (1, 0))
 
 
-def pack(input_ids: torch.Tensor, lengths: torch.Tensor):
-    """Right-padded rows [B, T] as one row of their real tokens: ids [1, N], position ids [1, N] restarting at 0
-    for each sequence, the sequences' lengths, and the [B, T] mask of real tokens (where the values go back)."""
-    real = torch.arange(input_ids.shape[1]) < lengths[:, None]
-    positions = (real.cumsum(dim=1) - 1)[real]
-    return input_ids[real][None], positions[None], tuple(lengths.tolist()), real
+def pack(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor | None = None):
+    """Right-padded rows [B, T] as one row of their real tokens: ids [1, N], position ids [1, N] (each token's
+    position in its own sequence), the row's `Segments` and `where` [B, T], each real token's index in the packed
+    row (-1 at padding).
+
+    With `prompt_lengths`, consecutive rows whose prompts are the same tokens (a GRPO group) share one copy: the
+    prompt runs once and each row's completion follows it, attending to it — the values a row would get alone,
+    with the prompt's tokens computed once per group instead of once per sample."""
+    rows, lengths = input_ids.tolist(), lengths.tolist()
+    prompts = lengths if prompt_lengths is None else [max(1, min(p, n)) for p, n in zip(prompt_lengths.tolist(), lengths)]
+    ids, positions, segments = [], [], []
+    where = torch.full(input_ids.shape, -1, dtype=torch.long)
+    first = 0
+    while first < len(rows):
+        prompt, block = prompts[first], [prompts[first]]
+        last = first + 1
+        while last < len(rows) and prompts[last] == prompt and rows[last][:prompt] == rows[first][:prompt]:
+            last += 1
+        where[first:last, :prompt] = torch.arange(len(ids), len(ids) + prompt)
+        ids += rows[first][:prompt]
+        positions += range(prompt)
+        for row in range(first, last):
+            continuation = range(prompt, lengths[row])
+            if continuation:
+                where[row, prompt : lengths[row]] = torch.arange(len(ids), len(ids) + len(continuation))
+                ids += rows[row][prompt : lengths[row]]
+                positions += continuation
+                block.append(len(continuation))
+        segments.append(tuple(block))
+        first = last
+    return torch.tensor([ids]), torch.tensor([positions]), tuple(segments), where
 
 
-def _packed_token_logprobs(model, input_ids, lengths, temperature, with_entropy, kernels, scored, router_logits):
-    ids, positions, segments, real = pack(input_ids, lengths)
-    hidden = model.hidden_states(ids, positions, segments, router_logits)[0]
-    # Token j is scored from hidden state j - 1; a sequence's first token has no prediction. On RL batches the
-    # prompt tokens are about half of all tokens, and their log-probs are never used, so they skip the projection.
-    wanted = positions[0] > 0 if scored is None else scored[real] & (positions[0] > 0)
-    targets = wanted.nonzero().squeeze(1)
-    if len(targets) == 0:  # e.g. a padding pass of a sharded learner: still one row, so every rank runs the same ops
-        targets = torch.tensor([len(wanted) - 1])
+def _packed_token_logprobs(
+    model, input_ids, lengths, temperature, with_entropy, kernels, scored, router_logits, prompt_lengths
+):
+    ids, positions, segments, where = pack(input_ids, lengths, prompt_lengths)
+    hidden = model.hidden_states(ids.to(input_ids.device), positions.to(input_ids.device), segments, router_logits)[0]
+    # Token (r, t) is scored from the hidden state of token (r, t - 1); a sequence's first token has no prediction.
+    # On RL batches the prompt tokens are about half of all tokens, and their log-probs are never used, so they
+    # skip the projection.
+    wanted = where >= 0
+    wanted[:, 0] = False
+    if scored is not None:
+        wanted &= scored.cpu()
+    rows, columns = wanted.nonzero(as_tuple=True)
+    if len(rows) == 0:  # e.g. a padding pass of a sharded learner: still one row, so every rank runs the same ops
+        rows, columns = torch.tensor([0]), torch.tensor([max(1, int(lengths[0]) - 1)])
     picked, entropy = linear_logprob(
-        hidden[targets - 1], model.output_embedding(), ids[0, targets], temperature,
-        impl=kernels.logprob, chunk=kernels.logprob_chunk,
+        hidden[where[rows, columns - 1].to(hidden.device)], model.output_embedding(), input_ids[rows, columns],
+        temperature, impl=kernels.logprob, chunk=kernels.logprob_chunk,
     )
+    wanted = wanted.to(hidden.device)
 
     def unpacked(values: torch.Tensor) -> torch.Tensor:
-        values = torch.where(wanted, values.new_zeros(len(wanted)).index_put((targets,), values), 0.0)
-        return values.new_zeros(input_ids.shape).masked_scatter(real, values)
+        placed = values.new_zeros(input_ids.shape).index_put((rows.to(values.device), columns.to(values.device)), values)
+        return torch.where(wanted, placed, 0.0)
 
     return (unpacked(picked), unpacked(entropy)) if with_entropy else unpacked(picked)
 
@@ -250,9 +284,18 @@ class Learner:
             out.append((rows[0], rows[-1] + 1, True) if rows else (first, first + 1, False))
         return out
 
-    def _packed(self, lengths: torch.Tensor) -> torch.Tensor | None:
-        """The lengths that make an eager forward run packed (learner.packing, not on xla), else None (padded rows)."""
-        return lengths if self.cfg.learner.packing and self.device.type != "xla" else None
+    def _packed(self, lengths: torch.Tensor, completion_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The arguments of `token_logprobs` that make an eager forward run packed (learner.packing, not on xla),
+        with the prompts' lengths where a group's prompt can run once (learner.share_prompts); none for padded rows."""
+        learner = self.cfg.learner
+        if not learner.packing or self.device.type == "xla":
+            return {}
+        if not learner.share_prompts or self.moe_layers or self.kernels.attention != "torch":
+            # MoE: the router statistics and load-balancing term count tokens as run, which must not depend on it.
+            return {"lengths": lengths}
+        # A row's prompt ends where its completion starts; a row without completion tokens keeps to itself.
+        prompt_lengths = torch.where(completion_mask.any(dim=1), completion_mask.int().argmax(dim=1), lengths)
+        return {"lengths": lengths, "prompt_lengths": prompt_lengths}
 
     def _on_device(self, tensors: dict) -> dict:
         """A micro-batch's tensors on the learner's device; on an SPMD mesh its rows are split over the devices."""
@@ -287,7 +330,7 @@ class Learner:
                     ids.to(self.device),
                     self.temperature,
                     kernels=self.kernels,
-                    lengths=self._packed(part.lengths),
+                    **self._packed(part.lengths, part.completion_mask),
                     scored=part.completion_mask,
                 )
                 if real:
@@ -342,7 +385,7 @@ class Learner:
                 out = defaultdict(float)
                 for part in self._micro_batches(first, last):
                     micro = self._micro_batch(batch, part, old_logprobs, ref_logprobs)
-                    micro["lengths"] = self._packed(batch.lengths[part[0] : part[1]])
+                    micro.update(self._packed(batch.lengths[part[0] : part[1]], micro["mask"]))
                     loss, stats = self._micro_loss(self.model, self._on_device({**micro, **totals}))
                     loss.backward()
                     # One host transfer for all of them: a MoE model adds a count per (layer, expert).
@@ -399,6 +442,7 @@ class Learner:
             with_entropy=True,
             kernels=self.kernels,
             lengths=micro.get("lengths"),
+            prompt_lengths=micro.get("prompt_lengths"),
             scored=mask,
             router_logits=router_logits,
         )

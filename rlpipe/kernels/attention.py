@@ -1,6 +1,8 @@
 """Causal attention with grouped-query heads (and an optional sliding window), softmax scale 1/sqrt(head_dim).
 
 q [B, Hq, T, D]; k, v [B, Hkv, T, D] with Hq a multiple of Hkv (query head h reads kv head h // (Hq / Hkv)).
+The `torch` implementation also takes keys that start before the queries (k, v [B, Hkv, P + T, D]: the queries are
+the last T positions), which is how a packed row's continuations read the prompt they share.
 
 - `torch`: the reference — kv heads repeated, `scaled_dot_product_attention` (what the model runs by default).
 - `pallas`: flash attention. Forward: grid (batch, query head, query block, kv block), the kv blocks a reduction
@@ -27,6 +29,8 @@ BLOCK_Q, BLOCK_KV = 128, 128
 def causal_attention(q, k, v, window: int | None = None, impl: str = "torch") -> torch.Tensor:
     if impl == "torch":
         return reference_attention(q, k, v, window)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"model.kernels.attention={impl}: keys must cover exactly the queries' positions")
     if impl == "pallas":
         if q.device.type == "xla":
             return _xla_attention(q, k, v, window)
@@ -39,9 +43,10 @@ def reference_attention(q, k, v, window: int | None = None) -> torch.Tensor:
     if groups > 1:
         # Explicit repetition rather than sdpa's enable_gqa: every compile backend (inductor, XLA) lowers it.
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    if window is None:
+    earlier = k.shape[2] - q.shape[2]  # keys before the first query (a shared prompt); sdpa's is_causal assumes 0
+    if window is None and earlier == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_causal_mask(q.shape[2], window, q.device))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_causal_mask(q.shape[2], window, q.device, earlier))
 
 
 def _xla_attention(q, k, v, window: int | None) -> torch.Tensor:
@@ -59,11 +64,11 @@ def _xla_attention(q, k, v, window: int | None) -> torch.Tensor:
     return flash_attention(q, k, v, causal=True, sm_scale=1.0 / math.sqrt(q.shape[-1]))
 
 
-def sliding_causal_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
-    """[T, T] bool, True where query i may attend key j: j <= i and i - j < window."""
-    positions = torch.arange(length, device=device)
-    distance = positions[:, None] - positions[None, :]
-    return (distance >= 0) & (distance < window)
+def sliding_causal_mask(length: int, window: int | None, device: torch.device, earlier: int = 0) -> torch.Tensor:
+    """[T, earlier + T] bool, True where query i (at position earlier + i) may attend key j: j <= earlier + i and,
+    with a window, earlier + i - j < window."""
+    distance = torch.arange(earlier, earlier + length, device=device)[:, None] - torch.arange(earlier + length, device=device)
+    return (distance >= 0) & (distance < (window or earlier + length))
 
 
 # ------------------------------------------------------------------ Pallas

@@ -30,6 +30,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
+# A packed row's layout: blocks in row order, each a prefix followed by the lengths of the continuations that read
+# it. ((5, 3, 4), (7,)) is a 5-token prompt shared by a 3- and a 4-token completion, then a 7-token sequence alone.
+Segments = tuple[tuple[int, ...], ...]
+
 # HF fills these from the config class when config.json omits them; the values differ per family.
 _DEFAULT_MAX_POSITION_EMBEDDINGS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768}
 # Qwen3-MoE's config class defaults, used when config.json omits a key (as transformers does).
@@ -399,17 +403,31 @@ class Attention(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: tuple[int, ...] | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments | None = None
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         q, k, v = self.rotated_qkv(x, cos, sin)
         if segments is None:
             out = causal_attention(q, k, v, self.sliding_window, self.impl)
         else:
-            # A packed row: each sequence attends within itself only, so no score across sequences is computed.
-            pieces = zip(q.split(segments, dim=2), k.split(segments, dim=2), v.split(segments, dim=2))
-            out = torch.cat([causal_attention(*piece, self.sliding_window, self.impl) for piece in pieces], dim=2)
+            out = torch.cat(list(self._packed_attention(q, k, v, segments)), dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def _packed_attention(self, q, k, v, segments: Segments):
+        """Attention over a packed row, block by block: a block's prefix attends within itself, and each of the
+        continuations after it attends to the prefix and to itself — no score across blocks or between
+        continuations is computed."""
+        start = 0
+        for prefix, *continuations in segments:
+            shared = slice(start, start + prefix)
+            k_prefix, v_prefix = k[:, :, shared], v[:, :, shared]
+            yield causal_attention(q[:, :, shared], k_prefix, v_prefix, self.sliding_window, self.impl)
+            start += prefix
+            for length in continuations:
+                own = slice(start, start + length)
+                k_seen, v_seen = torch.cat([k_prefix, k[:, :, own]], dim=2), torch.cat([v_prefix, v[:, :, own]], dim=2)
+                yield causal_attention(q[:, :, own], k_seen, v_seen, self.sliding_window, self.impl)
+                start += length
 
 
 class MLP(nn.Module):
@@ -433,7 +451,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: tuple[int, ...] | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output and, for a mixture-of-experts layer, its router logits [tokens, experts]."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
@@ -474,7 +492,7 @@ class DecoderStack(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
-        segments: tuple[int, ...] | None = None,
+        segments: Segments | None = None,
         router_logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if position_ids is None:
@@ -498,7 +516,7 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only LM over right-padded batches (padding only follows real tokens, so causal attention alone
     keeps it from influencing them and no attention mask is taken) or over packed rows: one row holding several
-    sequences back to back, given as `segments` (their lengths) with position ids restarting at each."""
+    sequences back to back, laid out as `segments` describe, with position ids restarting at each."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -540,11 +558,12 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        segments: tuple[int, ...] | None = None,
+        segments: Segments | None = None,
         router_logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [B, T, H], the input of the output projection. With `segments` (lengths
-        summing to T, B = 1) the row is packed: each segment attends only within itself. With a `router_logits`
+        """Final-normed hidden states [B, T, H], the input of the output projection. With `segments` (see
+        `Segments`; B = 1) the row is packed: several sequences, or continuations of a shared prefix, back to back,
+        with `position_ids` giving each token's position in its own sequence. With a `router_logits`
         list, every mixture-of-experts layer appends its router logits [B * T, experts] to it, in layer order."""
         return self.model(input_ids, position_ids, segments, router_logits)
 

@@ -28,3 +28,25 @@ def test_cli_rejects_more_experts_per_token_than_experts(capsys):
         main(["bench", "learner", "--experts", "4", "--top-k", "5"])
     assert exit_info.value.code == 2
     assert "--top-k" in capsys.readouterr().err
+
+
+def test_group_shaped_rows_share_their_prompt_and_eager_unshared_turns_sharing_off(tmp_path):
+    from rlpipe.bench import _batch, _mode_settings
+
+    shape = LearnerBenchShape(seq=8, batch=8, vocab=64, group=4)
+    batch = _batch(shape)
+    prompts = batch.input_ids[:, :4]
+    assert (prompts[:4] == prompts[0]).all() and (prompts[4:] == prompts[4]).all() and (prompts[0] != prompts[4]).any()
+    assert (batch.input_ids[:4, 4:] != batch.input_ids[0, 4:]).any(dim=1)[1:].all()  # completions differ
+    config = _bench_config(str(tmp_path), shape, 1, False)
+    assert config.rollout.group_size == 4 and config.train.prompts_per_step == 2 and config.learner.share_prompts
+    assert _mode_settings("eager-unshared") == (False, "torch", False)
+    assert _mode_settings("graph") == (True, "torch", True) and _mode_settings("eager+loop") == (False, "loop", True)
+    assert not _bench_config(str(tmp_path), shape, 1, False, share_prompts=False).learner.share_prompts
+
+
+def test_cli_rejects_a_group_size_that_does_not_divide_the_batch(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "learner", "--batch", "8", "--group-size", "3"])
+    assert exit_info.value.code == 2
+    assert "--group-size" in capsys.readouterr().err

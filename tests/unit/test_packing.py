@@ -1,5 +1,6 @@
 """Sequence packing in the learner: a micro-batch's sequences run as one row of real tokens (position ids restart
-per sequence, attention stays within each), and everything computed from it equals the padded path."""
+per sequence, attention stays within each; a group's common prompt runs once, its completions reading it), and
+everything computed from it equals the padded path."""
 
 from __future__ import annotations
 
@@ -26,6 +27,26 @@ def _batch(seed: int = 0, rows: int = 4) -> TrainBatch:
     return TrainBatch.from_sequences(prompts, completions, logprobs, advantages, pad_id=0)
 
 
+def _group_batch(seed: int = 0, groups: int = 2, group_size: int = 3) -> TrainBatch:
+    """GRPO-shaped: each group's rows share one prompt (the last row's prompt differs from its group's in the last
+    token only, so it must run on its own)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for _ in range(groups):
+        prompt = torch.randint(3, 300, (int(torch.randint(2, 9, (1,), generator=generator)),), generator=generator)
+        for _ in range(group_size):
+            prompts.append(prompt.tolist())
+            completions.append(torch.randint(3, 300, (int(torch.randint(1, 9, (1,), generator=generator)),), generator=generator).tolist())
+    prompts[-1] = prompts[-1][:-1] + [prompts[-1][-1] % 299 + 1]
+    logprobs = [(-torch.rand(len(c), generator=generator) - 0.5).tolist() for c in completions]
+    advantages = torch.randn(len(prompts), generator=generator).tolist()
+    return TrainBatch.from_sequences(prompts, completions, logprobs, advantages, pad_id=0)
+
+
+def _prompt_lengths(batch: TrainBatch) -> torch.Tensor:
+    return batch.completion_mask.int().argmax(dim=1)
+
+
 def _model(sliding_window: int | None = None) -> CausalLM:
     torch.manual_seed(0)
     layer_types = (SLIDING_ATTENTION, FULL_ATTENTION) if sliding_window else ()
@@ -38,17 +59,30 @@ def _model(sliding_window: int | None = None) -> CausalLM:
 
 def test_pack_lays_the_real_tokens_of_each_row_back_to_back():
     ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]])
-    packed, positions, segments, real = pack(ids, torch.tensor([3, 2, 4]))
+    packed, positions, segments, where = pack(ids, torch.tensor([3, 2, 4]))
     assert packed.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
     assert positions.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
-    assert segments == (3, 2, 4)
-    assert real.sum() == 9 and not real[0, 3] and not real[1, 2:].any()
+    assert segments == ((3,), (2,), (4,))
+    assert where.tolist() == [[0, 1, 2, -1], [3, 4, -1, -1], [5, 6, 7, 8]]
+
+
+def test_pack_runs_a_prompt_that_consecutive_rows_share_once():
+    ids = torch.tensor([[5, 6, 7, 1, 0], [5, 6, 8, 9, 2], [5, 6, 3, 0, 0], [5, 7, 3, 0, 0], [4, 4, 4, 4, 0]])
+    # Rows 0-2 share the prompt [5, 6]; row 3's differs; row 4 has no completion token (its prompt is all of it).
+    packed, positions, segments, where = pack(ids, torch.tensor([4, 5, 3, 3, 4]), torch.tensor([2, 2, 2, 2, 4]))
+    assert packed.tolist() == [[5, 6, 7, 1, 8, 9, 2, 3, 5, 7, 3, 4, 4, 4, 4]]
+    assert positions.tolist() == [[0, 1, 2, 3, 2, 3, 4, 2, 0, 1, 2, 0, 1, 2, 3]]
+    assert segments == ((2, 2, 3, 1), (2, 1), (4,))
+    assert where[:3, :2].tolist() == [[0, 1]] * 3  # one copy of the shared prompt
+    assert where[1].tolist() == [0, 1, 4, 5, 6] and where[3].tolist() == [8, 9, 10, -1, -1]
+    assert (packed[0, where.clamp(min=0)] == ids)[where >= 0].all()
 
 
 @pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-window"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["", "activation-checkpointing"])
-def test_packed_logprobs_and_gradients_equal_the_padded_ones(window, recompute):
-    batch = _batch()
+@pytest.mark.parametrize("shared", [False, True], ids=["", "shared-prompts"])
+def test_packed_logprobs_and_gradients_equal_the_padded_ones(window, recompute, shared):
+    batch = _group_batch() if shared else _batch()
     real = torch.arange(batch.input_ids.shape[1]) < batch.lengths[:, None]
     results = {}
     for packed in (False, True):
@@ -57,6 +91,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(window, recompute):
         logprobs, entropy = token_logprobs(
             model, batch.input_ids, 0.9, with_entropy=True, kernels=KernelsConfig(),
             lengths=batch.lengths if packed else None,
+            prompt_lengths=_prompt_lengths(batch) if packed and shared else None,
         )
         # A loss over the real tokens only, weighted so every position's gradient differs.
         weights = torch.linspace(0.5, 1.5, logprobs.numel()).view(logprobs.shape)
@@ -103,6 +138,23 @@ def test_packed_attention_keeps_sequences_apart():
     assert not torch.allclose(after[0], before[0])
 
 
+def test_continuations_of_a_shared_prompt_do_not_see_each_other():
+    """Changing one completion changes no other row's log-probs; changing the shared prompt changes every row's."""
+    model, batch = _model(), _group_batch()
+    prompts = _prompt_lengths(batch)
+    before = token_logprobs(model, batch.input_ids, lengths=batch.lengths, prompt_lengths=prompts)
+    changed = batch.input_ids.clone()
+    changed[1, int(prompts[1]) : int(batch.lengths[1])] = 7
+    after = token_logprobs(model, changed, lengths=batch.lengths, prompt_lengths=prompts)
+    others = torch.arange(len(batch)) != 1
+    torch.testing.assert_close(after[others], before[others], atol=0, rtol=0)
+    assert not torch.allclose(after[1], before[1])
+    changed = batch.input_ids.clone()
+    changed[:3, 0] = 7  # the first group's prompt, in every row of the group
+    after = token_logprobs(model, changed, lengths=batch.lengths, prompt_lengths=prompts, scored=batch.completion_mask)
+    assert all(not torch.allclose(after[row], before[row] * batch.completion_mask[row]) for row in range(3))
+
+
 def _learner_config(model_path: str, *overrides: str):
     return load_config(None, [
         f"model.path={model_path}", "rollout.group_size=2", "train.prompts_per_step=4", "train.micro_batch_size=4",
@@ -140,3 +192,37 @@ def test_a_packed_learner_trains_as_the_padded_one_without_computing_padding(tin
     assert max((tensor - start[name]).abs().max() for name, tensor in packed.items()) > 100 * TOLERANCE
     for name, tensor in padded.items():
         torch.testing.assert_close(packed[name], tensor, atol=TOLERANCE, rtol=1e-4, msg=name)
+
+
+def test_a_learner_sharing_prompts_trains_as_one_that_does_not(tiny_qwen3):
+    """Three GRPO updates on group-shaped batches with learner.share_prompts on and off: same metrics and weights,
+    and with it on the model sees each group's prompt once per micro-batch."""
+    learners = {
+        share: Learner(tiny_qwen3, _learner_config(tiny_qwen3, f"learner.share_prompts={str(share).lower()}"))
+        for share in (False, True)
+    }
+    start = {name: tensor.clone() for name, tensor in learners[True].model.state_dict().items()}
+    seen = {share: [] for share in learners}
+    for share, learner in learners.items():
+        for model in (learner.model, learner.reference):
+            model.model.embed_tokens.register_forward_hook(
+                lambda module, args, out, tokens=seen[share]: tokens.append(args[0].numel())
+            )
+    for step in range(3):
+        batch = _group_batch(seed=step, groups=4, group_size=2)
+        metrics = {share: combine_rank_metrics([learner.train_step(batch)]) for share, learner in learners.items()}
+        for key, value in metrics[False].items():
+            assert metrics[True][key] == pytest.approx(value, abs=TOLERANCE, rel=1e-4), key
+        prompts = _prompt_lengths(batch).tolist()
+        rows = [batch.input_ids[row, : prompts[row]].tolist() for row in range(len(batch))]
+        for first in (0, 4):
+            micro = range(first, first + 4)
+            distinct = sum(prompts[row] for row in micro if row == first or rows[row] != rows[row - 1])
+            completions = sum(int(batch.lengths[row]) - prompts[row] for row in micro)
+            assert seen[True][-6 + first // 4 :: 2] == [distinct + completions] * 3  # old, reference, training
+            assert seen[False][-6 + first // 4 :: 2] == [int(batch.lengths[first : first + 4].sum())] * 3
+        assert sum(seen[True][-6:]) < sum(seen[False][-6:])
+    unshared, shared = learners[False].model.state_dict(), learners[True].model.state_dict()
+    assert max((tensor - start[name]).abs().max() for name, tensor in shared.items()) > 100 * TOLERANCE
+    for name, tensor in unshared.items():
+        torch.testing.assert_close(shared[name], tensor, atol=TOLERANCE, rtol=1e-4, msg=name)
