@@ -95,8 +95,8 @@ def matmul_peak_gflops(seconds: float = 2.0, n: int = 2048) -> float:
 
 
 def _mode_settings(mode: str) -> tuple[bool, str, bool]:
-    """A single-rank mode's (graph, experts' implementation, learner.share_prompts). `eager-unshared` is eager with
-    every sample's prompt run on its own; a `+loop`, `+pallas` or `+torch` suffix picks the MoE experts' kernel."""
+    """A single-rank mode's (graph, experts' implementation, learner.share_prompts): `eager`, `graph`, `eager+loop`,
+    `eager-unshared` (packed rows, every sample's prompt run on its own)..."""
     run, _, experts = mode.partition("+")
     return run.startswith("graph"), experts or "torch", run != "eager-unshared"
 
@@ -691,16 +691,7 @@ def bench_agreement(model: str, impls: list[str], dtypes: list[str], prompts: in
 # ---------------------------------------------------------------- end to end: rlpipe sync / async vs TRL
 
 E2E_MODELS = {"tiny": "a random 2-layer Qwen3 (hidden 64) with a 384-token BPE", "smollm2-135m": "builtin:smollm2-135m-instruct"}
-# rlpipe's rows (config overrides on top of the workload) and one "trl-<generation>" row per TRL generation mode.
-# rlpipe-sync-bf16 is the one row whose workload differs, in the rollout dtype alone: the engine in bf16, which
-# vLLM's CPU kernels run about twice as fast here, the learner in fp32 (truncated importance sampling corrects
-# the gap). TRL's fastest CPU setting cannot follow: one model generates and trains, and torch's bf16 matmul on
-# this CPU (no AVX-512 BF16) runs at about 1 % of its fp32 speed.
-E2E_SYSTEMS = {
-    "rlpipe-sync": ["train.max_staleness=0"],
-    "rlpipe-async": ["train.max_staleness=1"],
-    "rlpipe-sync-bf16": ["train.max_staleness=0", "rollout.dtype=bfloat16"],
-}
+E2E_SYSTEMS = ("rlpipe-sync", "rlpipe-async")  # and one "trl-<generation>" row per TRL generation mode
 # TRL's generation paths on CPU: model.generate (hf), transformers' continuous batching (hf-cb), colocated vLLM with
 # vLLM's model code or with vLLM's Transformers backend (vllm-colocate, vllm-colocate-tf).
 TRL_GENERATION = ("hf", "hf-cb", "vllm-colocate", "vllm-colocate-tf")
@@ -711,7 +702,6 @@ E2E_DIFFERENCES = (
     "computed in an extra no-grad forward over the step's samples; TRL hf generation has no engine/learner gap",
     "clipping: both 0.2 below / 0.28 above; rlpipe counts a tie as unclipped, TRL takes torch.min",
     "advantages: both (r - group mean) / group std, TRL adds 1e-4 to the std",
-    "rlpipe-sync-bf16 runs the rollout engine in bf16 (the learner stays fp32); every other row is fp32 throughout",
     "rlpipe runs as Ray actors (engine, learner, reward worker) with a weight sync and a logprob probe after each "
     "step; TRL runs in one process (colocated vLLM gets the weights by load_weights, HF generation uses the model)",
 )
@@ -734,7 +724,8 @@ class E2ESpec:
 
 
 def e2e_settings(spec: E2ESpec, trl_generation: tuple[str, ...] = ("hf",)) -> dict[str, dict]:
-    """Each system's settings, all derived from `spec`: rlpipe's as config overrides (`E2E_SYSTEMS`), TRL's as GRPOConfig keyword arguments plus the dataset rows in rlpipe's sampling order."""
+    """Each system's settings, all derived from `spec`: rlpipe's as config overrides (sync: max_staleness 0,
+    async: 1), TRL's as GRPOConfig keyword arguments plus the dataset rows in rlpipe's sampling order."""
     common = [
         f"model.path={spec.model_path}",
         f"train.steps={spec.steps}",
@@ -747,7 +738,8 @@ def e2e_settings(spec: E2ESpec, trl_generation: tuple[str, ...] = ("hf",)) -> di
         "run.overwrite=true",
     ]
     settings: dict[str, dict] = {
-        name: {"overrides": [*common, f"run.name={name}", *extra]} for name, extra in E2E_SYSTEMS.items()
+        name: {"overrides": [*common, f"run.name={name}", f"train.max_staleness={staleness}"]}
+        for name, staleness in (("rlpipe-sync", 0), ("rlpipe-async", 1))
     }
     cfg = _e2e_config(spec, settings["rlpipe-sync"]["overrides"])
     rows = e2e_prompt_rows(cfg)

@@ -22,29 +22,23 @@ def settings(spec):
     return e2e_settings(spec, ("hf", "vllm-colocate"))
 
 
-def test_rlpipe_modes_differ_only_in_staleness_or_the_rollout_dtype(settings):
+def test_rlpipe_modes_differ_only_in_staleness(settings):
     sync, asynchronous = settings["rlpipe-sync"]["overrides"], settings["rlpipe-async"]["overrides"]
     only_sync, only_async = set(sync) - set(asynchronous), set(asynchronous) - set(sync)
     assert only_sync == {"train.max_staleness=0", "run.name=rlpipe-sync"}
     assert only_async == {"train.max_staleness=1", "run.name=rlpipe-async"}
-    bf16 = settings["rlpipe-sync-bf16"]["overrides"]
-    assert set(bf16) - set(sync) == {"rollout.dtype=bfloat16", "run.name=rlpipe-sync-bf16"}
-    assert set(sync) - set(bf16) == {"run.name=rlpipe-sync"}
 
 
 def test_every_system_gets_the_same_workload(spec, settings):
     pytest.importorskip("trl")
     workloads = {name: e2e_workload(name, value, spec) for name, value in settings.items()}
-    assert set(workloads) == {"rlpipe-sync", "rlpipe-async", "rlpipe-sync-bf16", "trl-hf", "trl-vllm-colocate"}
+    assert set(workloads) == {"rlpipe-sync", "rlpipe-async", "trl-hf", "trl-vllm-colocate"}
     reference = workloads["rlpipe-sync"]
     assert reference["steps"] == STEPS and reference["optimizer_steps_per_step"] == 1
     assert len(reference["rows"]) == STEPS * reference["prompts_per_step"]
     for name, workload in workloads.items():
         differing = {key: (reference[key], workload[key]) for key in reference if workload[key] != reference[key]}
-        if name == "rlpipe-sync-bf16":  # the one declared difference: the engine's dtype
-            assert differing == {"dtype": (("float32", "float32"), ("float32", "bfloat16"))}
-        else:
-            assert not differing, f"{name} differs from rlpipe-sync: {differing}"
+        assert not differing, f"{name} differs from rlpipe-sync: {differing}"
 
 
 def test_trl_reads_the_prompts_rlpipe_draws_in_its_order_and_templating(spec, settings):
