@@ -95,8 +95,8 @@ def matmul_peak_gflops(seconds: float = 2.0, n: int = 2048) -> float:
 
 
 def _mode_settings(mode: str) -> tuple[bool, str, bool]:
-    """A single-rank mode's (graph, experts' implementation, learner.share_prompts): `eager`, `graph`, `eager+loop`,
-    `eager-unshared` (packed rows, every sample's prompt run on its own)..."""
+    """A single-rank mode's (graph, experts' implementation, learner.share_prompts). `eager-unshared` is eager with
+    every sample's prompt run on its own; a `+loop`, `+pallas` or `+torch` suffix picks the MoE experts' kernel."""
     run, _, experts = mode.partition("+")
     return run.startswith("graph"), experts or "torch", run != "eager-unshared"
 

@@ -46,7 +46,7 @@ def reference_attention(q, k, v, window: int | None = None) -> torch.Tensor:
     earlier = k.shape[2] - q.shape[2]  # keys before the first query (a shared prompt); sdpa's is_causal assumes 0
     if window is None and earlier == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_causal_mask(q.shape[2], window, q.device, earlier))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.shape[2], window, q.device, earlier))
 
 
 def _xla_attention(q, k, v, window: int | None) -> torch.Tensor:
@@ -64,7 +64,7 @@ def _xla_attention(q, k, v, window: int | None) -> torch.Tensor:
     return flash_attention(q, k, v, causal=True, sm_scale=1.0 / math.sqrt(q.shape[-1]))
 
 
-def sliding_causal_mask(length: int, window: int | None, device: torch.device, earlier: int = 0) -> torch.Tensor:
+def causal_mask(length: int, window: int | None, device: torch.device, earlier: int = 0) -> torch.Tensor:
     """[T, earlier + T] bool, True where query i (at position earlier + i) may attend key j: j <= earlier + i and,
     with a window, earlier + i - j < window."""
     distance = torch.arange(earlier, earlier + length, device=device)[:, None] - torch.arange(earlier + length, device=device)

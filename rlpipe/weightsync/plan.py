@@ -179,9 +179,11 @@ def plan_sync(
         groups[-1].append(name)
         group_bytes += sizes[name]
     tail: list[str] = []
-    long_end = sum(sizes[name] for name in groups[-1]) > end_budget
-    while long_end and len(groups[-1]) > 1 and sum(sizes[name] for name in tail) + sizes[groups[-1][-1]] <= end_budget:
-        tail.insert(0, groups[-1].pop())
+    if sum(sizes[name] for name in groups[-1]) > end_budget:  # a long last group gives up a short end of its own
+        tail_bytes = 0
+        while len(groups[-1]) > 1 and tail_bytes + sizes[groups[-1][-1]] <= end_budget:
+            tail.insert(0, groups[-1].pop())
+            tail_bytes += sizes[tail[0]]
     if tail:
         groups.append(tail)
 

@@ -162,57 +162,57 @@ def _learner_config(model_path: str, *overrides: str):
     ])
 
 
+def _learner_pair(model_path: str, key: str):
+    """Two learners with the boolean config `key` off and on, the weights they start from, and for each the token
+    count of every forward of its policy and reference models (recorded at the embedding)."""
+    learners = {on: Learner(model_path, _learner_config(model_path, f"{key}={str(on).lower()}")) for on in (False, True)}
+    start = {name: tensor.clone() for name, tensor in learners[True].model.state_dict().items()}
+    seen = {on: [] for on in learners}
+    for on, learner in learners.items():
+        for model in (learner.model, learner.reference):
+            model.model.embed_tokens.register_forward_hook(
+                lambda module, args, out, tokens=seen[on]: tokens.append(args[0].numel())
+            )
+    return learners, start, seen
+
+
+def _train_both_and_compare_metrics(learners, batch) -> None:
+    metrics = {on: combine_rank_metrics([learner.train_step(batch)]) for on, learner in learners.items()}
+    for key, value in metrics[False].items():
+        assert metrics[True][key] == pytest.approx(value, abs=TOLERANCE, rel=1e-4), key
+
+
+def _assert_same_weights(learners, start) -> None:
+    off, on = learners[False].model.state_dict(), learners[True].model.state_dict()
+    # Adam turns a gradient's rounding into a step of about lr wherever the gradient is tiny, hence lr 1e-3.
+    assert max((tensor - start[name]).abs().max() for name, tensor in on.items()) > 100 * TOLERANCE
+    for name, tensor in off.items():
+        torch.testing.assert_close(on[name], tensor, atol=TOLERANCE, rtol=1e-4, msg=name)
+
+
 def test_a_packed_learner_trains_as_the_padded_one_without_computing_padding(tiny_qwen3):
     """Three GRPO updates (two optimizer steps each, old and reference log-probs, KL) packed and padded: same
     metrics and weights; and the packed model sees exactly the batch's real tokens (its output projection only
     the completion tokens)."""
-    learners = {
-        packing: Learner(tiny_qwen3, _learner_config(tiny_qwen3, f"learner.packing={str(packing).lower()}"))
-        for packing in (False, True)
-    }
-    start = {name: tensor.clone() for name, tensor in learners[True].model.state_dict().items()}
-    seen = {packing: [] for packing in learners}
-    for packing, learner in learners.items():
-        for model in (learner.model, learner.reference):
-            model.model.embed_tokens.register_forward_hook(
-                lambda module, args, out, tokens=seen[packing]: tokens.append(args[0].numel())
-            )
+    learners, start, seen = _learner_pair(tiny_qwen3, "learner.packing")
     for step in range(3):
         batch = _batch(seed=step, rows=8)
-        metrics = {packing: combine_rank_metrics([learner.train_step(batch)]) for packing, learner in learners.items()}
-        for key, value in metrics[False].items():
-            assert metrics[True][key] == pytest.approx(value, abs=TOLERANCE, rel=1e-4), key
+        _train_both_and_compare_metrics(learners, batch)
         widths = [int(batch.lengths[i : i + 4].max()) for i in (0, 4)]
         # Per update: old log-probs, reference log-probs, then the training forward, each per micro-batch.
         assert seen[True][-6:] == [int(batch.lengths[i : i + 4].sum()) for i in (0, 4)] * 3
         assert seen[False][-6:] == [4 * width for width in widths] * 3
         assert sum(seen[True][-6:]) < sum(seen[False][-6:])
-    padded, packed = learners[False].model.state_dict(), learners[True].model.state_dict()
-    # Adam turns a gradient's rounding into a step of about lr wherever the gradient is tiny, hence lr 1e-3.
-    assert max((tensor - start[name]).abs().max() for name, tensor in packed.items()) > 100 * TOLERANCE
-    for name, tensor in padded.items():
-        torch.testing.assert_close(packed[name], tensor, atol=TOLERANCE, rtol=1e-4, msg=name)
+    _assert_same_weights(learners, start)
 
 
 def test_a_learner_sharing_prompts_trains_as_one_that_does_not(tiny_qwen3):
     """Three GRPO updates on group-shaped batches with learner.share_prompts on and off: same metrics and weights,
     and with it on the model sees each group's prompt once per micro-batch."""
-    learners = {
-        share: Learner(tiny_qwen3, _learner_config(tiny_qwen3, f"learner.share_prompts={str(share).lower()}"))
-        for share in (False, True)
-    }
-    start = {name: tensor.clone() for name, tensor in learners[True].model.state_dict().items()}
-    seen = {share: [] for share in learners}
-    for share, learner in learners.items():
-        for model in (learner.model, learner.reference):
-            model.model.embed_tokens.register_forward_hook(
-                lambda module, args, out, tokens=seen[share]: tokens.append(args[0].numel())
-            )
+    learners, start, seen = _learner_pair(tiny_qwen3, "learner.share_prompts")
     for step in range(3):
         batch = _group_batch(seed=step, groups=4, group_size=2)
-        metrics = {share: combine_rank_metrics([learner.train_step(batch)]) for share, learner in learners.items()}
-        for key, value in metrics[False].items():
-            assert metrics[True][key] == pytest.approx(value, abs=TOLERANCE, rel=1e-4), key
+        _train_both_and_compare_metrics(learners, batch)
         prompts = _prompt_lengths(batch).tolist()
         rows = [batch.input_ids[row, : prompts[row]].tolist() for row in range(len(batch))]
         for first in (0, 4):
@@ -222,7 +222,4 @@ def test_a_learner_sharing_prompts_trains_as_one_that_does_not(tiny_qwen3):
             assert seen[True][-6 + first // 4 :: 2] == [distinct + completions] * 3  # old, reference, training
             assert seen[False][-6 + first // 4 :: 2] == [int(batch.lengths[first : first + 4].sum())] * 3
         assert sum(seen[True][-6:]) < sum(seen[False][-6:])
-    unshared, shared = learners[False].model.state_dict(), learners[True].model.state_dict()
-    assert max((tensor - start[name]).abs().max() for name, tensor in shared.items()) > 100 * TOLERANCE
-    for name, tensor in unshared.items():
-        torch.testing.assert_close(shared[name], tensor, atol=TOLERANCE, rtol=1e-4, msg=name)
+    _assert_same_weights(learners, start)
