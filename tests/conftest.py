@@ -11,6 +11,21 @@ from rlpipe.tiny_model import CHATML, SPECIALS, build_tiny_model, build_tokenize
 
 __all__ = ["CHATML", "SPECIALS", "build_tiny_model", "build_tokenizer"]
 
+# scripts/test.sh runs the suite on two pytest-xdist workers (--dist loadgroup). Tests that start Ray clusters and
+# vLLM engines, find processes by name, or leave a dead process's shared memory behind all go to one worker, one
+# after another: the integration tests, and any test marked with this group.
+MACHINE_WIDE = pytest.mark.xdist_group("machine-wide")
+# Ray starts its worker processes (every actor) at niceness 15, which with the other worker's tests running would
+# starve them; at 0 they share the cores evenly. Read by every Ray node the tests start, in-process or `ray start`.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the group markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("integration"):
+            item.add_marker(MACHINE_WIDE)
+
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:

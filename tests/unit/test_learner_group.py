@@ -63,8 +63,12 @@ def _rank(rank, world_size, model_path, port, graph, results):
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+# The dense model's sharded graph step is checked against eager in the activation-checkpointing test below; each
+# two-rank inductor compile costs a minute or more of the suite.
+@pytest.mark.parametrize(
+    ("family", "graph"), [("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True)],
+    ids=["eager-qwen3", "eager-qwen3_moe", "graph-qwen3_moe"],
+)
 def test_two_ranks_equal_one(request, family, graph):
     """Two sharded ranks (eager, or each step as one captured graph) against one eager unsharded rank. The
     mixture-of-experts model's stacked expert weights are sharded on the expert dimension (2 of its 4 experts a
@@ -111,7 +115,7 @@ def test_two_ranks_equal_one(request, family, graph):
 
 
 def _recompute_rank(rank, model_path, ports, results):
-    """Eager and graph learners, each without and with activation checkpointing, one after another on this rank."""
+    """Eager learners without and with activation checkpointing, then a graph learner with it, one after another."""
     import torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass as remat
 
     torch.set_num_threads(1)
@@ -126,7 +130,7 @@ def _recompute_rank(rank, model_path, ports, results):
 
     remat.remat_using_tags_for_fwd_loss_bwd_graph = counting
     out = {}
-    runs = [(graph, recompute) for graph in (False, True) for recompute in (False, True)]
+    runs = [(False, False), (False, True), (True, True)]
     for port, current in zip(ports, runs):
         graph, recompute = current
         cfg = _config(
@@ -146,11 +150,12 @@ def _recompute_rank(rank, model_path, ports, results):
 
 
 def test_activation_checkpointing_on_two_ranks_changes_no_numbers(tiny_qwen3):
-    """Sharded eager and compiled (inductor) steps with checkpointed layers equal those without; in the compiled
-    graph every layer weight's all-gather is re-emitted for backward, so backward reads no forward-gathered copy."""
+    """Sharded eager steps with checkpointed layers equal those without (1e-6), and so does the compiled (inductor)
+    step with checkpointed layers, within compiled-vs-eager float noise; in the compiled graph every layer weight's
+    all-gather is re-emitted for backward, so backward reads no forward-gathered copy."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    ports = [find_free_port() for _ in range(4)]
+    ports = [find_free_port() for _ in range(3)]
     procs = [context.Process(target=_recompute_rank, args=(r, tiny_qwen3, ports, results)) for r in range(2)]
     for p in procs:
         p.start()
@@ -158,19 +163,19 @@ def test_activation_checkpointing_on_two_ranks_changes_no_numbers(tiny_qwen3):
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    for graph in (False, True):
-        per_rank = {rank: (outputs[rank][0][(graph, False)], outputs[rank][0][(graph, True)]) for rank in range(2)}
+    keep_run = (False, False)
+    for recompute_run, tolerance in (((False, True), 1e-6), ((True, True), 1e-5)):
+        per_rank = {rank: (outputs[rank][0][keep_run], outputs[rank][0][recompute_run]) for rank in range(2)}
         assert per_rank[0][1][2] and not per_rank[0][0][2]
         for step in range(STEPS):
             keep = combine_rank_metrics([per_rank[rank][0][0][step] for rank in range(2)])
             recompute = combine_rank_metrics([per_rank[rank][1][0][step] for rank in range(2)])
             for key in ("loss", "kl", "entropy", "grad_norm"):
-                assert abs(recompute[key] - keep[key]) < 1e-6, (graph, step, key)
+                assert abs(recompute[key] - keep[key]) < tolerance, (recompute_run, step, key)
         for name, tensor in per_rank[0][0][1].items():
-            torch.testing.assert_close(torch.from_numpy(per_rank[0][1][1][name]), torch.from_numpy(tensor), atol=1e-6, rtol=0)
+            torch.testing.assert_close(torch.from_numpy(per_rank[0][1][1][name]), torch.from_numpy(tensor),
+                                       atol=tolerance, rtol=0)
     layer_params = sum(1 for _ in load_model(tiny_qwen3).model.layers.parameters())  # 2 layers x 11
     for rank in range(2):
-        gathers = outputs[rank][1]
-        forward, recomputed = gathers[(True, True)]
-        assert gathers[(True, False)][1] == 0 and recomputed == layer_params
-        assert forward == gathers[(True, False)][0] + layer_params
+        gathers, recomputed = outputs[rank][1][(True, True)]
+        assert recomputed == layer_params and gathers > recomputed  # the forward's own gathers stay, as named

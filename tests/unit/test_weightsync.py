@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rlpipe.weightsync import codec, native
+from tests.conftest import MACHINE_WIDE
 from rlpipe.parallel.mesh import find_free_port
 from rlpipe.weightsync import (
     EngineLayout,
@@ -512,6 +513,7 @@ def _allocate_and_die(names) -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # no close(), no resource tracker run: as when the OOM killer strikes
 
 
+@MACHINE_WIDE  # its dead process's segment would otherwise be an orphan the fault-tolerance test could see
 def test_segments_of_a_killed_learner_are_removed_by_the_next_one():
     from multiprocessing import shared_memory
 
