@@ -1047,7 +1047,8 @@ def _e2e_rlpipe_run(spec: E2ESpec, overrides: list[str], results) -> None:
         total = time.perf_counter() - started
         history = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if line]
         steps = [{"step": h["step"], "seconds": h["time/step"], "reward": h.get("reward/mean"),
-                  "samples": h.get("samples_trained", 0.0), "completion_tokens": h.get("completion_tokens", 0.0),
+                  "samples": h.get("samples_trained", 0.0), "samples_run": h.get("learner/samples_run"),
+                  "completion_tokens": h.get("completion_tokens", 0.0),
                   "phases": {k: v for k, v in h.items() if k.startswith("time/")},
                   "staleness_max": h.get("staleness/max")} for h in history]
         results.put({"steps": steps, "setup_s": total - sum(s["seconds"] for s in steps)})
@@ -1193,3 +1194,7 @@ def _print_e2e(rows: list[dict], threshold: float) -> None:
               f"{row['timed_s']:>9.1f}{when:>18}{ratio:>8}{row['process_wall_s']:>11.1f}")
     print("mean reward per step: " + "; ".join(f"{r['system']} " + " ".join(
         "-" if v is None else f"{v:.2f}" for v in r["rewards"]) for r in rows))
+    run = [r for r in rows if any(s.get("samples_run") is not None for s in r["steps"])]
+    if run:  # rlpipe's learner leaves out samples with advantage 0 (learner.skip_zero_advantage)
+        print("samples the learner ran per step: " + "; ".join(f"{r['system']} " + " ".join(
+            "-" if s.get("samples_run") is None else f"{s['samples_run']:.0f}" for s in r["steps"]) for r in run))

@@ -215,6 +215,12 @@ class LearnerConfig:
         "in packed forwards a group's common prompt runs once and every completion reads it, instead of once per "
         "sample (dense models, model.kernels.attention=torch)",
     )
+    skip_zero_advantage: bool = _key(
+        True,
+        "the eager step does not run samples whose advantage is 0 (their group's rewards are all equal): without a "
+        "KL term or a router loss they add exactly 0 to the loss and its gradient, and they still count in its "
+        "denominators, so the update is the same; entropy and the log-prob gap then cover the samples run",
+    )
     length_buckets: list[int] = _key(
         [64, 128, 256, 512, 1024], "sequence lengths are padded up to these, so the graph compiles once per bucket"
     )

@@ -188,6 +188,15 @@ class Learner:
             self.reference = self._load(model_path).eval().requires_grad_(False)
         self.sharded = world_size > 1 or self.param_dtype != self.dtype
         self.optimizer_steps_per_batch = cfg.samples_per_step // (cfg.train.mini_batch_size or cfg.samples_per_step)
+        # A sample with advantage 0 adds exactly 0 to the policy loss and its gradient; only a KL term or a router
+        # loss would give it one. The compiled step keeps every row (static shapes), as does xla.
+        self.skip_zero_advantage = (
+            cfg.learner.skip_zero_advantage
+            and not cfg.learner.graph
+            and self.device.type != "xla"
+            and self.reference is None
+            and not (self.moe_layers and self.router_aux_loss_coef)
+        )
         # vLLM reports logprobs after temperature; greedy decoding (0) has no temperature to divide by.
         self.temperature = cfg.rollout.temperature or 1.0
         self.policy_version = 0
@@ -310,31 +319,38 @@ class Learner:
         bounds = torch.arange(size).tensor_split(self.optimizer_steps_per_batch)
         return [(int(b[0]), int(b[-1]) + 1) for b in bounds if len(b)]
 
+    def _rows_to_run(self, batch: TrainBatch, first: int, last: int) -> TrainBatch | None:
+        """The rows of mini-batch [first, last) the step computes: all of them, or only those with a non-zero
+        advantage (learner.skip_zero_advantage); None when none is left."""
+        if not self.skip_zero_advantage:
+            return batch.slice(first, last)
+        rows = first + torch.nonzero(batch.advantages[first:last]).flatten()
+        return batch.take(rows) if len(rows) else None
+
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
-        """Logprobs of this rank's rows of the batch (other rows stay 0)."""
+        """Logprobs of this rank's rows of one mini-batch (other rows stay 0)."""
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for first, last in self._mini_batches(len(batch)):
-            for start, stop, real in self._micro_batches(first, last):
-                part = batch.slice(start, stop)
-                rows, width = part.input_ids.shape
-                ids = part.input_ids
-                if self.device.type == "xla":
-                    # Static shapes, as in the train step: each bucket compiles once instead of every new width.
-                    from rlpipe.parallel.graph_trainer import bucket_length
+        for start, stop, real in self._micro_batches(0, len(batch)):
+            part = batch.slice(start, stop)
+            rows, width = part.input_ids.shape
+            ids = part.input_ids
+            if self.device.type == "xla":
+                # Static shapes, as in the train step: each bucket compiles once instead of every new width.
+                from rlpipe.parallel.graph_trainer import bucket_length
 
-                    bucket = bucket_length(width, self.cfg.learner.length_buckets)
-                    ids = _pad_rows(_fit(ids, bucket), self.cfg.train.micro_batch_size)
-                values = token_logprobs(
-                    model,
-                    ids.to(self.device),
-                    self.temperature,
-                    kernels=self.kernels,
-                    **self._packed(part.lengths, part.completion_mask),
-                    scored=part.completion_mask,
-                )
-                if real:
-                    out[start:stop, :width] = values[:rows, :width].cpu()
+                bucket = bucket_length(width, self.cfg.learner.length_buckets)
+                ids = _pad_rows(_fit(ids, bucket), self.cfg.train.micro_batch_size)
+            values = token_logprobs(
+                model,
+                ids.to(self.device),
+                self.temperature,
+                kernels=self.kernels,
+                **self._packed(part.lengths, part.completion_mask),
+                scored=part.completion_mask,
+            )
+            if real:
+                out[start:stop, :width] = values[:rows, :width].cpu()
         return out
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -351,27 +367,35 @@ class Learner:
         into the step's metrics.
         """
         train = self.cfg.train
+        # Every mini-batch's rows to run, and the loss's denominators, which count the rows left out as well.
+        mini_batches = [
+            (
+                self._rows_to_run(batch, first, last),
+                {
+                    "total_tokens": batch.completion_mask[first:last].sum().float(),
+                    "total_seqs": torch.tensor(float(last - first)),
+                },
+            )
+            for first, last in self._mini_batches(len(batch))
+        ]
         # With one optimizer step per batch the policy cannot move before every token has been seen,
         # so the "old" logprobs are the training forward's own (detached) and a separate pass is waste.
-        old_logprobs = None if self.optimizer_steps_per_batch == 1 else self._logprobs(self.model, batch)
-        ref_logprobs = self._logprobs(self.reference, batch) if self.reference is not None else None
+        several_steps = self.optimizer_steps_per_batch > 1
+        old = [self._logprobs(self.model, mini) if several_steps and mini is not None else None for mini, _ in mini_batches]
+        ref = [self._logprobs(self.reference, mini) if self.reference is not None else None for mini, _ in mini_batches]
         sums: dict[str, float] = defaultdict(float)
-        for first, last in self._mini_batches(len(batch)):
-            totals = {
-                "total_tokens": batch.completion_mask[first:last].sum().float(),
-                "total_seqs": torch.tensor(float(last - first)),
-            }
+        for (mini, totals), old_logprobs, ref_logprobs in zip(mini_batches, old, ref):
             if self.graph_step is not None:
                 # Static shapes, so a graph compiles once per length bucket: rows padded to micro_batch_size,
                 # columns to the bucket of the mini-batch's longest sequence (every rank sees the whole batch).
                 from rlpipe.parallel.graph_trainer import bucket_length
 
-                width = bucket_length(int(batch.lengths[first:last].max()), self.cfg.learner.length_buckets)
+                width = bucket_length(int(mini.lengths.max()), self.cfg.learner.length_buckets)
                 micro_batches = [
                     self._on_device(
-                        {**self._micro_batch(batch, part, old_logprobs, ref_logprobs, width, train.micro_batch_size), **totals}
+                        {**self._micro_batch(mini, part, old_logprobs, ref_logprobs, width, train.micro_batch_size), **totals}
                     )
-                    for part in self._micro_batches(first, last)
+                    for part in self._micro_batches(0, len(mini))
                 ]
                 lr = train.lr * self.scheduler_factor(self.optimizer_steps_taken)
                 out = self.graph_step.step(micro_batches, lr=lr)
@@ -383,20 +407,24 @@ class Learner:
                     group["lr"] = lr
                 self.optimizer.zero_grad(set_to_none=True)
                 out = defaultdict(float)
-                for part in self._micro_batches(first, last):
-                    micro = self._micro_batch(batch, part, old_logprobs, ref_logprobs)
-                    micro.update(self._packed(batch.lengths[part[0] : part[1]], micro["mask"]))
+                for part in self._micro_batches(0, len(mini)) if mini is not None else []:
+                    micro = self._micro_batch(mini, part, old_logprobs, ref_logprobs)
+                    micro.update(self._packed(mini.lengths[part[0] : part[1]], micro["mask"]))
                     loss, stats = self._micro_loss(self.model, self._on_device({**micro, **totals}))
                     loss.backward()
                     # One host transfer for all of them: a MoE model adds a count per (layer, expert).
                     values = torch.stack([loss.detach().float(), *(v.detach().float() for v in stats.values())])
                     _accumulate(out, dict(zip(["loss", *stats], values.tolist())))
+                if mini is None:  # every row had advantage 0: AdamW still steps (momentum, weight decay) on zeros
+                    for param in self.model.parameters():
+                        param.grad = torch.zeros_like(param)
                 max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
                 out["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 self.optimizer.step()
             self.optimizer_steps_taken += 1
-            _accumulate(sums, {**out, "lr": lr, "optimizer_steps": 1.0})
+            run = float(len(mini)) if mini is not None else 0.0
+            _accumulate(sums, {**out, "lr": lr, "optimizer_steps": 1.0, "samples_run": run})
         self.policy_version += 1
         return dict(sums)
 
@@ -626,24 +654,29 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         _accumulate(total, sums)
     first = per_rank[0]
     steps = max(1.0, first.get("optimizer_steps", 0.0))
-    tokens = max(1.0, total["tokens"])
     metrics = {
         "loss": total["loss"] / steps,
         "grad_norm": first.get("grad_norm", 0.0) / steps,
         "lr": first.get("lr", 0.0) / steps,
+        "train_tokens": total["tokens"],
+        "learner/samples_run": first.get("samples_run", 0.0),  # every rank sees every row
+    }
+    if "compiles" in first:
+        metrics["learner/graph_compiles"] = first["compiles"]
+    tokens = total["tokens"]
+    if not tokens:  # no token ran (every sample had advantage 0): nothing to average over
+        return metrics
+    metrics.update({
         "clip_fraction": total["clip_fraction"] / tokens,
         "entropy": total["entropy"] / tokens,
-        "train_tokens": total["tokens"],
         "logprob_gap/mean_abs": total["gap_abs"] / tokens,
         "logprob_gap/max_abs": total["gap_max"],
         "logprob_gap/kl": total["gap_kl"] / tokens,
-    }
+    })
     if "kl" in total:
         metrics["kl"] = total["kl"] / tokens
     if "mis_dropped" in total:
         metrics["mis/dropped_fraction"] = total["mis_dropped"] / tokens
-    if "compiles" in first:
-        metrics["learner/graph_compiles"] = first["compiles"]
     metrics.update(_router_metrics(total, tokens))
     return metrics
 

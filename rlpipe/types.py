@@ -54,13 +54,17 @@ class TrainBatch:
 
     def slice(self, start: int, stop: int) -> "TrainBatch":
         """Rows [start, stop), trimmed to their longest sequence so padding is not computed."""
-        width = int(self.lengths[start:stop].max())
+        return self.take(slice(start, stop))
+
+    def take(self, rows: slice | torch.Tensor) -> "TrainBatch":
+        """The given rows (a slice, or a tensor of row indices), trimmed to their longest sequence."""
+        width = int(self.lengths[rows].max())
         return TrainBatch(
-            input_ids=self.input_ids[start:stop, :width],
-            completion_mask=self.completion_mask[start:stop, :width],
-            rollout_logprobs=self.rollout_logprobs[start:stop, :width],
-            advantages=self.advantages[start:stop],
-            lengths=self.lengths[start:stop],
+            input_ids=self.input_ids[rows, :width],
+            completion_mask=self.completion_mask[rows, :width],
+            rollout_logprobs=self.rollout_logprobs[rows, :width],
+            advantages=self.advantages[rows],
+            lengths=self.lengths[rows],
         )
 
     @classmethod

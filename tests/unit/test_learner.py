@@ -125,11 +125,37 @@ def test_masked_importance_sampling_drops_the_tokens_the_rollout_disagrees_on(ti
     # Dropping them equals training on the other two sequences alone (same token normalisation).
     alone = _batch()
     alone.advantages[:2] = 0.0
-    reference = Learner(tiny_qwen3, _config(tiny_qwen3, "algo.tis_cap=null"))
+    # Both run all four rows, so float noise from a different batching cannot reach Adam's steps.
+    reference = Learner(tiny_qwen3, _config(tiny_qwen3, "algo.tis_cap=null", "learner.skip_zero_advantage=false"))
     _step(reference, alone)
     for (name, got), want in zip(dropping.model.named_parameters(), reference.model.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
     assert "mis/dropped_fraction" not in _step(Learner(tiny_qwen3, _config(tiny_qwen3)), batch)
+
+
+def test_samples_with_zero_advantage_are_not_run_and_the_update_is_the_same(tiny_qwen3):
+    # Two optimizer steps a batch: the first mini-batch keeps one row of two, the second none (AdamW still steps,
+    # on zero gradients, with the momentum of the first); then a batch where every advantage is 0.
+    overrides = ("train.mini_batch_size=2", "train.micro_batch_size=1", "train.weight_decay=0.1")
+    skipping = Learner(tiny_qwen3, _config(tiny_qwen3, *overrides))
+    running = Learner(tiny_qwen3, _config(tiny_qwen3, *overrides, "learner.skip_zero_advantage=false"))
+    assert skipping.skip_zero_advantage and not running.skip_zero_advantage
+    first, second = _batch(0), _batch(1)
+    first.advantages[1:] = 0.0
+    second.advantages[:] = 0.0
+    start = {name: p.detach().clone() for name, p in skipping.model.named_parameters()}
+    for batch, rows in ((first, 1), (second, 0)):
+        got, expected = _step(skipping, batch), _step(running, batch)
+        assert got["learner/samples_run"] == rows and expected["learner/samples_run"] == 4
+        assert got["train_tokens"] == batch.completion_mask[:rows].sum()
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-7)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], abs=1e-7)
+        for (name, param), other in zip(skipping.model.named_parameters(), running.model.parameters()):
+            torch.testing.assert_close(param, other, rtol=1e-6, atol=1e-7, msg=name)
+    assert "entropy" not in got and "logprob_gap/mean_abs" not in got  # nothing ran to average over
+    assert all(not torch.equal(start[name], p) for name, p in skipping.model.named_parameters())
+    # A KL term gives every sample a gradient: nothing is skipped then.
+    assert not Learner(tiny_qwen3, _config(tiny_qwen3, "algo.kl_beta=0.1")).skip_zero_advantage
 
 
 def test_weight_sync_reads_whole_tensors_when_unsharded(tiny_qwen3):
