@@ -20,17 +20,20 @@ from rlpipe.learner import combine_rank_metrics
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
 from rlpipe.weightsync import SyncError, SyncPlan, plan_sync
 
-# The environment of the actors that compute (learner ranks, engines). Ray sets OMP_NUM_THREADS to an actor's
-# logical CPU share (1); the roles take turns in synchronous mode, so each may use every core while it runs.
 # glibc serves large blocks by mmap and gives freed memory back to the kernel, so every step faulted its
 # activations and gradients in again, zeroed by the kernel: on this project's 2-core VM the learner spent
-# 1.5-3.5 s a step in the kernel, 0.1-1 s with freed memory kept in the process (a GLIBC_TUNABLES already set
-# in the environment is left as it is).
+# 1.5-3.5 s a step in the kernel, 0.1-1 s with freed memory kept in the process.
 KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296"
-COMPUTE_ENV = {
-    "OMP_NUM_THREADS": str(os.cpu_count() or 1),
-    "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_FREED_MEMORY),
-}
+
+
+def compute_env() -> dict[str, str]:
+    """The environment of the actors that compute (learner ranks, engines). Ray sets OMP_NUM_THREADS to an
+    actor's logical CPU share (1); the roles take turns in synchronous mode, so each may use every core while it
+    runs. Freed memory stays in the process, unless GLIBC_TUNABLES is already set (then it is left as it is)."""
+    return {
+        "OMP_NUM_THREADS": str(os.cpu_count() or 1),
+        "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_FREED_MEMORY),
+    }
 
 
 def start_ray(cfg: Config) -> None:
@@ -99,7 +102,7 @@ class Roles:
         self.engine_placement = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
         rewarders = self._place("reward", cfg.reward.num_workers)
         self.learners = [
-            LearnerActor.options(**learners.options(rank, COMPUTE_ENV)).remote(model_path, cfg, rank, ranks)
+            LearnerActor.options(**learners.options(rank, compute_env())).remote(model_path, cfg, rank, ranks)
             for rank in range(ranks)
         ]
         self.engines = [self._new_engine(index) for index in range(cfg.rollout.num_engines)]
@@ -137,7 +140,7 @@ class Roles:
         self.rehearsal = self._rehearse_sync()
 
     def _new_engine(self, index: int):
-        return RolloutActor.options(**self.engine_placement.options(index, COMPUTE_ENV)).remote(
+        return RolloutActor.options(**self.engine_placement.options(index, compute_env())).remote(
             self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync
         )
 

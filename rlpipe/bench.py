@@ -469,12 +469,12 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
 def _sync_bench_actors():
     import ray
 
-    from actors.groups import COMPUTE_ENV
+    from actors.groups import compute_env
     from actors.learner import send_parts
     from rlpipe.weightsync import Staging, make_transport, shard_rows
 
     # The same thread allowance as the real roles.
-    @ray.remote(num_cpus=1, runtime_env={"env_vars": COMPUTE_ENV})
+    @ray.remote(num_cpus=1, runtime_env={"env_vars": compute_env()})
     class Sender:
         def __init__(self, plan, rank, transport):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.learner_ranks))  # as LearnerActor does
@@ -505,7 +505,7 @@ def _sync_bench_actors():
         def close(self):
             self.transport.close()
 
-    @ray.remote(num_cpus=1, runtime_env={"env_vars": COMPUTE_ENV}, concurrency_groups={"sync": 1})
+    @ray.remote(num_cpus=1, runtime_env={"env_vars": compute_env()}, concurrency_groups={"sync": 1})
     class Receiver:
         def __init__(self, plan, transport):
             self.plan, self.transport, self.staging = plan, make_transport(transport), None

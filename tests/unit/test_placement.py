@@ -3,6 +3,10 @@ environment (no TPU here; Ray's own slice helpers serve as the reference for the
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from ray._private.accelerators.tpu import get_chips_per_host, get_num_chips_from_topology
 from ray.util.placement_group import PlacementGroup
@@ -17,6 +21,7 @@ from actors.placement import (
     fallback_slice_bundles,
     slice_slots,
 )
+from actors.groups import KEEP_FREED_MEMORY, compute_env
 from rlpipe.config import ConfigError, RolePlacement
 from rlpipe.device import tpu_slice
 
@@ -122,3 +127,33 @@ def test_cpu_bundles_and_actor_options():
     assert tpu["num_cpus"] == 0 and tpu["resources"] == {"TPU": 1}
     assert tpu["runtime_env"]["env_vars"] == {"OMP_NUM_THREADS": "2", "TPU_VISIBLE_CHIPS": "3"}
     assert tpu["scheduling_strategy"].placement_group_bundle_index == 1
+
+
+# Resident memory after a 256 MiB block is written and freed, in MiB.
+_RESIDENT_AFTER_FREE = """
+import ctypes, os
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+block = libc.malloc(256 << 20)
+ctypes.memset(block, 1, 256 << 20)
+libc.free(ctypes.c_void_p(block))
+print(int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20)
+"""
+
+
+def _resident_after_free(tunables: str | None) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if tunables:
+        env["GLIBC_TUNABLES"] = tunables
+    return int(subprocess.run([sys.executable, "-c", _RESIDENT_AFTER_FREE], env=env, capture_output=True, text=True,
+                              check=True).stdout)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc")
+def test_compute_actors_keep_freed_memory(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert compute_env()["GLIBC_TUNABLES"] == KEEP_FREED_MEMORY
+    # glibc gives the block back to the kernel by default; with the setting it stays for the next allocation.
+    assert _resident_after_free(None) < 128 <= _resident_after_free(KEEP_FREED_MEMORY)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert compute_env()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"  # the user's own is kept
