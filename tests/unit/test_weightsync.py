@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from rlpipe.weightsync import codec, native
-from tests.conftest import MACHINE_WIDE
 from rlpipe.parallel.mesh import find_free_port
 from rlpipe.weightsync import (
     EngineLayout,
@@ -26,6 +25,7 @@ from rlpipe.weightsync import (
     shard_rows,
     stream_parts,
 )
+from tests.conftest import MACHINE_WIDE
 
 HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 64, 4, 16, 96, 100
 
