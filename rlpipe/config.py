@@ -103,6 +103,11 @@ class RolloutConfig:
     kv_cache_gib: int = _key(1, "KV-cache space per CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = _key(0.3, "vLLM memory fraction (on CPU, of the NUMA node)")
     max_model_len: int = _key(512, "vLLM context length (prompt + completion)")
+    kv_block_size: int | None = _key(
+        None,
+        "tokens per KV-cache block; none: 32 on CPU (a group's samples then share every full block of their prompt, "
+        "instead of vLLM's 128, which no prompt under 129 tokens fills), vLLM's choice elsewhere",
+    )
     in_process: bool = _key(True, "run the engine inside the actor process (fast start) instead of a child process")
     tensor_parallel: int = _key(1, "tensor-parallel degree of each engine (vLLM tensor_parallel_size)")
     model_impl: Literal["vllm", "rlpipe"] = _key(
@@ -504,6 +509,10 @@ def validate(cfg: Config) -> None:
     need(cfg.rollout.temperature >= 0, "rollout.temperature: must be >= 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p: must be in (0, 1]")
     need(cfg.rollout.num_engines >= 1, "rollout.num_engines: must be >= 1")
+    need(
+        cfg.rollout.kv_block_size is None or (cfg.rollout.kv_block_size > 0 and cfg.rollout.kv_block_size % 32 == 0),
+        "rollout.kv_block_size: must be a positive multiple of 32 (what vLLM's CPU attention takes)",
+    )
     need(cfg.reward.num_workers >= 1, "reward.num_workers: must be >= 1")
     need(cfg.reward.max_restarts >= 0, "reward.max_restarts: must be >= 0")
     need(cfg.rollout.max_restarts >= 0, "rollout.max_restarts: must be >= 0")

@@ -185,6 +185,55 @@ def test_a_tensor_parallel_moe_engine_gets_the_learners_logprobs(tiny_qwen3_moe)
     assert result["before"] > 1e-2 and result["after"] < 1e-5
 
 
+def _computed_tokens(engine, run) -> int:
+    """Tokens the engine's model computes while `run()` runs (its forward's input_ids, every engine step)."""
+    counted = []
+
+    def count(module, args, kwargs):
+        counted.append((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).numel())
+
+    (hook,) = engine.llm.collective_rpc(lambda worker: worker.model_runner.get_model().register_forward_pre_hook(
+        count, with_kwargs=True))
+    try:
+        run()
+    finally:
+        hook.remove()
+    return sum(counted)
+
+
+def _long_prompt(seed: int, length: int = 70) -> Prompt:
+    # Random tokens, so that no earlier test of this module cached any of it.
+    tokens = torch.randint(5, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Prompt(seed, f"long{seed}", tokens)
+
+
+def test_a_groups_samples_compute_their_prompt_once(setup):
+    engine, _, _ = setup
+    prompt = _long_prompt(100)
+    groups = []
+    computed = _computed_tokens(engine, lambda: groups.extend(engine.generate([prompt], 8, max_tokens=1)))
+    assert len(groups[0]) == 8
+    # The first sample computes all 70 prompt tokens; the other seven find its two full 32-token blocks cached and
+    # compute the last 6. Each computing the whole prompt (vLLM's CPU default of 128-token blocks) would be 560.
+    assert computed == 70 + 7 * 6
+
+
+def test_after_a_sync_a_cached_prompt_runs_on_the_new_weights(setup):
+    engine, learner, plan = setup
+    prompt = _long_prompt(101)
+    engine.generate([prompt], 2, max_tokens=1)  # its blocks are now cached, computed by the old weights
+    _perturb(learner, 11)
+    version = engine.policy_version + 1
+    _send(engine, learner, plan, version)
+    engine.commit(version, PROBE, learner.sequence_logprobs(PROBE))
+    groups = []
+    computed = _computed_tokens(engine, lambda: groups.extend(engine.generate([prompt], 1, temperature=1.0, max_tokens=8)))
+    assert computed >= len(prompt.token_ids)  # the cache was dropped: the prompt ran again
+    (completion,) = groups[0]
+    expected = learner.sequence_logprobs(prompt.token_ids + completion.token_ids)[len(prompt.token_ids) :]
+    assert max(abs(a - b) for a, b in zip(completion.logprobs, expected)) < 1e-4
+
+
 def test_versions_only_go_up(setup):
     engine, _, plan = setup
     with pytest.raises(SyncError, match="is not newer"):

@@ -236,6 +236,11 @@ def top_p_zero(d):
 
 
 @case
+def kv_block_size_the_cpu_attention_cannot_take(d):
+    return Case(["rollout.kv_block_size=16"], ["rollout.kv_block_size: must be a positive multiple of 32"])
+
+
+@case
 def asynchronous_without_importance_correction(d):
     return Case(["train.max_staleness=1", "algo.tis_cap=null"], ["algo.tis_cap: asynchronous mode"])
 
