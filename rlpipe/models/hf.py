@@ -58,15 +58,24 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return config
 
 
-def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor in the folder's safetensors file(s), floating-point ones cast to `dtype` when given."""
+def load_state_dict(
+    path: str | os.PathLike, dtype: torch.dtype | None = None, own_memory: bool = False
+) -> dict[str, torch.Tensor]:
+    """Every tensor in the folder's safetensors file(s), floating-point ones cast to `dtype` when given.
+
+    Tensors read as stored are views of a private mapping of the file. `own_memory` copies them out, for tensors
+    that are written in place later (a learner's parameters): the first write to each page of a private mapping
+    copies the page and flushes the TLB of every core running the process, which made the first optimizer step
+    of SmolLM2 on this project's 2-core VM take seconds longer than the others."""
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(Path(path)):
         with safe_open(file, framework="pt") as tensors:
             for name in tensors.keys():
                 tensor = tensors.get_tensor(name)
                 if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
+                    tensor = tensor.to(dtype, copy=own_memory)
+                elif own_memory:
+                    tensor = tensor.clone()
                 state[name] = tensor
     return state
 
@@ -114,7 +123,7 @@ def load_model(
     # Built on the meta device so no memory goes to random weights that the checkpoint replaces anyway.
     with torch.device("meta"):
         model = build_model(hf_config)
-    state = load_state_dict(path, dtype)
+    state = load_state_dict(path, dtype, own_memory=True)  # parameters are trained in place
     if model.config.num_experts:
         state = stack_expert_weights(state, model.config.num_experts)
     for name in [name for name in state if name.endswith(_IGNORED_CHECKPOINT_SUFFIXES)]:

@@ -1,6 +1,8 @@
 """rlpipe.models against transformers: tiny random checkpoints written by `save_pretrained` must load by name and
 give the same logits; our own folders must load back, also in transformers."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -290,6 +292,30 @@ def test_sharded_checkpoint_loads(checkpoints, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
     with torch.no_grad():
         assert max_abs_diff(load_model(tmp_path)(random_ids()), hf_model(random_ids()).logits) < TOLERANCE
+
+
+def _address_ranges_mapping(file: Path) -> list[tuple[int, int]]:
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(file):
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
+def test_loaded_parameters_own_their_memory(checkpoints):
+    _, folder = checkpoints("qwen3-untied-yarn")  # stored in float32 and loaded as float32: no cast copies it
+    stored = load_state_dict(folder)  # as stored: views of a mapping of the file, so the check below can fail
+    model = load_model(folder)
+    mapped = _address_ranges_mapping((folder / "model.safetensors").resolve())
+
+    def in_file(tensor):
+        return any(start <= tensor.data_ptr() < end for start, end in mapped)
+
+    assert any(in_file(tensor) for tensor in stored.values())
+    assert [name for name, param in model.named_parameters() if in_file(param)] == []
 
 
 def test_save_model_round_trip(checkpoints, tmp_path):
