@@ -44,7 +44,8 @@ class LearnerActor:
         # Ray caps an actor's threads at its logical CPU share; the learner should use the whole machine
         # while it trains, since generation and training take turns in synchronous mode.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        self.learner = Learner(model_path, cfg, rank, world_size)
+        self.cfg = cfg
+        self.learner = Learner.from_config(model_path, cfg, rank, world_size)
         self.transport = make_transport(cfg.sync.transport)
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -58,7 +59,7 @@ class LearnerActor:
         self.learner.join_group(master_addr, master_port)
 
     def connect_sync_group(self, address: str, port: int, world: int) -> None:
-        cfg = self.learner.cfg
+        cfg = self.cfg
         self.transport.connect(address, port, self.learner.rank, cfg.learner.ranks, world, cfg.sync.timeout_s)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

@@ -59,17 +59,26 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks, as ratios against a baseline run alongside")
     benches = bench.add_subparsers(dest="what", required=True)
     learner = benches.add_parser("learner", help="train-step throughput: eager vs graph, 1 vs 2 ranks, MFU")
-    learner.add_argument("--layers", type=int, default=12)
-    learner.add_argument("--hidden", type=int, default=512)
-    learner.add_argument("--seq", type=int, default=256)
-    learner.add_argument("--batch", type=int, default=8)
+    learner.add_argument("--layers", type=int, help="decoder layers (default 12, or the preset's)")
+    learner.add_argument("--hidden", type=int, help="hidden width (default 512, or the preset's)")
+    learner.add_argument("--seq", type=int, help="tokens a row (default 256, or the preset's)")
+    learner.add_argument("--batch", type=int, help="rows a step (default 8, or the preset's)")
+    learner.add_argument(
+        "--preset", help="a released model's shape with random weights: qwen3-0.6b (28 x 1024, 2048-token rows)"
+    )
+    learner.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="cuda: single-rank modes on one GPU in bf16 mixed precision (float32 master weights), MFU against the "
+        "GPU's bf16 matmul peak measured in the same run",
+    )
     learner.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
     learner.add_argument(
         "--modes",
         default=None,
         help="first one is the baseline; xla-graph and xla-graph-m2 (2-device SPMD mesh) need torch_xla's "
         "environment; +loop / +pallas / +torch picks the MoE experts' implementation "
-        "(default: eager,graph,eager-m2,graph-m2; with --experts: eager+loop,eager,graph)",
+        "(default: eager,graph,eager-m2,graph-m2; with --device cuda: eager,graph; with --experts: "
+        "eager+loop,eager,graph)",
     )
     learner.add_argument(
         "--rounds", type=int, default=1, help="> 1: time the single-rank modes again taking turns, best step each"
@@ -131,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "bench" and args.what == "sync":
-        from rlpipe.bench import SYNC_MODELS, bench_sync
+        from bench.sync import SYNC_MODELS, bench_sync
         from rlpipe.weightsync import TRANSPORTS
 
         split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
@@ -164,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "bench" and args.what == "agreement":
-        from rlpipe.bench import bench_agreement
+        from bench.agreement import bench_agreement
 
         split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
         bench_agreement(args.model, split(args.impls), split(args.dtypes), args.prompts, args.samples,
                         args.max_tokens, args.out)
         return 0
     if args.command == "bench" and args.what == "e2e":
-        from rlpipe.bench import TRL_GENERATION, bench_e2e
+        from bench.e2e import TRL_GENERATION, bench_e2e
 
         split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
         unknown = [g for g in split(args.trl) if g not in TRL_GENERATION]
@@ -181,26 +190,40 @@ def main(argv: list[str] | None = None) -> int:
                   args.repeats)
         return 0
     if args.command == "bench" and args.what == "kernels":
-        from rlpipe.bench import bench_kernels
+        from bench.kernels import bench_kernels
 
         numbers = lambda text: [int(item) for item in text.split(",") if item]  # noqa: E731
         bench_kernels(numbers(args.vocabs), numbers(args.tokens), args.chunk, args.repeats, args.out)
         return 0
     if args.command == "bench":
-        from rlpipe.bench import LearnerBenchShape, bench_learner
+        from bench.learner import PRESETS, LearnerBenchShape, bench_learner, unsupported_modes
 
+        if args.preset is not None and args.preset not in PRESETS:
+            parser.error(f"bench learner --preset: unknown {args.preset!r} (known: {', '.join(PRESETS)})")
+        given = {key: getattr(args, key) for key in ("layers", "hidden", "seq", "batch") if getattr(args, key) is not None}
         shape = LearnerBenchShape(
-            layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch, steps=args.steps,
+            **{**PRESETS.get(args.preset, {}), **given}, steps=args.steps,
             experts=args.experts, top_k=args.top_k, expert_intermediate=args.expert_intermediate, group=args.group_size,
         )
-        if args.group_size < 1 or args.batch % args.group_size:
-            parser.error(f"bench learner --group-size: must be >= 1 and divide --batch ({args.batch})")
+        if args.group_size < 1 or shape.batch % args.group_size:
+            parser.error(f"bench learner --group-size: must be >= 1 and divide --batch ({shape.batch})")
         if args.experts < 0:
             parser.error("bench learner --experts: must be >= 0")
         if args.experts and not 1 <= args.top_k <= args.experts:
             parser.error(f"bench learner --top-k: must be between 1 and --experts ({args.experts})")
-        modes = args.modes or ("eager+loop,eager,graph" if args.experts else "eager,graph,eager-m2,graph-m2")
-        bench_learner(shape, modes.split(","), args.out, rounds=max(1, args.rounds))
+        default_modes = "eager,graph" if args.device == "cuda" else "eager,graph,eager-m2,graph-m2"
+        modes = (args.modes or ("eager+loop,eager,graph" if args.experts else default_modes)).split(",")
+        if args.device == "cuda":
+            import torch
+
+            problem = unsupported_modes(modes, args.device)
+            if problem:
+                parser.error(f"bench learner --modes {problem}")
+            if args.rounds > 1:
+                parser.error("bench learner --rounds: on cuda the modes run one after another, in a process each")
+            if not torch.cuda.is_available():
+                parser.error("bench learner --device cuda: no CUDA GPU is visible to torch")
+        bench_learner(shape, modes, args.out, rounds=max(1, args.rounds), device=args.device)
         return 0
     try:
         cfg = _resolve(args)

@@ -145,13 +145,24 @@ class RewardConfig:
 
 @dataclass
 class AlgoConfig:
-    advantage_scale: Literal["group", "batch", "none"] = _key(
-        "group", "divide advantages by the group's std, the batch's std, or nothing (Dr. GRPO)"
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = _key(
+        "grpo",
+        "policy loss: grpo (token-level clipped surrogate), dr_grpo (no std scaling, token sums over a constant), "
+        "dapo (clip-higher, token mean, uniform groups dropped), gspo (sequence-level ratio and clipping)",
     )
-    clip_low: float = _key(0.2, "PPO clip epsilon below 1")
-    clip_high: float = _key(0.28, "PPO clip epsilon above 1 (clip-higher)")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = _key(
-        "token-mean", "how per-token losses are averaged"
+    advantage_scale: Literal["group", "batch", "none"] | None = _key(
+        None, "divide advantages by the group's std, the batch's std, or nothing (null: the loss's own: none for "
+        "dr_grpo, group for the others)"
+    )
+    clip_low: float | None = _key(
+        None, "clip epsilon below 1 (null: the loss's own: 0.2; gspo 3e-4)"
+    )
+    clip_high: float | None = _key(
+        None, "clip epsilon above 1, clip-higher when above clip_low (null: the loss's own: 0.28; dr_grpo 0.2; "
+        "gspo 4e-4)"
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = _key(
+        None, "how grpo averages per-token losses (null: token-mean); the other losses fix their own"
     )
     kl_beta: float = _key(0.0, "weight of the KL penalty to a frozen reference model (0: no reference model)")
     kl_estimator: Literal["k1", "k2", "k3"] = _key("k3", "KL estimator")
@@ -162,7 +173,9 @@ class AlgoConfig:
     mis_level: Literal["token", "sequence"] = _key(
         "token", "what MIS drops: single tokens, or whole sequences by their geometric-mean ratio"
     )
-    drop_uniform_groups: bool = _key(False, "skip groups whose rewards are all equal (no signal)")
+    drop_uniform_groups: bool | None = _key(
+        None, "skip groups whose rewards are all equal (no signal) (null: the loss's own: true for dapo)"
+    )
     router_aux_loss_coef: float | None = _key(
         None,
         "mixture-of-experts models: weight of the router's load-balancing loss added to the policy loss "
@@ -522,7 +535,12 @@ def validate(cfg: Config) -> None:
     need(cfg.train.lr > 0, "train.lr: must be > 0")
     need(len(cfg.train.betas) == 2, "train.betas: needs two values")
     need(cfg.train.adam_eps > 0, "train.adam_eps: must be > 0")
-    need(cfg.algo.clip_low >= 0 and cfg.algo.clip_high >= 0, "algo.clip_low/clip_high: must be >= 0")
+    need(cfg.algo.clip_low is None or 0 <= cfg.algo.clip_low <= 1, "algo.clip_low: must be in [0, 1] or null")
+    need(cfg.algo.clip_high is None or cfg.algo.clip_high >= 0, "algo.clip_high: must be >= 0 or null")
+    need(
+        cfg.algo.loss_agg is None or cfg.algo.loss == "grpo",
+        f"algo.loss_agg: only grpo takes an aggregation; {cfg.algo.loss} fixes its own (set it to null)",
+    )
     need(cfg.algo.kl_beta >= 0, "algo.kl_beta: must be >= 0")
     need(
         cfg.algo.router_aux_loss_coef is None or cfg.algo.router_aux_loss_coef >= 0,

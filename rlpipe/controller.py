@@ -16,7 +16,7 @@ import yaml
 
 from rlpipe import checkpoint
 from rlpipe.checkpoint import CheckpointError
-from rlpipe.algo import group_advantages, uniform_groups
+from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError, one_line
 from rlpipe.data import PromptSet, Sampler, load_rows
 from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics, staleness_metrics
@@ -154,14 +154,21 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, samp
     return checkpoint.save(run.dir, step, roles.save_checkpoint, trainer_state, cfg.train.keep_checkpoints)
 
 
+def check_learner_device(kind: str) -> None:
+    """Train only on a device this build trains on and this machine has (asked here, where the run starts)."""
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"learner.device: {kind!r} is declared in rlpipe/device.py (and planned by `rlpipe plan`), "
+            "but this build trains on cpu and cuda only"
+        )
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("learner.device: 'cuda' needs a CUDA GPU; none is visible to torch")
+
+
 def prepare(cfg: Config, resume: str | None = None) -> Run:
     """Check every input (model, tokenizer, rewards, data, the checkpoint to resume) before a run directory or a
     cluster exists."""
-    if cfg.learner.device != "cpu":
-        raise ConfigError(
-            f"learner.device: {cfg.learner.device!r} is declared in rlpipe/device.py (and planned by `rlpipe plan`), "
-            "but this build trains on cpu only"
-        )
+    check_learner_device(cfg.learner.device)
     model_path = resolve_model_path(cfg.model.path)
     check_model(model_path)
     tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
@@ -204,9 +211,10 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
 def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[TrainBatch | None, dict]:
     """Group-relative advantages; unscored samples and (optionally) signal-free groups are left out."""
     rewards = torch.tensor([math.nan if r is None else r for g in groups for r in g.rewards], dtype=torch.float32)
-    advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage_scale)
+    advantage_scale, drop_uniform_groups = loss_defaults(cfg.algo)
+    advantages = group_advantages(rewards, cfg.rollout.group_size, advantage_scale)
     keep = ~rewards.isnan()
-    if cfg.algo.drop_uniform_groups:
+    if drop_uniform_groups:
         keep &= ~uniform_groups(rewards, cfg.rollout.group_size).repeat_interleave(cfg.rollout.group_size)
     samples = [(g.prompt, c) for g in groups for c in g.completions]
     chosen = [i for i in range(len(samples)) if keep[i]]

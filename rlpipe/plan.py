@@ -72,6 +72,7 @@ from pathlib import Path
 
 from rlpipe.config import Config, ConfigError
 from rlpipe.device import TpuSlice, tpu_slice
+from rlpipe.models.registry import model_config, model_type_of
 
 GIB = 2**30
 USABLE_FRACTION = 0.9
@@ -85,7 +86,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class Architecture:
-    """What the arithmetic needs from a Hugging Face config.json (Llama family, Qwen2/3, Qwen3-MoE, Mixtral)."""
+    """What the arithmetic needs from a Hugging Face config.json of a model rlpipe builds (rlpipe/models)."""
 
     name: str
     model_type: str
@@ -109,43 +110,28 @@ class Architecture:
 
     @classmethod
     def from_hf(cls, hf: dict, name: str = "model") -> Architecture:
-        def need(key: str):
-            if hf.get(key) is None:
-                raise ValueError(f"{name}: config.json has no {key!r}")
-            return hf[key]
-
-        model_type = hf.get("model_type") or ""
-        hidden, heads, layers = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
-        qwen3 = model_type.startswith("qwen3")
-        # Qwen3's config class defaults head_dim to 128; Qwen3-MoE's has none, so its attention uses hidden / heads.
-        head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads)
-        attention_bias = bool(hf.get("attention_bias", False))
-        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-        moe_layers = 0
-        if experts:
-            step = int(hf.get("decoder_sparse_step") or 1)
-            dense_only = set(hf.get("mlp_only_layers") or [])
-            moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        """The shapes rlpipe's model classes read from `hf` (rlpipe/models parses it, families' defaults included)."""
+        config = model_config(hf)
         return cls(
             name=name,
-            model_type=model_type,
-            vocab_size=need("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=qwen3,
-            qkv_bias=model_type.startswith("qwen2") or attention_bias,
-            o_bias=attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            num_experts=experts,
-            experts_per_token=int(hf.get("num_experts_per_tok") or 0) if experts else 0,
-            expert_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]) if experts else 0,
-            moe_layers=moe_layers,
-            max_position_embeddings=hf.get("max_position_embeddings"),
+            model_type=model_type_of(hf),
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_layers,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            tie_word_embeddings=config.tie_word_embeddings,
+            qk_norm=config.qk_norm,
+            qkv_bias=config.qkv_bias,
+            o_bias=config.o_proj_bias,
+            mlp_bias=config.mlp_bias,
+            num_experts=config.num_experts,
+            experts_per_token=config.experts_per_token,
+            expert_intermediate_size=config.moe_intermediate_size,
+            moe_layers=len(config.moe_layers),
+            max_position_embeddings=config.max_position_embeddings,
         )
 
     # --- shapes

@@ -1,4 +1,4 @@
-"""GRPO algorithm pieces as pure tensor functions: advantages and losses."""
+"""GRPO algorithm pieces: advantages, loss functions as pure tensor code, and the objectives built from them."""
 
 from rlpipe.algo.advantages import group_advantages, uniform_groups
 from rlpipe.algo.losses import (
@@ -7,16 +7,46 @@ from rlpipe.algo.losses import (
     logprob_gap,
     masked_importance_weights,
     policy_loss,
+    sequence_policy_loss,
     truncated_importance_weights,
+)
+from rlpipe.algo.objective import (
+    POLICY_LOSSES,
+    DAPOLoss,
+    DrGRPOLoss,
+    GRPOLoss,
+    GSPOLoss,
+    KLPenalty,
+    MaskedImportance,
+    ModelOutputs,
+    Objective,
+    RouterBalance,
+    TruncatedImportance,
+    build_objective,
+    loss_defaults,
 )
 
 __all__ = [
     "group_advantages",
     "uniform_groups",
     "policy_loss",
+    "sequence_policy_loss",
     "kl_penalty",
     "aggregate",
     "truncated_importance_weights",
     "logprob_gap",
     "masked_importance_weights",
+    "POLICY_LOSSES",
+    "GRPOLoss",
+    "DrGRPOLoss",
+    "DAPOLoss",
+    "GSPOLoss",
+    "KLPenalty",
+    "MaskedImportance",
+    "TruncatedImportance",
+    "RouterBalance",
+    "ModelOutputs",
+    "Objective",
+    "build_objective",
+    "loss_defaults",
 ]

@@ -19,6 +19,7 @@ from torch import Tensor
 
 __all__ = [
     "policy_loss",
+    "sequence_policy_loss",
     "kl_penalty",
     "aggregate",
     "truncated_importance_weights",
@@ -125,6 +126,43 @@ def policy_loss(
             "ratio_max": ratio_valid.max() if ratio.numel() else ratio.new_zeros(()),
         }
     return loss, stats
+
+
+def sequence_policy_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
+    token_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GSPO's clipped surrogate, per sequence.
+
+    ``s_i = exp(mean over the valid tokens of sequence i of (logprobs - old_logprobs))`` and
+    ``loss_i = -min(s_i * A_i, clip(s_i, 1 - clip_low, 1 + clip_high) * A_i)``: the importance ratio is the
+    geometric mean of the tokens' ratios, so it does not grow with length, and clipping keeps or drops a whole
+    sequence. ``token_weights`` (importance corrections) weigh a sequence by their mean over its valid tokens.
+    A sequence without valid tokens has ratio 1 and loss 0.
+
+    Returns ``(per_sequence_loss [B], clipped [B] bool)``; ``clipped`` marks sequences where the clipped branch is
+    strictly the minimum (their gradient is zero). Ties take the unclipped branch, as in :func:`policy_loss`.
+    """
+    if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape:
+        raise ValueError(
+            f"logprobs/old_logprobs must both be [B, T]; got {tuple(logprobs.shape)} and {tuple(old_logprobs.shape)}"
+        )
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must be [B]={tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}")
+    valid = _bool_mask(mask, logprobs)
+    lengths = valid.sum(-1).clamp_min(1).to(logprobs.dtype)
+    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio.sum(-1) / lengths)
+    adv = advantages.detach().to(logprobs.dtype)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    took_clip = clipped < unclipped
+    loss = -torch.where(took_clip, clipped, unclipped)
+    if token_weights is not None:
+        weights = torch.where(valid, token_weights.detach(), torch.zeros_like(token_weights))
+        loss = loss * (weights.sum(-1) / lengths)
+    has_tokens = valid.any(-1)
+    return torch.where(has_tokens, loss, torch.zeros_like(loss)), took_clip & has_tokens
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:

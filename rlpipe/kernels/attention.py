@@ -3,6 +3,8 @@
 q [B, Hq, T, D]; k, v [B, Hkv, T, D] with Hq a multiple of Hkv (query head h reads kv head h // (Hq / Hkv)).
 The `torch` implementation also takes keys that start before the queries (k, v [B, Hkv, P + T, D]: the queries are
 the last T positions), which is how a packed row's continuations read the prompt they share.
+`masked_attention` takes an explicit boolean mask instead (`document_attention_mask`: a whole packed row at once,
+with shapes that do not depend on how it is laid out; torch only).
 
 - `torch`: the reference — kv heads repeated, `scaled_dot_product_attention` (what the model runs by default).
 - `pallas`: flash attention. Forward: grid (batch, query head, query block, kv block), the kv blocks a reduction
@@ -39,14 +41,45 @@ def causal_attention(q, k, v, window: int | None = None, impl: str = "torch") ->
 
 
 def reference_attention(q, k, v, window: int | None = None) -> torch.Tensor:
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        # Explicit repetition rather than sdpa's enable_gqa: every compile backend (inductor, XLA) lowers it.
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    k, v = _repeat_kv_heads(q, k, v)
     earlier = k.shape[2] - q.shape[2]  # keys before the first query (a shared prompt); sdpa's is_causal assumes 0
     if window is None and earlier == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.shape[2], window, q.device, earlier))
+
+
+def _repeat_kv_heads(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v with as many heads as q. Explicit repetition rather than sdpa's enable_gqa: every compile backend
+    (inductor, XLA) lowers it."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return k, v
+
+
+def masked_attention(q, k, v, mask: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    """Attention under an explicit mask [T, T] (bool, True where query i may attend key j) that replaces causality,
+    e.g. `document_attention_mask`'s for a packed row. Every query must see at least one key (itself, there).
+    torch's scaled_dot_product_attention only: the Pallas kernel knows causal and window masks, no other."""
+    if impl != "torch":
+        raise ValueError(f"model.kernels.attention={impl}: an attention mask over a packed row needs attention=torch")
+    k, v = _repeat_kv_heads(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def document_attention_mask(
+    document: torch.Tensor, sequence: torch.Tensor, positions: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
+    """[W, W] bool over a packed row of W tokens, True where token i may attend token j: same document, j <= i, and
+    j on the document's shared prefix (sequence 0) or on i's own continuation (sequence[j] == sequence[i]); with a
+    sliding window also positions[i] - positions[j] < window, positions being each token's position in its own
+    sequence. document, sequence, positions: [W] integer tensors. Every token sees at least itself."""
+    index = torch.arange(document.shape[0], device=document.device)
+    allowed = (document[:, None] == document[None, :]) & (index[None, :] <= index[:, None])
+    allowed = allowed & ((sequence[None, :] == 0) | (sequence[None, :] == sequence[:, None]))
+    if window is not None:
+        allowed = allowed & (positions[:, None] - positions[None, :] < window)
+    return allowed
 
 
 def _xla_attention(q, k, v, window: int | None) -> torch.Tensor:

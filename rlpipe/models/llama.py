@@ -14,15 +14,19 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from rlpipe.kernels.attention import causal_attention
+from rlpipe.kernels.attention import causal_attention, document_attention_mask, masked_attention
 from rlpipe.kernels.rmsnorm import rms_norm
 from rlpipe.models.moe import Experts, SparseMoeBlock, TopKRouter
+
+if TYPE_CHECKING:
+    from rlpipe.packing import PackedLayout
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -33,6 +37,9 @@ SLIDING_ATTENTION = "sliding_attention"
 # A packed row's layout: blocks in row order, each a prefix followed by the lengths of the continuations that read
 # it. ((5, 3, 4), (7,)) is a 5-token prompt shared by a 3- and a 4-token completion, then a 7-token sequence alone.
 Segments = tuple[tuple[int, ...], ...]
+# What one attention layer takes for a packed row: its `Segments`, or the [W, W] boolean mask of which token may
+# attend which (`document_attention_mask`, built from a `PackedLayout`; shapes independent of the layout).
+PackedAttention = Segments | torch.Tensor
 
 # HF fills these from the config class when config.json omits them; the values differ per family.
 _DEFAULT_MAX_POSITION_EMBEDDINGS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768}
@@ -403,12 +410,14 @@ class Attention(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: PackedAttention | None = None
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         q, k, v = self.rotated_qkv(x, cos, sin)
         if segments is None:
             out = causal_attention(q, k, v, self.sliding_window, self.impl)
+        elif isinstance(segments, torch.Tensor):  # the mask already holds this layer's sliding window
+            out = masked_attention(q, k, v, segments, self.impl)
         else:
             out = torch.cat(list(self._packed_attention(q, k, v, segments)), dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
@@ -451,7 +460,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: PackedAttention | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output and, for a mixture-of-experts layer, its router logits [tokens, experts]."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
@@ -492,31 +501,48 @@ class DecoderStack(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
-        segments: Segments | None = None,
+        segments: Segments | PackedLayout | None = None,
         router_logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, x.dtype)
+        if segments is None or isinstance(segments, tuple):
+            per_layer = [segments] * len(self.layers)
+        else:
+            per_layer = self._attention_masks(segments, position_ids[0])
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        for layer in self.layers:
+        for layer, layer_segments in zip(self.layers, per_layer):
             if recompute:
                 x, logits = checkpoint(
-                    layer, x, cos, sin, segments, use_reentrant=False, context_fn=_RECOMPUTE_ALL_BUT_SEEDED
+                    layer, x, cos, sin, layer_segments, use_reentrant=False, context_fn=_RECOMPUTE_ALL_BUT_SEEDED
                 )
             else:
-                x, logits = layer(x, cos, sin, segments)
+                x, logits = layer(x, cos, sin, layer_segments)
             # Collected here, outside the checkpointed call, so a recompute in backward never appends twice.
             if router_logits is not None and logits is not None:
                 router_logits.append(logits)
         return self.norm(x)
 
+    def _attention_masks(self, layout: PackedLayout, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's [W, W] attention mask over the packed row `layout` describes: built once per distinct
+        sliding window and shared by the layers that have it (and, as plain tensors, passed through checkpoint)."""
+        by_window: dict[int | None, torch.Tensor] = {}
+        masks = []
+        for layer in self.layers:
+            window = layer.self_attn.sliding_window
+            if window not in by_window:
+                by_window[window] = document_attention_mask(layout.document, layout.sequence, positions, window)
+            masks.append(by_window[window])
+        return masks
+
 
 class CausalLM(nn.Module):
     """Decoder-only LM over right-padded batches (padding only follows real tokens, so causal attention alone
     keeps it from influencing them and no attention mask is taken) or over packed rows: one row holding several
-    sequences back to back, laid out as `segments` describe, with position ids restarting at each."""
+    sequences back to back, laid out as `segments` describe (python `Segments`, or a `PackedLayout` of tensors,
+    rlpipe/packing.py), with position ids restarting at each."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -558,12 +584,15 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        segments: Segments | None = None,
+        segments: Segments | PackedLayout | None = None,
         router_logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [B, T, H], the input of the output projection. With `segments` (see
-        `Segments`; B = 1) the row is packed: several sequences, or continuations of a shared prefix, back to back,
-        with `position_ids` giving each token's position in its own sequence. With a `router_logits`
+        """Final-normed hidden states [B, T, H], the input of the output projection. With `segments` (B = 1) the row
+        is packed: several sequences, or continuations of a shared prefix, back to back, with `position_ids` giving
+        each token's position in its own sequence. `segments` is either the python `Segments` (attention runs
+        block by block; a compiled graph specialises on them) or a `PackedLayout` (rlpipe/packing.py: attention
+        runs over the whole row under a [W, W] mask built from its tensors, so a compiled graph depends on W
+        alone; its padding tokens attend only to each other). With a `router_logits`
         list, every mixture-of-experts layer appends its router logits [B * T, experts] to it, in layer order."""
         return self.model(input_ids, position_ids, segments, router_logits)
 

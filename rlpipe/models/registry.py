@@ -33,9 +33,13 @@ def model_type_of(hf_config: dict) -> str | None:
     return None
 
 
-def build_model(hf_config: dict) -> CausalLM:
-    """A freshly initialised model for a Hugging Face config.json dict. Build it under `torch.device("meta")`
-    to get the module tree without allocating weights."""
+def model_config(hf_config: dict) -> ModelConfig:
+    """The model's shapes and settings as rlpipe reads a Hugging Face config.json dict (no weights)."""
+    model_type = _checked_model_type(hf_config)
+    return ModelConfig.from_hf({**hf_config, "model_type": model_type})
+
+
+def _checked_model_type(hf_config: dict) -> str:
     model_type = model_type_of(hf_config)
     supported = ", ".join(sorted(MODEL_BUILDERS))
     if model_type is None:
@@ -45,4 +49,11 @@ def build_model(hf_config: dict) -> CausalLM:
         )
     if model_type not in MODEL_BUILDERS:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {supported}")
+    return model_type
+
+
+def build_model(hf_config: dict) -> CausalLM:
+    """A freshly initialised model for a Hugging Face config.json dict. Build it under `torch.device("meta")`
+    to get the module tree without allocating weights."""
+    model_type = _checked_model_type(hf_config)
     return MODEL_BUILDERS[model_type]({**hf_config, "model_type": model_type})

@@ -26,7 +26,8 @@ is what static-shape backends (XLA, TorchTPU) want, so sequence lengths must com
 each batch to `bucket_length(length, buckets)` with `pad_to`, and each bucket compiles once. Values that change
 every step — the learning rate, the optimizer step count, token normalisers inside the batch — are 0-d tensors,
 never Python floats, because Dynamo specialises on Python scalars and would recompile for each new value. Dynamo's
-recompile limit (8 by default) is raised to `len(buckets) + 2`, and hitting it raises instead of quietly running
+recompile limit (8 by default) is set to one per pair of buckets (a packed row's width is a second bucketed length)
+plus 2, and hitting it raises instead of quietly running
 the step eagerly from then on.
 
 Micro-batching. `step` takes one batch or a list of micro-batches. The loop over the list is unrolled inside the
@@ -261,7 +262,10 @@ class GraphTrainStep:
         total_stats: dict[str, Tensor] = {}
         for batch in micro_batches:
             loss, stats = self.loss_fn(self.model, batch)
-            micro_grads = torch.autograd.grad(loss, self.params)
+            # allow_unused: eagerly, a parameter no token reached this time (an expert in the per-expert loop) has
+            # no gradient; it gets zeros.
+            micro_grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+            micro_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, micro_grads)]
             grads = list(micro_grads) if grads is None else [acc + g for acc, g in zip(grads, micro_grads)]
             loss = loss.detach()
             total_loss = loss if total_loss is None else total_loss + loss
@@ -273,6 +277,9 @@ class GraphTrainStep:
                     total_stats[name] = torch.maximum(total_stats[name], value)
                 else:
                     total_stats[name] = total_stats[name] + value
+        if grads is None:  # no micro-batch: AdamW steps on zero gradients (momentum and weight decay still act)
+            grads = [torch.zeros_like(param) for param in self.params]
+            total_loss = torch.zeros((), device=self.device)
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
         grad_norm = torch.linalg.vector_norm(torch.stack(norms))
         # As clip_grad_norm_: scale by min(1, max_norm / norm) without a data-dependent branch.
@@ -298,8 +305,6 @@ class GraphTrainStep:
         """One optimizer step over `batch` (or a list of micro-batches); returns loss, grad_norm, the stats,
         `compiles` and `graph_breaks` as floats. `lr` defaults to the constructor's."""
         micro_batches = batch if isinstance(batch, list) else [batch]
-        if not micro_batches:
-            raise ValueError("step needs at least one micro-batch")
         lr = self.lr if lr is None else lr
         lr_tensor = torch.as_tensor(lr, dtype=torch.float32, device=self.optimizer.step.device)
         started, compiles_before, breaks_before = time.perf_counter(), self.compiles, _graph_break_count()
@@ -320,8 +325,9 @@ class GraphTrainStep:
         else:
             with torch._dynamo.config.patch(
                 trace_autograd_ops=True,
-                # One graph per bucket, plus slack for a changed micro-batch count or batch size.
-                recompile_limit=len(self.buckets) + 2,
+                # One graph per bucket (per pair of buckets, row and packed row, when packed: the packed one is
+                # never the shorter), plus slack for a changed micro-batch count or batch size.
+                recompile_limit=len(self.buckets) * (len(self.buckets) + 1) // 2 + 2,
                 fail_on_recompile_limit_hit=True,
             ):
                 loss, grad_norm, stats = self._step_fn(micro_batches, lr_tensor)

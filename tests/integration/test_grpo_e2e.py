@@ -80,7 +80,7 @@ def _check_export(folder):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlpipe.learner import token_logprobs
+    from rlpipe.train_engine import token_logprobs
     from rlpipe.models import load_model
 
     tokens = list(range(5, 30))
@@ -246,7 +246,7 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_pat
     import torch
 
     from rlpipe.cli import main
-    from rlpipe.learner import token_logprobs
+    from rlpipe.train_engine import token_logprobs
     from rlpipe.models import load_model
 
     exported = tmp_path / "exported"

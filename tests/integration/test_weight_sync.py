@@ -36,7 +36,7 @@ def setup(request):
                              "sync.probe_tolerance=1e-5"])
     rollout = RolloutConfig(max_model_len=512, max_tokens=16, model_impl=model_impl)
     engine = RolloutEngine(tiny_qwen3, rollout, 0, sync=cfg.sync)
-    learner = Learner(tiny_qwen3, cfg)
+    learner = Learner.from_config(tiny_qwen3, cfg)
     layout, params = engine.layout()
     plan = plan_sync(learner.weight_shapes(), 1, layout, int(cfg.sync.bucket_mb * 2**20))
     assert plan.engine_params() <= set(params)  # the plan names parameters the engine really has
@@ -139,7 +139,7 @@ if __name__ == "__main__":
     cfg = load_config(None, [f"model.path={model}", "sync.transport=shm", "sync.probe_tolerance=1e-5"])
     rollout = RolloutConfig(max_model_len=256, max_tokens=16, tensor_parallel=2, in_process=False)
     engine = RolloutEngine(model, rollout, 0, sync=cfg.sync)
-    learner = Learner(model, cfg)
+    learner = Learner.from_config(model, cfg)
     layout, params = engine.layout()
     plan = plan_sync(learner.weight_shapes(), 1, layout, int(cfg.sync.bucket_mb * 2**20))
     generator = torch.Generator().manual_seed(3)

@@ -252,7 +252,16 @@ def file_source_without_a_path(d):
 
 @case
 def learner_device_not_in_this_build(d):
-    return Case(["learner.device=cuda"], ["learner.device: 'cuda'", "cpu only"])
+    return Case(["learner.device=tpu"], ["learner.device: 'tpu'", "trains on cpu and cuda only"])
+
+
+@case
+def learner_device_cuda_without_a_gpu(d):
+    import torch
+
+    # The same answer on a machine with a GPU: the check asks torch, which is told there is none.
+    d.monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return Case(["learner.device=cuda"], ["learner.device: 'cuda' needs a CUDA GPU; none is visible to torch"])
 
 
 # The model folder and its tokenizer.

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from bench.e2e import E2ESpec, TrlReward, _e2e_config, _trl_dataset_rows, e2e_settings, e2e_workload
 from rewards import RewardRunner
-from rlpipe.bench import E2ESpec, TrlReward, _e2e_config, _trl_dataset_rows, e2e_settings, e2e_workload
 from rlpipe.cli import main
 
 STEPS = 3

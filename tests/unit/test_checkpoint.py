@@ -25,7 +25,7 @@ from tests.unit.test_learner_group import _batches, _config
 def _save(learner: Learner, run_dir, step: int, keep: int = 3, model_path=None):
     partial = checkpoint.begin_save(run_dir, step)
     learner.save_checkpoint(str(partial / checkpoint.LEARNER_STATE))
-    config = {"model": {"path": model_path or learner.model_path, "tokenizer": None}}
+    config = {"model": {"path": model_path or learner.engine.model_path, "tokenizer": None}}
     return checkpoint.finish_save(partial, {"step": step, "config": config}, keep)
 
 
@@ -34,7 +34,7 @@ def _weights(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 def test_latest_moves_to_each_new_checkpoint_and_only_the_last_k_stay(tiny_qwen3, tmp_path):
-    learner = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1))
     for step in (1, 2, 3, 4):
         final = _save(learner, tmp_path, step, keep=2)
         assert checkpoint.resolve(tmp_path) == final  # from the run directory
@@ -50,7 +50,7 @@ def test_latest_moves_to_each_new_checkpoint_and_only_the_last_k_stay(tiny_qwen3
 def test_bad_checkpoints_are_named_in_one_line(tiny_qwen3, tiny_llama, tmp_path):
     with pytest.raises(CheckpointError, match="no such file or directory"):
         checkpoint.resolve(tmp_path / "nowhere")
-    learner = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1))
     final = _save(learner, tmp_path, 1)
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -63,7 +63,7 @@ def test_bad_checkpoints_are_named_in_one_line(tiny_qwen3, tiny_llama, tmp_path)
     with pytest.raises(CheckpointError, match="unreadable"):
         checkpoint.resolve(final)
     # Another model (other shapes, other vocabulary): refused before anything is changed.
-    other = Learner(tiny_llama, _config(tiny_llama, 1))
+    other = Learner.from_config(tiny_llama, _config(tiny_llama, 1))
     before = _weights(other)
     with pytest.raises(CheckpointError, match="does not fit this model"):
         other.load_checkpoint(str(final / checkpoint.LEARNER_STATE))
@@ -74,7 +74,7 @@ def test_bad_checkpoints_are_named_in_one_line(tiny_qwen3, tiny_llama, tmp_path)
 def test_export_writes_the_checkpoint_weights_as_an_hf_folder_and_refuses_a_misfit(tiny_qwen3, tiny_llama, tmp_path):
     from rlpipe.models import load_model
 
-    learner = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1))
     learner.train_step(_batches()[0])
     final = _save(learner, tmp_path / "run", 1)
     out = checkpoint.export(tmp_path / "run", tmp_path / "hf")
@@ -91,7 +91,7 @@ def test_export_writes_the_checkpoint_weights_as_an_hf_folder_and_refuses_a_misf
 
 
 def test_an_interrupted_save_leaves_latest_alone_and_is_cleared_by_the_next(tiny_qwen3, tmp_path):
-    learner = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1))
     first = _save(learner, tmp_path, 1)
     partial = checkpoint.begin_save(tmp_path, 2)
     learner.save_checkpoint(str(partial / checkpoint.LEARNER_STATE))  # ...and the process dies here
@@ -107,15 +107,15 @@ def test_a_resumed_learner_continues_exactly(tiny_qwen3, tmp_path, graph):
     """Train 2 steps, save, resume in a fresh learner, train the 3rd: the same as 3 steps without a break. The
     eager step's checkpoint also resumes the compiled step (one format for both)."""
     batches = _batches()
-    straight = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    straight = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1))
     expected = [combine_rank_metrics([straight.train_step(b)]) for b in batches]
-    first = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    first = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1))
     for batch in batches[:2]:
         first.train_step(batch)
     final = _save(first, tmp_path, 2)
-    resumed = Learner(tiny_qwen3, _config(tiny_qwen3, 1, graph=graph))
+    resumed = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1, graph=graph))
     resumed.load_checkpoint(str(final / checkpoint.LEARNER_STATE))
-    assert resumed.optimizer_steps_taken == 2 and resumed.policy_version == 2
+    assert resumed.engine.optimizer_steps_taken == 2 and resumed.policy_version == 2
     got = combine_rank_metrics([resumed.train_step(batches[2])])
     tolerance = 1e-4 if graph else 1e-6
     for key in ("loss", "lr", "grad_norm"):
@@ -128,7 +128,7 @@ def test_a_resumed_learner_continues_exactly(tiny_qwen3, tmp_path, graph):
 def _train_two_ranks_and_save(rank, model_path, port, directory, errors):
     try:
         torch.set_num_threads(1)
-        learner = Learner(model_path, _config(model_path, 2), rank, 2)
+        learner = Learner.from_config(model_path, _config(model_path, 2), rank, 2)
         learner.join_group("127.0.0.1", port)
         for batch in _batches()[:2]:
             learner.train_step(batch)
@@ -152,9 +152,9 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(tiny_qwen3, tmp_path):
     assert all(proc.exitcode == 0 for proc in procs)
 
     batches = _batches()
-    straight = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    straight = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1))
     expected = [combine_rank_metrics([straight.train_step(b)]) for b in batches][2]
-    resumed = Learner(tiny_qwen3, _config(tiny_qwen3, 1))
+    resumed = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1))
     resumed.load_checkpoint(directory)
     got = combine_rank_metrics([resumed.train_step(batches[2])])
     assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
@@ -188,14 +188,14 @@ class _Killer:
 
 
 def _save_and_report(model_path, run_dir, at, counts):
-    learner = Learner(model_path, load_config(None, [f"model.path={model_path}"]))
+    learner = Learner.from_config(model_path, load_config(None, [f"model.path={model_path}"]))
     killer = _Killer(at)
     _save(learner, run_dir, 2)
     counts.put(killer.count)
 
 
 def test_killing_a_save_at_any_point_leaves_a_loadable_latest(tiny_qwen3, tmp_path):
-    learner = Learner(tiny_qwen3, load_config(None, [f"model.path={tiny_qwen3}"]))
+    learner = Learner.from_config(tiny_qwen3, load_config(None, [f"model.path={tiny_qwen3}"]))
     pristine, run_dir = tmp_path / "pristine", tmp_path / "run"
     _save(learner, pristine, 1)
     context = multiprocessing.get_context("fork")  # no re-import per kill: the points are many
@@ -246,12 +246,12 @@ class _DiskFull:
 
 
 def _save_step_2(learner: Learner, run_dir) -> None:
-    config = {"model": {"path": learner.model_path, "tokenizer": None}}
+    config = {"model": {"path": learner.engine.model_path, "tokenizer": None}}
     checkpoint.save(run_dir, 2, learner.save_checkpoint, lambda _: {"step": 2, "config": config}, keep=3)
 
 
 def test_a_disk_full_at_any_point_of_a_save_keeps_nothing_of_it_and_names_the_cause(tiny_qwen3, tmp_path):
-    learner = Learner(tiny_qwen3, load_config(None, [f"model.path={tiny_qwen3}"]))
+    learner = Learner.from_config(tiny_qwen3, load_config(None, [f"model.path={tiny_qwen3}"]))
     pristine, run_dir = tmp_path / "pristine", tmp_path / "run"
     _save(learner, pristine, 1)
     shutil.copytree(pristine, tmp_path / "dry")

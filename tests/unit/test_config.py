@@ -225,7 +225,7 @@ def test_top_level_list(tmp_path):
 def test_describe_lists_every_leaf_key_with_default_and_help():
     rows = {key: (default, meaning) for key, default, meaning in describe()}
     assert rows["train.micro_batch_size"] == ("8", "samples per forward/backward (gradient accumulation)")
-    assert rows["algo.clip_high"][0] == "0.28"
+    assert rows["algo.clip_high"][0] == "null" and "0.28" in rows["algo.clip_high"][1]  # the loss's own
     assert rows["ray.address"][0] == "null"
     assert rows["placement.reward.strategy"][0] == "SPREAD" and rows["placement.learner.strategy"][0] == "PACK"
     assert rows["train.betas"][0] == "[0.9, 0.999]"
@@ -255,7 +255,7 @@ def test_help_text_shows_keys_defaults_and_meanings():
     for key in ("train.micro_batch_size", "algo.clip_high", "reward.functions", "ray.address"):
         assert key in lines
     assert "[default: 8]" in lines["train.micro_batch_size"]
-    assert "[default: 0.28]" in lines["algo.clip_high"]
+    assert "[default: null]" in lines["algo.clip_high"] and "0.28" in lines["algo.clip_high"]
     assert "clip-higher" in lines["algo.clip_high"]
     assert "[default: null]" in lines["ray.address"]
 
@@ -294,8 +294,23 @@ def test_tpu_recipes_load_though_training_on_tpu_is_refused_at_run_time():
     assert cfg.placement.learner.tpu == "v6e-8" and cfg.placement.reward.strategy == "SPREAD"
     from rlpipe.controller import prepare
 
-    with pytest.raises(ConfigError, match="learner.device: 'tpu' .* this build trains on cpu only"):
+    with pytest.raises(ConfigError, match="learner.device: 'tpu' .* this build trains on cpu and cuda only"):
         prepare(cfg)
+
+
+def test_cuda_learner_is_refused_only_where_torch_sees_no_gpu(monkeypatch):
+    import torch
+
+    from rlpipe.controller import check_learner_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="^learner.device: 'cuda' needs a CUDA GPU; none is visible to torch$"):
+        check_learner_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_learner_device("cuda")
+    check_learner_device("cpu")
+    with pytest.raises(ConfigError, match="learner.device: 'xla' .* cpu and cuda only"):
+        check_learner_device("xla")
 
 
 def test_asynchronous_mode_needs_an_importance_correction():

@@ -56,7 +56,7 @@ def _batches(zero_advantages: bool = False) -> list[TrainBatch]:
 
 def _rank(rank, world_size, model_path, port, graph, results, extra=(), zero_advantages=False):
     torch.set_num_threads(1)
-    learner = Learner(model_path, _config(model_path, world_size, graph, *extra), rank, world_size)
+    learner = Learner.from_config(model_path, _config(model_path, world_size, graph, *extra), rank, world_size)
     learner.join_group("127.0.0.1", port)
     sums = [learner.train_step(batch) for batch in _batches(zero_advantages)]
     state = learner.full_state_dict()
@@ -81,7 +81,7 @@ def test_two_ranks_equal_one(request, family, graph):
     tiny_qwen3 = request.getfixturevalue(f"tiny_{family}")
     skipping = family == "qwen3" and not graph
     extra = ("algo.kl_beta=0",) if skipping else ()
-    single = Learner(tiny_qwen3, _config(tiny_qwen3, 1, False, *extra))
+    single = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1, False, *extra))
     assert single.skip_zero_advantage == skipping
     single_metrics = [combine_rank_metrics([single.train_step(b)]) for b in _batches(skipping)]
     if skipping:
@@ -154,7 +154,7 @@ def _recompute_rank(rank, model_path, ports, results):
             f"learner.activation_checkpointing={str(recompute).lower()}",
             "train.micro_batch_size=3",  # a rank's 3 rows in one pass, as the graph step with checkpointing needs
         )
-        learner = Learner(model_path, cfg, rank, 2)
+        learner = Learner.from_config(model_path, cfg, rank, 2)
         learner.join_group("127.0.0.1", port)
         sums = [learner.train_step(batch) for batch in _batches()]
         state = {k: v.detach().numpy().copy() for k, v in learner.full_state_dict().items()}

@@ -9,7 +9,10 @@ import torch
 
 from rlpipe.config import KernelsConfig, load_config
 from rlpipe.kernels import linear_logprob
-from rlpipe.learner import Learner, combine_rank_metrics, pack, token_logprobs
+from rlpipe.learner import Learner, combine_rank_metrics
+from rlpipe.packing import pack, packed_length
+from rlpipe.parallel.graph_trainer import bucket_length
+from rlpipe.train_engine import token_logprobs
 from rlpipe.models import CausalLM, ModelConfig
 from rlpipe.models.llama import FULL_ATTENTION, SLIDING_ATTENTION
 from rlpipe.types import TrainBatch
@@ -107,7 +110,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(window, recompute, 
 
 
 def test_only_the_scored_tokens_go_through_the_output_projection(monkeypatch):
-    import rlpipe.learner
+    import rlpipe.train_engine
 
     model, batch = _model(), _batch()
     rows = []
@@ -117,7 +120,7 @@ def test_only_the_scored_tokens_go_through_the_output_projection(monkeypatch):
         return linear_logprob(hidden, *args, **kwargs)
 
     padded = token_logprobs(model, batch.input_ids)
-    monkeypatch.setattr(rlpipe.learner, "linear_logprob", counting)
+    monkeypatch.setattr(rlpipe.train_engine, "linear_logprob", counting)
     scored = token_logprobs(model, batch.input_ids, lengths=batch.lengths, scored=batch.completion_mask)
     mask = batch.completion_mask
     assert rows == [int(mask.sum())]  # the completion tokens, not the prompts, not the padding
@@ -165,7 +168,7 @@ def _learner_config(model_path: str, *overrides: str):
 def _learner_pair(model_path: str, key: str):
     """Two learners with the boolean config `key` off and on, the weights they start from, and for each the token
     count of every forward of its policy and reference models (recorded at the embedding)."""
-    learners = {on: Learner(model_path, _learner_config(model_path, f"{key}={str(on).lower()}")) for on in (False, True)}
+    learners = {on: Learner.from_config(model_path, _learner_config(model_path, f"{key}={str(on).lower()}")) for on in (False, True)}
     start = {name: tensor.clone() for name, tensor in learners[True].model.state_dict().items()}
     seen = {on: [] for on in learners}
     for on, learner in learners.items():
@@ -223,3 +226,35 @@ def test_a_learner_sharing_prompts_trains_as_one_that_does_not(tiny_qwen3):
             assert seen[False][-6 + first // 4 :: 2] == [int(batch.lengths[first : first + 4].sum())] * 3
         assert sum(seen[True][-6:]) < sum(seen[False][-6:])
     _assert_same_weights(learners, start)
+
+
+def test_the_graph_step_packs_and_shares_prompts_as_the_eager_step_does(tiny_qwen3):
+    """The compiled step on packed rows with shared prompts (a static layout padded to a length bucket) against the
+    eager packed step: same metrics and weights over five updates of group batches with random lengths, and one
+    graph per (row bucket, packed bucket) pair met, however the groups and lengths fall."""
+    overrides = ("train.adam_eps=1e-4", "learner.length_buckets=[16, 32, 64]", "data.max_prompt_tokens=16",
+                 "rollout.max_tokens=16", "algo.kl_beta=0", "train.mini_batch_size=null", "train.prompts_per_step=3",
+                 "rollout.group_size=3", "train.micro_batch_size=3", "learner.skip_zero_advantage=false")
+    eager = Learner.from_config(tiny_qwen3, _learner_config(tiny_qwen3, *overrides))
+    graph = Learner.from_config(tiny_qwen3, _learner_config(tiny_qwen3, *overrides, "learner.graph=true"))
+    start = {name: tensor.clone() for name, tensor in eager.model.state_dict().items()}
+    shapes = set()
+    for step in range(5):
+        batch = _group_batch(seed=10 + step, groups=3, group_size=3)
+        width = bucket_length(int(batch.lengths.max()), [16, 32, 64])
+        packed = []
+        for first in range(0, 9, 3):
+            part = batch.slice(first, first + 3)
+            mask = part.completion_mask
+            prompts = torch.where(mask.any(1), mask.int().argmax(1), part.lengths)
+            packed.append(packed_length(part.input_ids, part.lengths, prompts))
+        shapes.add((width, bucket_length(max(packed), [3 * bucket for bucket in (16, 32, 64)])))
+        expected = combine_rank_metrics([eager.train_step(batch)])
+        got = combine_rank_metrics([graph.train_step(batch)])
+        for key in ("loss", "entropy", "clip_fraction", "grad_norm", "logprob_gap/mean_abs", "train_tokens"):
+            assert got[key] == pytest.approx(expected[key], abs=TOLERANCE), (step, key)
+    assert got["learner/graph_compiles"] == len(shapes) < 5  # shapes, not batches, decide the compiles
+    moved = max((tensor - start[name]).abs().max() for name, tensor in eager.model.state_dict().items())
+    assert moved > 100 * TOLERANCE
+    for name, tensor in eager.model.state_dict().items():
+        torch.testing.assert_close(graph.model.state_dict()[name], tensor, atol=TOLERANCE, rtol=1e-4, msg=name)

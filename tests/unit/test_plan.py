@@ -8,6 +8,7 @@ import pytest
 from rlpipe.cli import main
 from rlpipe.config import ConfigError, load_config
 from rlpipe.device import tpu_slice
+from rlpipe.models.registry import model_config
 from rlpipe.plan import (
     GIB,
     Architecture,
@@ -171,6 +172,18 @@ def test_moe_counts_router_and_every_expert():
     active = 16 * 4 + 2 * 3 * 16 * 8
     assert arch.params == 2 * 100 * 16 + 2 * (attention + moe + 2 * 16) + 16
     assert arch.active_params == 2 * 100 * 16 + 2 * (attention + active + 2 * 16) + 16
+
+
+def test_architecture_is_read_as_the_model_classes_read_it(tmp_path):
+    """rlpipe/models parses config.json for the plan too: Qwen3's default head_dim (128, not hidden / heads), and a
+    model type rlpipe does not build is a config error."""
+    qwen3 = {**{key: value for key, value in TINY.items() if key != "head_dim"}, "model_type": "qwen3"}
+    assert Architecture.from_hf(qwen3).head_dim == model_config(qwen3).head_dim == 128
+    folder = tmp_path / "mixtral"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**TINY, "model_type": "mixtral"}))
+    with pytest.raises(ConfigError, match="unsupported model_type 'mixtral'"):
+        load_architecture(str(folder))
 
 
 @pytest.mark.parametrize(

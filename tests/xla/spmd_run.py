@@ -15,8 +15,8 @@ from tests.xla.test_xla_learner import STEPS, _batch, _config
 
 def main(model_path: str, devices: int) -> None:
     batches = [_batch(seed) for seed in range(STEPS)]
-    sharded = Learner(model_path, _config(model_path, "learner.device=xla", "learner.graph=true", f"learner.ranks={devices}"))
-    eager = Learner(model_path, _config(model_path, "learner.device=cpu", "learner.graph=false"))
+    sharded = Learner.from_config(model_path, _config(model_path, "learner.device=xla", "learner.graph=true", f"learner.ranks={devices}"))
+    eager = Learner.from_config(model_path, _config(model_path, "learner.device=cpu", "learner.graph=false"))
     before = xla_counters()
     losses = {
         "sharded": [combine_rank_metrics([sharded.train_step(b)])["loss"] for b in batches],

@@ -69,8 +69,8 @@ def test_xla_backend_row_and_device():
 )
 def test_graph_step_on_xla_equals_the_cpu_eager_learner(tiny_qwen3, overrides):
     batches = [_batch(seed) for seed in range(STEPS)]
-    eager = Learner(tiny_qwen3, _config(tiny_qwen3, "learner.device=cpu", "learner.graph=false", *overrides))
-    xla = Learner(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *overrides))
+    eager = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=cpu", "learner.graph=false", *overrides))
+    xla = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *overrides))
     assert next(xla.model.parameters()).device.type == "xla"
     expected, got = _losses(eager, batches), _losses(xla, batches)
     assert got == pytest.approx(expected, abs=1e-5)
@@ -84,7 +84,7 @@ def test_one_program_per_bucket_and_no_host_sync_inside_the_step(tiny_qwen3):
     # Buckets no other test uses: XLA keeps compiled programs for the whole process, keyed by the graph, so a shape
     # seen in an earlier test would be found in the cache and compile nothing here.
     overrides = ["learner.length_buckets=[24,40]", "rollout.max_model_len=40", "rollout.max_tokens=24"]
-    learner = Learner(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *overrides))
+    learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *overrides))
     step = learner.graph_step
     before = xla_counters()
     for seed in range(STEPS):
@@ -99,7 +99,7 @@ def test_one_program_per_bucket_and_no_host_sync_inside_the_step(tiny_qwen3):
 
 
 def test_a_host_sync_inside_the_step_is_counted(tiny_qwen3):
-    learner = Learner(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true"))
+    learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true"))
     step = learner.graph_step
     original = step.loss_fn
 
@@ -123,8 +123,8 @@ def test_pallas_kernel_choices_stay_inside_the_xla_program(tiny_qwen3):
     routes = xla_kernel_routes("pallas", "pallas", "pallas")
     assert all("torch" in route or "chunked" in route for route in routes.values()), routes
     batches = [_batch(seed) for seed in range(2)]
-    default = Learner(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true"))
-    chosen = Learner(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *pallas))
+    default = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true"))
+    chosen = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *pallas))
     assert _losses(chosen, batches) == pytest.approx(_losses(default, batches), abs=1e-6)
     assert chosen.graph_step.graph_breaks == 0 and chosen.graph_step.xla_fallbacks == {}
 
@@ -132,10 +132,10 @@ def test_pallas_kernel_choices_stay_inside_the_xla_program(tiny_qwen3):
 
 def test_checkpoint_round_trip_on_xla(tiny_qwen3, tmp_path):
     xla = ["learner.device=xla", "learner.graph=true"]
-    saved = Learner(tiny_qwen3, _config(tiny_qwen3, *xla))
+    saved = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, *xla))
     _losses(saved, [_batch(0)])
     saved.save_checkpoint(str(tmp_path))
-    resumed = Learner(tiny_qwen3, _config(tiny_qwen3, *xla))
+    resumed = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, *xla))
     resumed.load_checkpoint(str(tmp_path))
     assert resumed.optimizer_steps_taken == 1 and resumed.policy_version == 1
     # Same weights and AdamW moments: the next step is the same step.

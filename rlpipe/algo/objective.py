@@ -1,0 +1,285 @@
+"""Training objectives as small objects: a policy loss (GRPO, Dr. GRPO, DAPO, GSPO), importance corrections that
+weight its tokens (TIS, MIS) and terms added to it (KL to a reference model, the MoE router's balance loss).
+
+An `Objective` is what the train engine runs on every micro-batch: `objective(outputs, micro) -> (loss, stats)`.
+`outputs` is what the model computed (`ModelOutputs`); `micro` holds the micro-batch's tensors by name — `mask`
+([B, T], the tokens trained on), `advantages` [B], `rollout_logprobs` [B, T], optionally `old_logprobs` and
+`ref_logprobs` [B, T], and the mini-batch's `total_tokens` / `total_seqs`, so that losses summed over micro-batches
+are the mini-batch's loss. Stats are 0-d tensors summed over micro-batches and ranks (`*_max` ones take the
+maximum); `rlpipe.learner.combine_rank_metrics` turns them into the step's metrics.
+
+Everything here is pure tensor code (no `.item()`, no data-dependent Python branch), so the same objective runs
+eagerly and inside the compiled step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from rlpipe.algo.losses import (
+    aggregate,
+    kl_penalty,
+    masked_importance_weights,
+    policy_loss,
+    sequence_policy_loss,
+    truncated_importance_weights,
+)
+from rlpipe.models.moe import expert_token_counts, load_balancing_loss, router_probability_sums
+
+
+@dataclass
+class ModelOutputs:
+    """What the model computed for one micro-batch.
+
+    logprobs: [B, T] log-probability of each token given the ones before it (0 where not computed); carries grad.
+    entropy: [B, T] the policy's entropy at each position (detached).
+    router_logits: a mixture-of-experts model's router logits, one [tokens, experts] tensor per MoE layer, over the
+        tokens as the model ran them (packed or padded); empty for a dense model.
+    router_mask: [tokens] which of those tokens are trained on (the `mask` tokens, in the same order).
+    """
+
+    logprobs: Tensor
+    entropy: Tensor
+    router_logits: list[Tensor] = field(default_factory=list)
+    router_mask: Tensor | None = None
+
+
+# ------------------------------------------------------------------ policy losses
+
+
+@dataclass
+class GRPOLoss:
+    """Token-level PPO clipped surrogate with separate clip-low / clip-high, reduced by `aggregation`."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    aggregation: str = "token-mean"
+    max_tokens: int | None = None  # the constant of seq-mean-token-sum-norm
+    # What the rest of the pipeline does for this loss unless configured otherwise.
+    advantage_scale: ClassVar[str] = "group"
+    drop_uniform_groups: ClassVar[bool] = False
+
+    def __call__(self, logprobs, old, advantages, mask, weights, micro) -> tuple[Tensor, dict[str, Tensor]]:
+        per_token, stats = policy_loss(
+            logprobs, old, advantages, mask, clip_low=self.clip_low, clip_high=self.clip_high, token_weights=weights
+        )
+        return self.aggregate(per_token, mask, micro), {"clip_fraction": stats["clip_fraction"]}
+
+    def aggregate(self, per_token: Tensor, mask: Tensor, micro: dict) -> Tensor:
+        """Reduce a [B, T] per-token quantity as this loss reduces its own (additive terms use it too)."""
+        return aggregate(
+            per_token, mask, self.aggregation, total_tokens=micro["total_tokens"], total_seqs=micro["total_seqs"],
+            max_tokens=self.max_tokens,
+        )
+
+
+@dataclass
+class DrGRPOLoss(GRPOLoss):
+    """Dr. GRPO: advantages are not divided by the group's std, and each sequence's token sum is divided by a
+    constant (the maximum completion length) instead of its own length, so no length bias enters the gradient."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    aggregation: str = "seq-mean-token-sum-norm"
+    advantage_scale: ClassVar[str] = "none"
+
+
+@dataclass
+class DAPOLoss(GRPOLoss):
+    """DAPO: clip-higher, every token weighs the same (token mean over the mini-batch), and groups whose rewards
+    are all equal are left out of the batch (dynamic sampling)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    aggregation: str = "token-mean"
+    drop_uniform_groups: ClassVar[bool] = True
+
+
+@dataclass
+class GSPOLoss:
+    """GSPO: one importance ratio per sequence — the geometric mean of its tokens' ratios, exp(mean over its tokens
+    of log p - log p_old) — clipped at the sequence level, each sequence weighing the same. Its clip range is
+    narrow because a length-normalised ratio moves far less than a token's."""
+
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    advantage_scale: ClassVar[str] = "group"
+    drop_uniform_groups: ClassVar[bool] = False
+
+    def __call__(self, logprobs, old, advantages, mask, weights, micro) -> tuple[Tensor, dict[str, Tensor]]:
+        per_sequence, clipped = sequence_policy_loss(
+            logprobs, old, advantages, mask, clip_low=self.clip_low, clip_high=self.clip_high, token_weights=weights
+        )
+        loss = per_sequence.sum() / micro["total_seqs"].to(per_sequence.dtype).clamp_min(1.0)
+        tokens = mask.sum(-1).to(per_sequence.dtype)
+        # Share of tokens whose sequence was clipped, so it averages over tokens like the token-level losses'.
+        fraction = (clipped.to(tokens.dtype) * tokens).sum() / tokens.sum().clamp_min(1.0)
+        return loss, {"clip_fraction": fraction}
+
+    def aggregate(self, per_token: Tensor, mask: Tensor, micro: dict) -> Tensor:
+        """Length-normalised per sequence, then the mean over sequences, as the ratio itself is."""
+        return aggregate(per_token, mask, "seq-mean-token-mean", total_seqs=micro["total_seqs"])
+
+
+POLICY_LOSSES = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss, "gspo": GSPOLoss}
+
+
+# ------------------------------------------------------------------ importance corrections (token weights)
+
+
+@dataclass
+class TruncatedImportance:
+    """TIS: weight each token by min(p_learner / p_rollout, cap), correcting the engine's numerics and staleness."""
+
+    cap: float
+
+    def __call__(self, old: Tensor, micro: dict, stats: dict) -> Tensor:
+        return truncated_importance_weights(old, micro["rollout_logprobs"], self.cap)
+
+
+@dataclass
+class MaskedImportance:
+    """MIS: drop tokens (or whole sequences) whose learner/rollout ratio lies outside [1/threshold, threshold]."""
+
+    threshold: float
+    level: str = "token"
+
+    def __call__(self, old: Tensor, micro: dict, stats: dict) -> Tensor:
+        mask = micro["mask"]
+        kept = masked_importance_weights(old, micro["rollout_logprobs"], mask, self.threshold, self.level)
+        stats["mis_dropped"] = torch.where(mask, 1 - kept, torch.zeros_like(kept)).sum()
+        return kept
+
+
+# ------------------------------------------------------------------ additive terms
+
+
+@dataclass
+class KLPenalty:
+    """beta x KL(policy || reference), estimated per token (k1/k2/k3), reduced as the policy loss reduces."""
+
+    beta: float
+    estimator: str = "k3"
+    every_row_counts: ClassVar[bool] = True  # a sample with advantage 0 still has a KL gradient
+    needs_reference: ClassVar[bool] = True
+
+    def __call__(self, outputs: ModelOutputs, micro: dict, policy) -> tuple[Tensor, dict[str, Tensor]]:
+        mask = micro["mask"]
+        kl = kl_penalty(outputs.logprobs, micro["ref_logprobs"], self.estimator)
+        stats = {"kl": torch.where(mask, kl.detach(), torch.zeros_like(kl)).sum()}
+        return self.beta * policy.aggregate(kl, mask, micro), stats
+
+
+@dataclass
+class RouterBalance:
+    """A mixture-of-experts model's load-balancing loss (coefficient x transformers' switch loss), and the router
+    statistics as sums over the trained tokens: routed copies per (MoE layer, expert) and router probability per
+    expert. The sums add up over micro-batches and ranks; the loss itself is per micro-batch, token-weighted so
+    that a mini-batch's micro-batches add up to its mean (as transformers does with gradient accumulation)."""
+
+    coef: float
+    experts_per_token: int
+    moe_layers: tuple[int, ...]
+
+    @property
+    def every_row_counts(self) -> bool:
+        return bool(self.coef)
+
+    needs_reference: ClassVar[bool] = False
+
+    def __call__(self, outputs: ModelOutputs, micro: dict, policy) -> tuple[Tensor, dict[str, Tensor]]:
+        token_mask, stats = outputs.router_mask, {}
+        probability = 0.0
+        for layer, logits in zip(self.moe_layers, outputs.router_logits):
+            counts = expert_token_counts(logits.detach(), self.experts_per_token, token_mask)
+            for expert in range(counts.shape[0]):
+                stats[f"router_tokens.{layer}.{expert}"] = counts[expert]
+            probability = probability + router_probability_sums(logits.detach(), token_mask)
+        for expert in range(probability.shape[0]):
+            stats[f"router_probability.{expert}"] = probability[expert]
+        aux = load_balancing_loss(outputs.router_logits, self.experts_per_token, token_mask)
+        return self.coef * aux * token_mask.sum().float() / micro["total_tokens"], stats
+
+
+# ------------------------------------------------------------------ the objective
+
+
+class Objective:
+    """A policy loss, the corrections that weight its tokens, and the terms added to it; plus the diagnostics every
+    step reports (trained tokens, entropy, and the gap between the learner's and the rollout engine's log-probs)."""
+
+    def __init__(self, policy, corrections=(), terms=()):
+        self.policy = policy
+        self.corrections = list(corrections)
+        self.terms = list(terms)
+
+    @property
+    def every_row_counts(self) -> bool:
+        """Whether a sample with advantage 0 can still change the update (else the engine may skip it)."""
+        return any(term.every_row_counts for term in self.terms)
+
+    @property
+    def needs_reference(self) -> bool:
+        return any(term.needs_reference for term in self.terms)
+
+    def __call__(self, outputs: ModelOutputs, micro: dict) -> tuple[Tensor, dict[str, Tensor]]:
+        mask, logprobs = micro["mask"], outputs.logprobs
+        # With one optimizer step per batch the policy has not moved yet: its own detached log-probs are "old".
+        old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
+        stats: dict[str, Tensor] = {}
+        weights = torch.ones_like(old)
+        for correction in self.corrections:
+            weights = weights * correction(old, micro, stats)
+        loss, policy_stats = self.policy(logprobs, old, micro["advantages"], mask, weights, micro)
+        tokens = mask.sum().float()
+        zeros = torch.zeros_like(old)
+        rollout = micro["rollout_logprobs"]
+        gap = torch.where(mask, (old - rollout).abs(), zeros)
+        stats.update({
+            "tokens": tokens,
+            "clip_fraction": policy_stats["clip_fraction"] * tokens,
+            "entropy": (outputs.entropy * mask).sum(),
+            "gap_abs": gap.sum(),
+            "gap_max": gap.max(),
+            "gap_kl": torch.where(mask, kl_penalty(rollout, old, "k3"), zeros).sum(),  # as logprob_gap measures it
+        })
+        for term in self.terms:
+            value, term_stats = term(outputs, micro, self.policy)
+            loss = loss + value
+            stats.update(term_stats)
+        return loss, stats
+
+
+def loss_defaults(algo) -> tuple[str, bool]:
+    """(advantage_scale, drop_uniform_groups) of an `algo` config section: its own values, or its loss's."""
+    policy = POLICY_LOSSES[algo.loss]
+    scale = algo.advantage_scale if algo.advantage_scale is not None else policy.advantage_scale
+    drop = algo.drop_uniform_groups if algo.drop_uniform_groups is not None else policy.drop_uniform_groups
+    return scale, drop
+
+
+def build_objective(algo, *, max_tokens: int, moe=None) -> Objective:
+    """The objective an `algo` config section describes. `max_tokens` is the longest completion (Dr. GRPO's
+    normaliser); `moe` is (experts_per_token, moe_layers, coefficient) for a mixture-of-experts model, else None."""
+    settings = {"clip_low": algo.clip_low, "clip_high": algo.clip_high}
+    if algo.loss in ("grpo", "dr_grpo", "dapo"):
+        settings["max_tokens"] = max_tokens
+    if algo.loss == "grpo" and algo.loss_agg is not None:
+        settings["aggregation"] = algo.loss_agg
+    policy = POLICY_LOSSES[algo.loss](**{k: v for k, v in settings.items() if v is not None})
+    corrections = []
+    if algo.tis_cap is not None:
+        corrections.append(TruncatedImportance(algo.tis_cap))
+    if algo.mis_threshold is not None:
+        corrections.append(MaskedImportance(algo.mis_threshold, algo.mis_level))
+    terms = []
+    if algo.kl_beta > 0:
+        terms.append(KLPenalty(algo.kl_beta, algo.kl_estimator))
+    if moe is not None:
+        experts_per_token, moe_layers, coef = moe
+        terms.append(RouterBalance(coef, experts_per_token, tuple(moe_layers)))
+    return Objective(policy, corrections, terms)

@@ -1,0 +1,130 @@
+"""How a learner spreads its model over devices, one object per scheme, chosen once from the device table.
+
+A strategy knows where tensors live and how parameters are split; the train engine calls it at fixed points and
+never asks which one it has:
+- `join(address, port)`: form the process group, if the scheme has one (every rank at the same time);
+- `shard(model)`: split the model's parameters (the policy, and any frozen copy);
+- `shard_state(tensors)`: lay optimizer state out like the parameters it belongs to;
+- `place(tensors)`: a micro-batch's tensors on the device, split where the scheme splits rows;
+- `full_state_dict(model)` / `local_weights(model)`: whole tensors (a collective where sharded) or this rank's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Unsharded:
+    """One process, one device, whole parameters."""
+
+    needs_group = False
+    rank, world_size = 0, 1
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def join(self, master_addr: str, master_port: int) -> None:
+        pass
+
+    def shard(self, model: nn.Module) -> None:
+        pass
+
+    def shard_state(self, tensors) -> None:
+        pass
+
+    def place(self, tensors: dict) -> dict:
+        """Tensors (and objects of tensors with a `to`, such as a packed layout) moved to the device."""
+        return {key: value.to(self.device) if hasattr(value, "to") else value for key, value in tensors.items()}
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {name: value.cpu() for name, value in model.state_dict().items()}
+
+    def local_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self.full_state_dict(model)
+
+
+class SimpleFSDP(Unsharded):
+    """Ranks of a torch.distributed group, each holding Shard(0) of every parameter as a DTensor and gathering it on
+    use (rlpipe/parallel/simple_fsdp.py); also the way to compute in another dtype than the master weights' (one
+    rank with mixed precision)."""
+
+    needs_group = True
+
+    def __init__(self, device, kind: str, rank: int, world_size: int, precision, timeout_s: float):
+        super().__init__(device)
+        self.kind, self.rank, self.world_size = kind, rank, world_size
+        self.precision, self.timeout_s = precision, timeout_s
+        self.mesh = None
+
+    def join(self, master_addr: str, master_port: int) -> None:
+        from rlpipe.device import backend
+        from rlpipe.parallel.mesh import init_distributed, make_mesh
+
+        table = backend(self.kind)
+        init_distributed(
+            table.dist_backend, self.rank, self.world_size, master_addr, master_port, timeout_s=self.timeout_s
+        )
+        self.mesh = make_mesh(self.world_size, table.torch_device)
+
+    def shard(self, model: nn.Module) -> None:
+        from rlpipe.parallel.simple_fsdp import shard_model
+
+        shard_model(model, self.mesh, self.precision)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from rlpipe.parallel.simple_fsdp import full_state_dict
+
+        return full_state_dict(model)
+
+    def local_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        state = model.state_dict()
+        return {name: (value.to_local() if isinstance(value, DTensor) else value).cpu() for name, value in state.items()}
+
+
+class XlaSpmd(Unsharded):
+    """One process driving several XLA devices as an SPMD mesh: parameters, optimizer state and each micro-batch's
+    rows are annotated Shard(0) and XLA's partitioner places the collectives (see rlpipe/parallel/simple_fsdp.py
+    for why not one process per device). The mesh must exist before any XLA tensor does, so it is made here."""
+
+    def __init__(self, device_kind: str, devices: int):
+        from rlpipe.device import torch_device
+        from rlpipe.parallel.simple_fsdp import xla_spmd_mesh
+
+        self.mesh = xla_spmd_mesh(devices)
+        super().__init__(torch_device(device_kind))
+
+    def shard(self, model: nn.Module) -> None:
+        self.shard_state(model.parameters())
+
+    def shard_state(self, tensors) -> None:
+        from rlpipe.parallel.simple_fsdp import shard_dim0_spmd
+
+        shard_dim0_spmd(list(tensors), self.mesh)
+
+    def place(self, tensors: dict) -> dict:
+        moved = super().place(tensors)
+        self.shard_state(value for value in moved.values() if isinstance(value, torch.Tensor))
+        return moved
+
+
+def choose_strategy(learner, master_dtype: torch.dtype, rank: int = 0, world_size: int = 1):
+    """The strategy for a `learner` config section and this process's place in the group."""
+    from rlpipe.device import backend, torch_device
+    from rlpipe.parallel.simple_fsdp import MixedPrecision
+
+    table = backend(learner.device)
+    if table.sharding == "xla_spmd":
+        if world_size > 1:
+            raise ValueError(f"learner.device: {learner.device!r} runs one learner process that shards over its devices")
+        return XlaSpmd(learner.device, learner.ranks) if learner.ranks > 1 else Unsharded(torch_device(learner.device))
+    param_dtype = getattr(torch, learner.param_dtype) if learner.param_dtype else master_dtype
+    # A process sees one accelerator (Ray sets its visible devices) or all of them (one process per rank here).
+    local = rank % torch.cuda.device_count() if table.kind == "cuda" and torch.cuda.device_count() > 1 else 0
+    device = torch_device(learner.device, local)
+    if world_size == 1 and param_dtype == master_dtype:
+        return Unsharded(device)
+    precision = MixedPrecision(param_dtype=param_dtype, reduce_dtype=getattr(torch, learner.reduce_dtype))
+    return SimpleFSDP(device, learner.device, rank, world_size, precision, learner.collective_timeout_s)
