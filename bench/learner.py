@@ -155,16 +155,28 @@ def _bench_config(
             f"learner.ranks={ranks}",
             f"learner.device={device}",
             f"learner.graph={str(graph).lower()}",
-            # Rows pad to seq; a graph step's packed micro-batch (every row end to end) to micro_batch x seq.
-            f"learner.length_buckets=[{', '.join(str(n) for n in sorted({shape.seq, micro_batch * shape.seq}))}]",
+            # Rows pad to seq; a graph step's packed micro-batch to exactly its packed length (every batch of the
+            # bench has that one shape, so a bucket of its own is what a run's buckets would give it at best).
+            f"learner.length_buckets=[{shape.seq}]",
+            f"learner.packed_buckets=[{_packed_length(shape, micro_batch, share_prompts and not shape.experts)}]",
             f"data.max_prompt_tokens={shape.seq // 2}",
             f"rollout.max_tokens={shape.seq // 2}",
             f"rollout.max_model_len={shape.seq}",
             f"model.kernels.experts={experts}",
             f"learner.share_prompts={str(share_prompts).lower()}",
             *(CUDA_PRECISION if device == "cuda" else ()),
+            # On the GPU, rows without a shared prompt (all full length here) run padded: packing saves nothing,
+            # and a packed graph row of micro_batch x seq tokens would attend with a dense mask over all of them.
+            *(("learner.packing=false",) if device == "cuda" and shape.group == 1 else ()),
         ],
     )
+
+
+def _packed_length(shape: LearnerBenchShape, rows: int, share_prompts: bool) -> int:
+    """Tokens of `rows` of `_batch`'s rows packed end to end, each group's prompt once when shared."""
+    half = shape.seq // 2
+    prompts = -(-rows // shape.group) if share_prompts and shape.group > 1 else rows
+    return prompts * half + rows * half
 
 
 def _batch(shape: LearnerBenchShape):

@@ -225,8 +225,8 @@ class LearnerConfig:
     )
     packing: bool = _key(
         True,
-        "eager forward passes run on each micro-batch's sequences packed into one row, so no padding token is "
-        "computed (the graph step keeps padded rows: its shapes are static)",
+        "forward passes run on each micro-batch's sequences packed into one row, so no padding token is computed "
+        "(the graph step pads that row to a bucket of learner.packed_buckets: its shapes are static)",
     )
     share_prompts: bool = _key(
         True,
@@ -241,6 +241,12 @@ class LearnerConfig:
     )
     length_buckets: list[int] = _key(
         [64, 128, 256, 512, 1024], "sequence lengths are padded up to these, so the graph compiles once per bucket"
+    )
+    packed_buckets: list[int] | None = _key(
+        None,
+        "the graph step's packed rows (a micro-batch end to end) are padded up to these, so it compiles once per "
+        "bucket; finer buckets compute less padding and may compile more (null: micro_batch_size x each of "
+        "length_buckets)",
     )
     collective_timeout_s: float = _key(300.0, "a collective waiting longer than this fails the step (dead rank)")
 
@@ -583,6 +589,10 @@ def validate(cfg: Config) -> None:
     need(
         not cfg.learner.graph or max(cfg.learner.length_buckets, default=0) >= longest,
         f"learner.length_buckets: the largest bucket must hold data.max_prompt_tokens + rollout.max_tokens = {longest}",
+    )
+    need(
+        cfg.learner.packed_buckets is None or all(b >= 1 for b in cfg.learner.packed_buckets),
+        "learner.packed_buckets: every bucket must be >= 1 (or null)",
     )
     need(
         cfg.learner.device != "xla" or cfg.learner.param_dtype in (None, cfg.model.dtype),

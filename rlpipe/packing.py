@@ -87,8 +87,9 @@ class PackedLayout:
     document: torch.Tensor  # [W]: the block (shared prompt and its continuations) of each token; PADDING_DOCUMENT
     sequence: torch.Tensor  # [W]: 0 on a block's prompt (and on padding), k on its k-th continuation
     token_index: torch.Tensor  # [B, T]: the packed index of each real token of the rows, -1 at padding
-    source: torch.Tensor  # [B, T]: the packed index of the token that predicts (r, t), i.e. of (r, t - 1); 0 where
-    # there is none (t = 0 or padding), a valid index all the same so the gather needs no mask
+    source: torch.Tensor  # [W]: the packed index of the token before each packed token in its own sequence (the
+    # hidden state that predicts it); 0 where there is none (a sequence's first token, padding), a valid index all
+    # the same so the gather needs no mask. A shared prompt token has one predecessor whichever row reads it.
 
     @property
     def width(self) -> int:
@@ -138,14 +139,16 @@ def pack_static(
         for number, length in enumerate(continuations, start=1):
             sequence[start : start + length] = number
             start += length
-    previous = torch.nn.functional.pad(where[:, :-1], (1, 0), value=0)
+    source = torch.zeros(width, dtype=torch.long)
+    predicted = _predicted(where)
+    source[where[predicted]] = torch.nn.functional.pad(where[:, :-1], (1, 0))[predicted]
     layout = PackedLayout(
         input_ids=torch.nn.functional.pad(ids, (0, width - used), value=0),
         position_ids=torch.nn.functional.pad(positions, (0, width - used), value=0),
         document=document,
         sequence=sequence,
         token_index=where,
-        source=torch.where(_predicted(where), previous, 0),
+        source=source,
     )
     return layout.to(input_ids.device)
 
@@ -163,23 +166,24 @@ def packed_static_token_logprobs(
     """Log-prob of each token of the rows input_ids [B, T] given the ones before it (and with `with_entropy` the
     policy's entropy there, detached), computed on their packed row `layout` with shapes fixed by (B, T, W):
     0 at the first token of each row, at padding, and where `scored` ([B, T] bool) is False. What
-    `rlpipe.learner.token_logprobs` gives with lengths and prompt lengths, as pure tensor code (no data-dependent
-    shape), so a captured graph holds it; the price is that every one of the B x T positions goes through the
-    output projection, not just the scored ones.
+    `rlpipe.train_engine.token_logprobs` gives with lengths and prompt lengths, as pure tensor code (no
+    data-dependent shape), so a captured graph holds it. The output projection runs once per packed position (W of
+    them, a shared prompt's tokens once for the group), and each row reads its tokens' values back by index.
     A `router_logits` list receives a mixture-of-experts model's router logits, one [W, experts] tensor per MoE
     layer, over the packed row as run (padding included); `layout.packed_mask(scored)` marks its completion tokens."""
     kernels = kernels or KernelsConfig()
     hidden = model.hidden_states(layout.input_ids, layout.position_ids, layout, router_logits)[0]
-    # Token (r, t) is scored from the hidden state of token (r, t - 1): `source` names it for every position.
-    predecessors = hidden.index_select(0, layout.source.reshape(-1))
+    # Packed token p is scored from the hidden state of the token before it in its sequence, `source[p]`.
     picked, entropy = linear_logprob(
-        predecessors, model.output_embedding(), input_ids.reshape(-1), temperature,
+        hidden.index_select(0, layout.source), model.output_embedding(), layout.input_ids[0], temperature,
         impl=kernels.logprob, chunk=kernels.logprob_chunk,
     )
+    index = torch.where(layout.token_index >= 0, layout.token_index, 0).reshape(-1)
     wanted = layout.predicted()
     if scored is not None:
         wanted = wanted & scored
-    picked = torch.where(wanted, picked.view(input_ids.shape), 0.0)
-    if not with_entropy:
-        return picked
-    return picked, torch.where(wanted, entropy.view(input_ids.shape), 0.0)
+
+    def unpacked(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(wanted, values.index_select(0, index).view(input_ids.shape), 0.0)
+
+    return (unpacked(picked), unpacked(entropy)) if with_entropy else unpacked(picked)

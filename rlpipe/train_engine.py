@@ -184,7 +184,7 @@ class TrainEngine:
             # Sharded steps compile with inductor too: the SIGSEGV a 2-rank 12-layer inductor step once hit came
             # from gloo running several of its in-flight collectives at once; see rlpipe/parallel/mesh.py.
             backend=backend(self.learner.device).compile_backend,
-            buckets=self.learner.length_buckets,
+            buckets=max(self.learner.length_buckets, self.learner.packed_buckets or [], key=len),
         )
         optimizer = self.step_fn.optimizer
         self.strategy.shard_state([*optimizer.exp_avg, *optimizer.exp_avg_sq])
@@ -265,32 +265,33 @@ class TrainEngine:
         return micro
 
     def _static_micro_batches(self, batch: TrainBatch, fields: dict, parts) -> list[dict]:
-        """Micro-batches of static shapes, so a graph compiles once per shape and not per batch: rows padded to
-        micro_batch_size, columns to the bucket of the mini-batch's longest row (every rank sees the whole
-        mini-batch). Packed (learner.packing, torch attention), each micro-batch's row is padded to one width for
-        the whole step — the smallest row bucket times micro_batch_size that holds its longest packed row — with its
-        layout as tensors only."""
+        """Micro-batches of static shapes, so a graph compiles once per length bucket and not per batch: rows padded
+        to micro_batch_size and columns to the bucket of the mini-batch's longest row (every rank sees the whole
+        mini-batch). Packed (learner.packing, torch attention), each micro-batch runs as one row, padded for the
+        whole step to the smallest of learner.packed_buckets that holds the longest, with its layout as tensors
+        only; the rows' columns are padded to that width too, so it alone decides the graph's shapes."""
         buckets, rows = self.learner.length_buckets, self.train.micro_batch_size
         width = bucket_length(int(batch.lengths.max()), buckets)
-        micro_batches = []
-        for part in parts:
-            micro = self._micro_batch(batch, fields, part, width)
-            packing = {key: _pad_rows(micro.pop(key), rows) for key in ("lengths", "prompt_lengths") if key in micro}
-            micro = {key: _pad_rows(value, rows) for key, value in micro.items()}
-            micro_batches.append((micro, packing))
-        if not any(packing for _, packing in micro_batches) or self.kernels.attention != "torch":
-            return [micro for micro, _ in micro_batches]  # padded rows (the Pallas kernel takes no arbitrary mask)
-        packed = [
-            packed_length(micro["input_ids"], packing["lengths"], packing.get("prompt_lengths"))
-            for micro, packing in micro_batches
-        ]
-        # A packed row holds up to micro_batch_size rows, so its widths are the row buckets times that.
-        packed_width = bucket_length(max(packed), [rows * bucket for bucket in buckets])
-        for micro, packing in micro_batches:
-            micro["layout"] = pack_static(
-                micro["input_ids"], packing["lengths"], packing.get("prompt_lengths"), packed_width
+        micro_batches = [self._micro_batch(batch, fields, part, width) for part in parts]
+        packing = [{key: micro.pop(key) for key in ("lengths", "prompt_lengths") if key in micro} for micro in micro_batches]
+        packed = all(packing) and self.kernels.attention == "torch"  # the Pallas kernel takes no arbitrary mask
+        if packed:
+            longest = max(
+                packed_length(micro["input_ids"], args["lengths"], args.get("prompt_lengths"))
+                for micro, args in zip(micro_batches, packing)
             )
-        return [micro for micro, _ in micro_batches]
+            width = bucket_length(longest, self.learner.packed_buckets or [rows * bucket for bucket in buckets])
+        out = []
+        for micro, args in zip(micro_batches, packing):
+            micro = {key: _pad_rows(_fit(value, width) if value.dim() == 2 else value, rows) for key, value in micro.items()}
+            if packed:
+                prompts = args.get("prompt_lengths")
+                micro["layout"] = pack_static(
+                    micro["input_ids"], _pad_rows(args["lengths"], rows), None if prompts is None else _pad_rows(prompts, rows),
+                    width,
+                )
+            out.append(micro)
+        return out
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:

@@ -26,8 +26,7 @@ is what static-shape backends (XLA, TorchTPU) want, so sequence lengths must com
 each batch to `bucket_length(length, buckets)` with `pad_to`, and each bucket compiles once. Values that change
 every step — the learning rate, the optimizer step count, token normalisers inside the batch — are 0-d tensors,
 never Python floats, because Dynamo specialises on Python scalars and would recompile for each new value. Dynamo's
-recompile limit (8 by default) is set to one per pair of buckets (a packed row's width is a second bucketed length)
-plus 2, and hitting it raises instead of quietly running
+recompile limit (8 by default) is raised to `len(buckets) + 2`, and hitting it raises instead of quietly running
 the step eagerly from then on.
 
 Micro-batching. `step` takes one batch or a list of micro-batches. The loop over the list is unrolled inside the
@@ -325,9 +324,8 @@ class GraphTrainStep:
         else:
             with torch._dynamo.config.patch(
                 trace_autograd_ops=True,
-                # One graph per bucket (per pair of buckets, row and packed row, when packed: the packed one is
-                # never the shorter), plus slack for a changed micro-batch count or batch size.
-                recompile_limit=len(self.buckets) * (len(self.buckets) + 1) // 2 + 2,
+                # One graph per bucket, plus slack for a changed micro-batch count or batch size.
+                recompile_limit=len(self.buckets) + 2,
                 fail_on_recompile_limit_hit=True,
             ):
                 loss, grad_norm, stats = self._step_fn(micro_batches, lr_tensor)

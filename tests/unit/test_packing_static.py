@@ -86,10 +86,8 @@ def test_pack_static_is_packs_row_padded_with_its_layout_as_tensors():
     assert layout.document.tolist() == [0] * 8 + [1] * 3 + [2] * 4 + [PADDING_DOCUMENT] * 3
     assert layout.sequence.tolist() == [0, 0, 1, 1, 2, 2, 2, 3, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     assert torch.equal(layout.token_index, where)
-    # The token before each predicted one; 0 where there is none.
-    assert layout.source.tolist() == [
-        [0, 0, 1, 2, 0], [0, 0, 1, 4, 5], [0, 0, 1, 0, 0], [0, 8, 9, 0, 0], [0, 11, 12, 13, 0],
-    ]
+    # The packed token before each packed token in its own sequence; 0 where there is none.
+    assert layout.source.tolist() == [0, 0, 1, 2, 1, 4, 5, 1, 0, 8, 9, 0, 11, 12, 13, 0, 0, 0]
     assert layout.predicted().tolist() == [
         [False, True, True, True, False], [False, True, True, True, True], [False, True, True, False, False],
         [False, True, True, False, False], [False, True, True, True, False],
