@@ -98,7 +98,7 @@ class Roles:
     def _start(self, model_path: str, tokenizer_path: str | None, resume: dict | None) -> None:
         cfg = self.cfg
         ranks = cfg.learner.ranks
-        learners = self._place("learner", ranks)
+        learners = self._place("learner", ranks, gpus_per_actor=1 if cfg.learner.device == "cuda" else 0)
         self.engine_placement = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
         rewarders = self._place("reward", cfg.reward.num_workers)
         self.learners = [
@@ -174,9 +174,10 @@ class Roles:
         roles = {"learner": self.learners, "rollout": self.engines, "reward": self.rewarders}
         return {role: get_all([h.__ray_call__.remote(node_of) for h in handles]) for role, handles in roles.items()}
 
-    def _place(self, role: str, actors: int, chips_per_actor: int = 1) -> RoleGroup:
+    def _place(self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0) -> RoleGroup:
         group = place_role(
-            role, getattr(self.cfg.placement, role), actors, self.cfg.ray.placement_timeout_s, chips_per_actor
+            role, getattr(self.cfg.placement, role), actors, self.cfg.ray.placement_timeout_s, chips_per_actor,
+            gpus_per_actor,
         )
         self.placements.append(group)
         return group

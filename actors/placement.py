@@ -36,6 +36,7 @@ class Slot:
     bundle_index: int
     env: dict[str, str] = field(default_factory=dict)
     tpu_chips: int = 0
+    gpus: int = 0
 
 
 @dataclass
@@ -58,7 +59,8 @@ class RoleGroup:
         if slot.tpu_chips:  # actors share a host's bundle, so they take chips, not the host's CPU
             options.update(num_cpus=0, resources={"TPU": slot.tpu_chips})
         else:
-            options.update(num_cpus=1)
+            # A GPU actor's GPU comes with its bundle; Ray makes it the one device the actor sees.
+            options.update(num_cpus=1, num_gpus=slot.gpus)
         return options
 
     def remove(self) -> None:
@@ -69,18 +71,22 @@ class RoleGroup:
                 pass
 
 
-def place_role(role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int = 1) -> RoleGroup:
-    """Reserve the placement for `actors` actors of `role`, waiting at most `timeout_s` for it."""
+def place_role(
+    role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int = 1, gpus_per_actor: int = 0
+) -> RoleGroup:
+    """Reserve the placement for `actors` actors of `role` (each with `gpus_per_actor` GPUs on GPU nodes), waiting
+    at most `timeout_s` for it."""
     if spec.tpu:
         return _place_on_slice(role, spec, actors, timeout_s, chips_per_actor)
-    bundles = cpu_bundles(spec, actors)
+    bundles = cpu_bundles(spec, actors, gpus_per_actor)
     group = placement_group(bundles, strategy=spec.strategy, name=f"rlpipe-{role}")
     _wait(group, role, timeout_s, f"{actors} bundle(s) of {bundles[0]} ({spec.strategy})")
-    return RoleGroup(role, group, [Slot(index) for index in range(actors)])
+    return RoleGroup(role, group, [Slot(index, gpus=gpus_per_actor) for index in range(actors)])
 
 
-def cpu_bundles(spec: RolePlacement, actors: int) -> list[dict[str, float]]:
-    return [{"CPU": 1.0, **{str(k): float(v) for k, v in spec.resources.items()}} for _ in range(actors)]
+def cpu_bundles(spec: RolePlacement, actors: int, gpus: int = 0) -> list[dict[str, float]]:
+    extra = {"GPU": float(gpus)} if gpus else {}
+    return [{"CPU": 1.0, **extra, **{str(k): float(v) for k, v in spec.resources.items()}} for _ in range(actors)]
 
 
 def _wait(group: PlacementGroup, role: str, timeout_s: float, wanted: str) -> None:

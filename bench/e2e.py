@@ -192,7 +192,7 @@ def e2e_workload(name: str, settings: dict, spec: E2ESpec) -> dict:
             "kl_beta": cfg.algo.kl_beta,
             "clip": (policy.clip_low, policy.clip_high),
             "advantage_scale": loss_defaults(cfg.algo)[0],
-            "loss_agg": policy.aggregation,
+            "loss_agg": getattr(policy, "aggregation", "per-sequence"),  # gspo reduces per sequence
             "dtype": (cfg.model.dtype, cfg.rollout.dtype),
             "seed": cfg.run.seed,
             "system_prompt": cfg.data.system_prompt,

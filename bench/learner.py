@@ -156,9 +156,10 @@ def _bench_config(
             f"learner.device={device}",
             f"learner.graph={str(graph).lower()}",
             # Rows pad to seq; a graph step's packed micro-batch to exactly its packed length (every batch of the
-            # bench has that one shape, so a bucket of its own is what a run's buckets would give it at best).
+            # bench has that one shape, so a bucket of its own is what a run's buckets would give it at best), with
+            # the largest bucket the config check asks for beside it.
             f"learner.length_buckets=[{shape.seq}]",
-            f"learner.packed_buckets=[{_packed_length(shape, micro_batch, share_prompts and not shape.experts)}]",
+            f"learner.packed_buckets={_packed_buckets(shape, micro_batch, share_prompts and not shape.experts)}",
             f"data.max_prompt_tokens={shape.seq // 2}",
             f"rollout.max_tokens={shape.seq // 2}",
             f"rollout.max_model_len={shape.seq}",
@@ -172,11 +173,19 @@ def _bench_config(
     )
 
 
-def _packed_length(shape: LearnerBenchShape, rows: int, share_prompts: bool) -> int:
-    """Tokens of `rows` of `_batch`'s rows packed end to end, each group's prompt once when shared."""
-    half = shape.seq // 2
-    prompts = -(-rows // shape.group) if share_prompts and shape.group > 1 else rows
-    return prompts * half + rows * half
+def _packed_buckets(shape: LearnerBenchShape, rows: int, share_prompts: bool) -> list[int]:
+    """The longest packed row of `_batch`'s micro-batches of `rows` rows (each group's prompt once when shared), and
+    `rows` whole rows end to end."""
+    from rlpipe.packing import packed_length
+
+    batch = _batch(shape)
+    longest = 0
+    for first in range(0, shape.batch, rows):
+        part = batch.slice(first, first + rows)
+        mask = part.completion_mask
+        prompts = torch.where(mask.any(1), mask.int().argmax(1), part.lengths) if share_prompts else None
+        longest = max(longest, packed_length(part.input_ids, part.lengths, prompts))
+    return sorted({longest, rows * shape.seq})
 
 
 def _batch(shape: LearnerBenchShape):
@@ -275,7 +284,7 @@ def _time_xla(model_path: str, shape: LearnerBenchShape, devices: int):
     step = learner.graph_step
     from rlpipe.kernels._xla import xla_kernel_routes
 
-    kernels = learner.kernels
+    kernels = learner.engine.kernels
     routes = xla_kernel_routes(kernels.attention, kernels.rmsnorm, kernels.logprob)
     return seconds, warmup, {
         "compiles": step.compiles, "hidden_syncs": step.graph_breaks, "fallback_ops": step.xla_fallbacks, "kernels": routes

@@ -590,9 +590,12 @@ def validate(cfg: Config) -> None:
         not cfg.learner.graph or max(cfg.learner.length_buckets, default=0) >= longest,
         f"learner.length_buckets: the largest bucket must hold data.max_prompt_tokens + rollout.max_tokens = {longest}",
     )
+    packed = cfg.learner.packed_buckets
+    need(packed is None or (packed and all(b >= 1 for b in packed)), "learner.packed_buckets: buckets must be >= 1, or null")
     need(
-        cfg.learner.packed_buckets is None or all(b >= 1 for b in cfg.learner.packed_buckets),
-        "learner.packed_buckets: every bucket must be >= 1 (or null)",
+        not (cfg.learner.graph and cfg.learner.packing and packed) or max(packed) >= cfg.train.micro_batch_size * longest,
+        f"learner.packed_buckets: the largest bucket must hold a micro-batch packed end to end, train.micro_batch_size "
+        f"x (data.max_prompt_tokens + rollout.max_tokens) = {cfg.train.micro_batch_size * longest}",
     )
     need(
         cfg.learner.device != "xla" or cfg.learner.param_dtype in (None, cfg.model.dtype),

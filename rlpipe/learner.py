@@ -29,7 +29,6 @@ class Learner:
     ):
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
-        self.learner_section = learner
         self.optimizer_steps_per_batch = samples_per_step // (train.mini_batch_size or samples_per_step)
         config = model_config(read_hf_config(model_path))
         moe = None
@@ -40,6 +39,7 @@ class Learner:
         self.engine = TrainEngine(
             model_path, model, learner, train, loss=self.objective,
             total_steps=train.steps * self.optimizer_steps_per_batch,
+            step_rows=samples_per_step // self.optimizer_steps_per_batch,
             # vLLM reports log-probs after temperature; greedy decoding (0) has no temperature to divide by.
             temperature=temperature or 1.0, rank=rank, world_size=world_size,
         )
@@ -66,8 +66,7 @@ class Learner:
     @property
     def graph_step(self):
         """The engine's step (compiled when learner.graph)."""
-        self.engine.join_group()
-        return self.engine.step_fn
+        return self.engine.ready()
 
     @property
     def policy_version(self) -> int:
@@ -93,7 +92,7 @@ class Learner:
         """One GRPO update on a step's samples: a mini-batch per optimizer step. Returns this rank's sums;
         `combine_rank_metrics` turns every rank's sums into the step's metrics."""
         engine = self.engine
-        engine.join_group()
+        engine.ready()
         # With one optimizer step per batch the policy cannot move before every token has been seen, so the "old"
         # log-probs are the training forward's own (detached) and a separate pass is waste.
         several_steps = self.optimizer_steps_per_batch > 1

@@ -26,7 +26,8 @@ def _blocks(rows: list[list[int]], lengths: list[int], prompt_lengths: list[int]
     """The packed row's blocks in row order, as (first row, last row + 1, prompt length): consecutive rows whose
     prompts are the same tokens share a block (without `prompt_lengths` every row is a block of its own, all of it
     the block's prompt). A prompt is at least one token and at most the row."""
-    prompts = lengths if prompt_lengths is None else [max(1, min(p, n)) for p, n in zip(prompt_lengths, lengths)]
+    # A row of length 0 (padding to a fixed row count) packs to nothing.
+    prompts = lengths if prompt_lengths is None else [min(max(1, p), n) for p, n in zip(prompt_lengths, lengths)]
     blocks = []
     first = 0
     while first < len(rows):

@@ -18,7 +18,6 @@ import math
 
 import torch
 
-from rlpipe.algo.objective import ModelOutputs
 from rlpipe.checkpoint import load_tensors
 from rlpipe.config import KernelsConfig
 from rlpipe.device import backend, step_boundary
@@ -27,7 +26,7 @@ from rlpipe.models import load_model, read_hf_config, save_state_dict
 from rlpipe.packing import pack, pack_static, packed_length, packed_static_token_logprobs
 from rlpipe.parallel.graph_trainer import GraphTrainStep, bucket_length
 from rlpipe.parallel.strategy import choose_strategy
-from rlpipe.types import TrainBatch
+from rlpipe.types import ModelOutputs, TrainBatch
 
 
 def token_logprobs(
@@ -116,20 +115,25 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-
 class TrainEngine:
     """One rank of the learner: `model`, `learner` and `train` are those config sections; `loss` the objective run
-    on every micro-batch; `total_steps` the optimizer steps the schedule spans; `temperature` the one the rollout
-    engine sampled at (its log-probs are taken after it). With a sharding strategy that forms a process group,
+    on every micro-batch; `total_steps` the optimizer steps the schedule spans; `step_rows` the rows of the largest
+    mini-batch; `temperature` the one the rollout engine sampled at (its log-probs are taken after it). With a sharding strategy that forms a process group,
     every rank calls `join_group` before training; otherwise the engine is ready when built."""
 
     def __init__(
-        self, model_path: str, model, learner, train, *, loss, total_steps: int, temperature: float = 1.0,
-        rank: int = 0, world_size: int = 1,
+        self, model_path: str, model, learner, train, *, loss, total_steps: int, step_rows: int | None = None,
+        temperature: float = 1.0, rank: int = 0, world_size: int = 1,
     ):
         self.model_path, self.model_section, self.learner, self.train = model_path, model, learner, train
         self.loss = loss
         self.total_steps = total_steps
+        # With static shapes every optimizer step runs as many micro-batch passes as its largest mini-batch
+        # (`step_rows` rows) needs, so a smaller one (uniform groups dropped) pads with empty passes instead of
+        # compiling a graph of its own.
+        self.static_passes = (
+            math.ceil(math.ceil(step_rows / world_size) / train.micro_batch_size) if step_rows else None
+        )
         self.temperature = temperature
         self.rank, self.world_size = rank, world_size
         self.kernels = model.kernels
@@ -162,13 +166,15 @@ class TrainEngine:
         self.frozen.append(copy)
         return copy
 
-    def join_group(self, master_addr: str = "127.0.0.1", master_port: int = 0) -> None:
+    def join_group(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
         """Form the process group (if the strategy has one), shard the models and build the step; every rank calls
         it at the same time. Without a group it only finishes the set-up."""
         if self.step_fn is not None:
             return
         if self.strategy.needs_group:
-            self.strategy.join(master_addr, master_port)
+            from rlpipe.parallel.mesh import find_free_port
+
+            self.strategy.join(master_addr, master_port if master_port is not None else find_free_port(master_addr))
         for model in (self.model, *self.frozen):
             self.strategy.shard(model)
         train = self.train
@@ -188,6 +194,14 @@ class TrainEngine:
         )
         optimizer = self.step_fn.optimizer
         self.strategy.shard_state([*optimizer.exp_avg, *optimizer.exp_avg_sq])
+
+    def ready(self) -> GraphTrainStep:
+        """The step, finishing the set-up first where no group is needed (one process: it joins a group of one)."""
+        if self.step_fn is None:
+            if self.world_size > 1:
+                raise RuntimeError("a learner of several ranks must join its group first (join_group on every rank)")
+            self.join_group()
+        return self.step_fn
 
     # ------------------------------------------------------------------ forward
 
@@ -336,10 +350,11 @@ class TrainEngine:
         extra per-row/per-token tensors for those rows; `totals` its mini-batch-wide scalars. `rows` None steps on
         zero gradients (momentum and weight decay still act). Returns this rank's sums of the objective's stats, the
         loss, grad_norm, lr and counts."""
-        self.join_group()  # no-op when done; without a group this finishes the set-up
+        self.ready()
         lr = self.train.lr * self.lr_factor(self.optimizer_steps_taken)
         parts = self._rank_micro_batches(0, len(rows)) if rows is not None else []
         if self.static_shapes and parts:
+            parts += [(0, 1, False)] * ((self.static_passes or 0) - len(parts))
             micro_batches = self._static_micro_batches(rows, fields, parts)
         else:
             micro_batches = [self._micro_batch(rows, fields, part) for part in parts]
@@ -375,7 +390,7 @@ class TrainEngine:
         moments (`optim.<HF name>.exp_avg` / `.exp_avg_sq`), its step count and the policy version. Sharded engines
         hold DTensor shards here, so torch.distributed.checkpoint writes each rank's own rows and loading into
         another layout reshards (any number of ranks)."""
-        self.join_group()
+        self.ready()
         state = {f"model.{name}": value for name, value in self.model.state_dict().items()}
         optimizer = self.step_fn.optimizer
         moments = {id(p): (m, v) for p, m, v in zip(self.step_fn.params, optimizer.exp_avg, optimizer.exp_avg_sq)}

@@ -1,4 +1,5 @@
-"""What flows between the roles: prompts → completions → scored groups → a padded train batch."""
+"""What flows between the roles: prompts → completions → scored groups → a padded train batch; and, inside the
+learner, what the model computed for the objective (`ModelOutputs`)."""
 
 from __future__ import annotations
 
@@ -96,3 +97,20 @@ class TrainBatch:
             advantages=torch.tensor(advantages, dtype=torch.float32),
             lengths=torch.tensor(lengths, dtype=torch.long),
         )
+
+
+@dataclass
+class ModelOutputs:
+    """What the model computed for one micro-batch.
+
+    logprobs: [B, T] log-probability of each token given the ones before it (0 where not computed); carries grad.
+    entropy: [B, T] the policy's entropy at each position (detached).
+    router_logits: a mixture-of-experts model's router logits, one [tokens, experts] tensor per MoE layer, over the
+        tokens as the model ran them (packed or padded); empty for a dense model.
+    router_mask: [tokens] which of those tokens are trained on (the `mask` tokens, in the same order).
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    router_logits: list[torch.Tensor] = field(default_factory=list)
+    router_mask: torch.Tensor | None = None

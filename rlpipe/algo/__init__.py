@@ -18,13 +18,13 @@ from rlpipe.algo.objective import (
     GSPOLoss,
     KLPenalty,
     MaskedImportance,
-    ModelOutputs,
     Objective,
     RouterBalance,
     TruncatedImportance,
     build_objective,
     loss_defaults,
 )
+from rlpipe.types import ModelOutputs
 
 __all__ = [
     "group_advantages",

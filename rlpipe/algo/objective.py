@@ -14,7 +14,7 @@ eagerly and inside the compiled step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
@@ -29,23 +29,7 @@ from rlpipe.algo.losses import (
     truncated_importance_weights,
 )
 from rlpipe.models.moe import expert_token_counts, load_balancing_loss, router_probability_sums
-
-
-@dataclass
-class ModelOutputs:
-    """What the model computed for one micro-batch.
-
-    logprobs: [B, T] log-probability of each token given the ones before it (0 where not computed); carries grad.
-    entropy: [B, T] the policy's entropy at each position (detached).
-    router_logits: a mixture-of-experts model's router logits, one [tokens, experts] tensor per MoE layer, over the
-        tokens as the model ran them (packed or padded); empty for a dense model.
-    router_mask: [tokens] which of those tokens are trained on (the `mask` tokens, in the same order).
-    """
-
-    logprobs: Tensor
-    entropy: Tensor
-    router_logits: list[Tensor] = field(default_factory=list)
-    router_mask: Tensor | None = None
+from rlpipe.types import ModelOutputs
 
 
 # ------------------------------------------------------------------ policy losses
@@ -265,12 +249,12 @@ def loss_defaults(algo) -> tuple[str, bool]:
 def build_objective(algo, *, max_tokens: int, moe=None) -> Objective:
     """The objective an `algo` config section describes. `max_tokens` is the longest completion (Dr. GRPO's
     normaliser); `moe` is (experts_per_token, moe_layers, coefficient) for a mixture-of-experts model, else None."""
-    settings = {"clip_low": algo.clip_low, "clip_high": algo.clip_high}
-    if algo.loss in ("grpo", "dr_grpo", "dapo"):
-        settings["max_tokens"] = max_tokens
-    if algo.loss == "grpo" and algo.loss_agg is not None:
-        settings["aggregation"] = algo.loss_agg
-    policy = POLICY_LOSSES[algo.loss](**{k: v for k, v in settings.items() if v is not None})
+    policy_class = POLICY_LOSSES[algo.loss]
+    # Each loss takes the settings it has fields for; a null one leaves the loss's own default.
+    settings = {"clip_low": algo.clip_low, "clip_high": algo.clip_high, "aggregation": algo.loss_agg,
+                "max_tokens": max_tokens}
+    accepted = {f.name for f in fields(policy_class)}
+    policy = policy_class(**{k: v for k, v in settings.items() if k in accepted and v is not None})
     corrections = []
     if algo.tis_cap is not None:
         corrections.append(TruncatedImportance(algo.tis_cap))

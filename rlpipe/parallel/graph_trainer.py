@@ -265,7 +265,12 @@ class GraphTrainStep:
             # no gradient; it gets zeros.
             micro_grads = torch.autograd.grad(loss, self.params, allow_unused=True)
             micro_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, micro_grads)]
-            grads = list(micro_grads) if grads is None else [acc + g for acc, g in zip(grads, micro_grads)]
+            if grads is None:
+                grads = list(micro_grads)
+            elif torch.compiler.is_compiling():
+                grads = [acc + g for acc, g in zip(grads, micro_grads)]
+            else:  # eager: in place, so one set of gradients is alive besides the micro-batch's own
+                grads = [acc.add_(g) for acc, g in zip(grads, micro_grads)]
             loss = loss.detach()
             total_loss = loss if total_loss is None else total_loss + loss
             for name, value in stats.items():

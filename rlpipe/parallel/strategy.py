@@ -121,7 +121,8 @@ def choose_strategy(learner, master_dtype: torch.dtype, rank: int = 0, world_siz
             raise ValueError(f"learner.device: {learner.device!r} runs one learner process that shards over its devices")
         return XlaSpmd(learner.device, learner.ranks) if learner.ranks > 1 else Unsharded(torch_device(learner.device))
     param_dtype = getattr(torch, learner.param_dtype) if learner.param_dtype else master_dtype
-    # A process sees one accelerator (Ray sets its visible devices) or all of them (one process per rank here).
+    # A learner actor sees the one GPU its placement bundle holds (Ray sets CUDA_VISIBLE_DEVICES); processes started
+    # otherwise may see all of them, one per rank.
     local = rank % torch.cuda.device_count() if table.kind == "cuda" and torch.cuda.device_count() > 1 else 0
     device = torch_device(learner.device, local)
     if world_size == 1 and param_dtype == master_dtype:

@@ -11,7 +11,7 @@ import torch
 from rlpipe.config import load_config
 from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.parallel.mesh import destroy_distributed, find_free_port
-from rlpipe.types import TrainBatch
+from tests.batches import four_samples as _batch
 
 DEVICE = "cuda"
 
@@ -34,14 +34,6 @@ def _config(model_path, *overrides):
             *overrides,
         ],
     )
-
-
-def _batch(seed: int = 0) -> TrainBatch:
-    generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (4, 6, 3, 5)]
-    completions = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (5, 2, 7, 4)]
-    logprobs = [[-1.0] * len(c) for c in completions]
-    return TrainBatch.from_sequences(prompts, completions, logprobs, [1.0, -1.0, 0.5, -0.5], pad_id=0)
 
 
 def _snapshot(learner: Learner) -> dict[str, torch.Tensor]:

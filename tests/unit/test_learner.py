@@ -12,6 +12,7 @@ from rlpipe.controller import make_train_batch
 from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.train_engine import lr_factor, token_logprobs
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
+from tests.batches import four_samples as _batch
 
 
 def _config(model_path, *overrides):
@@ -31,14 +32,6 @@ def _config(model_path, *overrides):
 
 def _step(learner: Learner, batch: TrainBatch) -> dict[str, float]:
     return combine_rank_metrics([learner.train_step(batch)])
-
-
-def _batch(seed: int = 0) -> TrainBatch:
-    generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (4, 6, 3, 5)]
-    completions = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (5, 2, 7, 4)]
-    logprobs = [[-1.0] * len(c) for c in completions]
-    return TrainBatch.from_sequences(prompts, completions, logprobs, [1.0, -1.0, 0.5, -0.5], pad_id=0)
 
 
 def test_token_logprobs_match_a_direct_computation(tiny_qwen3):
@@ -276,3 +269,9 @@ def test_router_aux_loss_is_added_with_its_coefficient(tiny_qwen3_moe):
     router = "model.layers.0.mlp.gate.weight"
     moved = (balanced.model.state_dict()[router] - plain.model.state_dict()[router]).abs().max()
     assert moved > 1e-4  # the loss reaches the router's weights
+
+
+def test_a_rank_of_several_must_join_its_group_before_it_trains(tiny_qwen3):
+    learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.ranks=2"), rank=0, world_size=2)
+    with pytest.raises(RuntimeError, match="must join its group first"):
+        learner.train_step(_batch())

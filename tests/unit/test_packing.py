@@ -257,3 +257,22 @@ def test_the_graph_step_packs_and_shares_prompts_as_the_eager_step_does(tiny_qwe
     assert moved > 100 * TOLERANCE
     for name, tensor in eager.model.state_dict().items():
         torch.testing.assert_close(graph.model.state_dict()[name], tensor, atol=TOLERANCE, rtol=1e-4, msg=name)
+
+
+def test_a_graph_step_on_fewer_samples_runs_empty_passes_instead_of_compiling_again(tiny_qwen3):
+    """Uniform groups dropped make a step's batch smaller; the captured step pads it with empty micro-batch passes,
+    so it keeps its one graph, and the update equals the eager one."""
+    overrides = ("train.adam_eps=1e-4", "learner.length_buckets=[16]", "data.max_prompt_tokens=8",
+                 "rollout.max_tokens=8", "algo.kl_beta=0", "train.mini_batch_size=null", "train.prompts_per_step=3",
+                 "rollout.group_size=3", "train.micro_batch_size=3", "learner.skip_zero_advantage=false")
+    eager = Learner.from_config(tiny_qwen3, _learner_config(tiny_qwen3, *overrides))
+    graph = Learner.from_config(tiny_qwen3, _learner_config(tiny_qwen3, *overrides, "learner.graph=true"))
+    for groups in (3, 2, 1):
+        batch = _group_batch(seed=groups, groups=groups, group_size=3)
+        expected = combine_rank_metrics([eager.train_step(batch)])
+        got = combine_rank_metrics([graph.train_step(batch)])
+        for key in ("loss", "grad_norm", "train_tokens"):
+            assert got[key] == pytest.approx(expected[key], abs=TOLERANCE), (groups, key)
+    assert got["learner/graph_compiles"] == 1
+    for name, tensor in eager.model.state_dict().items():
+        torch.testing.assert_close(graph.model.state_dict()[name], tensor, atol=TOLERANCE, rtol=1e-4, msg=name)

@@ -264,3 +264,14 @@ def test_inductor_compiles_the_static_packed_pass(tiny_qwen3):
     for grad, eager_grad in zip(grads, eager_grads):
         torch.testing.assert_close(grad, eager_grad, atol=TOLERANCE, rtol=1e-4)
     assert counter.graphs == 1
+
+
+def test_rows_of_length_zero_take_no_place_in_the_packed_row():
+    """A micro-batch padded to its row count with empty rows packs to the same tokens, so a packed bucket that
+    holds the real rows exactly still holds them."""
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 1], [0, 0, 0, 0], [0, 0, 0, 0]])
+    lengths, prompts = torch.tensor([4, 4, 0, 0]), torch.tensor([2, 2, 0, 0])
+    assert packed_length(ids, lengths, prompts) == packed_length(ids[:2], lengths[:2], prompts[:2]) == 6
+    layout = pack_static(ids, lengths, prompts, width=6)
+    assert layout.input_ids.tolist() == [[5, 6, 7, 8, 9, 1]]
+    assert (layout.token_index[2:] == -1).all()

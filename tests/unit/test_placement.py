@@ -119,6 +119,7 @@ def test_fallback_bundles_pin_every_host_to_the_head_hosts_slice():
 def test_cpu_bundles_and_actor_options():
     spec = RolePlacement(resources={"learner_host": 1}, strategy="SPREAD")
     assert cpu_bundles(spec, 2) == [{"CPU": 1.0, "learner_host": 1.0}] * 2
+    assert cpu_bundles(spec, 1, gpus=1) == [{"CPU": 1.0, "GPU": 1.0, "learner_host": 1.0}]  # learner.device: cuda
     group = RoleGroup("learner", PlacementGroup.empty(), [Slot(0), Slot(1, {"TPU_VISIBLE_CHIPS": "3"}, tpu_chips=1)])
     cpu = group.options(0, {"OMP_NUM_THREADS": "2"})
     assert cpu["num_cpus"] == 1 and cpu["scheduling_strategy"].placement_group_bundle_index == 0

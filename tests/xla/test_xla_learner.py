@@ -137,7 +137,7 @@ def test_checkpoint_round_trip_on_xla(tiny_qwen3, tmp_path):
     saved.save_checkpoint(str(tmp_path))
     resumed = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, *xla))
     resumed.load_checkpoint(str(tmp_path))
-    assert resumed.optimizer_steps_taken == 1 and resumed.policy_version == 1
+    assert resumed.engine.optimizer_steps_taken == 1 and resumed.policy_version == 1
     # Same weights and AdamW moments: the next step is the same step.
     assert _losses(resumed, [_batch(1)]) == _losses(saved, [_batch(1)])
     assert resumed.graph_step.graph_breaks == 0
