@@ -171,8 +171,20 @@ class Roles:
         def node_of(_actor) -> str:  # runs inside the actor
             return ray.get_runtime_context().get_node_id()
 
+        return self._ask_every_actor(node_of)
+
+    def interpreters(self) -> dict[str, list[str]]:
+        """The Python interpreter each actor runs under, as the actor itself reports it, per role in rank order."""
+        def executable(_actor) -> str:  # runs inside the actor
+            import sys
+
+            return sys.executable
+
+        return self._ask_every_actor(executable)
+
+    def _ask_every_actor(self, question) -> dict[str, list]:
         roles = {"learner": self.learners, "rollout": self.engines, "reward": self.rewarders}
-        return {role: get_all([h.__ray_call__.remote(node_of) for h in handles]) for role, handles in roles.items()}
+        return {role: get_all([h.__ray_call__.remote(question) for h in handles]) for role, handles in roles.items()}
 
     def _place(self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0) -> RoleGroup:
         group = place_role(

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpipe.config import ConfigError, RolePlacement
 from rlpipe.device import TPU_BASE_PORT, TpuSlice, tpu_process_env, tpu_slice
+from rlpipe.environments import interpreter
 
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
@@ -47,15 +48,16 @@ class RoleGroup:
     group: PlacementGroup
     slots: list[Slot]
     head_groups: list[PlacementGroup] = field(default_factory=list)  # slice reservations to release with it
+    python: str | None = None  # the interpreter the role's actors run under (placement.<role>.python); None: Ray's
 
     def options(self, index: int, env: dict[str, str] | None = None) -> dict[str, Any]:
         """`.options(...)` for the actor in slot `index`, adding `env` to its environment."""
         slot = self.slots[index]
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=slot.bundle_index)
-        options: dict[str, Any] = {
-            "scheduling_strategy": strategy,
-            "runtime_env": {"env_vars": {**(env or {}), **slot.env}},
-        }
+        runtime_env: dict[str, Any] = {"env_vars": {**(env or {}), **slot.env}}
+        if self.python:
+            runtime_env["py_executable"] = self.python
+        options: dict[str, Any] = {"scheduling_strategy": strategy, "runtime_env": runtime_env}
         if slot.tpu_chips:  # actors share a host's bundle, so they take chips, not the host's CPU
             options.update(num_cpus=0, resources={"TPU": slot.tpu_chips})
         else:
@@ -77,11 +79,15 @@ def place_role(
     """Reserve the placement for `actors` actors of `role` (each with `gpus_per_actor` GPUs on GPU nodes), waiting
     at most `timeout_s` for it."""
     if spec.tpu:
-        return _place_on_slice(role, spec, actors, timeout_s, chips_per_actor)
-    bundles = cpu_bundles(spec, actors, gpus_per_actor)
-    group = placement_group(bundles, strategy=spec.strategy, name=f"rlpipe-{role}")
-    _wait(group, role, timeout_s, f"{actors} bundle(s) of {bundles[0]} ({spec.strategy})")
-    return RoleGroup(role, group, [Slot(index, gpus=gpus_per_actor) for index in range(actors)])
+        placed = _place_on_slice(role, spec, actors, timeout_s, chips_per_actor)
+    else:
+        bundles = cpu_bundles(spec, actors, gpus_per_actor)
+        group = placement_group(bundles, strategy=spec.strategy, name=f"rlpipe-{role}")
+        _wait(group, role, timeout_s, f"{actors} bundle(s) of {bundles[0]} ({spec.strategy})")
+        placed = RoleGroup(role, group, [Slot(index, gpus=gpus_per_actor) for index in range(actors)])
+    if spec.python:
+        placed.python = interpreter(f"placement.{role}.python", spec.python)
+    return placed
 
 
 def cpu_bundles(spec: RolePlacement, actors: int, gpus: int = 0) -> list[dict[str, float]]:

@@ -294,6 +294,11 @@ class RolePlacement:
     )
     tpu: str | None = _key(None, "TPU slice this role runs on, as its pod type (e.g. v6e-8); null: no TPU")
     topology: str | None = _key(None, "topology of that slice (e.g. 2x4); null: the pod type's usual topology")
+    python: str | None = _key(
+        None,
+        "Python interpreter, or virtual environment folder, this role's actors run under (Ray's runtime_env "
+        "py_executable; same Python minor and Ray versions as the driver); null: the driver's",
+    )
 
 
 @dataclass

@@ -19,6 +19,7 @@ from rlpipe.checkpoint import CheckpointError
 from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError, one_line
 from rlpipe.data import PromptSet, Sampler, load_rows
+from rlpipe.environments import check_role_environments
 from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics, staleness_metrics
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.types import Group, TrainBatch
@@ -50,6 +51,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         summary = run.summary or {"eval_before": evaluate(roles, run.eval_set, cfg)}
         summary["sync_check"] = check
         summary["placement"] = roles.where()  # node id of every actor, per role
+        summary["python"] = roles.interpreters()  # the interpreter of every actor, per role
         log.note(f"held-out accuracy before training: {summary['eval_before']}")
         watch = FailureWatch(cfg.reward.max_failed_share, cfg.reward.max_failed_steps)
         ahead = Lookahead(run, roles, cfg)
@@ -169,6 +171,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     """Check every input (model, tokenizer, rewards, data, the checkpoint to resume) before a run directory or a
     cluster exists."""
     check_learner_device(cfg.learner.device)
+    check_role_environments(cfg)
     model_path = resolve_model_path(cfg.model.path)
     check_model(model_path)
     tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.path"

@@ -47,3 +47,22 @@ def _offline():
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def twin_python(tmp_path_factory) -> str:
+    """A second virtual environment made from this one's base interpreter that sees this one's packages: a distinct
+    interpreter (its own sys.executable) for the tests of per-role environments."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    folder = tmp_path_factory.mktemp("twin-env")
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    version = "python%d.%d" % sys.version_info[:2]
+    packages = sysconfig.get_paths()["purelib"]
+    # A .pth line that starts with `import` runs: addsitedir also reads that folder's own .pth files (editable installs).
+    (folder / "lib" / version / "site-packages" / "driver_packages.pth").write_text(
+        f"import site; site.addsitedir({packages!r})\n"
+    )
+    return str(folder / "bin" / "python")

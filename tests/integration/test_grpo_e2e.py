@@ -153,7 +153,7 @@ def test_local_cluster_is_bound_to_loopback(ray_cluster):
     assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
 
 
-def test_llama_from_reasoning_gym(tmp_path, tiny_llama, ray_cluster):
+def test_llama_from_reasoning_gym(tmp_path, tiny_llama, ray_cluster, twin_python):
     cfg = load_config(None, _overrides(tmp_path / "runs", tiny_llama) + [
         "run.name=llama",
         "data.size=32",
@@ -165,8 +165,11 @@ def test_llama_from_reasoning_gym(tmp_path, tiny_llama, ray_cluster):
         "reward.functions=[{name: reasoning_gym}, {name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
         "train.max_staleness=1",  # asynchronous: step 2 generates (with version 0) while step 1 trains
         "metrics.export=false",  # the other runs check the export
+        f"placement.reward.python={twin_python}",  # the reward workers in an environment of their own
     ])
     summary = train(cfg)
+    assert summary["python"]["reward"] == [twin_python] * 2
+    assert twin_python not in summary["python"]["learner"] + summary["python"]["rollout"]
     run_dir = tmp_path / "runs" / "llama"
     _check_run(run_dir, summary, export=False)
     first, second = _read_metrics(run_dir)

@@ -256,6 +256,11 @@ def learner_device_not_in_this_build(d):
 
 
 @case
+def role_interpreter_missing(d):
+    return Case([f"placement.learner.python={d.root / 'no-such-venv'}"], ["placement.learner.python:", "no-such-venv"])
+
+
+@case
 def learner_device_cuda_without_a_gpu(d):
     import torch
 
