@@ -118,8 +118,8 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 class TrainEngine:
     """One rank of the learner: `model`, `learner` and `train` are those config sections; `loss` the objective run
     on every micro-batch; `total_steps` the optimizer steps the schedule spans; `step_rows` the rows of the largest
-    mini-batch; `temperature` the one the rollout engine sampled at (its log-probs are taken after it). With a sharding strategy that forms a process group,
-    every rank calls `join_group` before training; otherwise the engine is ready when built."""
+    mini-batch; `temperature` the one the rollout engine sampled at (its log-probs are taken after it). Ranks of a
+    group of several call `join_group` together before training; a single process finishes its set-up itself."""
 
     def __init__(
         self, model_path: str, model, learner, train, *, loss, total_steps: int, step_rows: int | None = None,
