@@ -15,7 +15,9 @@ from actors.learner import LearnerActor
 from actors.placement import RoleGroup, place_role
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
-from rlpipe.config import Config, ConfigError, first_line
+from rlpipe.config import Config, first_line
+from rlpipe.device import learner_env, learner_processes
+from rlpipe.environments import actors_needed, check_cluster_resources
 from rlpipe.learner import combine_rank_metrics
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
 from rlpipe.weightsync import SyncError, SyncPlan, plan_sync
@@ -59,10 +61,6 @@ def start_ray(cfg: Config) -> None:
     )
 
 
-def actors_needed(cfg: Config) -> int:
-    return cfg.learner.ranks + cfg.rollout.num_engines + cfg.reward.num_workers
-
-
 class Roles:
     """Handles to the learner, the rollout engines and the reward workers."""
 
@@ -80,13 +78,7 @@ class Roles:
         self.model_path, self.tokenizer_path = model_path, tokenizer_path
         self.engine_restarts = [0] * cfg.rollout.num_engines
         # An actor that cannot be placed waits forever; say so instead of hanging.
-        needed, available = actors_needed(cfg), ray.cluster_resources().get("CPU", 0)
-        on_tpu = cfg.placement.learner.tpu or cfg.placement.rollout.tpu
-        if available < needed and not on_tpu:
-            raise ConfigError(
-                f"ray.num_cpus: the cluster has {available:g} CPUs but the roles need {needed} "
-                f"(one each per learner rank, rollout engine and reward worker)"
-            )
+        check_cluster_resources(cfg, ray.cluster_resources())
         self.placements: list[RoleGroup] = []
         self.learners, self.engines, self.rewarders = [], [], []
         try:
@@ -97,12 +89,13 @@ class Roles:
 
     def _start(self, model_path: str, tokenizer_path: str | None, resume: dict | None) -> None:
         cfg = self.cfg
-        ranks = cfg.learner.ranks
+        ranks = learner_processes(cfg.learner.device, cfg.learner.ranks)
         learners = self._place("learner", ranks, gpus_per_actor=1 if cfg.learner.device == "cuda" else 0)
+        env = compute_env() | learner_env(cfg.learner.device, cfg.learner.ranks)
         self.engine_placement = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
         rewarders = self._place("reward", cfg.reward.num_workers)
         self.learners = [
-            LearnerActor.options(**learners.options(rank, compute_env())).remote(model_path, cfg, rank, ranks)
+            LearnerActor.options(**learners.options(rank, env)).remote(model_path, cfg, rank, ranks)
             for rank in range(ranks)
         ]
         self.engines = [self._new_engine(index) for index in range(cfg.rollout.num_engines)]
@@ -155,7 +148,7 @@ class Roles:
         engine is replaced (a gloo group cannot take in a new member)."""
         if self.cfg.sync.transport != "gloo":
             return
-        ranks = self.cfg.learner.ranks
+        ranks = len(self.learners)
         address, port = ray.get(self.learners[0].rendezvous_address.remote())
         world = ranks + len(self.engines)
         get_all(
@@ -211,7 +204,7 @@ class Roles:
         engine does not expect fails here, before any weight is written."""
         shapes = ray.get(self.learners[0].weight_shapes.remote())
         layouts = get_all([engine.layout.remote() for engine in self.engines])
-        plan = plan_sync(shapes, self.cfg.learner.ranks, layouts[0][0], int(self.cfg.sync.bucket_mb * 2**20))
+        plan = plan_sync(shapes, len(self.learners), layouts[0][0], int(self.cfg.sync.bucket_mb * 2**20))
         for index, (layout, params) in enumerate(layouts):
             unknown = sorted(plan.engine_params() - set(params))
             if layout != layouts[0][0] or unknown:

@@ -10,6 +10,7 @@ import torch
 from actors.calls import get_all
 from rlpipe.checkpoint import set_torch_rng_text, torch_rng_text
 from rlpipe.config import Config
+from rlpipe.device import learner_processes
 from rlpipe.learner import Learner
 from rlpipe.types import TrainBatch
 from rlpipe.weightsync import SyncPlan, make_transport, stream_parts
@@ -59,8 +60,8 @@ class LearnerActor:
         self.learner.join_group(master_addr, master_port)
 
     def connect_sync_group(self, address: str, port: int, world: int) -> None:
-        cfg = self.cfg
-        self.transport.connect(address, port, self.learner.rank, cfg.learner.ranks, world, cfg.sync.timeout_s)
+        learners = learner_processes(self.cfg.learner.device, self.cfg.learner.ranks)
+        self.transport.connect(address, port, self.learner.rank, learners, world, self.cfg.sync.timeout_s)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.learner.train_step(batch)

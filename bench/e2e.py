@@ -9,13 +9,16 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.common import in_fresh_process
 from rlpipe.algo import build_objective, loss_defaults
 
 
 E2E_MODELS = {"tiny": "a random 2-layer Qwen3 (hidden 64) with a 384-token BPE", "smollm2-135m": "builtin:smollm2-135m-instruct"}
-E2E_SYSTEMS = ("rlpipe-sync", "rlpipe-async")  # and one "trl-<generation>" row per TRL generation mode
+# And one "trl-<generation>" row per TRL generation mode. rlpipe-xla is rlpipe-sync with its learner on torch_xla
+# (PJRT's CPU client) in the xla environment (RLPIPE_XLA_VENV, default .venv-xla: scripts/setup-xla.sh).
+E2E_SYSTEMS = ("rlpipe-sync", "rlpipe-async", "rlpipe-xla")
 # TRL's generation paths on CPU: model.generate (hf), transformers' continuous batching (hf-cb), colocated vLLM with
 # vLLM's model code or with vLLM's Transformers backend (vllm-colocate, vllm-colocate-tf).
 TRL_GENERATION = ("hf", "hf-cb", "vllm-colocate", "vllm-colocate-tf")
@@ -42,8 +45,6 @@ class E2ESpec:
     recipe: str | None = None  # default: configs/default.yaml
 
     def recipe_path(self) -> str:
-        from pathlib import Path
-
         return self.recipe or str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
 
 
@@ -65,6 +66,11 @@ def e2e_settings(spec: E2ESpec, trl_generation: tuple[str, ...] = ("hf",)) -> di
         name: {"overrides": [*common, f"run.name={name}", f"train.max_staleness={staleness}"]}
         for name, staleness in (("rlpipe-sync", 0), ("rlpipe-async", 1))
     }
+    xla_environment = os.environ.get("RLPIPE_XLA_VENV", str(Path(__file__).resolve().parent.parent / ".venv-xla"))
+    settings["rlpipe-xla"] = {"overrides": [
+        *common, "run.name=rlpipe-xla", "train.max_staleness=0", "learner.device=xla",
+        f"placement.learner.python={xla_environment}",
+    ]}
     cfg = _e2e_config(spec, settings["rlpipe-sync"]["overrides"])
     rows = e2e_prompt_rows(cfg)
     for generation in trl_generation:
@@ -377,7 +383,8 @@ def _e2e_rlpipe_run(spec: E2ESpec, overrides: list[str], results) -> None:
                   "samples": h.get("samples_trained", 0.0), "samples_run": h.get("learner/samples_run"),
                   "completion_tokens": h.get("completion_tokens", 0.0),
                   "phases": {k: v for k, v in h.items() if k.startswith("time/")},
-                  "staleness_max": h.get("staleness/max")} for h in history]
+                  "staleness_max": h.get("staleness/max"), "graph_compiles": h.get("learner/graph_compiles")}
+                 for h in history]
         results.put({"steps": steps, "setup_s": total - sum(s["seconds"] for s in steps)})
     except BaseException as err:
         import traceback
@@ -406,6 +413,9 @@ def _e2e_summary(name: str, result: dict, threshold: float) -> dict:
         # overlapped step 1, which this leaves out, so it flatters async a little.
         "samples_per_s_after_first": sum(s["samples"] for s in steps[1:]) / later_seconds if later_seconds else None,
         "completion_tokens_per_s": sum(s["completion_tokens"] for s in steps) / seconds if seconds else None,
+        # The learner's share of a step (time/train), without step 1's compiles and first backward.
+        "train_s_after_first": (sum(s["phases"].get("time/train", 0.0) for s in steps[1:]) / len(steps[1:])
+                                if steps[1:] else None),
         "threshold_reached": reached,
         "setup_s": result.get("setup_s"),
         "process_wall_s": result.get("process_wall_s"),
@@ -521,6 +531,12 @@ def _print_e2e(rows: list[dict], threshold: float) -> None:
               f"{row['timed_s']:>9.1f}{when:>18}{ratio:>8}{row['process_wall_s']:>11.1f}")
     print("mean reward per step: " + "; ".join(f"{r['system']} " + " ".join(
         "-" if v is None else f"{v:.2f}" for v in r["rewards"]) for r in rows))
+    print("learner seconds per step, steps 2+ (time/train): " + "; ".join(
+        f"{r['system']} {r['train_s_after_first']:.2f}" for r in rows if r.get("train_s_after_first") is not None))
+    compiled = [r for r in rows if r["steps"] and r["steps"][-1].get("graph_compiles") is not None]
+    if compiled:  # a captured learner step (learner.graph, or xla): graphs compiled over the run
+        print("learner graphs compiled: " + "; ".join(f"{r['system']} {r['steps'][-1]['graph_compiles']:.0f}"
+                                                      for r in compiled))
     run = [r for r in rows if any(s.get("samples_run") is not None for s in r["steps"])]
     if run:  # rlpipe's learner leaves out samples with advantage 0 (learner.skip_zero_advantage)
         print("samples the learner ran per step: " + "; ".join(f"{r['system']} " + " ".join(

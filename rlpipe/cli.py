@@ -118,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     e2e.add_argument("--steps", type=int, default=4, help="GRPO steps of each system (the default recipe's workload)")
     e2e.add_argument("--threshold", type=float, default=0.2, help="report the timed seconds to this mean step reward")
     e2e.add_argument("--trl", default="hf", help="TRL generation: hf, hf-cb, vllm-colocate, vllm-colocate-tf (comma list)")
-    e2e.add_argument("--systems", default="rlpipe-sync,rlpipe-async,trl", help="which systems to run")
+    e2e.add_argument("--systems", default="rlpipe-sync,rlpipe-async,trl",
+                     help="which systems to run (also rlpipe-xla: rlpipe-sync with its learner on torch_xla, .venv-xla)")
     e2e.add_argument("--repeats", type=int, default=1, help="rounds of all systems; each system's fastest is reported")
     e2e.add_argument("--png", help="reward-per-step plot (default: next to --out, else bench-e2e-MODEL.png)")
     for bench_parser in (learner, sync, kernels, agreement, e2e):

@@ -19,7 +19,7 @@ from rlpipe.checkpoint import CheckpointError
 from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError, one_line
 from rlpipe.data import PromptSet, Sampler, load_rows
-from rlpipe.environments import check_role_environments
+from rlpipe.environments import check_learner_device, check_role_environments
 from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics, staleness_metrics
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.types import Group, TrainBatch
@@ -156,22 +156,12 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, samp
     return checkpoint.save(run.dir, step, roles.save_checkpoint, trainer_state, cfg.train.keep_checkpoints)
 
 
-def check_learner_device(kind: str) -> None:
-    """Train only on a device this build trains on and this machine has (asked here, where the run starts)."""
-    if kind not in ("cpu", "cuda"):
-        raise ConfigError(
-            f"learner.device: {kind!r} is declared in rlpipe/device.py (and planned by `rlpipe plan`), "
-            "but this build trains on cpu and cuda only"
-        )
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("learner.device: 'cuda' needs a CUDA GPU; none is visible to torch")
-
-
 def prepare(cfg: Config, resume: str | None = None) -> Run:
     """Check every input (model, tokenizer, rewards, data, the checkpoint to resume) before a run directory or a
     cluster exists."""
-    check_learner_device(cfg.learner.device)
-    check_role_environments(cfg)
+    interpreters = check_role_environments(cfg)
+    if not cfg.ray.address:  # the run's own cluster is this machine; a cluster's resources are checked on joining
+        check_learner_device(cfg, interpreters.get("learner"))
     model_path = resolve_model_path(cfg.model.path)
     check_model(model_path)
     tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.path"

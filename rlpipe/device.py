@@ -60,6 +60,43 @@ def torch_device(kind: str, local_index: int = 0) -> torch.device:
     return torch.device(spec.torch_device)
 
 
+def learner_processes(kind: str, ranks: int) -> int:
+    """The learner's processes (Ray actors) for `learner.ranks`: one per rank in a torch.distributed group, or one
+    that drives every rank's device as an SPMD mesh (xla)."""
+    return 1 if backend(kind).sharding == "xla_spmd" else ranks
+
+
+def learner_env(kind: str, ranks: int) -> dict[str, str]:
+    """Environment variables a learner process needs on `kind`: on xla, one PJRT CPU device per rank (read by
+    PJRT's CPU client only; a TPU host's devices are its chips)."""
+    return {"CPU_NUM_DEVICES": str(ranks)} if kind == "xla" else {}
+
+
+def device_unavailable(kind: str) -> str | None:
+    """Why this process cannot train on a `kind` device, in a few words; None when it can. Asked in the
+    learner's own environment before a run starts (rlpipe/environments.py)."""
+    if kind == "cuda" and not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA GPU"
+    if kind == "xla":
+        try:
+            import torch_xla
+        except ImportError as err:
+            return f"cannot import torch_xla ({err})"
+        try:
+            torch_xla.device()
+        except Exception as err:  # PJRT raises RuntimeError or its own types for a client it cannot create
+            first = (str(err).strip().splitlines() or [""])[0][:160]
+            return f"torch_xla cannot open its PJRT device ({type(err).__name__}: {first})"
+    if kind == "tpu":
+        try:
+            import torch_tpu  # noqa: F401  (registers torch.tpu)
+        except ImportError as err:
+            return f"cannot import torch_tpu ({err})"
+        if not torch.tpu.is_available():
+            return "torch_tpu reports no TPU on this host"
+    return None
+
+
 # ------------------------------------------------------------------ PyTorch/XLA
 
 

@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from rlpipe.config import Config, ConfigError
+from rlpipe.device import learner_env, learner_processes
 
 # What a probe prints: the interpreter's Python version, its Ray version and the modules it cannot import.
 _PROBE = """
@@ -93,3 +94,61 @@ def check_role_environments(cfg: Config) -> dict[str, str]:
         chosen[role] = interpreter(key, path)
         check_environment(key, chosen[role], modules[role])
     return chosen
+
+
+def check_learner_device(cfg: Config, python: str | None, timeout_s: float = 180.0) -> None:
+    """Raise a one-line ConfigError unless the learner's environment (`python`, None: the driver's) has a
+    `learner.device` to train on, asked there with the environment a learner actor gets. This machine's
+    environment is the one that counts for a run on its own local cluster; a run that joins a cluster
+    (`ray.address`) checks that cluster's resources instead (`check_cluster_resources`)."""
+    kind = cfg.learner.device
+    if kind == "cpu":
+        return
+    where = f"placement.learner.python {python}" if python else f"the driver's environment {sys.executable}"
+    question = "import json, sys; from rlpipe.device import device_unavailable; print(json.dumps(device_unavailable(sys.argv[1])))"
+    env = {**os.environ, **learner_env(kind, cfg.learner.ranks)}
+    try:
+        done = subprocess.run(
+            [python or sys.executable, "-c", question, kind],
+            capture_output=True, text=True, timeout=timeout_s, check=False, env=env,
+        )
+        reason = json.loads(done.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        reason = f"no answer within {timeout_s:.0f} s"
+    except (IndexError, ValueError):
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+    if reason:
+        hint = "" if python else "; placement.learner.python names an environment that has it"
+        raise ConfigError(f"learner.device: {kind!r} is not available to {where}: {reason}{hint}")
+
+
+def actors_needed(cfg: Config) -> int:
+    """The CPU bundles the roles reserve off TPU slices: one per learner process, rollout engine and reward worker."""
+    return learner_processes(cfg.learner.device, cfg.learner.ranks) + cfg.rollout.num_engines + cfg.reward.num_workers
+
+
+def check_cluster_resources(cfg: Config, resources: dict[str, float], where: str = "the cluster") -> None:
+    """Raise a one-line ConfigError unless `resources` (a cluster's totals, as `ray.cluster_resources()` gives
+    them) can hold the roles: their CPUs, a GPU per cuda learner rank, TPU chips where a device or slice needs
+    them. Custom resources and slice shapes are the placement's to check (it waits for them, then says which)."""
+    tpu_keys = [key for key, wanted in (("learner.device", cfg.learner.device == "tpu"),
+                                        ("placement.learner.tpu", cfg.placement.learner.tpu),
+                                        ("placement.rollout.tpu", cfg.placement.rollout.tpu)) if wanted]
+    on_tpu = bool(tpu_keys)
+    needed = actors_needed(cfg)
+    if not on_tpu and resources.get("CPU", 0) < needed:
+        key = "ray.num_cpus" if not cfg.ray.address else "learner.ranks / rollout.num_engines / reward.num_workers"
+        raise ConfigError(
+            f"{key}: {where} has {resources.get('CPU', 0):g} CPUs but the roles need {needed} "
+            f"(one each per learner process, rollout engine and reward worker)"
+        )
+    if cfg.learner.device == "cuda" and resources.get("GPU", 0) < cfg.learner.ranks:
+        raise ConfigError(
+            f"learner.device: 'cuda' needs {cfg.learner.ranks} GPU(s) (learner.ranks), {where} has "
+            f"{resources.get('GPU', 0):g}"
+        )
+    if on_tpu and not resources.get("TPU", 0):
+        raise ConfigError(
+            f"{tpu_keys[0]}: the run needs TPU chips, {where} has no TPU resource "
+            f"(resources: {', '.join(sorted(k for k in resources if not k.startswith('node:')))})"
+        )

@@ -117,8 +117,9 @@ class Learner:
         sums: dict[str, float] = defaultdict(float)
         for rows, fields, totals in mini_batches:
             out = engine.optimizer_step(rows, fields, totals)
-            if "compiles" in out:
-                sums["compiles"] = out.pop("compiles")  # a running count, not a per-step amount
+            for count in ("compiles", "graph_breaks"):  # running counts, not per-step amounts
+                if count in out:
+                    sums[count] = out.pop(count)
             accumulate(sums, out)
         engine.policy_version += 1
         return dict(sums)
@@ -159,8 +160,9 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         "train_tokens": total["tokens"],
         "learner/samples_run": first.get("samples_run", 0.0),  # every rank sees every row
     }
-    if "compiles" in first:
+    if "compiles" in first:  # the captured step (learner.graph, or xla), counted since the learner started
         metrics["learner/graph_compiles"] = first["compiles"]
+        metrics["learner/graph_breaks"] = first["graph_breaks"]  # on xla: programs run beyond one per step
     tokens = total["tokens"]
     if not tokens:  # no token ran (every sample had advantage 0): nothing to average over
         return metrics

@@ -1,6 +1,7 @@
 """`rlpipe submit`: run a recipe as a Ray job on a cluster (a TPU slice's head, or any Ray cluster) and follow it.
 
-The recipe is checked here first, so a typo fails before anything is uploaded. The job runs
+The recipe is checked here first, and the cluster's resources against it (a TPU learner needs TPU chips, the
+roles their CPUs), so a typo or the wrong cluster fails before anything is uploaded. The job runs
 `python -m rlpipe.cli train RECIPE OVERRIDES ray.address=auto` in the uploaded working directory, so the cluster
 runs this checkout's code; weights, run directories, virtual environments and git data are never uploaded.
 Authentication is Ray's own: with token authentication on (Ray's default), the client sends the token from
@@ -20,6 +21,7 @@ from typing import Any, TextIO
 import yaml
 
 from rlpipe.config import load_config
+from rlpipe.environments import check_cluster_resources
 
 # Never uploaded: the cluster has its own environment, and checkpoints or weights would dwarf the code.
 DEFAULT_EXCLUDES = [
@@ -86,7 +88,7 @@ def submit(
     recipe_path, root = Path(recipe), Path(working_dir)
     if not root.is_dir():
         raise SubmitError(f"--working-dir: {working_dir} is not a directory")
-    load_config(recipe_path, overrides)  # a bad recipe fails here, before anything is uploaded
+    cfg = load_config(recipe_path, overrides)  # a bad recipe fails here, before anything is uploaded
     base = None
     if runtime_env_file:
         try:
@@ -97,6 +99,8 @@ def submit(
             raise SubmitError(f"--runtime-env: {runtime_env_file} must hold a mapping")
     job_env = runtime_env(root, parse_env(list(env)), base)
     command = entrypoint(recipe_path, root, overrides)
+    # A cluster that cannot hold the roles (no TPU resource for a TPU learner, too few CPUs) fails here too.
+    check_cluster_resources(cfg, cluster_resources(address), where=f"the cluster at {address}")
     try:
         client = JobSubmissionClient(address)
         job_id = client.submit_job(entrypoint=command, runtime_env=job_env)
@@ -123,6 +127,24 @@ def submit(
         return 0
     print(f"job {job_id} {info.status.value.lower()}: {_first_line(info.message or 'no message')}", file=out)
     return 1
+
+
+def cluster_resources(address: str) -> dict[str, float]:
+    """The cluster's total resources over its live nodes, asked of its dashboard (Ray's state API, with the same
+    authentication as the jobs API)."""
+    from ray.util.state import list_nodes
+
+    try:
+        # 10,000 nodes: the most the state API lists by default.
+        nodes = list_nodes(address=address, detail=True, limit=10_000, raise_on_missing_output=False)
+    except Exception as err:  # connection and authentication errors arrive as plain exceptions, as for jobs
+        raise SubmitError(f"Ray cluster at {address}: {_first_line(err)}") from None
+    totals: dict[str, float] = {}
+    for node in nodes:
+        if node.state == "ALIVE":
+            for name, amount in (node.resources_total or {}).items():
+                totals[name] = totals.get(name, 0.0) + float(amount)
+    return totals
 
 
 def _first_line(err: object) -> str:

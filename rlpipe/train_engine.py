@@ -360,10 +360,9 @@ class TrainEngine:
             micro_batches = [self._micro_batch(rows, fields, part) for part in parts]
         micro_batches = [self.strategy.place({**micro, **totals}) for micro in micro_batches]
         out = self.step_fn.step(micro_batches, lr=lr)
-        compiles = out.pop("compiles")
-        out.pop("graph_breaks")
+        counts = {name: out.pop(name) for name in ("compiles", "graph_breaks")}
         if self.static_shapes:
-            out["compiles"] = compiles
+            out.update(counts)
         self.optimizer_steps_taken += 1
         out["lr"] = lr
         out["optimizer_steps"] = 1.0

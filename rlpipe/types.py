@@ -53,6 +53,12 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def __reduce__(self):
+        # Pickled (sent to a learner actor) as numpy arrays, never as torch objects: a learner in an environment of
+        # its own may run another torch version than the driver, and torch's pickles are not promised across them.
+        arrays = {name: getattr(self, name).numpy() for name in _TRAIN_BATCH_FIELDS}
+        return _train_batch_from_arrays, (arrays,)
+
     def slice(self, start: int, stop: int) -> "TrainBatch":
         """Rows [start, stop), trimmed to their longest sequence so padding is not computed."""
         return self.take(slice(start, stop))
@@ -97,6 +103,14 @@ class TrainBatch:
             advantages=torch.tensor(advantages, dtype=torch.float32),
             lengths=torch.tensor(lengths, dtype=torch.long),
         )
+
+
+_TRAIN_BATCH_FIELDS = ("input_ids", "completion_mask", "rollout_logprobs", "advantages", "lengths")
+
+
+def _train_batch_from_arrays(arrays: dict) -> TrainBatch:
+    # Ray hands over read-only views of its object store; the learner gets tensors it owns.
+    return TrainBatch(**{name: torch.from_numpy(array.copy()) for name, array in arrays.items()})
 
 
 @dataclass

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Sets up the environment if needed, then runs the test suite (unit + integration, all on CPU).
+# Sets up the environments if needed, then runs the test suite (unit + integration, all on CPU).
+# .venv is the main environment; .venv-xla holds the torch_xla learner (torch 2.9, scripts/setup-xla.sh), which the
+# suite runs `rlpipe train` and tests/xla with. RLPIPE_XLA=0 leaves it out (its tests are then skipped).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/setup.sh"
+if [ "${RLPIPE_XLA:-1}" != 0 ]; then
+  . "$root/scripts/setup-xla.sh"
+  export RLPIPE_REQUIRE_XLA_ENV=1  # built: its tests must run, not skip
+fi
 cd "$root"
 # Two pytest-xdist workers: much of the suite waits on one core (process and engine start-up, compiles), so two
 # workers keep both busy. Tests that must not overlap share one worker (see tests/conftest.py). Arguments given

@@ -51,6 +51,7 @@ that ran on the host.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -327,12 +328,15 @@ class GraphTrainStep:
             if spent.compiles:
                 self.compile_seconds += time.perf_counter() - started
         else:
-            with torch._dynamo.config.patch(
+            # Dynamo's settings for the captured step; an eager step leaves Dynamo alone (torch 2.9, which the xla
+            # environment's eager reference runs on, has no trace_autograd_ops).
+            settings = contextlib.nullcontext() if self._counter is None else torch._dynamo.config.patch(
                 trace_autograd_ops=True,
                 # One graph per bucket, plus slack for a changed micro-batch count or batch size.
                 recompile_limit=len(self.buckets) + 2,
                 fail_on_recompile_limit_hit=True,
-            ):
+            )
+            with settings:
                 loss, grad_norm, stats = self._step_fn(micro_batches, lr_tensor)
             if self.compiles > compiles_before:
                 # The first call of a new shape is dominated by compilation; keep it apart from step time.

@@ -178,3 +178,16 @@ def test_submit_checks_the_recipe_before_uploading(cluster, tmp_path, capsys):  
     outside.write_text("train: {steps: 1}\n")
     status = main(["submit", "--address", cluster.dashboard, "--working-dir", str(REPO), str(outside)])
     assert status == 2 and "must be inside the uploaded working directory" in capsys.readouterr().err
+
+
+def test_submit_checks_the_clusters_resources_before_uploading(cluster, tmp_path, tiny_qwen3):
+    done = _submit(cluster, "--working-dir", str(REPO), *_job(
+        tmp_path, tiny_qwen3, "learner.device=tpu", "placement.learner.tpu=v6e-8", "learner.ranks=8"
+    ))
+    lines = [line for line in done.stderr.splitlines() if line.startswith("rlpipe:")]
+    assert done.returncode == 2 and len(lines) == 1, (done.stdout + done.stderr)[-2000:]
+    assert lines[0].startswith(f"rlpipe: config error: learner.device: the run needs TPU chips, the cluster at {cluster.dashboard} "
+                               "has no TPU resource (resources: CPU, ")
+    assert "learner_host" in lines[0] and "submitted job" not in done.stdout
+    done = _submit(cluster, "--working-dir", str(REPO), *_job(tmp_path, tiny_qwen3, "rollout.num_engines=40"))
+    assert done.returncode == 2 and "but the roles need 42" in done.stderr and "submitted job" not in done.stdout

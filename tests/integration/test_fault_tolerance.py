@@ -20,14 +20,6 @@ GROUP_SIZE = 2
 TRANSPORT = [f"sync.transport={os.environ['RLPIPE_TEST_TRANSPORT']}"] if os.environ.get("RLPIPE_TEST_TRANSPORT") else []
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    yield
-    ray.shutdown()
-
-
 def _pid(actor) -> int:
     import ray
 

@@ -12,14 +12,6 @@ from rlpipe.controller import train
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    yield
-    ray.shutdown()
-
-
 def _overrides(run_dir, model_path) -> list[str]:
     return [
         f"run.output_dir={run_dir}",

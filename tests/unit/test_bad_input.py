@@ -251,8 +251,15 @@ def file_source_without_a_path(d):
 
 
 @case
-def learner_device_not_in_this_build(d):
-    return Case(["learner.device=tpu"], ["learner.device: 'tpu'", "trains on cpu and cuda only"])
+def learner_device_whose_stack_is_not_installed(d):
+    # Asked of the learner's environment (here the driver's, which has neither TorchTPU nor torch_xla).
+    return Case(["learner.device=tpu"], ["learner.device: 'tpu' is not available to the driver's environment",
+                                         "cannot import torch_tpu", "placement.learner.python"])
+
+
+@case
+def learner_device_xla_in_the_main_environment(d):
+    return Case(["learner.device=xla"], ["learner.device: 'xla' is not available", "cannot import torch_xla"])
 
 
 @case
@@ -262,11 +269,9 @@ def role_interpreter_missing(d):
 
 @case
 def learner_device_cuda_without_a_gpu(d):
-    import torch
-
-    # The same answer on a machine with a GPU: the check asks torch, which is told there is none.
-    d.monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    return Case(["learner.device=cuda"], ["learner.device: 'cuda' needs a CUDA GPU; none is visible to torch"])
+    # The same answer on a machine with a GPU: the learner's environment (asked in a child process) is shown none.
+    d.monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    return Case(["learner.device=cuda"], ["learner.device: 'cuda' is not available", "sees no CUDA GPU"])
 
 
 # The model folder and its tokenizer.

