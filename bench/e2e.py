@@ -43,6 +43,7 @@ class E2ESpec:
     steps: int = 4
     output_dir: str = "runs/bench-e2e"
     recipe: str | None = None  # default: configs/default.yaml
+    overrides: tuple[str, ...] = ()  # changes to the recipe's workload (`rlpipe bench e2e --set`)
 
     def recipe_path(self) -> str:
         return self.recipe or str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
@@ -52,6 +53,7 @@ def e2e_settings(spec: E2ESpec, trl_generation: tuple[str, ...] = ("hf",)) -> di
     """Each system's settings, all derived from `spec`: rlpipe's as config overrides (sync: max_staleness 0,
     async: 1), TRL's as GRPOConfig keyword arguments plus the dataset rows in rlpipe's sampling order."""
     common = [
+        *spec.overrides,
         f"model.path={spec.model_path}",
         f"train.steps={spec.steps}",
         "train.warmup_steps=0",  # rlpipe's factor is (step + 1) / warmup: warm-up 1 is no warm-up; HF's would be 0 at step 0
@@ -453,12 +455,13 @@ def _plot_e2e(rows: list[dict], threshold: float, title: str, out_png: str) -> s
 
 
 def bench_e2e(model: str, steps: int, threshold: float, trl_generation: list[str], systems: list[str] | None = None,
-              out: str | None = None, png: str | None = None, repeats: int = 1) -> list[dict]:
+              out: str | None = None, png: str | None = None, repeats: int = 1, overrides: list[str] = ()) -> list[dict]:
     """The same GRPO workload three ways, each in its own fresh process, one after the other: rlpipe synchronous
     (train.max_staleness 0), rlpipe one-step asynchronous (1), and TRL's GRPOTrainer (per TRL generation mode).
     Samples/s = completions trained / timed seconds (each runner says what it times); ratios against the fastest
     TRL row. With `repeats` > 1 the systems run round after round (every other round in reverse order) and each
-    system's fastest round is reported; every round is in the JSON."""
+    system's fastest round is reported; every round is in the JSON. `overrides` change the workload for every
+    system (config overrides of the recipe)."""
     if model not in E2E_MODELS:
         raise ValueError(f"--model {model!r} (known: {', '.join(E2E_MODELS)})")
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-e2e-") as folder:
@@ -470,11 +473,12 @@ def bench_e2e(model: str, steps: int, threshold: float, trl_generation: list[str
             from rlpipe.models.builtin import resolve_model_path
 
             model_path = resolve_model_path(E2E_MODELS[model])
-        spec = E2ESpec(model_path, steps, output_dir=f"{folder}/runs")
+        spec = E2ESpec(model_path, steps, output_dir=f"{folder}/runs", overrides=tuple(overrides))
         settings = e2e_settings(spec, tuple(trl_generation))
         names = [n for n in settings if systems is None or n in systems or (n.startswith("trl") and "trl" in systems)]
-        print(f"bench e2e: {model} ({model_path}), {steps} steps, {repeats} round(s); systems {', '.join(names)}",
-              flush=True)
+        changed = f"; workload changed by {' '.join(overrides)}" if overrides else ""
+        print(f"bench e2e: {model} ({model_path}), {steps} steps, {repeats} round(s); systems {', '.join(names)}"
+              f"{changed}", flush=True)
         rounds: dict[str, list[dict]] = {name: [] for name in names}
         for round_index in range(repeats):
             for name in names if round_index % 2 == 0 else names[::-1]:
@@ -510,7 +514,7 @@ def bench_e2e(model: str, steps: int, threshold: float, trl_generation: list[str
         workload.pop("rows")
         with open(out, "w") as f:
             json.dump({"model": model, "model_path": model_path if model != "tiny" else E2E_MODELS["tiny"],
-                       "steps": steps, "threshold": threshold, "repeats": repeats, "workload": workload,
+                       "overrides": list(overrides), "steps": steps, "threshold": threshold, "repeats": repeats, "workload": workload,
                        "settings": {n: {k: v for k, v in s.items() if k != "rows"} for n, s in settings.items()},
                        "differences": E2E_DIFFERENCES, "rows": rows, "rounds": rounds, "plot": png}, f, indent=2)
     return rows

@@ -122,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="which systems to run (also rlpipe-xla: rlpipe-sync with its learner on torch_xla, .venv-xla)")
     e2e.add_argument("--repeats", type=int, default=1, help="rounds of all systems; each system's fastest is reported")
     e2e.add_argument("--png", help="reward-per-step plot (default: next to --out, else bench-e2e-MODEL.png)")
+    e2e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="change the workload (a config override every system is set up from); repeatable")
     for bench_parser in (learner, sync, kernels, agreement, e2e):
         bench_parser.add_argument("--out", help="also write the results as JSON here")
     return parser
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"bench e2e --trl: unknown {', '.join(unknown)} (known: {', '.join(TRL_GENERATION)})")
         bench_e2e(args.model, args.steps, args.threshold, split(args.trl), split(args.systems), args.out, args.png,
-                  args.repeats)
+                  args.repeats, args.overrides)
         return 0
     if args.command == "bench" and args.what == "kernels":
         from bench.kernels import bench_kernels

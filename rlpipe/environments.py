@@ -105,7 +105,10 @@ def check_learner_device(cfg: Config, python: str | None, timeout_s: float = 180
     if kind == "cpu":
         return
     where = f"placement.learner.python {python}" if python else f"the driver's environment {sys.executable}"
-    question = "import json, sys; from rlpipe.device import device_unavailable; print(json.dumps(device_unavailable(sys.argv[1])))"
+    question = (
+        "import json, sys; from rlpipe.device import device_unavailable; "
+        "print(json.dumps(device_unavailable(sys.argv[1])))"
+    )
     env = {**os.environ, **learner_env(kind, cfg.learner.ranks)}
     try:
         done = subprocess.run(
@@ -127,17 +130,20 @@ def actors_needed(cfg: Config) -> int:
     return learner_processes(cfg.learner.device, cfg.learner.ranks) + cfg.rollout.num_engines + cfg.reward.num_workers
 
 
-def check_cluster_resources(cfg: Config, resources: dict[str, float], where: str = "the cluster") -> None:
+def check_cluster_resources(cfg: Config, resources: dict[str, float], address: str | None = None) -> None:
     """Raise a one-line ConfigError unless `resources` (a cluster's totals, as `ray.cluster_resources()` gives
     them) can hold the roles: their CPUs, a GPU per cuda learner rank, TPU chips where a device or slice needs
-    them. Custom resources and slice shapes are the placement's to check (it waits for them, then says which)."""
+    them. `address` names a cluster the run is submitted to; None: the one the run is on. Custom resources and
+    slice shapes are the placement's to check (it waits for them, then says which)."""
+    where = f"the cluster at {address}" if address else "the cluster"
     tpu_keys = [key for key, wanted in (("learner.device", cfg.learner.device == "tpu"),
                                         ("placement.learner.tpu", cfg.placement.learner.tpu),
                                         ("placement.rollout.tpu", cfg.placement.rollout.tpu)) if wanted]
     on_tpu = bool(tpu_keys)
     needed = actors_needed(cfg)
     if not on_tpu and resources.get("CPU", 0) < needed:
-        key = "ray.num_cpus" if not cfg.ray.address else "learner.ranks / rollout.num_engines / reward.num_workers"
+        own = not (address or cfg.ray.address)  # a cluster the run starts itself has ray.num_cpus CPUs
+        key = "ray.num_cpus" if own else "learner.ranks / rollout.num_engines / reward.num_workers"
         raise ConfigError(
             f"{key}: {where} has {resources.get('CPU', 0):g} CPUs but the roles need {needed} "
             f"(one each per learner process, rollout engine and reward worker)"

@@ -100,7 +100,7 @@ def submit(
     job_env = runtime_env(root, parse_env(list(env)), base)
     command = entrypoint(recipe_path, root, overrides)
     # A cluster that cannot hold the roles (no TPU resource for a TPU learner, too few CPUs) fails here too.
-    check_cluster_resources(cfg, cluster_resources(address), where=f"the cluster at {address}")
+    check_cluster_resources(cfg, cluster_resources(address), address)
     try:
         client = JobSubmissionClient(address)
         job_id = client.submit_job(entrypoint=command, runtime_env=job_env)

@@ -91,6 +91,26 @@ def test_grpo_with_an_xla_learner_in_its_own_environment_resumes_exactly(tmp_pat
                                token_logprobs(load_model(summary["export"]), tokens), rtol=0, atol=1e-6)
 
 
+def test_an_xla_learner_over_two_devices_syncs_over_gloo_and_shared_memory(tmp_path, tiny_qwen3, ray_cluster, xla_python):
+    """`learner.ranks=2` on xla: one learner process, its parameters sharded over two PJRT CPU devices; the other
+    transports carry its weights across the torch versions too (gloo: torch.distributed between torch 2.9 and
+    2.13)."""
+    base = _overrides(tmp_path / "runs", tiny_qwen3) + [
+        "learner.device=xla", "learner.ranks=2", f"placement.learner.python={xla_python}", "train.steps=1",
+        "data.size=32", "data.eval_size=0", "metrics.export=false", "metrics.tensorboard=false", "metrics.plot=false",
+        "reward.functions=[{name: reasoning_gym}, {name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
+    ]
+    losses = []
+    for transport in ("gloo", "shm"):
+        summary = train(load_config(None, base + [f"run.name={transport}", f"sync.transport={transport}"]))
+        assert summary["python"]["learner"] == [xla_python]  # one process drives both devices
+        assert summary["sync_check"]["sync/probe_max_abs"] < 1e-5
+        (record,) = _read_metrics(tmp_path / "runs" / transport)
+        assert record["sync/probe_max_abs"] < 1e-5 and record["sync/policy_shift"] > 1e-3
+        assert record["learner/graph_breaks"] == 0
+        losses.append(record["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7)  # the same step, whichever transport
+
 def test_the_xla_learner_tests_pass_in_the_xla_environment(xla_python):
     """tests/xla (the learner on XLA against the CPU eager learner, one program per step, the SPMD mesh) runs in
     the environment that has torch_xla; collected here, they would be skipped."""

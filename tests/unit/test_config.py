@@ -335,10 +335,13 @@ def test_the_clusters_resources_must_hold_the_roles():
         check_cluster_resources(cuda, {"CPU": 8.0, "GPU": 1.0})
     check_cluster_resources(cuda, {"CPU": 8.0, "GPU": 2.0})
     tpu = load_config(None, ["learner.device=tpu", "placement.learner.tpu=v6e-8", "learner.ranks=8"])
-    with pytest.raises(ConfigError, match=r"^learner.device: the run needs TPU chips, head:8265 has no TPU resource "
+    with pytest.raises(ConfigError, match=r"^learner.device: the run needs TPU chips, the cluster at head:8265 has no TPU resource "
                                           r"\(resources: CPU, memory\)$"):
-        check_cluster_resources(tpu, {"CPU": 64.0, "memory": 1e9, "node:10.0.0.1": 1.0}, where="head:8265")
+        check_cluster_resources(tpu, {"CPU": 64.0, "memory": 1e9, "node:10.0.0.1": 1.0}, "head:8265")
     check_cluster_resources(tpu, {"CPU": 1.0, "TPU": 8.0})  # slices bring their own CPUs
+    with pytest.raises(ConfigError, match=r"^learner.ranks / rollout.num_engines / reward.num_workers: the cluster at "
+                                          r"head:8265 has 3 CPUs but the roles need 4 "):
+        check_cluster_resources(cfg, {"CPU": 3.0}, "head:8265")  # a cluster's CPUs are not ray.num_cpus
 
 
 def test_asynchronous_mode_needs_an_importance_correction():
