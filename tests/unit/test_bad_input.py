@@ -153,6 +153,19 @@ def recipe_unknown_key(d):
 
 
 @case
+def recipe_empty(d):
+    recipe = d.write("recipe.yaml", "# nothing set\n")
+    return Case([], [str(recipe), "the recipe is empty"], recipe)
+
+
+@case
+def recipe_with_a_duplicate_key(d):
+    # YAML's safe loader would keep the last value silently.
+    recipe = d.write("recipe.yaml", "train:\n  steps: 2\n  lr: 1.0e-5\n  steps: 3\n")
+    return Case([], [str(recipe), "duplicate key 'steps' (line 4)"], recipe)
+
+
+@case
 def unknown_section(d):
     return Case(["trian.steps=3"], ["trian: unknown key"])
 
@@ -233,6 +246,26 @@ def reward_weight_not_a_number(d):
 @case
 def top_p_zero(d):
     return Case(["rollout.top_p=0"], ["rollout.top_p: must be in (0, 1]"])
+
+
+@case
+def temperature_above_the_bound(d):
+    return Case(["rollout.temperature=50"], ["rollout.temperature: must be between 0 (greedy) and 10, got 50.0"])
+
+
+@case
+def temperature_negative(d):
+    return Case(["rollout.temperature=-0.5"], ["rollout.temperature: must be between 0 (greedy) and 10, got -0.5"])
+
+
+@case
+def run_name_climbing_out_of_the_output_dir(d):
+    return Case(["run.name=../escaped"], ["run.name: '../escaped' must be one folder name inside run.output_dir"])
+
+
+@case
+def run_name_with_a_path_separator(d):
+    return Case([f"run.name={d.root / 'elsewhere'}"], [f"run.name: '{d.root / 'elsewhere'}' must be one folder name"])
 
 
 @case
