@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+from rlpipe.config import one_line
 
 T = TypeVar("T")
 
@@ -195,14 +198,130 @@ def set_torch_rng_text(text: str) -> None:
 def load_tensors(state: dict, directory: str, target: str) -> None:
     """Fill `state` in place from a torch.distributed.checkpoint directory (resharding as needed), or raise a
     one-line CheckpointError saying that it does not fit `target` (DCP wraps each rank's failure in a long report,
-    and in a BaseException: see `_cause`)."""
+    and in a BaseException: see `_cause`). Nothing in the directory is unpickled except through `read_metadata`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    read_metadata(directory)  # a foreign or broken .metadata is refused in one line before DCP reads it again
     try:
-        dcp.load(state, checkpoint_id=directory)
+        dcp.load(state, storage_reader=_safe_reader(directory))
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"checkpoint {directory}: does not fit {target} ({_cause(err)})") from None
+
+
+def model_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The shape of every model weight in a learner-state directory, under the model's own names, from its metadata
+    alone (no tensor is read)."""
+    metadata = read_metadata(directory).state_dict_metadata
+    return {name[len("model.") :]: tuple(item.size) for name, item in metadata.items() if name.startswith("model.")}
+
+
+def check_fits(path: Path, shapes: dict[str, tuple[int, ...]], model: str) -> None:
+    """Refuse a checkpoint whose model weights, as its metadata lists them, are not exactly `shapes`: another
+    model's, found before any tensor is read."""
+    from rlpipe.models.hf import shape_mismatch
+
+    problem = shape_mismatch(shapes, model_shapes(path / LEARNER_STATE))
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: its weights do not fit {model}: {problem}")
+
+
+def read_metadata(directory: str | os.PathLike):
+    """The `.metadata` of a torch.distributed.checkpoint directory. DCP stores it as a pickle, which could run any
+    code while loading; it is unpickled here admitting only the types DCP writes there for a state of tensors
+    (`_METADATA_GLOBALS`), and it must list tensors only, in files inside the directory. Raises a one-line
+    CheckpointError for anything else."""
+    path = Path(directory) / ".metadata"
+    try:
+        with open(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+    except _ForeignGlobal as err:
+        raise CheckpointError(f"checkpoint {directory}: refusing to load {path.name}: {err}") from None
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {directory}: {path.name} is unreadable ({err.strerror})") from None
+    except Exception as err:  # a damaged pickle fails with any of several types
+        reason = f"{type(err).__name__}: {one_line(err)}"
+        raise CheckpointError(f"checkpoint {directory}: {path.name} is unreadable ({reason})") from None
+    problem = _metadata_problem(metadata)
+    if problem:
+        raise CheckpointError(f"checkpoint {directory}: refusing to load {path.name}: {problem}")
+    return metadata
+
+
+def _metadata_problem(metadata) -> str | None:
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        return "it is not torch.distributed.checkpoint metadata"
+    entries = metadata.state_dict_metadata.values()
+    if not all(isinstance(item, TensorStorageMetadata) and isinstance(item.size, torch.Size) for item in entries):
+        return "it lists entries that are not tensors"  # DCP would read those with torch.load(weights_only=False)
+    files = metadata.storage_data.values() if isinstance(metadata.storage_data, dict) else [None]
+    if not all(isinstance(info, _StorageInfo) and _is_plain_file_name(info.relative_path) for info in files):
+        return "its storage entries name files outside the checkpoint"
+    return None
+
+
+def _is_plain_file_name(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+
+
+class _ForeignGlobal(pickle.UnpicklingError):
+    """A pickle names something that the metadata of an rlpipe checkpoint never holds."""
+
+
+# What the `.metadata` pickle of a state of tensors refers to (torch 2.9 and 2.13 write the same), besides torch
+# dtypes: DCP's metadata dataclasses, torch.Size, torch's layout lookup, and the saved path. Each is a plain value
+# type whose construction runs no code a checkpoint could choose.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib._local", "PosixPath"),  # where Python 3.13 defines it
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what `_METADATA_GLOBALS` lists and torch dtypes; any other global stops the load."""
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        is_dtype = module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or is_dtype:
+            return super().find_class(module, name)
+        raise _ForeignGlobal(
+            f"it refers to {module}.{name}, which the metadata of an rlpipe checkpoint never holds (a pickle from "
+            "elsewhere can run code when loaded)"
+        )
+
+
+def _safe_reader(directory: str):
+    """DCP's file-system reader, its metadata read by `read_metadata` instead of `pickle.load`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata files, which rlpipe never writes
+                raise CheckpointError(f"checkpoint {directory}: per-rank metadata is not read")
+            metadata = read_metadata(directory)
+            if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(directory)
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:

@@ -16,6 +16,7 @@ DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "default.y
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlpipe", description="GRPO post-training with Ray, vLLM and torch")
     commands = parser.add_subparsers(dest="command", required=True)
+    parser.run_commands = {}  # for `_parse_args`, which parses these on their own
     for name, summary in (
         ("train", "run GRPO post-training"),
         ("config", "print the resolved config (`rlpipe config show [RECIPE] [key=value ...]`)"),
@@ -28,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
             epilog=help_text(),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        parser.run_commands[name] = sub
         if name == "config":
             sub.add_argument("action", choices=["show"])
         sub.add_argument("recipe", nargs="?", help=f"YAML recipe (default: {DEFAULT_RECIPE.name})")
@@ -139,9 +141,24 @@ def _resolve(args) -> Config:
     return load_config(recipe or DEFAULT_RECIPE, overrides)
 
 
+def _parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`train`, `config` and `plan` take options and overrides in any order (`rlpipe train RECIPE --resume latest
+    key=value` as well as `rlpipe train RECIPE key=value --resume latest`): argparse's one pass reads the positionals
+    in one run, so overrides after an option would be left over."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in parser.run_commands:
+        return parser.parse_args(argv)
+    args = parser.run_commands[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(command=argv[0]))
+    resume = getattr(args, "resume", None)
+    if resume and "=" in resume and not Path(resume).exists():  # `--resume key=value`: latest, then an override
+        args.overrides.insert(0, resume)  # where it stood on the command line: before the later overrides
+        args.resume = "latest"
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parse_args(parser, argv)
     if args.command == "bench" and args.what == "sync":
         from bench.sync import SYNC_MODELS, bench_sync
         from rlpipe.weightsync import TRANSPORTS

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,6 +30,10 @@ def one_line(err: BaseException) -> str:
 def first_line(err: BaseException) -> str:
     """The first line of an error's message: where a multi-line report (Ray's, for a dead actor) says what happened."""
     return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+
+
+# Above this, sampling is close to uniform over the vocabulary: no recipe means it, a typo (100 for 1.0) might.
+MAX_TEMPERATURE = 10.0
 
 
 def _key(default: Any, help: str) -> Any:
@@ -96,7 +101,7 @@ class DataConfig:
 class RolloutConfig:
     group_size: int = _key(8, "completions sampled per prompt")
     max_tokens: int = _key(128, "maximum completion length in tokens")
-    temperature: float = _key(1.0, "sampling temperature")
+    temperature: float = _key(1.0, "sampling temperature, 0 (greedy) to 10")
     top_p: float = _key(1.0, "nucleus sampling threshold")
     dtype: Literal["float32", "bfloat16"] = _key("float32", "rollout engine dtype")
     num_engines: int = _key(1, "number of vLLM rollout engines (one Ray actor each)")
@@ -476,6 +481,28 @@ def _set_path(tree: dict, path: list[str], value: Any, dotted: str) -> None:
     node[path[-1]] = value
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int):
+        super().__init__(f"duplicate key {key!r} (line {line})")
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: the safe loader keeps the last
+    one silently, so a recipe could say two things and mean one."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<:` merges are meant to be overridden
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise _DuplicateKey(key, key_node.start_mark.line + 1)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
@@ -483,13 +510,15 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_RecipeLoader)
+    except _DuplicateKey as err:
+        raise ConfigError(f"{path}: {err}; give each key once") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise ConfigError(f"{path}: malformed YAML{where}") from None
-    if data is None:
-        return {}
+    if data is None:  # an emptied or truncated file would otherwise train with every default
+        raise ConfigError(f"{path}: the recipe is empty")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return data
@@ -513,6 +542,11 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
 
+    need(
+        _is_folder_name(cfg.run.name),
+        f"run.name: {cfg.run.name!r} must be one folder name inside run.output_dir (no '/', not '.' or '..'); "
+        "group runs with run.output_dir instead",
+    )
     need(cfg.rollout.group_size >= 2, f"rollout.group_size: must be >= 2 for group advantages, got {cfg.rollout.group_size}")
     need(cfg.train.prompts_per_step >= 1, "train.prompts_per_step: must be >= 1")
     need(cfg.model.kernels.logprob_chunk >= 1, "model.kernels.logprob_chunk: must be >= 1")
@@ -530,7 +564,10 @@ def validate(cfg: Config) -> None:
     need(cfg.train.steps >= 0, "train.steps: must be >= 0")
     need(cfg.train.micro_batch_size >= 1, "train.micro_batch_size: must be >= 1")
     need(cfg.rollout.max_tokens >= 1, "rollout.max_tokens: must be >= 1")
-    need(cfg.rollout.temperature >= 0, "rollout.temperature: must be >= 0")
+    need(
+        0 <= cfg.rollout.temperature <= MAX_TEMPERATURE,
+        f"rollout.temperature: must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {cfg.rollout.temperature}",
+    )
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p: must be in (0, 1]")
     need(cfg.rollout.num_engines >= 1, "rollout.num_engines: must be >= 1")
     need(
@@ -624,6 +661,11 @@ def validate(cfg: Config) -> None:
     need(cfg.ray.placement_timeout_s > 0, "ray.placement_timeout_s: must be > 0")
     if cfg.data.source == "file":
         need(bool(cfg.data.path), "data.path: required when data.source is 'file'")
+
+
+def _is_folder_name(name: str) -> bool:
+    """A single path component: the run directory stays a child of run.output_dir, which an overwrite may empty."""
+    return name not in ("", ".", "..") and "/" not in name and os.sep not in name and "\0" not in name
 
 
 # ---------------------------------------------------------------- help text

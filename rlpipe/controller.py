@@ -163,11 +163,12 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     if not cfg.ray.address:  # the run's own cluster is this machine; a cluster's resources are checked on joining
         check_learner_device(cfg, interpreters.get("learner"))
     model_path = resolve_model_path(cfg.model.path)
-    check_model(model_path)
+    weight_shapes = check_model(model_path)
     tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, tokenizer_key)
     RewardRunner([asdict(f) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s)
     train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
+    check_prompts_per_step(cfg, len(train_rows))
     train_set = PromptSet(train_rows, tokenizer, cfg.data)
     eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows))
     train_set.prompts(range(len(train_set)))  # rejects over-long prompts up front
@@ -177,13 +178,17 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     if resume is not None:
         source = checkpoint.resolve(cfg.run_dir if resume == "latest" else resume)
         state = checkpoint.read_trainer_state(source)
+        checkpoint.check_fits(source, weight_shapes, f"model.path {cfg.model.path}")
         newer = [p.name for p in checkpoint.list_checkpoints(cfg.run_dir) if p.name > checkpoint.step_name(state["step"])]
         if newer:  # continuing would have to overwrite them
             raise CheckpointError(
                 f"checkpoint {source}: {cfg.run_dir} already has later checkpoints ({', '.join(newer)}); resume from "
                 f"the latest, or set another run.name to branch off from this one"
             )
-        sampler.load_state_dict(state["sampler"])
+        try:
+            sampler.load_state_dict(state["sampler"])
+        except ValueError as err:  # another dataset, or another run.seed
+            raise CheckpointError(f"checkpoint {source}: {err}") from None
     check_ray_address(cfg.ray.address)
     if cfg.ray.dashboard and not cfg.ray.address:
         check_port_free("ray.dashboard_port", "127.0.0.1", cfg.ray.dashboard_port)
@@ -250,15 +255,27 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
     return run_dir
 
 
-def check_model(path: str) -> None:
+def check_model(path: str) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight of the model, once its config.json is known to describe a supported model and its
+    safetensors (the only weights the learner and the engines load) to be complete and to match it."""
     from rlpipe.models import ModelConfig, read_hf_config
-    from rlpipe.models.hf import safetensors_files
+    from rlpipe.models.hf import check_weights
 
     try:
         ModelConfig.from_hf(read_hf_config(path))
-        safetensors_files(Path(path))  # the weights the learner and the engines load: safetensors only
+        return check_weights(path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.path: {err}") from None
+
+
+def check_prompts_per_step(cfg: Config, train_prompts: int) -> None:
+    """A step draws distinct prompts: more than the training set holds would repeat some within the step."""
+    if cfg.train.prompts_per_step > train_prompts:
+        where = f"data.path {cfg.data.path}" if cfg.data.source == "file" else f"data.source {cfg.data.source}"
+        raise ConfigError(
+            f"train.prompts_per_step: {cfg.train.prompts_per_step} is more than the training set's {train_prompts} "
+            f"prompts ({where})"
+        )
 
 
 def load_tokenizer(path: str, key: str = "model.path"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ _FILE_FORMATS = {
     ".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json",
     ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv",
 }
+_TEXT_FORMATS = {"json", "csv"}
 # Offset between the training and the held-out reasoning-gym seeds, so the two sets are drawn independently.
 _EVAL_SEED_OFFSET = 1_000_003
 
@@ -73,6 +75,20 @@ def _humaneval_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
     return rows[:cut], rows[cut:]
 
 
+def _check_utf8(file: Path) -> None:
+    """Text data files must be UTF-8: the json reader keeps invalid bytes, and they fail far from the file when the
+    rows are read (a traceback without a line number)."""
+    with (gzip.open if file.suffix == ".gz" else open)(file, "rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(
+                    f"data.path: {file} line {number} is not valid UTF-8 (byte 0x{line[err.start]:02x} at column "
+                    f"{err.start + 1})"
+                ) from None
+
+
 def _file_format(path: Path) -> str | None:
     return _FILE_FORMATS.get("".join(path.suffixes[-2:])) or _FILE_FORMATS.get(path.suffix)
 
@@ -91,6 +107,9 @@ def _file_rows(path: str, split: str, prompt_field: str) -> list[dict]:
         raise ConfigError(f"data.path: {path} must hold files of one format among {', '.join(sorted(_FILE_FORMATS))}")
     if all(f.stat().st_size == 0 for f in files):  # datasets fails on an empty file with a bare StopIteration
         raise ConfigError(f"data.path: {path} has no rows")
+    if formats & _TEXT_FORMATS:
+        for file in files:
+            _check_utf8(file)
     # Quiet while reading: no progress bars or logged parser errors on stderr around rlpipe's one-line error.
     bars_were_on, verbosity = not datasets.utils.are_progress_bars_disabled(), datasets.logging.get_verbosity()
     datasets.utils.disable_progress_bars()
@@ -119,7 +138,10 @@ def _file_rows(path: str, split: str, prompt_field: str) -> list[dict]:
             f"data.path: {path} has column(s) {', '.join(reserved)}, which rlpipe sets for every sample "
             "(the completion's length, finish reason and token limit); rename them"
         )
-    rows = table.to_list()
+    try:
+        rows = table.to_list()
+    except UnicodeDecodeError as err:  # text columns of a binary format (parquet, arrow) are decoded only here
+        raise ConfigError(f"data.path: {path} holds text that is not valid UTF-8 ({err.reason})") from None
     for index, row in enumerate(rows):
         if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
             raise ConfigError(f"data.prompt_field: row {index} of {path} has no text in {prompt_field!r}")

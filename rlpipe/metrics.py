@@ -45,6 +45,16 @@ def staleness_metrics(groups: list[Group], learner_version: int) -> dict[str, fl
     return {"staleness/max": float(max(lags, default=0)), "staleness/mean": float(np.mean(lags)) if lags else 0.0}
 
 
+NONFINITE_KEY = "nonfinite_values"
+
+
+def strict_json_record(record: dict) -> dict:
+    """`record` as strict JSON can hold it: NaN and ±inf become null (json.dumps would write NaN/Infinity, which strict
+    JSON readers refuse), and `nonfinite_values` counts them, so a null still reads as a value that was not finite."""
+    nonfinite = [key for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)]
+    return {**record, **dict.fromkeys(nonfinite), NONFINITE_KEY: record.get(NONFINITE_KEY, 0) + len(nonfinite)}
+
+
 class MetricsLogger:
     """Writes every step's metrics to metrics.jsonl (and TensorBoard) in the run directory and prints a line."""
 
@@ -74,16 +84,16 @@ class MetricsLogger:
     def restore(self, history: list[dict]) -> None:
         """Continue a resumed run: the checkpoint's metrics become the history and metrics.jsonl (steps the
         interrupted run logged after its checkpoint are dropped; they will be run again)."""
-        self.history = [dict(record) for record in history]
+        self.history = [strict_json_record(record) for record in history]
         temporary = self.path.with_name(".metrics.jsonl.tmp")
-        temporary.write_text("".join(json.dumps(record) + "\n" for record in self.history))
+        temporary.write_text("".join(json.dumps(record, allow_nan=False) + "\n" for record in self.history))
         temporary.replace(self.path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **metrics}
+        record = strict_json_record({"step": step, **metrics})
         self.history.append(record)
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):

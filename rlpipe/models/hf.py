@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlpipe.models.llama import CausalLM
@@ -83,8 +83,7 @@ def load_state_dict(
 def load_model_weights(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The folder's weights under the model's own names: as stored, except that per-expert tensors of a
     mixture-of-experts model are stacked (rlpipe/models/moe.py)."""
-    with torch.device("meta"):  # the module tree only, for the architecture it reads from config.json
-        num_experts = build_model(read_hf_config(path)).config.num_experts
+    num_experts = _meta_model(path).config.num_experts
     state = load_state_dict(path, dtype)
     return stack_expert_weights(state, num_experts) if num_experts else state
 
@@ -119,31 +118,62 @@ def load_model(
     path: str | os.PathLike, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
 ) -> CausalLM:
     """The model of a Hugging Face folder with its weights; `dtype=None` keeps the stored dtypes."""
-    hf_config = read_hf_config(path)
-    # Built on the meta device so no memory goes to random weights that the checkpoint replaces anyway.
-    with torch.device("meta"):
-        model = build_model(hf_config)
-    state = load_state_dict(path, dtype, own_memory=True)  # parameters are trained in place
-    if model.config.num_experts:
-        state = stack_expert_weights(state, model.config.num_experts)
-    for name in [name for name in state if name.endswith(_IGNORED_CHECKPOINT_SUFFIXES)]:
-        del state[name]
-    if model.config.tie_word_embeddings:
-        # Some tied checkpoints still carry a copy of the embedding as lm_head; the embedding is authoritative.
-        state.pop("lm_head.weight", None)
+    model = _meta_model(path)  # no memory goes to random weights that the checkpoint replaces anyway
+    state = _as_model_state(model, load_state_dict(path, dtype, own_memory=True))  # parameters are trained in place
     _check_weights_match(model, state, path)
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device)
 
 
+def check_weights(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight of the model config.json describes, after checking that the folder's safetensors
+    hold exactly those weights with those shapes. Only the files' headers are read: a truncated file fails here
+    (safetensors checks that its header's offsets fit the file), not when a learner or an engine loads it."""
+    model = _meta_model(path)
+    stored = {}
+    for file in safetensors_files(Path(path)):
+        try:
+            with safe_open(file, framework="pt") as tensors:
+                for name in tensors.keys():
+                    stored[name] = torch.empty(tensors.get_slice(name).get_shape(), device="meta")
+        except SafetensorError as error:
+            raise ValueError(f"{file} is not a complete safetensors file ({error})") from None
+    _check_weights_match(model, _as_model_state(model, stored), path)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def _meta_model(path: str | os.PathLike) -> CausalLM:
+    """The module tree config.json describes, on the meta device: shapes without memory."""
+    with torch.device("meta"):
+        return build_model(read_hf_config(path))
+
+
+def _as_model_state(model: CausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A folder's tensors under the names `model` loads: experts stacked, RoPE tables and a tied lm_head dropped."""
+    if model.config.num_experts:
+        state = stack_expert_weights(state, model.config.num_experts)
+    state = {name: tensor for name, tensor in state.items() if not name.endswith(_IGNORED_CHECKPOINT_SUFFIXES)}
+    if model.config.tie_word_embeddings:
+        # Some tied checkpoints still carry a copy of the embedding as lm_head; the embedding is authoritative.
+        state.pop("lm_head.weight", None)
+    return state
+
+
 def _check_weights_match(model: CausalLM, state: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
-    expected = model.state_dict()
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    problem = shape_mismatch(expected, {name: tuple(tensor.shape) for name, tensor in state.items()})
+    if problem:
+        raise ValueError(f"weights in {path} do not fit its config.json: {problem}")
+
+
+def shape_mismatch(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]]) -> str | None:
+    """What differs between two sets of named weight shapes, in one line (None: nothing)."""
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
     misshapen = [
-        f"{name} {tuple(state[name].shape)} (expected {tuple(tensor.shape)})"
-        for name, tensor in expected.items()
-        if name in state and state[name].shape != tensor.shape
+        f"{name} {found[name]} (expected {shape})"
+        for name, shape in expected.items()
+        if name in found and found[name] != shape
     ]
     problems = []
     if missing:
@@ -152,8 +182,7 @@ def _check_weights_match(model: CausalLM, state: dict[str, torch.Tensor], path: 
         problems.append(f"{len(unexpected)} unexpected ({', '.join(unexpected[:4])})")
     if misshapen:
         problems.append(f"{len(misshapen)} with the wrong shape ({', '.join(misshapen[:4])})")
-    if problems:
-        raise ValueError(f"weights in {path} do not fit its config.json: {'; '.join(problems)}")
+    return "; ".join(problems) or None
 
 
 def save_model(

@@ -61,6 +61,31 @@ class Inputs:
     def model_copy(self, name: str = "model") -> Path:
         return Path(shutil.copytree(self.model, self.root / name))
 
+    def model_config(self, model: Path, **changes) -> None:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, **changes}))
+
+    def checkpoint(self, shapes: dict[str, tuple[int, ...]], sampler_size: int = len(GOOD_ROWS)) -> Path:
+        """A step-1 checkpoint whose learner state holds model weights of these shapes (zeros) for the run's
+        4-row dataset, as torch.distributed.checkpoint writes it."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        from rlpipe import checkpoint
+
+        path = self.root / "checkpoint"
+        dcp.save({f"model.{name}": torch.zeros(shape) for name, shape in shapes.items()},
+                 checkpoint_id=str(path / checkpoint.LEARNER_STATE), no_dist=True)
+        sampler = {"size": sampler_size, "seed": 0, "epoch": 0, "position": 0}
+        trainer_state = {"format": checkpoint.FORMAT, "step": 1, "sampler": sampler}
+        (path / checkpoint.TRAINER_STATE).write_text(json.dumps(trainer_state))
+        return path
+
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        from rlpipe.models.hf import check_weights
+
+        return check_weights(self.model)
+
     def reward_module(self, source: str) -> str:
         """A module importable for this test only; returns its name."""
         name = f"bad_input_rewards_{len(self.modules)}_{os.getpid()}_{id(self)}"
@@ -105,6 +130,7 @@ def base_args(inputs: Inputs, output: Path) -> list[str]:
         "reward.functions=[{name: format_tags}]",
         "metrics.tensorboard=false",
         "train.steps=1",
+        f"train.prompts_per_step={len(GOOD_ROWS)}",
     ]
 
 
@@ -150,6 +176,19 @@ def recipe_missing(d):
 def recipe_unknown_key(d):
     recipe = d.write("recipe.yaml", "rollout:\n  group_sise: 4\n")
     return Case([], ["rollout.group_sise: unknown key"], recipe)
+
+
+@case
+def recipe_empty(d):
+    recipe = d.write("recipe.yaml", "# nothing set\n")
+    return Case([], [str(recipe), "the recipe is empty"], recipe)
+
+
+@case
+def recipe_with_a_duplicate_key(d):
+    # YAML's safe loader would keep the last value silently.
+    recipe = d.write("recipe.yaml", "train:\n  steps: 2\n  lr: 1.0e-5\n  steps: 3\n")
+    return Case([], [str(recipe), "duplicate key 'steps' (line 4)"], recipe)
 
 
 @case
@@ -236,6 +275,26 @@ def top_p_zero(d):
 
 
 @case
+def temperature_above_the_bound(d):
+    return Case(["rollout.temperature=50"], ["rollout.temperature: must be between 0 (greedy) and 10, got 50.0"])
+
+
+@case
+def temperature_negative(d):
+    return Case(["rollout.temperature=-0.5"], ["rollout.temperature: must be between 0 (greedy) and 10, got -0.5"])
+
+
+@case
+def run_name_climbing_out_of_the_output_dir(d):
+    return Case(["run.name=../escaped"], ["run.name: '../escaped' must be one folder name inside run.output_dir"])
+
+
+@case
+def run_name_with_a_path_separator(d):
+    return Case([f"run.name={d.root / 'elsewhere'}"], [f"run.name: '{d.root / 'elsewhere'}' must be one folder name"])
+
+
+@case
 def kv_block_size_the_cpu_attention_cannot_take(d):
     return Case(["rollout.kv_block_size=16"], ["rollout.kv_block_size: must be a positive multiple of 32"])
 
@@ -318,6 +377,32 @@ def model_with_only_pickle_weights(d):
 
 
 @case
+def model_safetensors_truncated(d):
+    model = d.model_copy()
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return Case([f"model.path={model}"], ["model.path:", str(weights), "not a complete safetensors file"])
+
+
+@case
+def model_config_wider_than_its_weights(d):
+    model = d.model_copy()
+    config = json.loads((model / "config.json").read_text())
+    d.model_config(model, intermediate_size=config["intermediate_size"] * 2)
+    return Case([f"model.path={model}"], ["model.path:", "do not fit its config.json", "with the wrong shape",
+                                          "mlp.gate_proj.weight"])
+
+
+@case
+def model_config_deeper_than_its_weights(d):
+    model = d.model_copy()
+    config = json.loads((model / "config.json").read_text())
+    d.model_config(model, num_hidden_layers=config["num_hidden_layers"] + 1)
+    layer = config["num_hidden_layers"]
+    return Case([f"model.path={model}"], ["model.path:", "do not fit its config.json", "missing", f"layers.{layer}."])
+
+
+@case
 def unknown_builtin_model(d):
     return Case(["model.path=builtin:no-such-model"], ["model.path: unknown built-in model 'no-such-model'"])
 
@@ -384,6 +469,20 @@ def dataset_csv_with_only_a_header(d):
 def dataset_malformed_json(d):
     path = d.write("broken.jsonl", '{"question": "Calculate 1 + 2."\n{not json\n')
     return Case([f"data.path={path}"], [f"data.path: cannot read {path}: JSON parse error"])
+
+
+@case
+def dataset_row_not_utf8(d):
+    path = d.root / "latin1.jsonl"
+    path.write_bytes(json.dumps(GOOD_ROWS[0]).encode() + b"\n" + '{"question": "Combien font 3 + 4 ? R\u00e9ponds.", '
+                     '"answer": "7"}\n'.encode("latin-1"))
+    return Case([f"data.path={path}"], [f"data.path: {path} line 2 is not valid UTF-8 (byte 0xe9 at column"])
+
+
+@case
+def more_prompts_per_step_than_the_dataset_holds(d):
+    return Case(["train.prompts_per_step=5"],
+                ["train.prompts_per_step: 5 is more than the training set's 4 prompts", str(d.root / "good.jsonl")])
 
 
 @case
@@ -553,6 +652,38 @@ def dashboard_port_out_of_range(d):
 def resume_from_a_missing_checkpoint(d):
     missing = d.root / "no-such-checkpoint"
     return Case(["--resume", str(missing)], [f"rlpipe: checkpoint {missing}: no such file or directory"])
+
+
+@case
+def resume_from_another_models_checkpoint(d):
+    shapes = d.model_shapes()
+    rows, width = shapes["model.embed_tokens.weight"]
+    path = d.checkpoint({**shapes, "model.embed_tokens.weight": (rows * 2, width)})
+    return Case(["--resume", str(path)], [
+        f"rlpipe: checkpoint {path}: its weights do not fit model.path",
+        f"model.embed_tokens.weight ({rows * 2}, {width}) (expected ({rows}, {width}))",
+    ])
+
+
+@case
+def resume_from_a_checkpoint_with_a_pickle_planted_in_its_metadata(d):
+    # Unpickled, the payload would create the marker file: the check that nothing under tmp_path changed sees it.
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(d.root / "payload-ran"), "w"))
+
+    path = d.checkpoint(d.model_shapes())
+    (path / "learner" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    return Case(["--resume", str(path)],
+                [f"rlpipe: checkpoint {path / 'learner'}: refusing to load .metadata: it refers to io.open"])
+
+
+@case
+def resume_on_another_dataset(d):
+    path = d.checkpoint(d.model_shapes(), sampler_size=99)
+    return Case(["--resume", str(path)], [f"rlpipe: checkpoint {path}: sampler state is for 99 rows"])
 
 
 # ---------------------------------------------------------------- the checks

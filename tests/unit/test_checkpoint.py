@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from rlpipe import checkpoint
 from rlpipe.checkpoint import CheckpointError
+from rlpipe.cli import main
 from rlpipe.config import load_config
 from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.parallel.mesh import find_free_port
@@ -88,6 +89,66 @@ def test_export_writes_the_checkpoint_weights_as_an_hf_folder_and_refuses_a_misf
     with pytest.raises(CheckpointError, match=r"does not fit .*tiny-llama"):
         checkpoint.export(misfit, tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()
+
+
+class _Payload:
+    """Unpickled, it creates `marker`: what a foreign `.metadata` could do with any code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_planted_in_the_metadata_never_runs(tiny_qwen3, tmp_path, capsys):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1))
+    final = _save(learner, tmp_path / "run", 1)
+    learner_state, marker = final / checkpoint.LEARNER_STATE, tmp_path / "payload-ran"
+    (learner_state / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(BaseException):  # DCP's own reader unpickles it, and so runs it
+        dcp.load(learner.engine.checkpoint_state(), checkpoint_id=str(learner_state), no_dist=True)
+    assert marker.exists(), "the payload does not work: this test would prove nothing"
+    marker.unlink()
+    capsys.readouterr()
+
+    refused = r"refusing to load \.metadata: it refers to io\.open, which the metadata of an rlpipe checkpoint never"
+    before = _weights(learner)
+    with pytest.raises(CheckpointError, match=refused):  # the learner's load (a resumed run's ranks)
+        learner.load_checkpoint(str(learner_state))
+    for name, value in _weights(learner).items():
+        assert torch.equal(value, before[name]), name
+    with pytest.raises(CheckpointError, match=refused):  # prepare()'s check of the shapes before Ray starts
+        checkpoint.check_fits(final, {}, "this model")
+    assert main(["export", str(final), str(tmp_path / "hf")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"rlpipe: checkpoint {learner_state}: ") and "io.open" in line
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def test_metadata_that_would_read_pickled_values_or_other_files_is_refused(tiny_qwen3, tmp_path):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    # A non-tensor value is stored as a pickle that DCP loads with torch.load(weights_only=False).
+    dcp.save({"model.w": torch.zeros(2), "count": 3}, checkpoint_id=str(tmp_path / "bytes"), no_dist=True)
+    with pytest.raises(CheckpointError, match="refusing to load .metadata: it refers to .*BytesStorageMetadata"):
+        checkpoint.load_tensors({"model.w": torch.zeros(2), "count": 0}, str(tmp_path / "bytes"), "this state")
+    dcp.save({"model.w": torch.zeros(2)}, checkpoint_id=str(tmp_path / "paths"), no_dist=True)
+    metadata = checkpoint.read_metadata(tmp_path / "paths")
+    for info in metadata.storage_data.values():
+        info.relative_path = "../elsewhere.distcp"
+    (tmp_path / "paths" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="its storage entries name files outside the checkpoint"):
+        checkpoint.load_tensors({"model.w": torch.zeros(2)}, str(tmp_path / "paths"), "this state")
+    (tmp_path / "paths" / ".metadata").write_bytes(b"\x80\x04truncated")
+    with pytest.raises(CheckpointError, match=r"\.metadata is unreadable"):
+        checkpoint.model_shapes(tmp_path / "paths")
 
 
 def test_an_interrupted_save_leaves_latest_alone_and_is_cleared_by_the_next(tiny_qwen3, tmp_path):

@@ -143,3 +143,25 @@ def test_a_checkpoint_that_is_not_there_stops_train_and_export_in_one_line(capsy
         captured = capsys.readouterr()
         assert captured.err.splitlines() == [f"rlpipe: checkpoint {missing}: no such file or directory"], argv
     assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["RECIPE", "train.steps=3", "--resume", "latest", "rollout.group_size=4"],
+        ["RECIPE", "--resume", "latest", "train.steps=3", "rollout.group_size=4"],
+        ["RECIPE", "train.steps=3", "rollout.group_size=4", "--resume"],
+        ["RECIPE", "--resume", "train.steps=3", "rollout.group_size=4"],  # the bare flag, then overrides
+        ["--resume", "latest", "RECIPE", "train.steps=3", "rollout.group_size=4"],
+    ],
+)
+def test_train_takes_overrides_before_and_after_resume(argv, tmp_path, monkeypatch):
+    import rlpipe.cli
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run: {name: mine}\ntrain: {steps: 5}\n")
+    calls = []
+    monkeypatch.setattr(rlpipe.cli, "train_with_restarts", lambda cfg, resume, auto: calls.append((cfg, resume)))
+    assert main(["train", *[str(recipe) if a == "RECIPE" else a for a in argv]]) == 0
+    ((cfg, resume),) = calls
+    assert (cfg.run.name, cfg.train.steps, cfg.rollout.group_size, resume) == ("mine", 3, 4, "latest")

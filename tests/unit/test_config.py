@@ -91,10 +91,21 @@ def test_exponent_without_a_dot_is_a_float():
     assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
 
 
-def test_empty_recipe_file_gives_the_defaults(tmp_path):
+def test_an_empty_recipe_file_is_refused(tmp_path):
     recipe = tmp_path / "empty.yaml"
-    recipe.write_text("# nothing\n")
-    assert load_config(recipe) == load_config(None)
+    recipe.write_text("# nothing\n")  # an emptied or truncated file would train with every default
+    assert _error(recipe=recipe) == f"{recipe}: the recipe is empty"
+
+
+def test_a_key_given_twice_is_refused_and_merges_still_override(tmp_path):
+    recipe = tmp_path / "twice.yaml"
+    recipe.write_text("train:\n  steps: 2\nrollout: {group_size: 4}\ntrain:\n  lr: 1.0e-5\n")
+    assert _error(recipe=recipe) == f"{recipe}: duplicate key 'train' (line 4); give each key once"
+    recipe.write_text("rollout: &common {group_size: 4, max_tokens: 64}\ntrain: {steps: 2}\n"
+                      "algo: {loss: grpo, loss: dapo}\n")
+    assert "duplicate key 'loss' (line 3)" in _error(recipe=recipe)
+    recipe.write_text("rollout:\n  <<: {group_size: 4, max_tokens: 64}\n  max_tokens: 32\n")
+    assert load_config(recipe).rollout.max_tokens == 32  # a merge's keys are meant to be overridden
 
 
 # ---------------------------------------------------------------- errors name the key
@@ -217,6 +228,21 @@ def test_top_level_list(tmp_path):
     message = _error(recipe=recipe)
     assert str(recipe) in message
     assert "mapping" in message
+
+
+@pytest.mark.parametrize("name", ["../escaped", "a/b", "/tmp/run", "..", ".", ""])
+def test_a_run_name_must_be_one_folder_inside_the_output_dir(name):
+    assert _error(f"run.name={name}").startswith(f"run.name: {name!r} must be one folder name inside run.output_dir")
+
+
+@pytest.mark.parametrize("value", ["-0.1", "10.5", ".nan", ".inf"])
+def test_temperature_is_bounded(value):
+    assert _error(f"rollout.temperature={value}").startswith("rollout.temperature: must be between 0 (greedy) and 10")
+
+
+def test_temperature_bounds_are_allowed():
+    assert load_config(None, ["rollout.temperature=0"]).rollout.temperature == 0.0
+    assert load_config(None, ["rollout.temperature=10"]).rollout.temperature == 10.0
 
 
 # ---------------------------------------------------------------- help

@@ -182,6 +182,22 @@ def test_row_with_an_empty_prompt(tmp_path, empty):
     assert "row 3" in message
 
 
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.jsonl.gz", "rows.csv"])
+def test_a_line_that_is_not_utf8_is_named(tmp_path, name):
+    import gzip
+
+    lines = ['{"question": "Calculate 1 + 1.", "answer": "2"}', '{"question": "Caf\u00e9 + 1 ?", "answer": "0"}']
+    if name.endswith(".csv"):
+        lines = ["question,answer", "Calculate 1 + 1.,2", "Caf\u00e9 + 1 ?,0"]
+    data = ("\n".join(lines) + "\n").encode("latin-1")
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    line = len(lines)
+    column = lines[-1].index("\u00e9") + 1
+    message = _config_error(lambda: load_rows(_file_cfg(path, eval_size=0), seed=0))
+    assert message == f"data.path: {path} line {line} is not valid UTF-8 (byte 0xe9 at column {column})"
+
+
 def test_eval_size_must_leave_training_rows(tmp_path):
     path = _write_jsonl(tmp_path / "rows.jsonl", ROWS)
     message = _config_error(lambda: load_rows(_file_cfg(path, eval_size=10), seed=0))

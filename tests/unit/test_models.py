@@ -21,6 +21,7 @@ from transformers import (
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from rlpipe.models import CausalLM, ModelConfig, build_model, load_model, load_state_dict, read_hf_config, save_model
+from rlpipe.models.hf import check_weights
 from rlpipe.models.moe import load_balancing_loss, split_expert_weights, stack_expert_weights
 
 TOLERANCE = 1e-4
@@ -377,15 +378,38 @@ def test_pickle_only_folder_is_refused(checkpoints, tmp_path):
         load_model(tmp_path)
 
 
-def test_weights_that_do_not_fit_the_config_are_listed(checkpoints, tmp_path):
+@pytest.mark.parametrize("read", [load_model, check_weights], ids=["load", "headers"])
+def test_weights_that_do_not_fit_the_config_are_listed(checkpoints, tmp_path, read):
     _, folder = checkpoints("llama-llama3-untied")
     state = load_state_dict(folder)
     del state["model.layers.1.mlp.up_proj.weight"]
     state["model.layers.1.mlp.extra.weight"] = torch.zeros(1)
+    state["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"][:, :-1].contiguous()
     save_file(state, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"1 missing \(model.layers.1.mlp.up_proj.weight\).*1 unexpected"):
-        load_model(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"1 missing \(model.layers.1.mlp.up_proj.weight\).*1 unexpected.*1 with the wrong shape "
+        r"\(model.layers.0.mlp.down_proj.weight \(\d+, \d+\) \(expected",
+    ):
+        read(tmp_path)
+
+
+@pytest.mark.parametrize("variant", ["llama-llama3-untied", "qwen3-tied", "qwen3-moe-sparse-step-2-tied"])
+def test_header_check_gives_the_shapes_the_model_loads(checkpoints, variant):
+    """From the safetensors headers alone: tied lm_head copies, RoPE tables and per-expert tensors as loading
+    treats them."""
+    _, folder = checkpoints(variant)
+    assert check_weights(folder) == {name: tuple(t.shape) for name, t in load_model(folder).state_dict().items()}
+
+
+def test_a_truncated_safetensors_file_is_named_without_reading_tensors(checkpoints, tmp_path):
+    _, folder = checkpoints("qwen3-tied")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    data = (folder / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match=r"model.safetensors is not a complete safetensors file \(.*incomplete"):
+        check_weights(tmp_path)
 
 
 def test_tied_checkpoint_with_lm_head_copy_loads(checkpoints, tmp_path):
