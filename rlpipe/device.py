@@ -89,11 +89,13 @@ def device_unavailable(kind: str) -> str | None:
             return f"torch_xla cannot open its PJRT device ({type(err).__name__}: {first})"
     if kind == "tpu":
         try:
-            import torch_tpu  # noqa: F401  (registers torch.tpu)
+            import torch_tpu  # noqa: F401  (registers the tpu device where a chip is present)
         except ImportError as err:
             return f"cannot import torch_tpu ({err})"
-        if not torch.tpu.is_available():
-            return "torch_tpu reports no TPU on this host"
+        # torch_tpu 0.2.0 keeps torch.tpu.is_available() to itself (it raises when called) and points to this.
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accelerator is None or accelerator.type != "tpu":
+            return "torch_tpu finds no TPU on this host"
     return None
 
 

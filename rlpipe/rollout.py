@@ -16,7 +16,7 @@ from safetensors.torch import save as save_safetensors_bytes
 from rlpipe.config import RolloutConfig, SyncConfig
 from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.types import Completion, Prompt
-from rlpipe.weightsync import EngineLayout, Staging, SyncError, SyncPlan, engine_tensors, make_transport
+from rlpipe.weightsync import EngineLayout, Staging, SyncError, SyncPlan, make_transport
 
 
 def encode_weights(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -34,6 +34,8 @@ class WeightReceiver:
     def rlpipe_load_weights(self, weights: bytes | list[tuple[str, torch.Tensor]]) -> int:
         if isinstance(weights, bytes):  # from a child-process engine, where tensors do not cross the RPC
             weights = list(decode_weights(weights).items())
+        if vllm_platform() == "torchtpu":
+            return self._reload_on_torchtpu(weights)
         # In-place reload keeps vLLM's own loaders in charge of fusing (qkv, gate/up), tensor-parallel slicing
         # and CPU repacking.
         try:
@@ -63,21 +65,19 @@ class WeightReceiver:
                 info.load_numel = 0
         finalize_layerwise_reload(model, self.vllm_config.model_config)
 
-    def rlpipe_tpu_write_weights(self, tensors: dict[str, torch.Tensor]) -> int:
-        """vLLM on TPU (tpu-inference): the runner's `state` maps vLLM parameter names to sharded JAX arrays;
-        each is replaced by its new value placed with the old array's sharding. Not yet run on TPU hardware."""
-        import jax
-        import ml_dtypes
-
-        state = self.model_runner.state
-        for name, value in tensors.items():
-            current = state[name]
-            if tuple(current.shape) != tuple(value.shape):
-                raise ValueError(f"{name}: engine holds {tuple(current.shape)}, the update has {tuple(value.shape)}")
-            # numpy has no bfloat16; ml_dtypes (a JAX dependency) gives it a view of the same bits.
-            array = value.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if value.dtype == torch.bfloat16 else value.numpy()
-            state[name] = jax.device_put(array.astype(current.dtype, copy=False), current.sharding)
-        return len(tensors)
+    def _reload_on_torchtpu(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """vLLM on TorchTPU (vllm-torchtpu): its worker has no `reload_weights`, its model runner has vLLM's. Its
+        linear layers keep their weights transposed ([in, out]) after loading and mark themselves done
+        (`_tpu_weight_flipped`), so a reload would skip the transpose and copy [out, in] rows into the [in, out]
+        tensor (an error, or for a square weight a silent transpose). Clearing the mark lets the reload transpose the
+        new weights as the first load did, into the same tensors. Checked against the installed vllm-torchtpu on
+        CPU (tests/tpu_contract); not yet run on TPU hardware."""
+        model = self.model_runner.get_model()
+        for module in model.modules():
+            if getattr(module, TORCHTPU_TRANSPOSED_MARK, False):
+                delattr(module, TORCHTPU_TRANSPOSED_MARK)
+        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        return len(weights)
 
     def rlpipe_layout(self) -> tuple[dict[str, list[str]], list[str]]:
         """The modules this engine's model fuses and its parameter names, for checking the sync plan."""
@@ -129,23 +129,27 @@ def _engine_env(cfg: RolloutConfig) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
+# vllm-torchtpu's mark on a linear layer whose weight it has transposed for the TPU matmul.
+TORCHTPU_TRANSPOSED_MARK = "_tpu_weight_flipped"
+
+
+def vllm_platform() -> str:
+    """The vLLM platform of this process as rlpipe tells them apart: "torchtpu" for vLLM on TorchTPU (vllm-torchtpu,
+    an out-of-tree platform whose `is_tpu()` is False), "tpu-inference" for vLLM's own JAX TPU platform, else the
+    platform's device type ("cpu", "cuda")."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_out_of_tree() and current_platform.device_type == "tpu":
+        return "torchtpu"
+    if current_platform.is_tpu():
+        return "tpu-inference"
+    return current_platform.device_type
+
+
 # vLLM on CPU caches prefixes in blocks of 128 tokens by default, so prompts shorter than 129 tokens are never
 # shared: each of a group's samples ran its prompt again (on the e2e workload, 64 prompts of ~50 tokens a step,
 # over 40 % of the tokens the engine computed). 32 is the smallest block its attention takes.
 CPU_KV_BLOCK_SIZE = 32
-
-
-def tpu_weight_session(llm, engine_weights: dict[str, torch.Tensor]) -> None:
-    """A weight update on vLLM-on-TPU, which has no sleep/wake: reset the prefix cache (it lives in the scheduler
-    and would otherwise serve blocks the worker is about to free), open the worker's update session (frees the KV
-    cache: new weights need the memory, and keys/values of the old policy are stale), write the arrays, and close
-    the session (rebuilds the KV cache) even if the write failed. Not yet run on TPU hardware."""
-    llm.reset_prefix_cache()
-    llm.collective_rpc("start_weight_update", kwargs={"free_kv_cache": True})
-    try:
-        llm.collective_rpc("rlpipe_tpu_write_weights", args=(engine_weights,))
-    finally:
-        llm.collective_rpc("finish_weight_update")
 
 
 class RolloutEngine:
@@ -164,6 +168,12 @@ class RolloutEngine:
         _engine_env(cfg)
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        if vllm_platform() == "tpu-inference":
+            raise RuntimeError(
+                "rollout: vLLM's JAX TPU platform (tpu-inference) is not supported; rlpipe's TPU engines run vLLM on "
+                "TorchTPU (vllm-torchtpu, the `tpu` extra)"
+            )
 
         self.cfg = cfg
         self.sync_cfg = sync or SyncConfig()
@@ -195,7 +205,6 @@ class RolloutEngine:
             **extra,
         )
         self.transport = make_transport(self.sync_cfg.transport)
-        self._on_tpu = current_platform.is_tpu()
         self._plan: SyncPlan | None = None
         self._staging: Staging | None = None
         # Weights of policy_version, for rolling back (tensors may be views of transport buffers), the memory its
@@ -384,9 +393,6 @@ class RolloutEngine:
                 self._state.notify_all()
 
     def _write(self, weights: dict[str, torch.Tensor]) -> None:
-        if self._on_tpu:
-            tpu_weight_session(self.llm, engine_tensors(self._plan, weights))
-            return
         items = list(weights.items())
         payload = items if self.cfg.in_process else encode_weights(weights)
         self.llm.collective_rpc("rlpipe_load_weights", args=(payload,))

@@ -25,7 +25,7 @@ from rlpipe.environments import check_cluster_resources
 
 # Never uploaded: the cluster has its own environment, and checkpoints or weights would dwarf the code.
 DEFAULT_EXCLUDES = [
-    ".git", ".venv", "venv", "runs", "**/__pycache__", "*.safetensors", "*.gguf", "*.bin", "*.pt", "*.distcp",
+    ".git", ".venv", ".venv-*", "venv", "runs", "**/__pycache__", "*.safetensors", "*.gguf", "*.bin", "*.pt", "*.distcp",
     "checkpoints", ".pytest_cache",
 ]
 _RUNTIME_ENV_KEYS = {"working_dir", "excludes", "env_vars", "py_modules", "pip", "uv", "conda", "config"}

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Sets up the environments if needed, then runs the test suite (unit + integration, all on CPU).
 # .venv is the main environment; .venv-xla holds the torch_xla learner (torch 2.9, scripts/setup-xla.sh), which the
-# suite runs `rlpipe train` and tests/xla with. RLPIPE_XLA=0 leaves it out (its tests are then skipped).
+# suite runs `rlpipe train` and tests/xla with; .venv-tpu (Python 3.12, the `tpu` extra, scripts/setup-tpu.sh) the
+# TPU contract lane. RLPIPE_XLA=0 / RLPIPE_TPU_CONTRACT=0 leave them out (their tests are then skipped).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/setup.sh"
 if [ "${RLPIPE_XLA:-1}" != 0 ]; then
   . "$root/scripts/setup-xla.sh"
   export RLPIPE_REQUIRE_XLA_ENV=1  # built: its tests must run, not skip
+fi
+if [ "${RLPIPE_TPU_CONTRACT:-1}" != 0 ]; then
+  . "$root/scripts/setup-tpu.sh"
+  export RLPIPE_REQUIRE_TPU_ENV=1
 fi
 cd "$root"
 # Two pytest-xdist workers: much of the suite waits on one core (process and engine start-up, compiles), so two

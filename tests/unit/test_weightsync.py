@@ -540,37 +540,6 @@ def test_unknown_transport_names_the_key():
         make_transport("nccl")
 
 
-# ---------------------------------------------------------------- TPU session (the code around the worker calls)
-
-
-class _RecordingLLM:
-    def __init__(self, fail_on: str | None = None):
-        self.calls: list[str] = []
-        self.fail_on = fail_on
-
-    def reset_prefix_cache(self):
-        self.calls.append("reset_prefix_cache")
-
-    def collective_rpc(self, method, args=(), kwargs=None):
-        self.calls.append(method if not kwargs else f"{method}({kwargs})")
-        if method == self.fail_on:
-            raise RuntimeError("write failed")
-        return [None]
-
-
-def test_tpu_weight_session_order_and_cleanup():
-    from rlpipe.rollout import tpu_weight_session
-
-    llm = _RecordingLLM()
-    tpu_weight_session(llm, {"w": torch.zeros(2)})
-    assert llm.calls == ["reset_prefix_cache", "start_weight_update({'free_kv_cache': True})",
-                         "rlpipe_tpu_write_weights", "finish_weight_update"]
-    failing = _RecordingLLM(fail_on="rlpipe_tpu_write_weights")
-    with pytest.raises(RuntimeError, match="write failed"):
-        tpu_weight_session(failing, {"w": torch.zeros(2)})
-    assert failing.calls[-1] == "finish_weight_update"  # the KV cache is rebuilt even when the write fails
-
-
 # ---------------------------------------------------------------- mixture of experts
 
 EXPERTS, EXPERT_INTERMEDIATE = 4, 6

@@ -1,0 +1,154 @@
+"""rlpipe's engine side against the installed vLLM on TorchTPU (vllm-torchtpu): the platform is recognised, rlpipe's
+worker extension fits its worker, and a weight update through rlpipe's reload writes the new weights into the model
+vLLM builds there — vLLM's own Qwen3 and Llama code with vllm-torchtpu's linear layers, which keep their weights
+transposed — run on this host's CPU. What needs a chip (the model on `tpu` tensors, a whole engine) is not run."""
+
+from __future__ import annotations
+
+import inspect
+import socket
+import types
+
+import pytest
+import torch
+
+from rlpipe.rollout import TORCHTPU_TRANSPOSED_MARK, WeightReceiver, vllm_platform
+
+
+def test_the_out_of_tree_tpu_platform_is_recognised():
+    from vllm.platforms import current_platform
+
+    assert type(current_platform).__module__.startswith("vllm_torchtpu.")
+    assert current_platform.is_tpu() is False  # what rlpipe once keyed on: vLLM's JAX TPU platform only
+    assert vllm_platform() == "torchtpu"
+
+
+def test_the_worker_extension_fits_the_tpu_worker_and_reaches_the_runners_reload():
+    from vllm_torchtpu.runner.tpu_runner import TPUModelRunner
+    from vllm_torchtpu.worker.tpu_worker import TPUWorker
+
+    # vLLM appends the extension to the worker's bases and refuses a name both define.
+    ours = {name for name in vars(WeightReceiver) if not name.startswith("__")}
+    assert not ours & set(dir(TPUWorker))
+    assert not hasattr(TPUWorker, "reload_weights")  # hence the runner's, reached through `self.model_runner`
+    parameters = inspect.signature(TPUModelRunner.reload_weights).parameters
+    assert {"weights_iterator", "is_checkpoint_format"} <= set(parameters)
+    assert "self.model_runner: TPUModelRunner = TPUModelRunner(" in inspect.getsource(TPUWorker.init_device)
+    assert hasattr(TPUModelRunner, "get_model")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_distributed():
+    """vLLM's (one-process) model-parallel groups, which its layers ask for when built; and the `tpu` device name,
+    which torch_tpu registers on a TPU host only and vLLM's config parses (the tensors stay on the CPU)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    if torch._C._get_privateuse1_backend_name() != "tpu":
+        torch.utils.rename_privateuse1_backend("tpu")
+    from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo")
+        ensure_model_parallel_initialized(1, 1)
+
+
+def _tpu_model(model_path: str):
+    """vLLM's model for `model_path` with the TPU runner's quantization config (its linear method), on the CPU."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm_torchtpu.layers.adapter.quantization import get_tpu_quantization_config
+
+    config = EngineArgs(model=model_path, skip_tokenizer_init=True, max_model_len=128, enforce_eager=True,
+                        load_format="dummy", dtype="bfloat16").create_engine_config()
+    config.quant_config = get_tpu_quantization_config(config)  # as TPUModelRunner does before loading
+    with set_current_vllm_config(config), set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+        return initialize_model(vllm_config=config), config
+
+
+def _random_weights(model_path: str, seed: int) -> dict[str, torch.Tensor]:
+    """Weights under Hugging Face names (what rlpipe's learner sends), random, in bfloat16."""
+    from rlpipe.models import load_model
+
+    model = load_model(model_path)
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(value.shape, generator=generator).to(torch.bfloat16)
+            for name, value in model.state_dict().items()}
+
+
+def _runner(model, config):
+    """The TPU model runner's own `reload_weights`, bound to the little of a runner it reads."""
+    from vllm_torchtpu.runner.tpu_runner import TPUModelRunner
+
+    shell = types.SimpleNamespace(
+        get_model=lambda: model, lora_config=None, model_config=config.model_config, load_config=config.load_config,
+        reset_lora_state=lambda: None, reset_encoder_cache=lambda: None, reset_mm_cache=lambda: None,
+    )
+    shell.reload_weights = types.MethodType(TPUModelRunner.reload_weights, shell)
+    return shell
+
+
+def _expected(weights: dict[str, torch.Tensor], layer: str) -> dict[str, torch.Tensor]:
+    """vllm-torchtpu's kernel layout of one decoder layer: fused projections, transposed to [in, out]."""
+    def w(name):
+        return weights[f"{layer}.{name}.weight"]
+
+    return {
+        "self_attn.qkv_proj": torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")]).T,
+        "self_attn.o_proj": w("self_attn.o_proj").T,
+        "mlp.gate_up_proj": torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]).T,
+        "mlp.down_proj": w("mlp.down_proj").T,
+    }
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_a_weight_update_lands_transposed_in_the_tpu_linear_layers(tmp_path, kind, vllm_distributed):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from bench.tiny_model import build_tiny_model
+
+    model_path = build_tiny_model(tmp_path / kind, kind)
+    model, config = _tpu_model(model_path)
+    first, second = _random_weights(model_path, 1), _random_weights(model_path, 2)
+    with set_current_vllm_config(config):
+        model.load_weights(list(first.items()))
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    layer = model.model.layers[0]
+    assert getattr(layer.self_attn.qkv_proj, TORCHTPU_TRANSPOSED_MARK)  # the layout the update must honour
+    before = layer.self_attn.qkv_proj.weight.data_ptr()
+
+    worker = types.SimpleNamespace(model_runner=_runner(model, config))
+    with set_current_vllm_config(config):
+        assert WeightReceiver._reload_on_torchtpu(worker, list(second.items())) == len(second)
+    for index, decoder in enumerate(model.model.layers):
+        for name, value in _expected(second, f"model.layers.{index}").items():
+            torch.testing.assert_close(decoder.get_submodule(name).weight, value, rtol=0, atol=0), name
+    torch.testing.assert_close(model.model.embed_tokens.weight, second["model.embed_tokens.weight"], rtol=0, atol=0)
+    assert layer.self_attn.qkv_proj.weight.data_ptr() == before  # written in place: compiled graphs see it
+    assert getattr(layer.self_attn.qkv_proj, TORCHTPU_TRANSPOSED_MARK)
+
+
+def test_vllms_own_reload_alone_fails_on_the_transposed_layers(tmp_path, vllm_distributed):
+    """Why rlpipe clears vllm-torchtpu's mark first: the runner's reload by itself cannot write these layers."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from bench.tiny_model import build_tiny_model
+
+    model_path = build_tiny_model(tmp_path / "qwen3", "qwen3")
+    model, config = _tpu_model(model_path)
+    first, second = _random_weights(model_path, 1), _random_weights(model_path, 2)
+    with set_current_vllm_config(config):
+        model.load_weights(list(first.items()))
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+        with pytest.raises(RuntimeError, match="size of tensor"):
+            _runner(model, config).reload_weights(weights_iterator=list(second.items()), is_checkpoint_format=True)
