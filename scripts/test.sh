@@ -11,8 +11,16 @@ if [ "${RLPIPE_XLA:-1}" != 0 ]; then
   export RLPIPE_REQUIRE_XLA_ENV=1  # built: its tests must run, not skip
 fi
 if [ "${RLPIPE_TPU_CONTRACT:-1}" != 0 ]; then
-  . "$root/scripts/setup-tpu.sh"
-  export RLPIPE_REQUIRE_TPU_ENV=1
+  export RLPIPE_TPU_VENV="${RLPIPE_TPU_VENV:-$root/.venv-tpu}"
+  tpu_setup=0
+  bash "$root/scripts/setup-tpu.sh" || tpu_setup=$?
+  if [ "$tpu_setup" = 0 ]; then
+    export RLPIPE_REQUIRE_TPU_ENV=1
+  elif [ "$tpu_setup" = 2 ]; then  # no Python 3.12 on this machine: say so loudly, run everything else
+    echo "rlpipe: WARNING: no Python 3.12 here, so the TPU contract lane is skipped (RLPIPE_PYTHON312 names one)" >&2
+  else
+    exit "$tpu_setup"
+  fi
 fi
 cd "$root"
 # Two pytest-xdist workers: much of the suite waits on one core (process and engine start-up, compiles), so two
