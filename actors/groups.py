@@ -90,7 +90,9 @@ class Roles:
     def _start(self, model_path: str, tokenizer_path: str | None, resume: dict | None) -> None:
         cfg = self.cfg
         ranks = learner_processes(cfg.learner.device, cfg.learner.ranks)
-        learners = self._place("learner", ranks, gpus_per_actor=1 if cfg.learner.device == "cuda" else 0)
+        learners = self._place(
+            "learner", ranks, gpus_per_actor=1 if cfg.learner.device == "cuda" else 0, learner_device=cfg.learner.device
+        )
         env = compute_env() | learner_env(cfg.learner.device, cfg.learner.ranks)
         self.engine_placement = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
         rewarders = self._place("reward", cfg.reward.num_workers)
@@ -179,10 +181,12 @@ class Roles:
         roles = {"learner": self.learners, "rollout": self.engines, "reward": self.rewarders}
         return {role: get_all([h.__ray_call__.remote(question) for h in handles]) for role, handles in roles.items()}
 
-    def _place(self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0) -> RoleGroup:
+    def _place(
+        self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0, learner_device: str | None = None
+    ) -> RoleGroup:
         group = place_role(
             role, getattr(self.cfg.placement, role), actors, self.cfg.ray.placement_timeout_s, chips_per_actor,
-            gpus_per_actor,
+            gpus_per_actor, learner_device,
         )
         self.placements.append(group)
         return group

@@ -22,7 +22,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpipe.config import ConfigError, RolePlacement
-from rlpipe.device import TPU_BASE_PORT, TpuSlice, tpu_process_env, tpu_slice
+from rlpipe.device import TPU_BASE_PORT, TpuSlice, torchtpu_process_env, tpu_process_env, tpu_slice
 from rlpipe.environments import interpreter
 
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
@@ -74,12 +74,14 @@ class RoleGroup:
 
 
 def place_role(
-    role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int = 1, gpus_per_actor: int = 0
+    role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int = 1, gpus_per_actor: int = 0,
+    learner_device: str | None = None,
 ) -> RoleGroup:
     """Reserve the placement for `actors` actors of `role` (each with `gpus_per_actor` GPUs on GPU nodes), waiting
-    at most `timeout_s` for it."""
+    at most `timeout_s` for it. `learner_device`: the learner's `learner.device` (the learner role only), which on a
+    TPU slice decides the process contract its ranks get."""
     if spec.tpu:
-        placed = _place_on_slice(role, spec, actors, timeout_s, chips_per_actor)
+        placed = _place_on_slice(role, spec, actors, timeout_s, chips_per_actor, learner_device)
     else:
         bundles = cpu_bundles(spec, actors, gpus_per_actor)
         group = placement_group(bundles, strategy=spec.strategy, name=f"rlpipe-{role}")
@@ -124,12 +126,15 @@ def check_slice_counts(role: str, tslice: TpuSlice, actors: int, chips_per_actor
 
 
 def slice_slots(
-    tslice: TpuSlice, bundle_nodes: dict[int, str], nodes: list[dict], chips_per_actor: int
+    tslice: TpuSlice, bundle_nodes: dict[int, str], nodes: list[dict], chips_per_actor: int,
+    learner_device: str | None = None,
 ) -> list[Slot]:
     """Every actor's slot on a reserved slice, in rank order: host by host (by TPU worker id where the nodes
     carry it, else by bundle index), then chip by chip on each host.
 
     `bundle_nodes` maps bundle index to node id (`placement_group_table`); `nodes` is `ray.nodes()`.
+    `learner_device`: the slots are learner ranks, one per chip, of a job spanning the slice — TorchTPU's process
+    contract for `tpu`, libtpu's for others; None: rollout engines of `chips_per_actor` chips each.
     """
     by_id = {node["NodeID"]: node for node in nodes}
     if len(bundle_nodes) != tslice.hosts:
@@ -144,7 +149,9 @@ def slice_slots(
     slots = []
     for host, bundle in enumerate(bundles):
         for first_chip in range(0, tslice.chips_per_host, chips_per_actor):
-            if chips_per_actor == 1:  # a learner rank: one process of the slice-wide job
+            if learner_device == "tpu":
+                env = torchtpu_process_env(addresses, tslice.chips_per_host, host, first_chip, tslice.topology)
+            elif learner_device is not None:
                 env = tpu_process_env(
                     addresses, tslice.chips_per_host_bounds, host, first_chip, topology=tslice.topology
                 )
@@ -172,7 +179,9 @@ def fallback_slice_bundles(tslice: TpuSlice, head_node: dict) -> tuple[list[dict
     return bundles, [{SLICE_NAME_LABEL: name} for _ in range(tslice.hosts)]
 
 
-def _place_on_slice(role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int) -> RoleGroup:
+def _place_on_slice(
+    role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int, learner_device: str | None
+) -> RoleGroup:
     try:
         tslice = tpu_slice(spec.tpu, spec.topology)
     except ValueError as err:
@@ -202,5 +211,5 @@ def _place_on_slice(role: str, spec: RolePlacement, actors: int, timeout_s: floa
         group, head_groups = reservation.placement_group, list(reservation.head_placement_groups)
     _wait(group, role, timeout_s, wanted)
     bundle_nodes = {int(k): v for k, v in placement_group_table(group)["bundles_to_node_id"].items()}
-    slots = slice_slots(tslice, bundle_nodes, ray.nodes(), chips_per_actor)
+    slots = slice_slots(tslice, bundle_nodes, ray.nodes(), chips_per_actor, learner_device)
     return RoleGroup(role, group, slots, head_groups)

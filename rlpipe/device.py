@@ -223,6 +223,44 @@ def tpu_process_env(
     }
 
 
+# torch_tpu's default first port for its slice builder (TORCH_TPU_BASE_PORT), one port per chip of a host.
+TORCHTPU_BASE_PORT = 8070
+
+
+def torchtpu_process_env(
+    host_addresses: list[str], chips_per_host: int, worker_index: int, local_chip: int, topology: str | None = None
+) -> dict[str, str]:
+    """Environment of the TorchTPU process (a learner rank) driving chip `local_chip` of host `worker_index`.
+
+    TorchTPU's own contract, as its launcher helper `torch.tpu.distributed.set_tpu_launch_env` derives it for a
+    multi-host job: every rank gets the same slice-builder addresses (one `host:port` per chip, host by host) and
+    topology, plus its torchrun-style place; torch_tpu opens the chip LOCAL_RANK names and sets the libtpu variables
+    itself. Checked against that helper in tests/tpu_contract; not yet run on TPU hardware.
+    """
+    hosts = len(host_addresses)
+    if not 0 <= worker_index < hosts:
+        raise ValueError(f"worker_index {worker_index} is outside the {hosts} hosts")
+    if not 0 <= local_chip < chips_per_host:
+        raise ValueError(f"local_chip {local_chip} is outside the {chips_per_host} chips of a host")
+    addresses = [f"{address}:{TORCHTPU_BASE_PORT + chip}" for address in host_addresses for chip in range(chips_per_host)]
+    env = {
+        "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(addresses),
+        "TPU_WORKER_HOSTNAMES": ",".join(host_addresses),
+        "NNODES": str(hosts),
+        "NODE_RANK": str(worker_index),
+        "MASTER_ADDR": host_addresses[0],
+        "WORLD_SIZE": str(hosts * chips_per_host),
+        "RANK": str(worker_index * chips_per_host + local_chip),
+        "LOCAL_WORLD_SIZE": str(chips_per_host),
+        "LOCAL_RANK": str(local_chip),
+        # Ray would otherwise hand each actor the chips of its whole bundle.
+        "RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS": "1",
+    }
+    if topology is not None:
+        env["TORCH_TPU_TOPOLOGY"] = _join(_topology_dims(topology))
+    return env
+
+
 def tpu_slice_envs(
     host_addresses: list[str], chips_per_host_bounds: str, topology: str | None = None
 ) -> list[dict[str, str]]:

@@ -63,7 +63,7 @@ def _described_slice(hosts: int, shuffled: bool = True) -> tuple[dict[int, str],
 def test_learner_ranks_follow_tpu_worker_ids_one_process_per_chip():
     tslice = tpu_slice("v6e-16")  # 4x4: four hosts of 2x2 chips
     bundle_nodes, nodes = _described_slice(4)
-    slots = slice_slots(tslice, bundle_nodes, nodes, chips_per_actor=1)
+    slots = slice_slots(tslice, bundle_nodes, nodes, chips_per_actor=1, learner_device="xla")  # libtpu's contract
     assert len(slots) == 16
     # Rank r drives chip r % 4 of TPU worker r // 4; worker 0 sits in the last bundle here.
     assert [slot.bundle_index for slot in slots[::4]] == [3, 2, 1, 0]
@@ -83,9 +83,32 @@ def test_without_worker_labels_bundle_order_sets_the_ranks():
     bundle_nodes, nodes = _described_slice(2)
     for node in nodes:
         del node["Labels"][WORKER_ID_LABEL]
-    slots = slice_slots(tslice, bundle_nodes, nodes, chips_per_actor=1)
+    slots = slice_slots(tslice, bundle_nodes, nodes, chips_per_actor=1, learner_device="xla")
     assert [slot.bundle_index for slot in slots] == [0] * 4 + [1] * 4
     assert slots[0].env["TPU_PROCESS_ADDRESSES"].startswith("10.0.0.11:8476")  # bundle 0 is on worker 1's host
+
+
+def test_torchtpu_learner_ranks_get_torchtpus_own_process_contract():
+    tslice = tpu_slice("v6e-16")  # 4x4: four hosts of 2x2 chips
+    bundle_nodes, nodes = _described_slice(4)
+    slots = slice_slots(tslice, bundle_nodes, nodes, chips_per_actor=1, learner_device="tpu")
+    assert [slot.env["RANK"] for slot in slots] == [str(rank) for rank in range(16)]
+    assert [slot.env["LOCAL_RANK"] for slot in slots[:5]] == ["0", "1", "2", "3", "0"]  # the chip torch_tpu opens
+    assert [slot.env["NODE_RANK"] for slot in slots[::4]] == ["0", "1", "2", "3"]
+    addresses = {slot.env["TORCH_TPU_SLICEBUILDER_ADDRESSES"] for slot in slots}
+    assert len(addresses) == 1  # the same list on every rank
+    assert addresses.pop().split(",")[:5] == [
+        "10.0.0.10:8070", "10.0.0.10:8071", "10.0.0.10:8072", "10.0.0.10:8073", "10.0.0.11:8070"
+    ]
+    first = slots[0].env
+    assert (first["TORCH_TPU_TOPOLOGY"], first["WORLD_SIZE"], first["NNODES"]) == ("4,4,1", "16", "4")
+    assert first["MASTER_ADDR"] == "10.0.0.10" and "TPU_PROCESS_ADDRESSES" not in first
+
+
+def test_one_chip_engines_are_jobs_of_their_own_not_ranks_of_the_slice():
+    slots = slice_slots(tpu_slice("v6e-8"), {0: "node-0"}, _described_slice(1)[1], chips_per_actor=1)
+    assert [slot.env["TPU_VISIBLE_CHIPS"] for slot in slots] == [str(chip) for chip in range(8)]
+    assert all("TPU_PROCESS_ADDRESSES" not in slot.env and slot.env["TPU_PROCESS_BOUNDS"] == "1,1,1" for slot in slots)
 
 
 def test_rollout_engines_take_tensor_parallel_chips_of_one_host():
