@@ -315,11 +315,32 @@ class PlacementConfig:
     reward: RolePlacement = field(default_factory=lambda: RolePlacement(strategy="SPREAD"))
 
 
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+
+
 @dataclass
 class MetricsConfig:
-    tensorboard: bool = _key(True, "also write TensorBoard event files")
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = _key(
+        ["jsonl", "tensorboard"],
+        "where every step's metrics go: jsonl (metrics.jsonl, always written), tensorboard, wandb, mlflow",
+    )
+    tensorboard: bool | None = _key(
+        None, "older switch for TensorBoard: true/false adds it to or drops it from metrics.loggers; null: loggers decide"
+    )
+    project: str = _key("rlpipe", "W&B project and MLflow experiment the run is logged to (the run is named run.name)")
+    mlflow_tracking_uri: str | None = _key(
+        None, "MLflow tracking URI (e.g. file:/path/mlruns, http://host:5000); null: MLflow's default (MLFLOW_TRACKING_URI)"
+    )
     plot: bool = _key(True, "write reward/accuracy PNG plots at the end")
     export: bool = _key(True, "export the trained model as an HF folder at the end")
+
+    @property
+    def active_loggers(self) -> list[str]:
+        """metrics.loggers with jsonl first and metrics.tensorboard applied, each once."""
+        chosen = ["jsonl", *self.loggers]
+        if self.tensorboard is not None:
+            chosen = [name for name in chosen if name != "tensorboard"] + (["tensorboard"] if self.tensorboard else [])
+        return [name for name in TRACKERS if name in chosen]
 
 
 @dataclass

@@ -128,7 +128,7 @@ def base_args(inputs: Inputs, output: Path) -> list[str]:
         f"data.path={inputs.root / 'good.jsonl'}",
         "data.eval_size=0",
         "reward.functions=[{name: format_tags}]",
-        "metrics.tensorboard=false",
+        "metrics.loggers=[jsonl]",
         "train.steps=1",
         f"train.prompts_per_step={len(GOOD_ROWS)}",
     ]
@@ -511,6 +511,21 @@ def held_out_set_takes_every_row(d):
 def dataset_with_a_reserved_column(d):
     path = d.jsonl("rows.jsonl", [{**row, "finish_reason": "stop"} for row in GOOD_ROWS])
     return Case([f"data.path={path}"], [f"data.path: {path} has column(s) finish_reason"])
+
+
+@case
+def tracker_listed_but_not_installed(d):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec  # wandb may be installed here: the case hides it
+    d.monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    return Case(["metrics.loggers=[jsonl, wandb]"],
+                ["metrics.loggers: wandb is listed but the wandb package is not installed", "rlpipe[wandb]"])
+
+
+@case
+def tracker_unknown(d):
+    return Case(["metrics.loggers=[jsonl, neptune]"], ["metrics.loggers[1]: 'neptune' is not one of"])
 
 
 @case
