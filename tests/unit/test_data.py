@@ -367,7 +367,7 @@ def test_system_prompt_goes_before_a_conversation_without_one(tokenizer):
 @pytest.mark.parametrize("prompt, problem", [
     ([], "has no user message with text"),
     ([{"role": "system", "content": "Be brief."}], "has no user message with text"),
-    ([{"content": "Calculate 1 + 1."}], "has message 0 without a role"),
+    ([{"content": "Calculate 1 + 1."}], "has message 0 without a role (chat messages are {role, content})"),
     ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "has message 0 (user) without text content"),
 ])
 def test_unusable_chat_messages_are_named(tmp_path, prompt, problem):
