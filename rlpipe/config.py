@@ -88,10 +88,20 @@ class DataConfig:
     task: str = _key("basic_arithmetic", "reasoning-gym task name (source=reasoning_gym)")
     task_args: dict = _key({}, "keyword arguments of the reasoning-gym task config")
     size: int = _key(2000, "number of reasoning-gym training examples to generate")
-    path: str | None = _key(None, "json/jsonl/parquet/arrow file or folder (source=file)")
+    path: str | None = _key(
+        None,
+        "json/jsonl/parquet/arrow/csv file, folder of them (split by file name: train*, test* ...), save_to_disk "
+        "folder, or Hugging Face Hub dataset name (source=file)",
+    )
+    subset: str | None = _key(None, "configuration of a Hub dataset (e.g. main for openai/gsm8k)")
     split: str = _key("train", "dataset split to read (source=file)")
-    prompt_field: str = _key("question", "column holding the prompt text")
-    system_prompt: str | None = _key(None, "system message put before every prompt")
+    eval_split: str | None = _key(None, "held-out split of data.path (e.g. test); its first eval_size rows")
+    prompt_field: str = _key("question", "column holding the prompt: text, or a list of chat messages {role, content}")
+    system_prompt: str | None = _key(None, "system message put before every prompt that has none")
+    chat_template: Literal["tokenizer", "none"] = _key(
+        "tokenizer", "tokenizer: the tokenizer's chat template; none: the prompt text as is (base models)"
+    )
+    chat_template_kwargs: dict = _key({}, "extra variables for the chat template (e.g. {enable_thinking: false})")
     max_prompt_tokens: int = _key(256, "prompts longer than this (after templating) are rejected")
     eval_size: int = _key(64, "held-out prompts for the greedy before/after evaluation (0 disables)")
     eval_path: str | None = _key(None, "held-out file (source=file); default: the last eval_size rows")
@@ -315,11 +325,34 @@ class PlacementConfig:
     reward: RolePlacement = field(default_factory=lambda: RolePlacement(strategy="SPREAD"))
 
 
+# apply_chat_template arguments rlpipe sets itself; data.chat_template_kwargs may not override them.
+RENDERING_ARGUMENTS = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template", "return_dict"}
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+
+
 @dataclass
 class MetricsConfig:
-    tensorboard: bool = _key(True, "also write TensorBoard event files")
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = _key(
+        ["jsonl", "tensorboard"],
+        "where every step's metrics go: jsonl (metrics.jsonl, always written), tensorboard, wandb, mlflow",
+    )
+    tensorboard: bool | None = _key(
+        None, "older switch for TensorBoard: true/false adds it to or drops it from metrics.loggers; null: loggers decide"
+    )
+    project: str = _key("rlpipe", "W&B project and MLflow experiment the run is logged to (the run is named run.name)")
+    mlflow_tracking_uri: str | None = _key(
+        None, "MLflow tracking URI (e.g. file:/path/mlruns, http://host:5000); null: MLflow's default (MLFLOW_TRACKING_URI)"
+    )
     plot: bool = _key(True, "write reward/accuracy PNG plots at the end")
     export: bool = _key(True, "export the trained model as an HF folder at the end")
+
+    @property
+    def active_loggers(self) -> list[str]:
+        """metrics.loggers with jsonl first and metrics.tensorboard applied, each once."""
+        chosen = ["jsonl", *self.loggers]
+        if self.tensorboard is not None:
+            chosen = [name for name in chosen if name != "tensorboard"] + (["tensorboard"] if self.tensorboard else [])
+        return [name for name in TRACKERS if name in chosen]
 
 
 @dataclass
@@ -661,6 +694,16 @@ def validate(cfg: Config) -> None:
     need(cfg.ray.placement_timeout_s > 0, "ray.placement_timeout_s: must be > 0")
     if cfg.data.source == "file":
         need(bool(cfg.data.path), "data.path: required when data.source is 'file'")
+    need(
+        not (cfg.data.eval_split and cfg.data.eval_path),
+        "data.eval_split: set data.eval_split or data.eval_path, not both",
+    )
+    need(
+        cfg.data.chat_template == "tokenizer" or not cfg.data.chat_template_kwargs,
+        "data.chat_template_kwargs: data.chat_template is none, so no template reads them",
+    )
+    taken = sorted(set(cfg.data.chat_template_kwargs) & RENDERING_ARGUMENTS)
+    need(not taken, f"data.chat_template_kwargs: {', '.join(taken)} is set by rlpipe, not by the recipe")
 
 
 def _is_folder_name(name: str) -> bool:

@@ -22,6 +22,7 @@ from rlpipe.data import PromptSet, Sampler, load_rows
 from rlpipe.environments import check_learner_device, check_role_environments
 from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics, staleness_metrics
 from rlpipe.models.builtin import resolve_model_path
+from rlpipe.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, TrainBatch
 from rewards import FailureWatch, RewardRunner
 
@@ -159,6 +160,7 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, samp
 def prepare(cfg: Config, resume: str | None = None) -> Run:
     """Check every input (model, tokenizer, rewards, data, the checkpoint to resume) before a run directory or a
     cluster exists."""
+    check_trackers_installed(cfg.metrics)
     interpreters = check_role_environments(cfg)
     if not cfg.ray.address:  # the run's own cluster is this machine; a cluster's resources are checked on joining
         check_learner_device(cfg, interpreters.get("learner"))
@@ -194,7 +196,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
         check_port_free("ray.dashboard_port", "127.0.0.1", cfg.ray.dashboard_port)
     created_dir = not cfg.run_dir.exists()
     run_dir = prepare_run_dir(cfg, resuming=state is not None)
-    log = MetricsLogger(run_dir, cfg.train.steps, tensorboard=cfg.metrics.tensorboard)
+    log = MetricsLogger(run_dir, cfg.train.steps, open_trackers(cfg, run_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     run = Run(run_dir, model_path, train_set, eval_set, sampler, pad_id, log, created_dir=created_dir)
     if state is not None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,9 @@ _FILE_FORMATS = {
     ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv",
 }
 _TEXT_FORMATS = {"json", "csv"}
+# What Dataset.save_to_disk (dataset_info.json, state.json) and DatasetDict.save_to_disk write at a folder's top.
+_SAVED_DATASET_MARKERS = ("dataset_dict.json", "state.json")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 # Offset between the training and the held-out reasoning-gym seeds, so the two sets are drawn independently.
 _EVAL_SEED_OFFSET = 1_000_003
 
@@ -27,9 +32,11 @@ def load_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
         return _reasoning_gym_rows(cfg, seed)
     if cfg.source == "humaneval":
         return _humaneval_rows(cfg)
-    rows = _file_rows(cfg.path, cfg.split, cfg.prompt_field)
+    rows = _file_rows(cfg.path, cfg.split, cfg.prompt_field, cfg.subset)
     if cfg.eval_path:
-        return rows, _file_rows(cfg.eval_path, cfg.split, cfg.prompt_field)[: cfg.eval_size]
+        return rows, _file_rows(cfg.eval_path, cfg.split, cfg.prompt_field, cfg.subset)[: cfg.eval_size]
+    if cfg.eval_split:
+        return rows, _file_rows(cfg.path, cfg.eval_split, cfg.prompt_field, cfg.subset)[: cfg.eval_size]
     if cfg.eval_size and cfg.eval_size >= len(rows):
         raise ConfigError(f"data.eval_size: {cfg.eval_size} leaves no training rows in {cfg.path} ({len(rows)} rows)")
     cut = len(rows) - cfg.eval_size
@@ -93,15 +100,49 @@ def _file_format(path: Path) -> str | None:
     return _FILE_FORMATS.get("".join(path.suffixes[-2:])) or _FILE_FORMATS.get(path.suffix)
 
 
-def _file_rows(path: str, split: str, prompt_field: str) -> list[dict]:
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No progress bars or logged parser errors on stderr around rlpipe's one-line error."""
     import datasets
 
-    location = Path(path)
-    if not location.exists():
-        raise ConfigError(f"data.path: {path} does not exist")
-    files = sorted(p for p in location.rglob("*") if _file_format(p)) if location.is_dir() else [location]
-    if not files:
-        raise ConfigError(f"data.path: no {'/'.join(sorted(_FILE_FORMATS))} files in {path}")
+    bars_were_on, verbosity = not datasets.utils.are_progress_bars_disabled(), datasets.logging.get_verbosity()
+    datasets.utils.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars_were_on:
+            datasets.utils.enable_progress_bars()
+
+
+def _looks_like_hub_name(text: str) -> bool:
+    """`name` or `owner/name`, not a path someone meant as a local file."""
+    return bool(_HUB_NAME.fullmatch(text)) and _file_format(Path(text)) is None
+
+
+def _split_files(folder: Path, split: str) -> list[Path]:
+    """The data files of `split` in a folder, named as `datasets` maps them (train*, test*, validation* ...;
+    a folder without split names is all one train split)."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        by_split = DataFilesDict.from_patterns(get_data_patterns(str(folder)), str(folder))
+    except Exception:  # datasets raises EmptyDatasetError for a folder with no files at all
+        by_split = {}
+    by_split = {str(name): [Path(f) for f in files if _file_format(Path(f))] for name, files in by_split.items()}
+    by_split = {name: sorted(files) for name, files in by_split.items() if files}
+    if not by_split:
+        raise ConfigError(f"data.path: no {'/'.join(sorted(_FILE_FORMATS))} files in {folder}")
+    if split not in by_split:
+        raise ConfigError(f"data.split: {folder} has no {split!r} split (splits: {', '.join(sorted(by_split))})")
+    return by_split[split]
+
+
+def _read_files(path: str, location: Path, split: str):
+    import datasets
+
+    files = _split_files(location, split) if location.is_dir() else [location]
     formats = {_file_format(f) for f in files}
     if None in formats or len(formats) != 1:
         raise ConfigError(f"data.path: {path} must hold files of one format among {', '.join(sorted(_FILE_FORMATS))}")
@@ -110,22 +151,64 @@ def _file_rows(path: str, split: str, prompt_field: str) -> list[dict]:
     if formats & _TEXT_FORMATS:
         for file in files:
             _check_utf8(file)
-    # Quiet while reading: no progress bars or logged parser errors on stderr around rlpipe's one-line error.
-    bars_were_on, verbosity = not datasets.utils.are_progress_bars_disabled(), datasets.logging.get_verbosity()
-    datasets.utils.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
-        table = datasets.load_dataset(formats.pop(), data_files={split: [str(f) for f in files]}, split=split)
+        return datasets.load_dataset(formats.pop(), data_files={split: [str(f) for f in files]}, split=split)
     except Exception as err:  # datasets wraps parser errors in several exception types
         if "corresponds to no data" in str(err):  # how datasets says the split it read (e.g. a bare CSV header) is empty
             raise ConfigError(f"data.path: {path} has no rows") from None
         while err.__cause__ is not None:  # the parser's own error says what is wrong with the file
             err = err.__cause__
         raise ConfigError(f"data.path: cannot read {path}: {(str(err).splitlines() or [type(err).__name__])[0]}") from None
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-        if bars_were_on:
-            datasets.utils.enable_progress_bars()
+
+
+def _read_saved(path: str, split: str):
+    """A `save_to_disk` folder: a Dataset as it is, a DatasetDict by split."""
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(path)
+    except Exception as err:
+        raise ConfigError(f"data.path: cannot read the saved dataset {path}: {one_line(err)}") from None
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise ConfigError(f"data.split: {path} has no {split!r} split (splits: {', '.join(sorted(saved))})")
+        return saved[split]
+    return saved
+
+
+def _read_hub(name: str, subset: str | None, split: str):
+    """A Hugging Face Hub dataset through `datasets` (its cache when offline)."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, subset, split=split)
+    except Exception as err:
+        if datasets.config.HF_HUB_OFFLINE or isinstance(err, ConnectionError):
+            raise ConfigError(
+                f"data.path: {name} is not a local path, and the Hub dataset {name} is not in the Hugging Face cache "
+                f"({datasets.config.HF_DATASETS_CACHE}) and cannot be downloaded here; fetch it where the network "
+                f"allows (python -c \"import datasets; datasets.load_dataset('{name}')\" with the same HF_HOME) or "
+                f"point data.path at a local copy"
+            ) from None
+        if "Unknown split" in str(err) or "Bad split" in str(err):
+            raise ConfigError(f"data.split: {name} has no {split!r} split: {one_line(err)}") from None
+        raise ConfigError(f"data.path: cannot load the Hub dataset {name}: {one_line(err)}") from None
+
+
+def _read_table(path: str, split: str, subset: str | None):
+    location = Path(path)
+    if not location.exists():
+        if _looks_like_hub_name(path):
+            return _read_hub(path, subset, split)
+        raise ConfigError(f"data.path: {path} does not exist")
+    if location.is_dir() and any((location / marker).exists() for marker in _SAVED_DATASET_MARKERS):
+        return _read_saved(path, split)
+    return _read_files(path, location, split)
+
+
+def _file_rows(path: str, split: str, prompt_field: str, subset: str | None = None) -> list[dict]:
+    with _quiet_datasets():
+        table = _read_table(path, split, subset)
     if len(table) == 0:
         raise ConfigError(f"data.path: {path} has no rows")
     if prompt_field not in table.column_names:
@@ -143,18 +226,66 @@ def _file_rows(path: str, split: str, prompt_field: str) -> list[dict]:
     except UnicodeDecodeError as err:  # text columns of a binary format (parquet, arrow) are decoded only here
         raise ConfigError(f"data.path: {path} holds text that is not valid UTF-8 ({err.reason})") from None
     for index, row in enumerate(rows):
-        if not isinstance(row[prompt_field], str) or not row[prompt_field].strip():
-            raise ConfigError(f"data.prompt_field: row {index} of {path} has no text in {prompt_field!r}")
+        problem = _prompt_problem(row[prompt_field])
+        if problem:
+            raise ConfigError(f"data.prompt_field: row {index} of {path} {problem} in {prompt_field!r}")
     return rows
 
 
-def render_prompt(tokenizer, question: str, system_prompt: str | None) -> list[int]:
-    """Token ids of the chat-templated prompt, ending where the assistant's reply begins."""
+def _prompt_problem(prompt: Any) -> str | None:
+    """Why a prompt value is unusable (None when it is text, or chat messages with a user message), as the tail of
+    an error naming the row."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "has no text"
+    if not isinstance(prompt, list):
+        return "has no text"
+    for number, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"has message {number} without a role (chat messages are {{role, content}})"
+        if not isinstance(message.get("content"), str):
+            return f"has message {number} ({message['role']}) without text content"
+    if not any(m["role"] == "user" and m["content"].strip() for m in prompt):
+        return "has no user message with text"
+    return None
+
+
+def question_text(prompt: str | list[dict]) -> str:
+    """What reward functions see as the prompt: the text, or the last user message of a conversation."""
+    if isinstance(prompt, str):
+        return prompt
+    return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+
+
+def chat_messages(prompt: str | list[dict], system_prompt: str | None) -> list[dict]:
+    """The conversation to template; data.system_prompt goes first unless the conversation has its own."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render_prompt(
+    tokenizer, prompt: str | list[dict], system_prompt: str | None, chat_template: str = "tokenizer",
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Token ids of the prompt: chat-templated, ending where the assistant's reply begins; or, with chat_template
+    "none", the text as is (after data.system_prompt and a blank line), for base models."""
+    if chat_template == "none":
+        if not isinstance(prompt, str):
+            raise ConfigError("data.chat_template: none sends prompts as text, but this prompt is a list of chat messages")
+        text = f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
+        return tokenizer(text)["input_ids"]  # the tokenizer's own BOS, as a base model was trained with
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"model.tokenizer: {tokenizer.name_or_path} has no chat template")
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        raise ConfigError(
+            f"model.tokenizer: {tokenizer.name_or_path} has no chat template (set data.chat_template=none for a base "
+            "model)"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            chat_messages(prompt, system_prompt), tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
+    except Exception as err:  # jinja's TemplateError, or the template's own raise_exception
+        raise ConfigError(f"model.tokenizer: the chat template fails on a prompt: {one_line(err)}") from None
     # The template already holds any BOS token; adding special tokens again would double it.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -175,7 +306,15 @@ class PromptSet:
     def prompt(self, index: int) -> Prompt:
         row = self.rows[index]
         if index not in self._token_ids:
-            self._token_ids[index] = render_prompt(self.tokenizer, row[self.cfg.prompt_field], self.cfg.system_prompt)
+            if self.cfg.chat_template == "none" and not isinstance(row[self.cfg.prompt_field], str):
+                raise ConfigError(
+                    f"data.chat_template: none sends prompts as text, but row {index} holds chat messages in "
+                    f"{self.cfg.prompt_field!r} (keep the tokenizer's template for those)"
+                )
+            self._token_ids[index] = render_prompt(
+                self.tokenizer, row[self.cfg.prompt_field], self.cfg.system_prompt, self.cfg.chat_template,
+                self.cfg.chat_template_kwargs,
+            )
         token_ids = self._token_ids[index]
         if len(token_ids) > self.cfg.max_prompt_tokens:
             raise ConfigError(
@@ -183,7 +322,7 @@ class PromptSet:
                 f"{self.cfg.max_prompt_tokens}"
             )
         columns = {k: v for k, v in row.items() if k != self.cfg.prompt_field}
-        return Prompt(self.id_offset + index, row[self.cfg.prompt_field], token_ids, columns)
+        return Prompt(self.id_offset + index, question_text(row[self.cfg.prompt_field]), token_ids, columns)
 
     def prompts(self, indices) -> list[Prompt]:
         return [self.prompt(int(i)) for i in indices]

@@ -1,4 +1,5 @@
-"""The one logging path: per-step metrics to JSONL and TensorBoard, a live line per step, plots at the end."""
+"""The one logging path: per-step metrics to JSONL and the configured trackers (rlpipe.trackers), a live line per
+step, plots at the end."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def strict_json_record(record: dict) -> dict:
 
 
 class MetricsLogger:
-    """Writes every step's metrics to metrics.jsonl (and TensorBoard) in the run directory and prints a line."""
+    """Writes every step's metrics to metrics.jsonl in the run directory, hands them to each tracker (TensorBoard,
+    W&B, MLflow: rlpipe.trackers) and prints a line."""
 
     SHOWN = (
         ("reward/mean", "reward", "{:.3f}"),
@@ -67,18 +69,14 @@ class MetricsLogger:
         ("time/step", "s", "{:.1f}"),
     )
 
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool = True, stream=sys.stdout):
+    def __init__(self, run_dir: Path, total_steps: int, trackers: list = (), stream=sys.stdout):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps = total_steps
         self.stream = stream
         self.history: list[dict] = []
         self._reported: set[str] = set()
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.trackers = list(trackers)
         self.started = time.monotonic()
 
     def restore(self, history: list[dict]) -> None:
@@ -94,11 +92,8 @@ class MetricsLogger:
         self.history.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
-        if self.writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
         self.stream.write(self.format_line(step, metrics) + "\n")
         self.stream.flush()
 
@@ -138,8 +133,9 @@ class MetricsLogger:
         self.stream.flush()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def plot_curves(history: list[dict], out_png: Path, keys=("reward/mean", "accuracy")) -> Path | None:

@@ -128,7 +128,7 @@ def base_args(inputs: Inputs, output: Path) -> list[str]:
         f"data.path={inputs.root / 'good.jsonl'}",
         "data.eval_size=0",
         "reward.functions=[{name: format_tags}]",
-        "metrics.tensorboard=false",
+        "metrics.loggers=[jsonl]",
         "train.steps=1",
         f"train.prompts_per_step={len(GOOD_ROWS)}",
     ]
@@ -511,6 +511,71 @@ def held_out_set_takes_every_row(d):
 def dataset_with_a_reserved_column(d):
     path = d.jsonl("rows.jsonl", [{**row, "finish_reason": "stop"} for row in GOOD_ROWS])
     return Case([f"data.path={path}"], [f"data.path: {path} has column(s) finish_reason"])
+
+
+@case
+def chat_messages_without_a_user_message(d):
+    path = d.jsonl("chat.jsonl", [{"prompt": [{"role": "system", "content": "Be brief."}], "answer": "3"}])
+    return Case([f"data.path={path}", "data.prompt_field=prompt"],
+                [f"data.prompt_field: row 0 of {path} has no user message with text in 'prompt'"])
+
+
+@case
+def chat_messages_without_a_chat_template(d):
+    rows = [{"prompt": [{"role": "user", "content": row["question"]}], "answer": row["answer"]} for row in GOOD_ROWS]
+    path = d.jsonl("chat.jsonl", rows)
+    return Case([f"data.path={path}", "data.prompt_field=prompt", "data.chat_template=none"],
+                ["data.chat_template: none sends prompts as text, but row 0 holds chat messages"])
+
+
+@case
+def chat_template_kwargs_without_a_chat_template(d):
+    return Case(["data.chat_template=none", "data.chat_template_kwargs={enable_thinking: false}"],
+                ["data.chat_template_kwargs: data.chat_template is none"])
+
+
+@case
+def chat_template_kwargs_overriding_rlpipes_own(d):
+    return Case(["data.chat_template_kwargs={add_generation_prompt: false}"],
+                ["data.chat_template_kwargs: add_generation_prompt is set by rlpipe"])
+
+
+@case
+def chat_template_unknown(d):
+    return Case(["data.chat_template=chatml"], ["data.chat_template: 'chatml' is not one of"])
+
+
+@case
+def dataset_folder_without_the_split(d):
+    folder = d.root / "splits"
+    d.jsonl("splits/train.jsonl", GOOD_ROWS)
+    return Case([f"data.path={folder}", "data.eval_split=validation", "data.eval_size=2"],
+                [f"data.split: {folder} has no 'validation' split (splits: train)"])
+
+
+@case
+def dataset_hub_name_not_cached_offline(d):
+    import datasets
+
+    d.monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    d.monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    return Case(["data.path=rlpipe-tests/no-such-dataset"],
+                ["data.path: rlpipe-tests/no-such-dataset is not a local path", "not in the Hugging Face cache"])
+
+
+@case
+def tracker_listed_but_not_installed(d):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec  # wandb may be installed here: the case hides it
+    d.monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    return Case(["metrics.loggers=[jsonl, wandb]"],
+                ["metrics.loggers: wandb is listed but the wandb package is not installed", "rlpipe[wandb]"])
+
+
+@case
+def tracker_unknown(d):
+    return Case(["metrics.loggers=[jsonl, neptune]"], ["metrics.loggers[1]: 'neptune' is not one of"])
 
 
 @case

@@ -399,3 +399,14 @@ def test_moe_settings_name_their_key():
     assert _error("model.kernels.experts=grouped").startswith("model.kernels.experts")
     assert _error("algo.router_aux_loss_coef=-1").startswith("algo.router_aux_loss_coef:")
     assert load_config(None, []).algo.router_aux_loss_coef is None
+
+
+def test_chat_template_kwargs_need_a_template_and_leave_rlpipes_own_arguments():
+    from rlpipe.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs: data.chat_template is none"):
+        load_config(None, ["data.chat_template=none", "data.chat_template_kwargs={enable_thinking: false}"])
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs: tokenize is set by rlpipe"):
+        load_config(None, ["data.chat_template_kwargs={tokenize: true}"])
+    with pytest.raises(ConfigError, match="data.eval_split: set data.eval_split or data.eval_path"):
+        load_config(None, ["data.source=file", "data.path=x.jsonl", "data.eval_split=test", "data.eval_path=y.jsonl"])

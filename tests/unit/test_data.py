@@ -322,3 +322,137 @@ def test_compressed_jsonl_and_the_humaneval_source(tmp_path):
     assert train[0]["task_id"] == "HumanEval/0" and train[0]["question"].lstrip().startswith("from typing import List")
     assert set(train[0]) == {"question", "test", "entry_point", "task_id"}
     assert "eval_size" in _config_error(lambda: load_rows(DataConfig(source="humaneval", eval_size=164), seed=0))
+
+
+# ---------------------------------------------------------------- chat messages, templates, splits, sources
+
+CHAT_ROWS = [
+    {
+        "prompt": [
+            {"role": "system", "content": "Answer with a number."},
+            {"role": "user", "content": f"Calculate {i} + 1."},
+        ],
+        "answer": str(i + 1),
+    }
+    for i in range(6)
+]
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_message_prompts_from_parquet(tmp_path, tokenizer):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(CHAT_ROWS), path)
+    train, held_out = load_rows(_file_cfg(path, prompt_field="prompt"), seed=0)
+    assert train == CHAT_ROWS[:4] and held_out == CHAT_ROWS[4:]
+    cfg = DataConfig(prompt_field="prompt", system_prompt="Ignored: the rows have their own.")
+    (prompt,) = PromptSet(train, tokenizer, cfg).prompts([1])
+    assert prompt.question == "Calculate 1 + 1."  # what reward functions see: the last user message
+    text = tokenizer.decode(prompt.token_ids)
+    assert text == "<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nCalculate 1 + 1.<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt.columns == {"answer": "2"}
+
+
+def test_system_prompt_goes_before_a_conversation_without_one(tokenizer):
+    rows = [{"prompt": [{"role": "user", "content": "Calculate 2 + 2."}]}]
+    (prompt,) = PromptSet(rows, tokenizer, DataConfig(prompt_field="prompt", system_prompt="Solve.")).prompts([0])
+    assert tokenizer.decode(prompt.token_ids).startswith("<|im_start|>system\nSolve.<|im_end|>\n<|im_start|>user\n")
+
+
+@pytest.mark.parametrize("prompt, problem", [
+    ([], "has no user message with text"),
+    ([{"role": "system", "content": "Be brief."}], "has no user message with text"),
+    ([{"content": "Calculate 1 + 1."}], "has message 0 without a role (chat messages are {role, content})"),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "has message 0 (user) without text content"),
+])
+def test_unusable_chat_messages_are_named(tmp_path, prompt, problem):
+    path = _write_jsonl(tmp_path / "rows.jsonl", [{"prompt": CHAT_ROWS[0]["prompt"]}, {"prompt": prompt}])
+    message = _config_error(lambda: load_rows(_file_cfg(path, prompt_field="prompt", eval_size=0), seed=0))
+    assert message == f"data.prompt_field: row 1 of {path} {problem} in 'prompt'"
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    thinking = build_tokenizer(tmp_path)
+    thinking.chat_template = THINKING_TEMPLATE
+    rows = [{"question": "Calculate 1 + 2."}]
+    plain = PromptSet(rows, thinking, DataConfig()).prompt(0).token_ids
+    no_thinking = PromptSet(rows, thinking, DataConfig(chat_template_kwargs={"enable_thinking": False})).prompt(0).token_ids
+    assert not thinking.decode(plain).endswith("</think>\n\n")
+    assert thinking.decode(no_thinking).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_no_chat_template_sends_the_text_as_is(tmp_path):
+    base = build_tokenizer(tmp_path)
+    base.chat_template = None  # a base model's tokenizer
+    rows = [{"question": "Calculate 1 + 2."}]
+    (prompt,) = PromptSet(rows, base, DataConfig(chat_template="none")).prompts([0])
+    assert prompt.token_ids == base("Calculate 1 + 2.")["input_ids"]
+    with_system = PromptSet(rows, base, DataConfig(chat_template="none", system_prompt="Solve.")).prompt(0)
+    assert base.decode(with_system.token_ids) == "Solve.\n\nCalculate 1 + 2."
+
+
+def test_no_chat_template_refuses_chat_messages(tokenizer):
+    prompts = PromptSet(CHAT_ROWS, tokenizer, DataConfig(prompt_field="prompt", chat_template="none"))
+    assert _config_error(lambda: prompts.prompt(0)).startswith("data.chat_template: none sends prompts as text, but row 0")
+
+
+def test_a_failing_chat_template_is_one_line(tmp_path):
+    strict = build_tokenizer(tmp_path)
+    strict.chat_template = "{{ raise_exception('only user and assistant roles') }}"
+    message = _config_error(lambda: PromptSet([{"question": "hi"}], strict, DataConfig()).prompt(0))
+    assert message.startswith("model.tokenizer: the chat template fails") and "only user and assistant" in message
+
+
+def test_folder_with_files_per_split(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _write_jsonl(folder / "train-00000.jsonl", ROWS[:6])
+    _write_jsonl(folder / "test.jsonl", ROWS[6:])
+    train, held_out = load_rows(_file_cfg(folder, eval_size=0), seed=0)
+    assert train == ROWS[:6] and held_out == []
+    assert load_rows(_file_cfg(folder, split="test", eval_size=0), seed=0)[0] == ROWS[6:]
+    train, held_out = load_rows(_file_cfg(folder, eval_split="test", eval_size=3), seed=0)
+    assert train == ROWS[:6] and held_out == ROWS[6:9]
+    message = _config_error(lambda: load_rows(_file_cfg(folder, split="validation"), seed=0))
+    assert message == f"data.split: {folder} has no 'validation' split (splits: test, train)"
+
+
+def test_save_to_disk_folders(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "one"))
+    assert load_rows(_file_cfg(tmp_path / "one"), seed=0) == (ROWS[:8], ROWS[8:])
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:7]), "test": datasets.Dataset.from_list(ROWS[7:])})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    train, held_out = load_rows(_file_cfg(tmp_path / "dict", eval_split="test", eval_size=2), seed=0)
+    assert train == ROWS[:7] and held_out == ROWS[7:9]
+    message = _config_error(lambda: load_rows(_file_cfg(tmp_path / "dict", split="dev"), seed=0))
+    assert message == f"data.split: {tmp_path / 'dict'} has no 'dev' split (splits: test, train)"
+
+
+def test_a_hub_name_that_is_not_cached_offline_says_how_to_get_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    script = (
+        "from rlpipe.config import ConfigError, DataConfig\nfrom rlpipe.data import load_rows\n"
+        "try:\n    load_rows(DataConfig(source='file', path='rlpipe-tests/no-such-dataset'), 0)\n"
+        "except ConfigError as err:\n    print(err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("data.path: rlpipe-tests/no-such-dataset is not a local path, and the Hub dataset")
+    assert "not in the Hugging Face cache" in line and str(tmp_path / "hf") in line
+    assert "datasets.load_dataset('rlpipe-tests/no-such-dataset')" in line
+
+
+def test_a_missing_local_path_is_not_taken_for_a_hub_name(tmp_path):
+    for path in (tmp_path / "rows.jsonl", "data/rows.parquet", "./rows"):
+        assert _config_error(lambda: load_rows(_file_cfg(path), seed=0)) == f"data.path: {path} does not exist"

@@ -15,7 +15,7 @@ def _strict_records(path) -> list[dict]:
 
 
 def test_non_finite_values_are_written_as_null_and_counted(tmp_path):
-    logger = MetricsLogger(tmp_path, total_steps=2, tensorboard=False, stream=io.StringIO())
+    logger = MetricsLogger(tmp_path, total_steps=2, stream=io.StringIO())
     logger.log(1, {"reward/mean": math.nan, "loss": math.inf, "grad_norm": -math.inf, "accuracy": 0.5})
     logger.log(2, {"reward/mean": 0.25, "loss": 0.1})
     first, second = _strict_records(tmp_path / "metrics.jsonl")
@@ -26,7 +26,7 @@ def test_non_finite_values_are_written_as_null_and_counted(tmp_path):
 
 
 def test_a_restored_history_is_strict_and_keeps_its_counts(tmp_path):
-    logger = MetricsLogger(tmp_path, total_steps=3, tensorboard=False, stream=io.StringIO())
+    logger = MetricsLogger(tmp_path, total_steps=3, stream=io.StringIO())
     logger.restore([{"step": 1, "loss": None, "nonfinite_values": 1}, {"step": 2, "loss": math.nan}])
     assert _strict_records(tmp_path / "metrics.jsonl") == [
         {"step": 1, "loss": None, "nonfinite_values": 1},
