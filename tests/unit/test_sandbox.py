@@ -128,7 +128,17 @@ def test_the_hosts_environment_and_processes_are_out_of_sight(monkeypatch):
 def test_no_network_not_even_the_hosts_loopback():
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
-        outcome = attack(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
+        connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')"
+        host_network = f"/proc/{os.getpid()}/ns/net"  # this test's: the host's network namespace
+        outcome = attack(
+            "import ctypes, os, subprocess, sys\n"
+            "for enter in (  # the host's network namespace: by nsenter, then by setns itself\n"
+            f"    lambda: subprocess.run(['nsenter', '--net={host_network}', sys.executable, '-c', {connect!r}]),\n"
+            f"    lambda: ctypes.CDLL(None).setns(os.open('{host_network}', os.O_RDONLY), 0x40000000),\n"
+            "):\n"
+            "    try:\n        enter()\n    except Exception as error:\n        print(error)\n"
+            + connect + "\n"
+        )
         listener.settimeout(0.2)
         with pytest.raises(TimeoutError):
             listener.accept()
