@@ -126,9 +126,10 @@ def _run(main: str, limits: Limits, stdin: str | bytes, files: Mapping[str, str]
     report_read, report_write = os.pipe()
     process = None
     try:
-        os.chmod(workdir, 0o755)  # bwrap runs as SANDBOX_UID and must read it
+        os.chmod(workdir, 0o755)  # bwrap runs as SANDBOX_UID and must read it, whatever the umask
         for name, text in {**files, "main.py": main}.items():
             Path(workdir, name).write_text(text, encoding="utf-8")
+            Path(workdir, name).chmod(0o644)
         # Input from an unlinked file rather than a pipe: nothing to block on, nothing of it in /sandbox.
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
@@ -161,18 +162,19 @@ def _checked_python() -> _Python:
 @cache
 def _probe() -> tuple[_Python | None, str | None]:
     """Run a probe program under each candidate interpreter; the first whose run shows every layer is used."""
-    problems = []
+    problems: dict[str, list[str]] = {}  # what went wrong: with which interpreters
     for python in _candidate_pythons():
         try:
             problem = _probe_with(python)
         except SandboxUnavailable as err:
             problem = str(err)
         if problem is None:
-            if problems:
-                logger.info("code sandbox: %s; sandboxed programs run with %s", problems[0], python.executable)
+            for seen, executables in problems.items():
+                logger.info("code sandbox: %s with %s; programs run with %s", seen, executables[0], python.executable)
             return python, None
-        problems.append(f"{python.executable}: {problem}")
-    return None, "code sandbox unavailable: " + "; ".join(problems)
+        problems.setdefault(problem, []).append(python.executable)
+    described = (f"{problem} (with {', '.join(executables)})" for problem, executables in problems.items())
+    return None, "code sandbox unavailable: " + "; ".join(described)
 
 
 _PROBE = r"""
