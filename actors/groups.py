@@ -50,6 +50,9 @@ def start_ray(cfg: Config) -> None:
     # at import time: the environment carries it to Ray's own processes, the constant covers this one.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+    # Token authentication on every service, whatever the environment says: Ray 2.60 turns it on for a new local
+    # cluster only while RAY_AUTH_MODE is unset. Ray writes a token to ~/.ray/auth_token if there is none.
+    os.environ["RAY_AUTH_MODE"] = "token"
     ray.init(
         address="local",  # never silently join a cluster named by RAY_ADDRESS
         num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, actors_needed(cfg)),

@@ -1,22 +1,34 @@
-"""Code rewards: run a completion against its tests, HumanEval-style, inside the sandbox (rewards/sandbox.py)."""
+"""Code rewards: run a completion against its tests, HumanEval-style, inside the sandbox (rewards/sandbox.py).
+
+The verdict is the test harness's (rewards/code_harness.py), never the program's exit status: the tests run in a
+process of their own and report on a descriptor the model's program does not have, so an early exit, patched
+builtins or a forged line of output scores 0.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import re
+from pathlib import Path
 
-from rewards.sandbox import Limits, run
+from rewards import sandbox
+
+logger = logging.getLogger("rewards")
 
 _FENCED = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+_HARNESS = Path(__file__).with_name("code_harness.py").read_text()
+_UNSAFE = (
+    "code_tests runs model-written programs WITHOUT the sandbox (unsafe_no_sandbox: true): they can read and "
+    "write this machine's files, reach the network and outlive the call. Only for code you would run yourself."
+)
 
 
-def program(prompt: str, completion: str, test: str, entry_point: str | None) -> str:
-    """The script to run: a fenced code block from the completion if it has one (a chat model writes the whole
-    function), else the prompt's function header followed by the completion (a base model continues it); then the
-    tests, and `check(entry_point)` when the tests define it, as HumanEval's do."""
+def program(prompt: str, completion: str) -> str:
+    """The program to test: a fenced code block from the completion if it has one (a chat model writes the whole
+    function), else the prompt's function header followed by the completion (a base model continues it)."""
     fenced = _FENCED.search(completion)
-    body = fenced.group(1) if fenced else prompt + completion
-    call = f"\ncheck({entry_point})\n" if entry_point else "\n"
-    return f"{body}\n\n{test}\n{call}"
+    return fenced.group(1) if fenced else prompt + completion
 
 
 def tests_pass(
@@ -27,13 +39,34 @@ def tests_pass(
     cpu_s: int = 5,
     wall_s: float = 10.0,
     memory_mb: int = 512,
+    unsafe_no_sandbox: bool = False,
     **_: object,
 ) -> list[float]:
-    """1.0 where the program exits cleanly (every assertion held), else 0.0 — a crash, a timeout, a limit hit or
-    anything the sandbox refused. Columns: `test` (and `entry_point`) from the dataset."""
-    limits = Limits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb)
+    """1.0 where every test held, as reported by the harness; else 0.0 — a failed assertion, a crash, a timeout, a
+    limit hit. Columns: `test` (and `entry_point`: the tests then end with `check(entry_point)`) from the dataset.
+    Raises SandboxUnavailable where the sandbox cannot isolate programs and `unsafe_no_sandbox` is not set."""
+    limits = sandbox.Limits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb)
     entry_points = entry_point or [None] * len(prompts)
     return [
-        1.0 if run(program(p, c, t, e), limits).passed else 0.0
+        _score(program(p, c), {"test": t, "entry_point": e}, limits, unsafe_no_sandbox)
         for p, c, t, e in zip(prompts, completions, test, entry_points)
     ]
+
+
+def _score(source: str, tests: dict, limits: sandbox.Limits, unsafe_no_sandbox: bool) -> float:
+    outcome = sandbox.run(
+        _HARNESS, limits, stdin=json.dumps(tests), files={"program.py": source}, isolated=not unsafe_no_sandbox
+    )
+    return 1.0 if outcome.report == b"passed" and not outcome.timed_out else 0.0
+
+
+def startup_check(unsafe_no_sandbox: bool = False, **_: object) -> str | None:
+    """Called by the reward pool when it starts (RewardRunner): what keeps this reward from running here, if
+    anything. Without the sandbox's isolation it refuses, unless the config opts out."""
+    if unsafe_no_sandbox:
+        logger.warning(_UNSAFE)
+        return None
+    return sandbox.missing_isolation()
+
+
+tests_pass.startup_check = startup_check

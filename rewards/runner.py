@@ -66,7 +66,8 @@ class RewardRunner:
     """Scores batches with a fixed list of reward functions.
 
     `specs` are `{"name": "pkg.mod:fn", "weight": 1.0, "kwargs": {}, "group": False}` dicts; every function
-    is loaded here so that a bad name fails at startup rather than at the first batch. A `group` function is
+    is loaded here so that a bad name fails at startup rather than at the first batch, and its `startup_check`,
+    if it has one, says here whether it can run on this machine. A `group` function is
     called once per group with that group's samples only, so it can score completions against each other.
     """
 
@@ -352,6 +353,7 @@ def _parse_specs(specs: list[dict]) -> list[_Reward]:
 
         fn = load_reward(spec["name"])
         _check_signature(spec["name"], fn, kwargs)
+        _check_startup(spec["name"], fn, kwargs)
         name = _unique(display_name(spec["name"]), taken)
         taken.add(name)
         rewards.append(_Reward(name=name, fn=fn, weight=float(weight), kwargs=dict(kwargs), group=group))
@@ -373,6 +375,16 @@ def _check_signature(path: str, fn: Callable, kwargs: Mapping[str, Any]) -> None
             f"reward function {path!r} cannot be called as fn(prompts, completions, **columns, **kwargs) "
             f"({', '.join(SAMPLE_COLUMNS)} are always among the columns; end its parameters with **_): {err}"
         ) from None
+
+
+def _check_startup(path: str, fn: Callable, kwargs: Mapping[str, Any]) -> None:
+    """A function may carry `startup_check(**kwargs) -> str | None`: what keeps it from running on this machine
+    (code_tests: no sandbox). Called here, in the driver before the cluster starts and in every reward worker."""
+    check = getattr(fn, "startup_check", None)
+    if callable(check):
+        problem = check(**kwargs)
+        if problem:
+            raise RewardConfigError(f"reward function {path!r} cannot run here: {problem}")
 
 
 def _unique(name: str, taken: set[str]) -> str:

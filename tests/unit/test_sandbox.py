@@ -1,71 +1,259 @@
-"""Model-written code in the sandbox: each hostile program is contained, scored 0, and the caller goes on."""
+"""Model-written code in the sandbox: each attack is checked from the host side, where it would have done harm.
+
+Every attack program starts with UNHOOK, which switches off the former sandbox's audit hook (its block-lists lived in
+the sandboxed interpreter); it does nothing now, and shows that these tests fail against a Python-level sandbox.
+"""
 
 from __future__ import annotations
 
+import ast
+import json
+import os
+import socket
+import subprocess
+import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
-from rewards import load_reward
-from rewards.sandbox import Limits, network_isolated, run
+from rewards import sandbox
+from rewards.sandbox import Limits, SandboxUnavailable, run
 
-FAST = Limits(cpu_s=2, wall_s=5, memory_mb=256)
+FAST = Limits(cpu_s=2, wall_s=5, memory_mb=256, file_mb=4, scratch_mb=8, processes=16)
+MARGIN_S = 3  # the wall limit plus this bounds every call
 
-
-def test_ordinary_code_runs_and_sees_only_its_own_directory(tmp_path):
-    outcome = run("import os\nopen('out.txt', 'w').write('ok')\nprint(os.listdir('.'), sorted(os.environ))", FAST)
-    assert outcome.passed, outcome.stderr
-    assert "out.txt" in outcome.stdout
-    assert "PATH" not in outcome.stdout and "HOME" not in outcome.stdout  # an empty environment
-
-
-HOSTILE = {
-    "infinite loop": "while True:\n    pass",
-    "fork bomb": "import os\nwhile True:\n    os.fork()",
-    "subprocess": "import subprocess\nsubprocess.run(['sh', '-c', 'echo escaped'])",
-    "memory hog": "hog = []\nwhile True:\n    hog.append(bytearray(50 * 2**20))",
-    "network": "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)",
-    "signal the parent": "import os, signal\nos.kill(os.getppid(), signal.SIGTERM)",
-    "signal the group": "import os, signal\nos.killpg(0, signal.SIGKILL)",
-    "parent's environment": "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())",
-    "ctypes escape": "import ctypes\nctypes.CDLL(None).kill(1, 9)",
-}
+UNHOOK = """
+import sys
+_boot = sys.modules["__main__"]
+if hasattr(_boot, "_NO_PROCESSES"):
+    for _name in ("_NO_PROCESSES", "_NO_NETWORK", "_PATH_CHANGES"):
+        getattr(_boot, _name).clear()
+    _boot._inside = lambda path: True
+    _boot._self = {pid}
+"""
 
 
-@pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_code_is_contained(name, monkeypatch):
-    monkeypatch.setenv("RLPIPE_SANDBOX_CANARY", "secret-value")  # what the parent's environment must not leak
+def attack(code: str, pid: int = 0, limits: Limits = FAST) -> sandbox.Outcome:
     started = time.monotonic()
-    outcome = run(HOSTILE[name], FAST)
-    assert not outcome.passed, (name, outcome)
-    assert time.monotonic() - started < FAST.wall_s + 5
-    assert "secret-value" not in outcome.stdout and "escaped" not in outcome.stdout
+    outcome = run(UNHOOK.format(pid=pid) + code, limits)
+    assert time.monotonic() - started < limits.wall_s + MARGIN_S
+    return outcome
 
 
-def test_writing_outside_its_directory_is_refused(tmp_path):
-    target = tmp_path / "escaped.txt"
-    for code in (f"open({str(target)!r}, 'w').write('x')", f"import os\nos.remove({str(tmp_path)!r})",
-                 f"import shutil\nshutil.rmtree({str(tmp_path)!r})"):
-        assert not run(code, FAST).passed
-    assert not target.exists() and tmp_path.exists()
+@pytest.fixture(autouse=True)
+def _isolation_here():
+    if sandbox.missing_isolation():
+        pytest.fail(sandbox.missing_isolation())  # this machine is where the sandbox is tested: no skipping
 
 
-def test_a_network_namespace_of_its_own_where_the_kernel_allows():
-    if not network_isolated():
-        pytest.skip("no network namespace here (the audit hook alone blocks sockets)")
-    assert run("print(open('/proc/self/net/dev').read())", FAST).stdout.count(":") == 1  # loopback only
+def test_ordinary_code_runs_with_its_files_and_a_scratch_folder():
+    outcome = run(
+        "import os\nopen('out.txt', 'w').write('ok')\nprint(os.getcwd(), open('/sandbox/data.txt').read(), "
+        "os.listdir('.'), sorted(os.environ))\nos.write(3, b'report')",
+        FAST,
+        files={"data.txt": "given"},
+    )
+    assert outcome.passed, outcome.stderr
+    cwd, data, listing, environment = outcome.stdout.split(" ", 3)
+    assert (cwd, data, listing) == ("/tmp", "given", "['out.txt']")
+    # Empty but for what bwrap (PWD) and Python's C-locale coercion (LC_CTYPE) set.
+    assert set(ast.literal_eval(environment)) <= {"PWD", "LC_CTYPE"}
+    assert outcome.report == b"report"
 
 
-def test_the_code_reward_scores_tests_and_survives_hostile_completions():
-    reward = load_reward("code_tests")
-    prompt = 'def add(a, b):\n    """Return a + b."""\n'
-    test = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
-    completions = [
-        "    return a + b\n",  # a base model continues the prompt
-        "```python\ndef add(a, b):\n    return b + a\n```",  # a chat model writes the whole function
-        "    return a - b\n",  # wrong
-        "    while True:\n        pass\n",  # never ends
-        "    import os\n    os.kill(os.getppid(), 9)\n",  # attacks the caller
-    ]
-    scores = reward([prompt] * 5, completions, test=[test] * 5, entry_point=["add"] * 5, cpu_s=2, wall_s=5)
-    assert scores == [1.0, 1.0, 0.0, 0.0, 0.0]
+def test_host_files_are_out_of_sight(tmp_path):
+    (tmp_path / "secret.txt").write_text("host-secret")
+    paths = [str(tmp_path / "secret.txt"), __file__, "/root", "/etc/passwd", "/work"]
+    outcome = attack(
+        "import os\nfor path in " + repr(paths) + ":\n"
+        "    try:\n        print(path, open(path).read() if os.path.isfile(path) else os.listdir(path))\n"
+        "    except OSError as error:\n        print(path, type(error).__name__)\n"
+    )
+    assert outcome.passed, outcome.stderr
+    assert "host-secret" not in outcome.stdout and "UNHOOK" not in outcome.stdout
+    shown = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in outcome.stdout.splitlines()}
+    assert all(shown[path] == "FileNotFoundError" for path in paths if path != "/root")
+    assert shown["/root"] in ("FileNotFoundError", "['.pyenv']")  # at most the interpreter, where it lives there
+
+
+def test_writes_stay_in_the_scratch_folder(tmp_path):
+    targets = [str(tmp_path / "escaped.txt"), "/sandbox/x", "/usr/lib/x", "/x", "/dev/shm/x", "/proc/sys/kernel/x"]
+    outcome = attack(
+        "written = []\nfor path in " + repr(targets) + ":\n"
+        "    try:\n        open(path, 'w').write('x')\n        written.append(path)\n"
+        "    except OSError:\n        pass\nprint(written)\n"
+    )
+    assert outcome.stdout.strip() == "[]", outcome
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_a_host_process_cannot_be_killed():
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        attack(
+            f"import os, signal, subprocess\n"
+            f"for kill in (lambda: os.kill({victim.pid}, 9), lambda: subprocess.run(['kill', '-9', '{victim.pid}']),\n"
+            f"             lambda: signal.pidfd_send_signal(os.pidfd_open({victim.pid}), 9)):\n"
+            f"    try:\n        kill()\n    except Exception as error:\n        print(error)\n",
+            pid=victim.pid,
+        )
+        time.sleep(0.2)
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_the_hosts_environment_and_processes_are_out_of_sight(monkeypatch):
+    monkeypatch.setenv("RLPIPE_SANDBOX_CANARY", "secret-value")  # a child of this process would inherit it
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        outcome = attack(
+            "import os\nprint(sorted(name for name in os.listdir('/proc') if name.isdigit()))\n"
+            f"for pid in ('1', '{os.getpid()}', '{child.pid}'):\n"
+            "    try:\n        print(open(f'/proc/{pid}/environ').read())\n"
+            "    except OSError as error:\n        print(type(error).__name__)\n",
+            pid=child.pid,
+        )
+    finally:
+        child.kill()
+        child.wait()
+    assert outcome.passed, outcome.stderr
+    assert "secret-value" not in outcome.stdout
+    assert outcome.stdout.splitlines()[0] == "['1', '2']"  # bwrap's init and the program: nothing else
+
+
+def test_no_network_not_even_the_hosts_loopback():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')"
+        host_network = f"/proc/{os.getpid()}/ns/net"  # this test's: the host's network namespace
+        outcome = attack(
+            "import ctypes, os, subprocess, sys\n"
+            "for enter in (  # the host's network namespace: by nsenter, then by setns itself\n"
+            f"    lambda: subprocess.run(['nsenter', '--net={host_network}', sys.executable, '-c', {connect!r}]),\n"
+            f"    lambda: ctypes.CDLL(None).setns(os.open('{host_network}', os.O_RDONLY), 0x40000000),\n"
+            "):\n"
+            "    try:\n        enter()\n    except Exception as error:\n        print(error)\n"
+            + connect + "\n"
+        )
+        listener.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    assert "connected" not in outcome.stdout and not outcome.passed
+
+
+def test_no_shell_and_no_programs_but_python():
+    outcome = attack(
+        "import os, subprocess\n"
+        "for command in (['/bin/sh', '-c', 'echo escaped'], ['sh', '-c', 'echo escaped'], ['ls', '/']):\n"
+        "    try:\n        subprocess.run(command)\n    except OSError as error:\n        print(type(error).__name__)\n"
+        "print(os.system('echo escaped'))\n"
+    )
+    assert "escaped" not in outcome.stdout
+    assert outcome.stdout.split()[:3] == ["FileNotFoundError"] * 3
+
+
+def test_the_kernels_risky_calls_are_refused():
+    outcome = attack(
+        "import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "for name, call in (('ptrace', lambda: libc.ptrace(16, 1, 0, 0)), ('unshare', lambda: libc.unshare(0x10000000)),\n"
+        "                   ('mount', lambda: libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))):\n"
+        "    print(name, call(), errno.errorcode[ctypes.get_errno()])\n"
+    )
+    assert outcome.stdout.splitlines() == ["ptrace -1 EPERM", "unshare -1 EPERM", "mount -1 EPERM"], outcome
+
+
+def test_a_thousand_forks_stop_at_the_process_limit():
+    outcome = attack(
+        "import os, time\nstarted = 0\nfor _ in range(1000):\n"
+        "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+        "    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n    started += 1\nprint(started)\n"
+    )
+    assert outcome.passed, outcome.stderr
+    assert int(outcome.stdout) < FAST.processes
+
+
+def test_a_gigabyte_of_files_stops_at_the_scratch_cap():
+    outcome = attack(
+        "import os\nwritten = 0\nchunk = b'x' * 2**20\n"
+        "for index in range(1024):\n    try:\n        with open(f'f{index}', 'wb') as file:\n"
+        "            for _ in range(2):\n                file.write(chunk)\n                file.flush()\n"
+        "                written += 1\n    except OSError:\n        break\nprint(written)\n"
+        "try:\n    open('big', 'wb').write(b'x' * 2**30)\nexcept (OSError, MemoryError) as error:\n"
+        "    print(type(error).__name__)\n"
+    )
+    lines = outcome.stdout.split()
+    assert int(lines[0]) <= FAST.scratch_mb, outcome
+    assert lines[1] in ("OSError", "MemoryError")
+
+
+def test_flooding_output_costs_the_caller_no_more_than_the_cap():
+    # In a fresh interpreter, so that its peak memory is this call's alone. 256 MiB on each of stdout and stderr.
+    script = (
+        "import resource, sys\nfrom rewards.sandbox import Limits, run\n"
+        "outcome = run('import os\\nchunk = b\"x\" * 2**20\\nfor _ in range(256):\\n    os.write(1, chunk)\\n"
+        "    os.write(2, chunk)', Limits(wall_s=60))\n"
+        "print(len(outcome.stdout), len(outcome.stderr), outcome.returncode,\n"
+        "      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert result.returncode == 0, result.stderr
+    stdout_kept, stderr_kept, returncode, peak_mb = result.stdout.split()
+    assert (stdout_kept, stderr_kept, returncode) == (str(64 * 1024), str(64 * 1024), "0"), result.stdout
+    assert int(peak_mb) < 150  # where all of it was kept, 512 MiB or more
+
+
+@pytest.mark.parametrize("ends", ["exits", "runs past the wall limit"])
+def test_nothing_it_started_outlives_the_call(ends):
+    token = uuid.uuid4().hex
+    outcome = attack(
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', '{token}'])\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.5)\n"
+        + ("while True:\n    pass\n" if ends != "exits" else ""),
+        limits=Limits(cpu_s=5, wall_s=2),
+    )
+    assert outcome.timed_out == (ends != "exits")
+    time.sleep(0.2)
+    survivors = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, token)]
+    assert survivors == []
+
+
+def _cmdline_has(pid: str, token: str) -> bool:
+    try:
+        return token.encode() in Path("/proc", pid, "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def test_an_endless_program_is_stopped_at_the_wall_limit():
+    outcome = attack("while True:\n    pass", limits=Limits(cpu_s=30, wall_s=1))
+    assert outcome.timed_out and outcome.returncode is None
+
+
+def test_without_isolation_code_is_refused_with_what_is_missing(monkeypatch):
+    monkeypatch.setattr(sandbox, "_bwrap_path", lambda: "/nonexistent/bwrap")
+    sandbox._probe.cache_clear()
+    try:
+        problem = sandbox.missing_isolation()
+        assert problem.startswith("code sandbox unavailable:") and "bwrap" in problem
+        with pytest.raises(SandboxUnavailable, match="bwrap"):
+            run("print(1)", FAST)
+        assert run("print(1)", FAST, isolated=False).stdout == "1\n"  # the explicit opt-out
+    finally:
+        sandbox._probe.cache_clear()
+
+
+def test_the_probe_shows_every_layer():
+    python, problem = sandbox._probe()
+    assert problem is None
+    outcome = sandbox._run(sandbox._PROBE, FAST, "", {}, python)
+    seen = json.loads(outcome.stdout)
+    assert seen["uid"] == sandbox.SANDBOX_UID and seen["pid"] == 2 and seen["seccomp"] == 2
+    assert seen["network"] == ["lo"] and not seen["sysctl writable"]

@@ -1,0 +1,131 @@
+"""The harness `rewards.code` runs in the sandbox: the tests in one process, the model's program in another.
+
+Test side (`python main.py`): reads the tests from stdin, makes itself non-dumpable (so that no other process of
+the same uid can read its memory or open its descriptors through /proc), starts the program side, and runs the
+tests with every function the program defined replaced by a stub that calls it in the program's process. Only
+when every test held does it write `passed` to descriptor 3, the sandbox's report channel, which the program's
+process never has.
+
+Program side (`python main.py program R W`): runs program.py, sends the names it defined, then answers calls.
+Arguments and results cross as marshal data (numbers, strings, bytes, lists, tuples, dicts, sets, None), so the
+tests only ever see plain values: no object the program made runs in the test process (an `__eq__` that always
+says yes is not a value). Whatever the program does to its own interpreter (exits, patched builtins, a forged
+line on stdout) stays there.
+
+Kept to the standard library and to what the sandbox's interpreter (3.8 or later) has.
+"""
+
+import builtins
+import ctypes
+import json
+import marshal
+import os
+import subprocess
+import sys
+import traceback
+
+REPORT_FD = 3
+MAX_MESSAGE = 16 * 2**20
+
+
+def send(fd, message):
+    data = marshal.dumps(message)
+    data = len(data).to_bytes(8, "little") + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def receive(fd):
+    size = int.from_bytes(read_exactly(fd, 8), "little")
+    if size > MAX_MESSAGE:
+        raise ValueError(f"a message of {size} bytes from the program")
+    return marshal.loads(read_exactly(fd, size))
+
+
+def read_exactly(fd, size):
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            raise EOFError("the program ended before answering")
+        data += chunk
+    return bytes(data)
+
+
+def describe(error):
+    return f"{type(error).__name__}: {error}"
+
+
+def serve(requests, replies):
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "program.py"), encoding="utf-8") as file:
+            exec(compile(file.read(), "program.py", "exec"), namespace)
+    except BaseException as error:  # SystemExit too: a program that exits defines nothing
+        send(replies, ("failed", describe(error)))
+        return
+    send(replies, ("defined", [name for name, value in namespace.items() if callable(value)]))
+    while True:
+        name, args, kwargs = receive(requests)
+        try:
+            reply = ("returned", namespace[name](*args, **kwargs))
+            marshal.dumps(reply)
+        except BaseException as error:
+            if isinstance(error, ValueError) and "unmarshallable" in str(error):
+                error = TypeError(f"{name} returned a value the tests cannot receive (only plain data crosses)")
+            reply = ("raised", type(error).__name__, str(error))
+        send(replies, reply)
+
+
+class Remote:
+    """Stands in for a function of the program: calls it in the program's process, returns plain data."""
+
+    def __init__(self, name, requests, replies):
+        self.__name__ = name
+        self._requests, self._replies = requests, replies
+
+    def __call__(self, *args, **kwargs):
+        send(self._requests, (self.__name__, args, kwargs))
+        reply = receive(self._replies)
+        if reply[0] == "returned":
+            return reply[1]
+        _, kind, message = reply
+        error = getattr(builtins, kind, None)
+        if isinstance(error, type) and issubclass(error, Exception):
+            raise error(message)
+        raise RuntimeError(f"{kind}: {message}")
+
+
+def run_tests():
+    spec = json.load(sys.stdin)
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+    requests_read, requests_write = os.pipe()
+    replies_read, replies_write = os.pipe()
+    program = subprocess.Popen(
+        [sys.executable, "-I", "-S", os.path.abspath(__file__), "program", str(requests_read), str(replies_write)],
+        pass_fds=(requests_read, replies_write),
+        stdin=subprocess.DEVNULL,
+    )  # close_fds: the program's process gets neither the report channel nor this one's stdin
+    os.close(requests_read)
+    os.close(replies_write)
+    first = receive(replies_read)
+    if first[0] != "defined":
+        raise RuntimeError(f"the program failed: {first[1]}")
+    namespace = {name: Remote(name, requests_write, replies_read) for name in first[1]}
+    namespace["__name__"] = "__tests__"
+    exec(compile(spec["test"], "tests.py", "exec"), namespace)
+    if spec.get("entry_point"):
+        namespace["check"](namespace[spec["entry_point"]])
+    os.write(REPORT_FD, b"passed")
+    program.kill()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["program"]:
+        serve(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        try:
+            run_tests()
+        except BaseException:
+            traceback.print_exc()
+            sys.exit(1)
