@@ -1,6 +1,11 @@
 """Fixtures of the integration tests."""
 
+import os
+from pathlib import Path
+
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -10,3 +15,16 @@ def ray_cluster():
 
     yield
     ray.shutdown()
+
+
+def lane_python(venv_variable: str, default_folder: str, required_variable: str, setup_script: str) -> str:
+    """The interpreter of a lane's own environment (.venv-xla, .venv-tpu): the folder `venv_variable` names, else
+    `default_folder` in the checkout. Without it the calling test is skipped — or fails where `required_variable`
+    is 1 (scripts/test.sh sets it once it has built the environment)."""
+    python = Path(os.environ.get(venv_variable, ROOT / default_folder)) / "bin" / "python"
+    if not python.is_file():
+        message = f"no environment at {python.parent.parent} (bash scripts/{setup_script} builds it)"
+        if os.environ.get(required_variable) == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return str(python)

@@ -5,27 +5,19 @@ environment these tests are skipped, unless RLPIPE_REQUIRE_TPU_ENV=1 (set by scr
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.integration.conftest import ROOT, lane_python
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def tpu_python() -> str:
-    python = Path(os.environ.get("RLPIPE_TPU_VENV", ROOT / ".venv-tpu")) / "bin" / "python"
-    if not python.is_file():
-        message = f"no TPU contract environment at {python.parent.parent} (bash scripts/setup-tpu.sh builds it)"
-        if os.environ.get("RLPIPE_REQUIRE_TPU_ENV") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return str(python)
+    return lane_python("RLPIPE_TPU_VENV", ".venv-tpu", "RLPIPE_REQUIRE_TPU_ENV", "setup-tpu.sh")
 
 
 @pytest.mark.parametrize("extra", ["tpu", "cpu", "xla", "bench"])

@@ -9,28 +9,20 @@ unless RLPIPE_REQUIRE_XLA_ENV=1 (CI) makes that a failure."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 from rlpipe.config import load_config
 from rlpipe.controller import train
+from tests.integration.conftest import ROOT, lane_python
 from tests.integration.test_grpo_e2e import _check_export, _overrides, _read_metrics
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def xla_python() -> str:
-    python = Path(os.environ.get("RLPIPE_XLA_VENV", ROOT / ".venv-xla")) / "bin" / "python"
-    if not python.is_file():
-        message = f"no xla environment at {python.parent.parent} (bash scripts/setup-xla.sh builds it)"
-        if os.environ.get("RLPIPE_REQUIRE_XLA_ENV") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return str(python)
+    return lane_python("RLPIPE_XLA_VENV", ".venv-xla", "RLPIPE_REQUIRE_XLA_ENV", "setup-xla.sh")
 
 
 def test_grpo_with_an_xla_learner_in_its_own_environment_resumes_exactly(tmp_path, tiny_qwen3, ray_cluster, xla_python):
