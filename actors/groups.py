@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -50,9 +51,13 @@ def start_ray(cfg: Config) -> None:
     # at import time: the environment carries it to Ray's own processes, the constant covers this one.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
-    # Token authentication on every service, whatever the environment says: Ray 2.60 turns it on for a new local
-    # cluster only while RAY_AUTH_MODE is unset. Ray writes a token to ~/.ray/auth_token if there is none.
-    os.environ["RAY_AUTH_MODE"] = "token"
+    # Token authentication on every service, set rather than left to Ray's default (Ray writes a token to
+    # ~/.ray/auth_token if there is none). A RAY_AUTH_MODE the user set is kept: Ray reads it once per process, so
+    # changing it here would leave this process's client and the new cluster disagreeing.
+    if os.environ.setdefault("RAY_AUTH_MODE", "token") != "token":
+        logging.getLogger("rlpipe").warning(
+            "RAY_AUTH_MODE=%s: the local Ray cluster runs without token authentication", os.environ["RAY_AUTH_MODE"]
+        )
     ray.init(
         address="local",  # never silently join a cluster named by RAY_ADDRESS
         num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, actors_needed(cfg)),

@@ -9,7 +9,8 @@ from rlpipe.config import load_config
 
 
 def test_the_local_cluster_binds_loopback_with_token_authentication(monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # an environment that would turn it off
+    # Unset, as Ray's default would leave it; never set to anything but token here: Ray reads it once per process.
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
     monkeypatch.setattr(actors.groups.ray_constants, "ENABLE_RAY_CLUSTER", actors.groups.ray_constants.ENABLE_RAY_CLUSTER)
     calls = []
