@@ -51,12 +51,13 @@ def start_ray(cfg: Config) -> None:
     # at import time: the environment carries it to Ray's own processes, the constant covers this one.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
-    # Token authentication on every service, set rather than left to Ray's default (Ray writes a token to
-    # ~/.ray/auth_token if there is none). A RAY_AUTH_MODE the user set is kept: Ray reads it once per process, so
-    # changing it here would leave this process's client and the new cluster disagreeing.
-    if os.environ.setdefault("RAY_AUTH_MODE", "token") != "token":
+    # Token authentication on every service: Ray 2.60 turns it on for a new local cluster while RAY_AUTH_MODE is
+    # unset (and writes a token to ~/.ray/auth_token if there is none). It is left to Ray rather than set here:
+    # Ray caches the mode per process and refreshes that cache only when it sets the variable itself.
+    auth_mode = os.environ.get("RAY_AUTH_MODE")
+    if auth_mode is not None and auth_mode.lower() != "token":
         logging.getLogger("rlpipe").warning(
-            "RAY_AUTH_MODE=%s: the local Ray cluster runs without token authentication", os.environ["RAY_AUTH_MODE"]
+            "RAY_AUTH_MODE=%s: the local Ray cluster runs without token authentication", auth_mode
         )
     ray.init(
         address="local",  # never silently join a cluster named by RAY_ADDRESS

@@ -141,8 +141,15 @@ def test_local_cluster_is_bound_to_loopback(ray_cluster):
 
     from actors.groups import start_ray
 
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
     start_ray(load_config(None, ["ray.num_cpus=6"]))  # as `rlpipe train` does without ray.address
     assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
+    # Token authentication on, in this process and in the cluster's services (they run with the variable Ray set).
+    assert get_authentication_mode() == AuthenticationMode.TOKEN
+    gcs_pid = ray._private.worker._global_node.all_processes["gcs_server"][0].process.pid
+    with open(f"/proc/{gcs_pid}/environ", "rb") as environ:
+        assert b"RAY_AUTH_MODE=token" in environ.read().split(b"\0")
 
 
 def test_llama_from_reasoning_gym(tmp_path, tiny_llama, ray_cluster, twin_python):
