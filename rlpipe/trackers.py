@@ -97,7 +97,12 @@ class WandbTracker:
         self.run.log(finite_numbers(metrics), step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return before W&B's service process has written the run's last records; teardown waits
+        # for it, so the offline files are complete when the run ends.
+        wandb.teardown()
 
 
 class MlflowTracker:

@@ -32,7 +32,7 @@ def test_rlpipe_modes_differ_only_in_staleness(settings):
 def test_every_system_gets_the_same_workload(spec, settings):
     pytest.importorskip("trl")
     workloads = {name: e2e_workload(name, value, spec) for name, value in settings.items()}
-    assert set(workloads) == {"rlpipe-sync", "rlpipe-async", "trl-hf", "trl-vllm-colocate"}
+    assert set(workloads) == {"rlpipe-sync", "rlpipe-async", "rlpipe-xla", "trl-hf", "trl-vllm-colocate"}
     reference = workloads["rlpipe-sync"]
     assert reference["steps"] == STEPS and reference["optimizer_steps_per_step"] == 1
     assert len(reference["rows"]) == STEPS * reference["prompts_per_step"]

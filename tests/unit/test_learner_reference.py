@@ -29,4 +29,6 @@ def test_updates_equal_the_saved_reference(models, name):
     for step, (got, expected) in enumerate(zip(metrics, saved["metrics"], strict=True)):
         assert sorted(got) == sorted(expected), step
         for key, value in expected.items():
-            assert got[key] == pytest.approx(value, abs=1e-6, rel=1e-6), (step, key)
+            # Reductions over thousands of float32 terms: their order follows the CPU's vector width, so machines
+            # differ by a few 1e-6 relative (a grad_norm of 3.050282 here against 3.050286 saved).
+            assert got[key] == pytest.approx(value, abs=1e-6, rel=1e-5), (step, key)
