@@ -1,4 +1,4 @@
-"""`rlpipe train | config show | submit | export | bench`: runs take a recipe plus key=value overrides."""
+"""`rlpipe train | config show | plan | submit | export | plot | bench`: runs take a recipe plus key=value overrides."""
 
 from __future__ import annotations
 
@@ -55,6 +55,18 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--no-wait", action="store_true", help="return once the job is submitted")
     submit.add_argument("recipe", help="YAML recipe inside the working directory")
     submit.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's curves from its metrics.jsonl (to RUN_DIR/curves.png), or several runs overlaid (-o)",
+        description="Reward (mean, +-1 std band, smoothed), held-out accuracy before/after, loss, gradient norm, "
+        "response length, entropy, KL, the learner-vs-rollout log-prob gap and step time by phase, from each run's "
+        "metrics.jsonl and summary.json; panels whose metrics a run did not log are left out.",
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (the one holding metrics.jsonl)")
+    plot.add_argument("-o", "--out", help="the image to write (.png, .svg, .pdf ...); default RUN_DIR/curves.png "
+                      "for one run, required for several")
+    plot.add_argument("--smooth", type=float, default=None, metavar="W",
+                      help="weight of the moving average over steps, in [0, 1) (default 0.6; 0: raw values only)")
     export = commands.add_parser("export", help="write a checkpoint's weights as a Hugging Face folder")
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest checkpoint)")
     export.add_argument("out_dir", help="the folder to create (never overwritten)")
@@ -183,6 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         except SubmitError as err:
             print(f"rlpipe: {err}", file=sys.stderr)
             return 2
+    if args.command == "plot":
+        from rlpipe.plots import SMOOTHING, PlotError, plot_runs
+
+        try:
+            written = plot_runs(args.run_dirs, args.out, SMOOTHING if args.smooth is None else args.smooth)
+        except PlotError as err:
+            print(f"rlpipe: plot: {err}", file=sys.stderr)
+            return 2
+        print(f"curves written to {written}")
+        return 0
     if args.command == "export":
         from rlpipe.checkpoint import export
 

@@ -343,7 +343,10 @@ class MetricsConfig:
     mlflow_tracking_uri: str | None = _key(
         None, "MLflow tracking URI (e.g. file:/path/mlruns, http://host:5000); null: MLflow's default (MLFLOW_TRACKING_URI)"
     )
-    plot: bool = _key(True, "write reward/accuracy PNG plots at the end")
+    plot: bool = _key(
+        True, "write curves.png at the end (reward, accuracy, loss, length, entropy, KL, log-prob gap, step time); "
+        "`rlpipe plot RUN_DIR` draws it again"
+    )
     export: bool = _key(True, "export the trained model as an HF folder at the end")
 
     @property
