@@ -1,9 +1,12 @@
-"""`rlpipe train | config show | submit | export | bench`: runs take a recipe plus key=value overrides."""
+"""`rlpipe train | config show | plan | submit | export | plot | bench`: runs take a recipe plus key=value overrides."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from rewards import RewardConfigError, RewardFailure
@@ -15,6 +18,7 @@ DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "default.y
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlpipe", description="GRPO post-training with Ray, vLLM and torch")
+    parser.add_argument("--version", action="version", version=f"rlpipe {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     parser.run_commands = {}  # for `_parse_args`, which parses these on their own
     for name, summary in (
@@ -26,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
             name,
             help=summary,
             description=summary,
-            epilog=help_text(),
+            epilog=None,  # the config keys with the values this command line would use: set by `_parse_args`
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         parser.run_commands[name] = sub
@@ -55,6 +59,18 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--no-wait", action="store_true", help="return once the job is submitted")
     submit.add_argument("recipe", help="YAML recipe inside the working directory")
     submit.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's curves from its metrics.jsonl (to RUN_DIR/curves.png), or several runs overlaid (-o)",
+        description="Reward (mean, +-1 std band, smoothed), held-out accuracy before/after, loss, gradient norm, "
+        "response length, entropy, KL, the learner-vs-rollout log-prob gap and step time by phase, from each run's "
+        "metrics.jsonl and summary.json; panels whose metrics a run did not log are left out.",
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (the one holding metrics.jsonl)")
+    plot.add_argument("-o", "--out", help="the image to write (.png, .svg, .pdf ...); default RUN_DIR/curves.png "
+                      "for one run, required for several")
+    plot.add_argument("--smooth", type=float, default=None, metavar="W",
+                      help="weight of the moving average over steps, in [0, 1) (default 0.6; 0: raw values only)")
     export = commands.add_parser("export", help="write a checkpoint's weights as a Hugging Face folder")
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest checkpoint)")
     export.add_argument("out_dir", help="the folder to create (never overwritten)")
@@ -131,14 +147,46 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve(args) -> Config:
+def _version() -> str:
+    try:
+        return metadata.version("rlpipe")
+    except metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, never installed
+        return "unknown (not installed; pip install -e . records it)"
+
+
+def _recipe_and_overrides(args) -> tuple[str | None, list[str]]:
     recipe, overrides = args.recipe, list(args.overrides)
     # `rlpipe train train.steps=3`: the first positional is an override, not a recipe.
     if recipe is not None and "=" in recipe and not Path(recipe).exists():
         recipe, overrides = None, [recipe, *overrides]
     if getattr(args, "address", None):
         overrides.append(f"ray.address={args.address}")
+    return recipe, overrides
+
+
+def _resolve(args) -> Config:
+    recipe, overrides = _recipe_and_overrides(args)
     return load_config(recipe or DEFAULT_RECIPE, overrides)
+
+
+def _is_help(arg: str) -> bool:
+    return arg == "-h" or (len(arg) > 2 and "--help".startswith(arg))  # argparse takes --he for --help
+
+
+def _config_help(sub: argparse.ArgumentParser, command: str, rest: list[str]) -> str:
+    """The config keys for `rlpipe COMMAND ... --help`, each with the value this command line would run with: the
+    recipe it names (else the default recipe) with its overrides applied, and rlpipe's built-in default for keys
+    neither sets. A command line that does not resolve shows the built-in defaults and says why."""
+    args = None
+    with contextlib.suppress(SystemExit), contextlib.redirect_stderr(io.StringIO()):  # no usage error before help
+        args = sub.parse_intermixed_args([a for a in rest if not _is_help(a)], argparse.Namespace(command=command))
+    recipe, overrides = _recipe_and_overrides(args) if args is not None else (None, [])
+    shown = recipe or f"{DEFAULT_RECIPE.parent.name}/{DEFAULT_RECIPE.name}"
+    source = f"{shown} with the overrides given" if overrides else shown
+    try:
+        return help_text(load_config(recipe or DEFAULT_RECIPE, overrides), source)
+    except ConfigError as err:
+        return help_text(source=f"the built-in defaults, not those of {source} ({err})")
 
 
 def _parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -148,6 +196,9 @@ def _parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argp
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in parser.run_commands:
         return parser.parse_args(argv)
+    if any(_is_help(arg) for arg in argv[1:]):
+        sub = parser.run_commands[argv[0]]
+        sub.epilog = _config_help(sub, argv[0], argv[1:])
     args = parser.run_commands[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(command=argv[0]))
     resume = getattr(args, "resume", None)
     if resume and "=" in resume and not Path(resume).exists():  # `--resume key=value`: latest, then an override
@@ -183,6 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         except SubmitError as err:
             print(f"rlpipe: {err}", file=sys.stderr)
             return 2
+    if args.command == "plot":
+        from rlpipe.plots import SMOOTHING, PlotError, plot_runs
+
+        try:
+            written = plot_runs(args.run_dirs, args.out, SMOOTHING if args.smooth is None else args.smooth)
+        except PlotError as err:
+            print(f"rlpipe: plot: {err}", file=sys.stderr)
+            return 2
+        print(f"curves written to {written}")
+        return 0
     if args.command == "export":
         from rlpipe.checkpoint import export
 

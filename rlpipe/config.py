@@ -343,7 +343,10 @@ class MetricsConfig:
     mlflow_tracking_uri: str | None = _key(
         None, "MLflow tracking URI (e.g. file:/path/mlruns, http://host:5000); null: MLflow's default (MLFLOW_TRACKING_URI)"
     )
-    plot: bool = _key(True, "write reward/accuracy PNG plots at the end")
+    plot: bool = _key(
+        True, "write curves.png at the end (reward, accuracy, loss, length, entropy, KL, log-prob gap, step time); "
+        "`rlpipe plot RUN_DIR` draws it again"
+    )
     export: bool = _key(True, "export the trained model as an HF folder at the end")
 
     @property
@@ -732,10 +735,13 @@ def describe(cls=Config, prefix: str = "", instance=None) -> list[tuple[str, str
     return rows
 
 
-def help_text() -> str:
-    rows = describe()
+def help_text(config: Config | None = None, source: str | None = None) -> str:
+    """Every key with its meaning and default: the value in `config` (what a recipe and overrides resolve to, named
+    by `source`), else the built-in default."""
+    rows = describe(instance=config)
     width = max(len(k) for k, _, _ in rows)
-    lines = ["config keys (override any with key=value, e.g. train.steps=20):"]
+    where = f", with the values of {source}" if source else ""
+    lines = [f"config keys{where} (override any with key=value, e.g. train.steps=20):"]
     for key, default, meaning in rows:
         lines.append(f"  {key:<{width}}  {meaning}  [default: {default}]")
     return "\n".join(lines)

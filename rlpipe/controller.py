@@ -20,7 +20,8 @@ from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError, one_line
 from rlpipe.data import PromptSet, Sampler, load_rows
 from rlpipe.environments import check_learner_device, check_role_environments
-from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics, staleness_metrics
+from rlpipe.metrics import MetricsLogger, rollout_metrics, staleness_metrics
+from rlpipe.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, TrainBatch
@@ -87,7 +88,9 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             summary["export"] = roles.export(str(run.dir / "export"))
             log.note(f"trained model exported to {summary['export']}")
         if cfg.metrics.plot:
-            summary["plot"] = str(plot_curves(log.history, run.dir / "curves.png"))
+            curves = plot_history(log.history, run.dir / "curves.png", cfg.run.name, summary["eval_before"],
+                                  summary["eval_after"])
+            summary["plot"] = str(curves) if curves else None
         (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
     finally:

@@ -1,5 +1,5 @@
 """The one logging path: per-step metrics to JSONL and the configured trackers (rlpipe.trackers), a live line per
-step, plots at the end."""
+step (the plots drawn from these records are rlpipe.plots)."""
 
 from __future__ import annotations
 
@@ -136,26 +136,3 @@ class MetricsLogger:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
-
-
-def plot_curves(history: list[dict], out_png: Path, keys=("reward/mean", "accuracy")) -> Path | None:
-    """A PNG with one panel per metric against the step; None when there is nothing to plot."""
-    if not history:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
-    for ax, key in zip(np.atleast_1d(axes), keys):
-        points = [(h["step"], h[key]) for h in history if key in h and h[key] is not None]
-        if points:
-            ax.plot(*zip(*points), marker="o")
-        ax.set_title(key)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
-    return out_png

@@ -1,4 +1,4 @@
-"""rlpipe.cli in-process: `config show`, `train --help`, exit code 2 with one line naming the key, no run dir on error."""
+"""rlpipe.cli in-process: `config show`, `train --help` (the values it would run with), `--version`, exit code 2 with one line naming the key, no run dir on error."""
 
 import subprocess
 import sys
@@ -66,6 +66,60 @@ def test_train_help_lists_config_keys_with_defaults(capsys):
     line = next(line for line in out.splitlines() if line.strip().startswith("train.micro_batch_size"))
     assert "[default: 8]" in line
     assert "algo.clip_high" in out and "ray.address" in out and "reward.functions" in out
+
+
+def _help(capsys, argv) -> dict[str, str]:
+    """`rlpipe ... --help`: the header line of the config keys, and each key's line."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    lines = captured.out.splitlines()
+    header = next(line for line in lines if line.startswith("config keys"))
+    keys = {line.split()[0]: line for line in lines[lines.index(header) + 1:]}
+    return {"header": header, **keys}
+
+
+def test_train_help_shows_the_values_a_bare_train_runs_with(capsys):
+    # The default recipe's values, not the dataclass defaults (run.name grpo, train.steps 12, temperature 1.0).
+    recipe = yaml.safe_load(DEFAULT_RECIPE.read_text())
+    shown = _help(capsys, ["train", "--help"])
+    assert "configs/default.yaml" in shown["header"]
+    assert shown["run.name"].endswith(f"[default: {recipe['run']['name']}]")
+    assert shown["train.steps"].endswith(f"[default: {recipe['train']['steps']}]")
+    assert shown["rollout.temperature"].endswith(f"[default: {recipe['rollout']['temperature']}]")
+    assert shown["train.grad_clip"].endswith("[default: 1.0]")  # a key the recipe leaves to the built-in default
+
+
+@pytest.mark.parametrize("command", [["train"], ["config", "show"], ["plan"]])
+def test_help_shows_the_recipe_and_overrides_given(tmp_path, capsys, command):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run: {name: mine}\ntrain: {steps: 5}\n")
+    shown = _help(capsys, [*command, str(recipe), "rollout.group_size=4", "-h"])
+    assert f"{recipe} with the overrides given" in shown["header"]
+    assert shown["run.name"].endswith("[default: mine]")
+    assert shown["train.steps"].endswith("[default: 5]")
+    assert shown["rollout.group_size"].endswith("[default: 4]")
+    assert shown["rollout.temperature"].endswith("[default: 1.0]")  # the given recipe replaces the default one
+    shown = _help(capsys, [*command, "train.steps=7", "--he"])  # an override alone: on top of the default recipe
+    assert shown["train.steps"].endswith("[default: 7]") and shown["run.name"].endswith("[default: smollm2-arithmetic]")
+
+
+def test_help_for_a_command_line_that_does_not_resolve_says_so(capsys):
+    shown = _help(capsys, ["train", "train.stepz=3", "--help"])
+    assert shown["header"].startswith("config keys, with the values of the built-in defaults, not those of "
+                                      "configs/default.yaml with the overrides given (train.stepz: unknown key")
+    assert shown["train.steps"].endswith("[default: 12]")
+
+
+def test_version(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"rlpipe {metadata.version('rlpipe')}\n"
 
 
 @pytest.mark.parametrize(
