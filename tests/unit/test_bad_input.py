@@ -683,6 +683,16 @@ def reward_needs_a_column_the_dataset_lacks(d):
     )
 
 
+@case
+def verl_reward_reads_a_column_the_dataset_lacks(d):
+    module = d.reward_module("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                             "    return 0.0\n")
+    return Case(
+        [f"reward.functions=[{{name: verl, kwargs: {{function: '{module}:compute_score'}}}}]"],
+        ["reward function 'verl' reads column(s) data_source, reward_model, which the dataset does not have"],
+    )
+
+
 # Where the run goes, the cluster, the checkpoint to resume.
 
 

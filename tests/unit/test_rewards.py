@@ -483,6 +483,7 @@ def test_humaneval_canonical_solutions_pass_and_broken_ones_fail():
 # --------------------------------------------------------------------------- #
 
 TRL_DOCS = "tests.unit.trl_doc_rewards"
+VERL = "tests.unit.verl_style_rewards"
 
 
 def pool_columns(completions, **dataset_columns) -> dict:
@@ -651,3 +652,73 @@ def test_trl_library_rewards_run_by_import_path():
     result = runner.score(prompts, completions, pool_columns(completions, solution=[r"\frac{1}{3}"] * 2))
     assert result.first_errors == {}
     assert result.per_function == {"accuracy_reward": [1.0, 0.0], "think_format_reward": [1.0, 0.0]}
+
+
+# --------------------------------------------------------------------------- #
+# the verl adapter
+# --------------------------------------------------------------------------- #
+
+
+def verl_spec(function: str = "compute_score", **kwargs) -> dict:
+    return {"name": "verl", "kwargs": {"function": f"{VERL}:{function}", **kwargs}}
+
+
+VERL_COLUMNS = {
+    "data_source": ["toy/sum", "toy/sum-detailed", "toy/sum-detailed"],
+    "reward_model": [{"style": "rule", "ground_truth": "4"}, {"style": "rule", "ground_truth": "7"},
+                     {"style": "rule", "ground_truth": "9"}],
+    "extra_info": [{"index": 0}, {"index": 1}, None],
+}
+VERL_COMPLETIONS = ["2 + 2 = 4", "#### 7", "no idea"]
+
+
+def test_verl_compute_score_runs_unchanged_per_sample():
+    from tests.unit import verl_style_rewards as verl
+
+    runner = RewardRunner([verl_spec()], columns=sorted(VERL_COLUMNS))
+    prompts = [[{"role": "user", "content": "q"}]] * 3  # conversational, as verl's parquet files are
+    result = runner.score(prompts, VERL_COMPLETIONS, pool_columns(VERL_COMPLETIONS, **VERL_COLUMNS))
+    assert result.first_errors == {}
+    expected = [verl.compute_score(source, text, model["ground_truth"], info)
+                for source, text, model, info in zip(VERL_COLUMNS["data_source"], VERL_COMPLETIONS,
+                                                     VERL_COLUMNS["reward_model"], VERL_COLUMNS["extra_info"])]
+    assert expected == [1.0, {"score": 1.0, "pred": "7", "index": 1}, {"score": 0.0, "pred": None, "index": None}]
+    assert result.totals == [1.0, 1.0, 0.0]
+    assert result.extras == {"verl/pred": [None, "7", None], "verl/index": [None, 1, None]}
+
+
+def test_verl_adapter_columns_kwargs_and_async_functions():
+    columns = pool_columns(VERL_COMPLETIONS, answer=["4", "7", "8"], info=[{"index": 5}] * 3)
+    runner = RewardRunner([
+        verl_spec("scaled_compute_score", fixed_data_source="toy/sum", ground_truth_column="answer",
+                  function_kwargs={"scale": 2.0}),
+        verl_spec("async_compute_score", fixed_data_source="toy/sum", ground_truth_column="answer"),
+        verl_spec("mutating_compute_score", fixed_data_source="toy/sum", ground_truth_column="answer",
+                  extra_info_column="info"),
+    ], columns=["answer", "info"])
+    result = runner.score(["q"] * 3, VERL_COMPLETIONS, columns)
+    assert result.first_errors == {}
+    assert result.per_function == {"verl": [2.0, 2.0, 0.0], "verl_2": [1.0, 1.0, 0.0], "verl_3": [1.0, 1.0, 1.0]}
+    assert columns["info"] == [{"index": 5}] * 3  # each call changed a copy of its own
+
+
+@pytest.mark.parametrize("adapter_spec, columns, cause", [
+    (verl_spec("positional_only"), ["data_source", "reward_model"], "cannot be called as verl calls it"),
+    (verl_spec("no_such_function"), ["data_source", "reward_model"], "has no attribute 'no_such_function'"),
+    (verl_spec(function_kwargs={"scale": 2}), ["data_source", "reward_model"], "unexpected keyword argument 'scale'"),
+    (verl_spec(), ["reward_model"], "reads column(s) data_source, which the dataset does not have"),
+    (verl_spec(ground_truth_column="solution.value"), ["data_source", "reward_model"], "reads column(s) solution"),
+])
+def test_verl_adapter_refuses_at_startup_what_would_fail_every_call(adapter_spec, columns, cause):
+    with pytest.raises(RewardConfigError) as raised:
+        RewardRunner([adapter_spec], columns=columns)
+    assert cause in str(raised.value) and "'verl'" in str(raised.value)
+
+
+def test_verl_adapter_defaults_to_verls_own_compute_score():
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is not None:
+        pytest.skip("verl is installed here")
+    with pytest.raises(RewardConfigError, match="cannot import module 'verl.utils.reward_score'"):
+        RewardRunner([{"name": "verl"}])
