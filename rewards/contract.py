@@ -33,7 +33,7 @@ class TrainerState(dict):
     """Where the run stands when a batch is scored; a dict whose keys also read as attributes, so a function
     written for TRL (`trainer_state.global_step`) runs unchanged.
 
-    - `global_step`: optimizer updates done before the scored samples' step (0 in the first step);
+    - `global_step`: training steps completed before the scored samples' step (0 in the first step);
     - `max_steps`: train.steps;
     - `epoch`: passes over the training set drawn before that step (fractional);
     - `run_name`: run.name;

@@ -467,6 +467,9 @@ def _check_batch_lengths(
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if completion_ids is not None and len(completion_ids) != len(completions):
         raise ValueError(f"{len(completion_ids)} completion_ids but {len(completions)} completions")
+    clashing = [column for column in columns if column in CALL_ARGUMENTS]
+    if clashing:
+        raise ValueError(f"column(s) {', '.join(clashing)} would replace the call's own argument(s) of that name")
     for column, values in columns.items():
         if len(values) != len(completions):
             raise ValueError(f"column {column!r} has {len(values)} values for {len(completions)} completions")

@@ -237,12 +237,12 @@ def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[Tra
     return batch, stats
 
 
-def reward_state(cfg: Config, run: Run, updates_done: int, mode: str = "train") -> TrainerState:
-    """What reward functions get as `trainer_state` (rewards.TrainerState) for samples scored after `updates_done`
-    optimizer updates: a step's samples come after step - 1 of them. A pure function of the step, so a resumed run
+def reward_state(cfg: Config, run: Run, steps_done: int, mode: str = "train") -> TrainerState:
+    """What reward functions get as `trainer_state` (rewards.TrainerState) for samples scored after `steps_done`
+    training steps: a step's samples come after step - 1 of them. A pure function of the step, so a resumed run
     gives its functions what the uninterrupted run would."""
-    drawn = updates_done * cfg.train.prompts_per_step
-    return trainer_state(global_step=updates_done, max_steps=cfg.train.steps, epoch=drawn / max(1, len(run.train_set)),
+    drawn = steps_done * cfg.train.prompts_per_step
+    return trainer_state(global_step=steps_done, max_steps=cfg.train.steps, epoch=drawn / max(1, len(run.train_set)),
                          run_name=cfg.run.name, mode=mode)
 
 

@@ -628,6 +628,8 @@ def test_kwargs_may_not_set_the_call_arguments_and_batches_carry_the_checked_col
         runner.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, answer=["1", "2"], entry=[1, 2]))
     with pytest.raises(ValueError, match="1 completion_ids but 2 completions"):
         runner.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, answer=["1", "2"]), completion_ids=[[1]])
+    with pytest.raises(ValueError, match="column.s. prompts would replace the call's own argument"):
+        RewardRunner([spec("length")]).score(PROMPTS, COMPLETIONS, {"prompts": ["x", "y"]})
 
 
 def test_builtins_read_conversational_completions():
