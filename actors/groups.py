@@ -16,6 +16,7 @@ from actors.learner import LearnerActor
 from actors.placement import RoleGroup, place_role
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor
+from rewards import trainer_state as start_state
 from rlpipe.config import Config, first_line
 from rlpipe.device import learner_env, learner_processes
 from rlpipe.environments import actors_needed, check_cluster_resources
@@ -80,10 +81,14 @@ class Roles:
         tokenizer_path: str | None = None,
         resume: dict | None = None,
         note: Callable[[str], None] = print,
+        reward_columns: list[str] | None = None,
     ):
         """`resume`: {"learner": directory of a checkpoint's learner state, "rng": each rank's RNG state or None}.
-        `note`: where to report events worth a line in the run's log (an engine restarted)."""
+        `note`: where to report events worth a line in the run's log (an engine restarted).
+        `reward_columns`: the dataset's columns every scored batch carries, checked against the reward functions'
+        signatures when the reward workers start (None: not known here, see RewardRunner)."""
         self.cfg, self.note = cfg, note
+        self.reward_columns = reward_columns
         self.model_path, self.tokenizer_path = model_path, tokenizer_path
         self.engine_restarts = [0] * cfg.rollout.num_engines
         # An actor that cannot be placed waits forever; say so instead of hanging.
@@ -116,7 +121,7 @@ class Roles:
         restarts = cfg.reward.max_restarts
         self.rewarders = [
             RewardActor.options(**rewarders.options(index), max_restarts=restarts, max_task_retries=restarts).remote(
-                specs, cfg.reward.timeout_s
+                specs, cfg.reward.timeout_s, self.reward_columns
             )
             for index in range(cfg.reward.num_workers)
         ]
@@ -282,8 +287,10 @@ class Roles:
         if push_weights and self.policy_version > 0:  # version 0 is what the new engine loaded from the model folder
             self._transfer(self.policy_version, self.probe_tokens, engines=[index])
 
-    def score(self, groups: list[Group]) -> tuple[dict[str, int], dict[str, str]]:
-        """Fill each group's rewards; returns failures per reward function and the first error of each."""
+    def score(self, groups: list[Group], trainer_state: dict | None = None) -> tuple[dict[str, int], dict[str, str]]:
+        """Fill each group's rewards; returns failures per reward function and the first error of each.
+        `trainer_state`: what reward functions get as `trainer_state` (default: a run's start)."""
+        state = dict(trainer_state or start_state())
         shares = [s for s in _split(groups, len(self.rewarders)) if s]
         futures = []
         for worker, share in zip(self.rewarders, shares):
@@ -294,8 +301,9 @@ class Roles:
                 finish_reason=[c.finish_reason for _, c in samples],
                 max_tokens=[self.cfg.rollout.max_tokens] * len(samples),
             )
-            prompts, texts = [g.prompt.question for g, _ in samples], [c.text for _, c in samples]
-            futures.append(worker.score.remote(prompts, texts, columns, [len(g.completions) for g in share]))
+            prompts, texts = [g.prompt.for_rewards for g, _ in samples], [c.text for _, c in samples]
+            ids, sizes = [c.token_ids for _, c in samples], [len(g.completions) for g in share]
+            futures.append(worker.score.remote(prompts, texts, columns, sizes, ids, state))
         failures: dict[str, int] = {}
         errors: dict[str, str] = {}
         try:

@@ -9,13 +9,21 @@ from rewards import RewardResult, RewardRunner
 
 @ray.remote
 class RewardActor:
-    def __init__(self, specs: list[dict], timeout_s: float):
-        self.runner = RewardRunner(specs, timeout_s=timeout_s)
+    def __init__(self, specs: list[dict], timeout_s: float, columns: list[str] | None = None):
+        self.runner = RewardRunner(specs, timeout_s=timeout_s, columns=columns)
 
     def score(
-        self, prompts: list[str], completions: list[str], columns: dict[str, list], group_sizes: list[int]
+        self,
+        prompts: list,
+        completions: list[str],
+        columns: dict[str, list],
+        group_sizes: list[int],
+        completion_ids: list[list[int]],
+        trainer_state: dict,
     ) -> RewardResult:
-        return self.runner.score(prompts, completions, columns, group_sizes)
+        return self.runner.score(
+            prompts, completions, columns, group_sizes, completion_ids=completion_ids, trainer_state=trainer_state
+        )
 
     def names(self) -> list[str]:
         return self.runner.names

@@ -244,10 +244,11 @@ def _lr_factor(cfg, step: int) -> float:
 
 
 class TrlReward:
-    """An rlpipe reward function (`rewards` contract: fn(prompts, completions, **columns)) in TRL's reward-function
-    signature: TRL passes chat messages, the dataset's columns, completion ids and its own extras (trainer_state,
-    log_extra, ...). The prompt it hands on is the question, as rlpipe's reward pool does, and the columns rlpipe
-    adds per sample (completion_tokens, finish_reason, max_tokens) are filled in."""
+    """An rlpipe reward spec (function, weight, kwargs) as one of TRL's reward functions. Both call by keyword; the
+    benchmark's TRL run gets chat messages for the prompts rlpipe's run sends as text, so this hands the function
+    what rlpipe's reward pool would: the question and the completion as text, the dataset's columns but the prompt
+    field, the columns rlpipe adds per sample (completion_tokens, finish_reason, max_tokens) and an rlpipe
+    trainer_state made from TRL's. TRL's own extras (log_extra, log_metric) are not passed on."""
 
     def __init__(self, name: str, weight: float = 1.0, kwargs: dict | None = None, max_tokens: int | None = None,
                  eos_token_id: int | None = None, **_):
@@ -258,7 +259,10 @@ class TrlReward:
         self.max_tokens, self.eos_token_id = max_tokens, eos_token_id
         self.__name__ = display_name(name)  # TRL names the reward's metrics after it
 
-    def __call__(self, prompts, completions, completion_ids=None, **columns):
+    def __call__(self, prompts, completions, completion_ids=None, trainer_state=None, **columns):
+        from rewards.contract import call_arguments
+        from rewards.contract import trainer_state as rlpipe_state
+
         questions = [p[-1]["content"] if isinstance(p, list) else p for p in prompts]
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         data = {k: v for k, v in columns.items() if isinstance(v, list) and len(v) == len(texts)}
@@ -267,7 +271,10 @@ class TrlReward:
             data["completion_tokens"] = [len(ids) for ids in completion_ids]
             data["finish_reason"] = ["stop" if ids and ids[-1] == self.eos_token_id else "length" for ids in completion_ids]
             data["max_tokens"] = [self.max_tokens] * len(texts)
-        scores = self.fn(questions, texts, **data, **self.kwargs)
+        state = rlpipe_state(global_step=getattr(trainer_state, "global_step", 0),
+                             max_steps=getattr(trainer_state, "max_steps", 0),
+                             epoch=float(getattr(trainer_state, "epoch", 0.0) or 0.0))
+        scores = self.fn(**call_arguments(questions, texts, completion_ids, data, state, self.kwargs))
         out = []
         for score in scores:
             if isinstance(score, dict):

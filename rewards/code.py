@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from rewards import sandbox
+from rewards.contract import completion_text, prompt_text
 
 logger = logging.getLogger("rewards")
 
@@ -32,8 +33,8 @@ def program(prompt: str, completion: str) -> str:
 
 
 def tests_pass(
-    prompts: list[str],
-    completions: list[str],
+    prompts: list,
+    completions: list,
     test: list[str],
     entry_point: list[str] | None = None,
     cpu_s: int = 5,
@@ -44,11 +45,12 @@ def tests_pass(
 ) -> list[float]:
     """1.0 where every test held, as reported by the harness; else 0.0 — a failed assertion, a crash, a timeout, a
     limit hit. Columns: `test` (and `entry_point`: the tests then end with `check(entry_point)`) from the dataset.
-    Raises SandboxUnavailable where the sandbox cannot isolate programs and `unsafe_no_sandbox` is not set."""
+    Raises SandboxUnavailable where the sandbox cannot isolate programs and `unsafe_no_sandbox` is not set.
+    A conversation's prompt stands for its last user message."""
     limits = sandbox.Limits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb)
     entry_points = entry_point or [None] * len(prompts)
     return [
-        _score(program(p, c), {"test": t, "entry_point": e}, limits, unsafe_no_sandbox)
+        _score(program(prompt_text(p), completion_text(c)), {"test": t, "entry_point": e}, limits, unsafe_no_sandbox)
         for p, c, t, e in zip(prompts, completions, test, entry_points)
     ]
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from math_verify import parse, verify
 
+from rewards.contract import completion_text
 from rewards.extract import extract_answer, gold_answer
 
 # Plain numbers are compared exactly, up to float printing noise (0.30000000000000004 == 0.3); a looser
@@ -20,20 +21,16 @@ from rewards.extract import extract_answer, gold_answer
 _FLOAT_NOISE = 1e-9
 
 
-def numeric_answer(
-    prompts: list[str], completions: list[str], answer: list[Any], **_: Any
-) -> list[float | None]:
+def numeric_answer(completions: list, answer: list[Any], **_: Any) -> list[float | None]:
     """1.0 when the extracted answer equals the reference numerically or symbolically (`\\frac{1}{2}` ==
     `0.5`), else 0.0; None for a row without a reference answer."""
     return [
-        None if gold is None else float(_equivalent(extract_answer(completion), gold_answer(str(gold))))
-        for completion, gold in zip(completions, answer, strict=True)
+        None if gold is None else float(_equivalent(extract_answer(completion_text(c)), gold_answer(str(gold))))
+        for c, gold in zip(completions, answer, strict=True)
     ]
 
 
-def exact_match(
-    prompts: list[str], completions: list[str], answer: list[Any], **_: Any
-) -> list[float | None]:
+def exact_match(completions: list, answer: list[Any], **_: Any) -> list[float | None]:
     """1.0 when the extracted answer equals the reference string exactly (after stripping), else 0.0;
     None for a row without a reference answer."""
     scores: list[float | None] = []
@@ -41,7 +38,7 @@ def exact_match(
         if gold is None:
             scores.append(None)
             continue
-        predicted = extract_answer(completion)
+        predicted = extract_answer(completion_text(completion))
         scores.append(float(predicted is not None and predicted.strip() == gold_answer(str(gold))))
     return scores
 

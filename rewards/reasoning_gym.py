@@ -20,14 +20,13 @@ from typing import Any
 
 import reasoning_gym
 
+from rewards.contract import completion_text
 from rewards.extract import last_answer_tag, last_boxed, last_line, last_number
 
 logger = logging.getLogger("rewards")
 
 
-def verifier(
-    prompts: list[str], completions: list[str], entry: list[Any], task: str | None = None, **_: Any
-) -> list[float]:
+def verifier(completions: list, entry: list[Any], task: str | None = None, **_: Any) -> list[float]:
     """1.0 when reasoning-gym's scorer fully accepts the completion's answer for that entry, else 0.0.
 
     `entry` holds reasoning-gym entries (dicts with `question`, `answer`, `metadata`), or their JSON text, as
@@ -36,7 +35,8 @@ def verifier(
     scorer cannot parse (it raises) is wrong: 0.0.
     """
     return [
-        _score(completion, _as_entry(item), task) for completion, item in zip(completions, entry, strict=True)
+        _score(completion_text(completion), _as_entry(item), task)
+        for completion, item in zip(completions, entry, strict=True)
     ]
 
 

@@ -24,6 +24,7 @@ BUILTIN_REWARDS = {
     "format_regex": "rewards.format:regex",
     "format_tags": "rewards.format:tags",
     "overlong": "rewards.shaping:overlong",
+    "verl": "rewards.verl:compute_score",
 }
 
 

@@ -18,14 +18,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rewards.contract import CALL_ARGUMENTS, SAMPLE_COLUMNS, call_arguments
+from rewards.contract import trainer_state as start_state
 from rewards.registry import RewardConfigError, describe_error, display_name, load_reward
 
 logger = logging.getLogger("rewards")
 
 _SPEC_KEYS = ("name", "weight", "kwargs", "group")
-SAMPLE_COLUMNS = ("completion_tokens", "finish_reason", "max_tokens")
-"""Columns the reward pool adds to the dataset's for every sample: the completion's length in tokens, why it
-ended ("stop" or "length") and the length limit it was sampled under. Datasets may not use these names."""
 
 
 @dataclass
@@ -63,21 +62,27 @@ class _Outcome:
 
 
 class RewardRunner:
-    """Scores batches with a fixed list of reward functions.
+    """Scores batches with a fixed list of reward functions, each called by keyword (rewards/contract.py).
 
     `specs` are `{"name": "pkg.mod:fn", "weight": 1.0, "kwargs": {}, "group": False}` dicts; every function
     is loaded here so that a bad name fails at startup rather than at the first batch, and its `startup_check`,
     if it has one, says here whether it can run on this machine. A `group` function is
     called once per group with that group's samples only, so it can score completions against each other.
+
+    `columns` names the dataset's columns (the prompt field left out) every batch will carry: each function's
+    signature is then checked against exactly the keywords its calls pass, so a function that passes the check
+    takes every call, and one that does not is refused here, naming the argument. Without `columns` only what can
+    never bind is refused (a required parameter left over may be a column).
     """
 
-    def __init__(self, specs: list[dict], timeout_s: float = 30.0):
+    def __init__(self, specs: list[dict], timeout_s: float = 30.0, columns: list[str] | None = None):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not timeout_s > 0:
             raise RewardConfigError(f"reward timeout_s must be a positive number of seconds, not {timeout_s!r}")
         if not specs:
             raise RewardConfigError("no reward functions configured; add {'name': 'pkg.mod:fn'}")
         self.timeout_s = float(timeout_s)
-        self._rewards = _parse_specs(specs)
+        self.columns = None if columns is None else sorted(set(columns))
+        self._rewards = _parse_specs(specs, self.columns)
         self._warned: set[str] = set()
 
     @property
@@ -86,24 +91,37 @@ class RewardRunner:
 
     def score(
         self,
-        prompts: list[str],
+        prompts: list,
         completions: list[str],
         columns: dict[str, list] | None = None,
         group_sizes: list[int] | None = None,
+        *,
+        completion_ids: list[list[int]] | None = None,
+        trainer_state: Mapping[str, Any] | None = None,
     ) -> RewardResult:
-        """Score a batch; `group_sizes` splits it into consecutive groups (default: one group)."""
+        """Score a batch; `group_sizes` splits it into consecutive groups (default: one group).
+
+        `prompts` are text or chat messages, per sample; `completions` are the generated texts (functions get them
+        as assistant messages where the prompt is a conversation); `columns` the dataset's columns and
+        SAMPLE_COLUMNS; `completion_ids` the token ids (None when the caller has none); `trainer_state` a
+        TrainerState's fields (default: a run's start)."""
         columns = dict(columns or {})
         num_samples = len(completions)
-        _check_batch_lengths(prompts, completions, columns)
+        _check_batch_lengths(prompts, completions, columns, completion_ids)
+        if self.columns is not None and set(columns) != {*self.columns, *SAMPLE_COLUMNS}:
+            raise ValueError(
+                f"the batch's columns ({', '.join(sorted(columns))}) are not those the reward functions were checked "
+                f"against ({', '.join(sorted({*self.columns, *SAMPLE_COLUMNS}))})"
+            )
+        state = dict(trainer_state if trainer_state is not None else start_state())
         windows = _group_windows(group_sizes, num_samples)
         if num_samples == 0:
             return RewardResult([], {r.name: [] for r in self._rewards}, {r.name: 0 for r in self._rewards})
 
         # Functions run concurrently, each in its own daemon thread, so the batch waits at most
         # `timeout_s` in total and a hung function cannot keep the process from exiting.
-        calls = [
-            _ThreadedCall(reward, prompts, completions, columns, self.timeout_s, windows) for reward in self._rewards
-        ]
+        batch = _Batch(list(prompts), list(completions), completion_ids, columns, state)
+        calls = [_ThreadedCall(reward, batch, self.timeout_s, windows) for reward in self._rewards]
         deadline = time.monotonic() + self.timeout_s
         for call in calls:
             call.start()
@@ -142,6 +160,28 @@ class RewardRunner:
         )
 
 
+@dataclass(frozen=True)
+class _Batch:
+    prompts: list
+    texts: list[str]
+    completion_ids: list | None
+    columns: dict[str, list]
+    state: dict[str, Any]
+
+    def arguments(self, kwargs: Mapping[str, Any], window: slice | None = None) -> dict[str, Any]:
+        """The keyword arguments of one call on the batch, or on the samples of `window`."""
+        if window is None:
+            window = slice(None)
+        return call_arguments(
+            self.prompts[window],
+            self.texts[window],
+            None if self.completion_ids is None else self.completion_ids[window],
+            {key: values[window] for key, values in self.columns.items()},
+            self.state,
+            kwargs,
+        )
+
+
 class _TimedOut(Exception):
     """Raised inside the worker thread when an awaitable outlives the time limit."""
 
@@ -154,25 +194,14 @@ class _ThreadedCall:
     Coroutines are cancelled at the time limit.
     """
 
-    def __init__(
-        self,
-        reward: _Reward,
-        prompts: list[str],
-        completions: list[str],
-        columns: dict[str, list],
-        timeout_s: float,
-        windows: list[slice],
-    ):
+    def __init__(self, reward: _Reward, batch: _Batch, timeout_s: float, windows: list[slice]):
         self.reward = reward
         self.windows = windows
         self.value: Any = None
         self.error: BaseException | None = None
         self.timed_out = False
         self._timeout_s = timeout_s
-        # Each function gets its own list copies: functions run concurrently and may mutate their inputs.
-        self._args = (list(prompts), list(completions))
-        # `kwargs` from config win over a dataset column of the same name.
-        self._kwargs = {**{key: list(values) for key, values in columns.items()}, **reward.kwargs}
+        self._batch = batch
         self._thread = threading.Thread(target=self._run, name=f"reward-{reward.name}", daemon=True)
 
     def start(self) -> None:
@@ -187,7 +216,7 @@ class _ThreadedCall:
     def _run(self) -> None:
         try:
             if not self.reward.group:
-                self.value = self._call(*self._args, **self._kwargs)
+                self.value = self._call(**self._batch.arguments(self.reward.kwargs))
                 return
             # One failing group unscores that group only; the deadline covers all groups together.
             deadline = time.monotonic() + self._timeout_s
@@ -195,13 +224,7 @@ class _ThreadedCall:
             for window in self.windows:
                 self._timeout_s = max(0.0, deadline - time.monotonic())
                 try:
-                    part = self._call(
-                        *(values[window] for values in self._args),
-                        **{
-                            key: values if key in self.reward.kwargs else values[window]
-                            for key, values in self._kwargs.items()
-                        },
-                    )
+                    part = self._call(**self._batch.arguments(self.reward.kwargs, window))
                 except _TimedOut:
                     raise
                 except BaseException as err:  # as below: user code may raise SystemExit
@@ -213,8 +236,8 @@ class _ThreadedCall:
         except BaseException as err:
             self.error = err
 
-    def _call(self, *args: Any, **kwargs: Any) -> Any:
-        value = self.reward.fn(*args, **kwargs)
+    def _call(self, **kwargs: Any) -> Any:
+        value = self.reward.fn(**kwargs)
         if inspect.isawaitable(value):
             value = asyncio.run(_await_within(value, self._timeout_s))
         return value
@@ -326,7 +349,7 @@ def _combine(rewards: list[_Reward], outcomes: dict[str, _Outcome], num_samples:
     )
 
 
-def _parse_specs(specs: list[dict]) -> list[_Reward]:
+def _parse_specs(specs: list[dict], columns: list[str] | None) -> list[_Reward]:
     rewards: list[_Reward] = []
     taken: set[str] = set()
     for index, spec in enumerate(specs):
@@ -346,35 +369,75 @@ def _parse_specs(specs: list[dict]) -> list[_Reward]:
         kwargs = spec.get("kwargs") or {}
         if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
             raise RewardConfigError(f"{where}: 'kwargs' must be a mapping with string keys, got {kwargs!r}")
+        taken_by_the_call = [key for key in CALL_ARGUMENTS if key in kwargs]
+        if taken_by_the_call:
+            raise RewardConfigError(
+                f"{where}: 'kwargs' may not set {', '.join(taken_by_the_call)}: every call passes "
+                f"{', '.join(CALL_ARGUMENTS)} itself"
+            )
 
         group = spec.get("group", False)
         if not isinstance(group, bool):
             raise RewardConfigError(f"{where}: 'group' must be true or false, got {group!r}")
 
         fn = load_reward(spec["name"])
-        _check_signature(spec["name"], fn, kwargs)
+        _check_signature(spec["name"], fn, kwargs, columns)
         _check_startup(spec["name"], fn, kwargs)
+        _check_columns_read(spec["name"], fn, kwargs, columns)
         name = _unique(display_name(spec["name"]), taken)
         taken.add(name)
         rewards.append(_Reward(name=name, fn=fn, weight=float(weight), kwargs=dict(kwargs), group=group))
     return rewards
 
 
-def _check_signature(path: str, fn: Callable, kwargs: Mapping[str, Any]) -> None:
-    """A function is called as fn(prompts, completions, **columns, **kwargs), the columns always including
-    SAMPLE_COLUMNS: refuse one that could never take that call. A parameter left unbound may still be a dataset
-    column (`answer`), so only what can never bind fails here."""
+def call_keywords(columns: list[str] | None, kwargs: Mapping[str, Any]) -> list[str]:
+    """The keywords every call of a function with these config `kwargs` passes (the dataset's columns among them
+    when they are known)."""
+    names = [*CALL_ARGUMENTS, *(columns or []), *SAMPLE_COLUMNS]
+    return list(dict.fromkeys([*names, *kwargs]))
+
+
+def _check_signature(path: str, fn: Callable, kwargs: Mapping[str, Any], columns: list[str] | None) -> None:
+    """Refuse a function that cannot take the call the pool makes: fn(**{keyword: ...}) for exactly the keywords
+    of `call_keywords`. With the dataset's columns unknown, a required parameter left unbound may still be a column
+    (`answer`), so only what can never bind fails."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some C callables have no signature to check
         return
+    keywords = call_keywords(columns, kwargs)
     try:
-        signature.bind_partial([], [], **{**{column: [] for column in SAMPLE_COLUMNS}, **kwargs})
+        if columns is None:
+            signature.bind_partial(**dict.fromkeys(keywords))
+        else:
+            signature.bind(**dict.fromkeys(keywords))
     except TypeError as err:
+        dataset = "unknown here" if columns is None else ", ".join(columns) or "none"
+        fix = (
+            "give that parameter a default, or set it in kwargs"
+            if str(err).startswith("missing")
+            else "end its parameters with **kwargs to take what it does not use"
+        )
         raise RewardConfigError(
-            f"reward function {path!r} cannot be called as fn(prompts, completions, **columns, **kwargs) "
-            f"({', '.join(SAMPLE_COLUMNS)} are always among the columns; end its parameters with **_): {err}"
+            f"reward function {path!r} cannot take the call the reward pool makes, by keyword: {err} (it is called "
+            f"with {', '.join(CALL_ARGUMENTS)}, the dataset's columns ({dataset}), {', '.join(SAMPLE_COLUMNS)} and "
+            f"its kwargs ({', '.join(kwargs) or 'none'}); {fix})"
         ) from None
+
+
+def _check_columns_read(path: str, fn: Callable, kwargs: Mapping[str, Any], columns: list[str] | None) -> None:
+    """A function may carry `columns_read(**kwargs) -> list[str]`: the dataset columns it reads without naming them
+    as parameters (the verl adapter, told by its kwargs which columns to read). With the dataset's columns known,
+    each must be one of them."""
+    read = getattr(fn, "columns_read", None)
+    if columns is None or not callable(read):
+        return
+    missing = [column for column in read(**kwargs) if column not in columns and column not in SAMPLE_COLUMNS]
+    if missing:
+        raise RewardConfigError(
+            f"reward function {path!r} reads column(s) {', '.join(missing)}, which the dataset does not have "
+            f"(its columns: {', '.join(columns) or 'none'})"
+        )
 
 
 def _check_startup(path: str, fn: Callable, kwargs: Mapping[str, Any]) -> None:
@@ -396,10 +459,17 @@ def _unique(name: str, taken: set[str]) -> str:
     return f"{name}_{suffix}"
 
 
-def _check_batch_lengths(prompts: list[str], completions: list[str], columns: dict[str, list]) -> None:
+def _check_batch_lengths(
+    prompts: list, completions: list[str], columns: dict[str, list], completion_ids: list | None
+) -> None:
     # A misaligned batch is the caller's bug, not a reward function's, so it is raised.
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    if completion_ids is not None and len(completion_ids) != len(completions):
+        raise ValueError(f"{len(completion_ids)} completion_ids but {len(completions)} completions")
+    clashing = [column for column in columns if column in CALL_ARGUMENTS]
+    if clashing:
+        raise ValueError(f"column(s) {', '.join(clashing)} would replace the call's own argument(s) of that name")
     for column, values in columns.items():
         if len(values) != len(completions):
             raise ValueError(f"column {column!r} has {len(values)} values for {len(completions)} completions")

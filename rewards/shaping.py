@@ -4,8 +4,6 @@ from __future__ import annotations
 
 
 def overlong(
-    prompts: list[str],
-    completions: list[str],
     completion_tokens: list[int],
     max_tokens: list[int] | int,
     buffer_tokens: int | None = None,
@@ -18,7 +16,7 @@ def overlong(
     `completion_tokens` and `max_tokens` are set by the reward pool for every sample; add this function with a
     weight next to a correctness reward.
     """
-    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(completions)
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(completion_tokens)
     scores = []
     for length, limit in zip(completion_tokens, limits, strict=True):
         buffer = buffer_tokens if buffer_tokens is not None else max(1, limit // 5)

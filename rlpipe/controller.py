@@ -18,14 +18,14 @@ from rlpipe import checkpoint
 from rlpipe.checkpoint import CheckpointError
 from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError, one_line
-from rlpipe.data import PromptSet, Sampler, load_rows
+from rlpipe.data import PromptSet, Sampler, load_rows, reward_columns
 from rlpipe.environments import check_learner_device, check_role_environments
 from rlpipe.metrics import MetricsLogger, rollout_metrics, staleness_metrics
 from rlpipe.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, TrainBatch
-from rewards import FailureWatch, RewardRunner
+from rewards import FailureWatch, RewardRunner, TrainerState, trainer_state
 
 
 def train(cfg: Config, resume: str | None = None) -> dict:
@@ -36,7 +36,8 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     run = prepare(cfg, resume)
     try:
         start_ray(cfg)
-        roles = Roles(cfg, run.model_path, cfg.model.tokenizer, run.resume, note=run.log.note)
+        roles = Roles(cfg, run.model_path, cfg.model.tokenizer, run.resume, note=run.log.note,
+                      reward_columns=run.reward_columns)
     except BaseException:  # the roles never started: leave no run directory behind that this call created
         run.log.close()
         if run.created_dir:
@@ -50,7 +51,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, "
             f"probe max |engine - learner| {check['sync/probe_max_abs']:.1e}"
         )
-        summary = run.summary or {"eval_before": evaluate(roles, run.eval_set, cfg)}
+        summary = run.summary or {"eval_before": evaluate(roles, run.eval_set, cfg, reward_state(cfg, run, 0, "eval"))}
         summary["sync_check"] = check
         summary["placement"] = roles.where()  # node id of every actor, per role
         summary["python"] = roles.interpreters()  # the interpreter of every actor, per role
@@ -64,7 +65,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             ahead.start(until=step + cfg.train.max_staleness)  # later steps generate while this one trains
             metrics = staleness_metrics(groups, roles.policy_version)
             with clock("reward"):
-                failures, errors = roles.score(groups)
+                failures, errors = roles.score(groups, reward_state(cfg, run, step - 1))
             log.reward_errors(errors)
             watch.update(failures, len(groups) * cfg.rollout.group_size, errors)  # a function broken for good stops
             batch, batch_metrics = make_train_batch(groups, cfg, run.pad_id)
@@ -82,7 +83,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             if step == cfg.train.steps or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
                 saved = save_checkpoint(run, roles, step, cfg, summary, ahead.sampler_state())
                 log.note(f"checkpoint saved: {saved}")
-        summary["eval_after"] = evaluate(roles, run.eval_set, cfg)
+        summary["eval_after"] = evaluate(roles, run.eval_set, cfg, reward_state(cfg, run, cfg.train.steps, "eval"))
         log.note(f"held-out accuracy after training: {summary['eval_after']} (before: {summary['eval_before']})")
         if cfg.metrics.export:
             summary["export"] = roles.export(str(run.dir / "export"))
@@ -107,6 +108,7 @@ class Run:
     sampler: Sampler
     pad_id: int
     log: MetricsLogger
+    reward_columns: list[str]  # the dataset's columns reward functions are called with
     first_step: int = 1
     resume: dict | None = None  # for Roles: the checkpoint's learner state and the ranks' RNG states
     summary: dict | None = None  # a resumed run's summary so far (the held-out accuracy before training)
@@ -171,8 +173,9 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     weight_shapes = check_model(model_path)
     tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, tokenizer_key)
-    RewardRunner([asdict(f) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s)
     train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
+    columns = reward_columns(train_rows, cfg.data.prompt_field)
+    RewardRunner([asdict(f) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s, columns=columns)
     check_prompts_per_step(cfg, len(train_rows))
     train_set = PromptSet(train_rows, tokenizer, cfg.data)
     eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows))
@@ -201,7 +204,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     run_dir = prepare_run_dir(cfg, resuming=state is not None)
     log = MetricsLogger(run_dir, cfg.train.steps, open_trackers(cfg, run_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    run = Run(run_dir, model_path, train_set, eval_set, sampler, pad_id, log, created_dir=created_dir)
+    run = Run(run_dir, model_path, train_set, eval_set, sampler, pad_id, log, columns, created_dir=created_dir)
     if state is not None:
         log.restore(state["metrics"])
         log.note(f"resuming from {source} (step {state['step']}, policy version {state['policy_version']})")
@@ -237,12 +240,21 @@ def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[Tra
     return batch, stats
 
 
-def evaluate(roles, eval_set: PromptSet, cfg: Config) -> float | None:
+def reward_state(cfg: Config, run: Run, steps_done: int, mode: str = "train") -> TrainerState:
+    """What reward functions get as `trainer_state` (rewards.TrainerState) for samples scored after `steps_done`
+    training steps: a step's samples come after step - 1 of them. A pure function of the step, so a resumed run
+    gives its functions what the uninterrupted run would."""
+    drawn = steps_done * cfg.train.prompts_per_step
+    return trainer_state(global_step=steps_done, max_steps=cfg.train.steps, epoch=drawn / max(1, len(run.train_set)),
+                         run_name=cfg.run.name, mode=mode)
+
+
+def evaluate(roles, eval_set: PromptSet, cfg: Config, state: TrainerState | None = None) -> float | None:
     """Greedy held-out accuracy: the share of prompts whose one completion reaches the success threshold."""
     if len(eval_set) == 0:
         return None
     groups = roles.generate(eval_set.prompts(range(len(eval_set))), 1, temperature=0.0)
-    roles.score(groups)
+    roles.score(groups, state)
     return rollout_metrics(groups, cfg.reward.success_threshold)["accuracy"]
 
 

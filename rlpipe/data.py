@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rewards import SAMPLE_COLUMNS
+from rewards import RESERVED_COLUMNS
 from rlpipe.config import ConfigError, DataConfig, one_line
 from rlpipe.types import Prompt
 
@@ -34,13 +34,31 @@ def load_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
         return _humaneval_rows(cfg)
     rows = _file_rows(cfg.path, cfg.split, cfg.prompt_field, cfg.subset)
     if cfg.eval_path:
-        return rows, _file_rows(cfg.eval_path, cfg.split, cfg.prompt_field, cfg.subset)[: cfg.eval_size]
+        held_out = _file_rows(cfg.eval_path, cfg.split, cfg.prompt_field, cfg.subset)[: cfg.eval_size]
+        return rows, _same_columns(rows, held_out, f"data.eval_path: {cfg.eval_path}", cfg.path)
     if cfg.eval_split:
-        return rows, _file_rows(cfg.path, cfg.eval_split, cfg.prompt_field, cfg.subset)[: cfg.eval_size]
+        held_out = _file_rows(cfg.path, cfg.eval_split, cfg.prompt_field, cfg.subset)[: cfg.eval_size]
+        return rows, _same_columns(rows, held_out, f"data.eval_split: split {cfg.eval_split!r}", f"split {cfg.split!r}")
     if cfg.eval_size and cfg.eval_size >= len(rows):
         raise ConfigError(f"data.eval_size: {cfg.eval_size} leaves no training rows in {cfg.path} ({len(rows)} rows)")
     cut = len(rows) - cfg.eval_size
     return rows[:cut], rows[cut:]
+
+
+def _same_columns(rows: list[dict], held_out: list[dict], where: str, training: str) -> list[dict]:
+    """Held-out rows are scored by the same reward functions, called with the same columns: they must have the
+    training rows' columns, no more and no fewer."""
+    if held_out and set(held_out[0]) != set(rows[0]):
+        raise ConfigError(
+            f"{where} has columns {', '.join(sorted(held_out[0]))}, the training rows ({training}) "
+            f"{', '.join(sorted(rows[0]))}; reward functions are called with the same columns for both"
+        )
+    return held_out
+
+
+def reward_columns(rows: list[dict], prompt_field: str) -> list[str]:
+    """The dataset columns reward functions are called with: every field of the rows but the prompt."""
+    return sorted(key for key in (rows[0] if rows else {}) if key != prompt_field)
 
 
 def _reasoning_gym_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
@@ -215,11 +233,11 @@ def _file_rows(path: str, split: str, prompt_field: str, subset: str | None = No
         raise ConfigError(
             f"data.prompt_field: {prompt_field!r} is not a column of {path} (columns: {', '.join(table.column_names)})"
         )
-    reserved = sorted(set(SAMPLE_COLUMNS) & set(table.column_names))
+    reserved = sorted(set(RESERVED_COLUMNS) & set(table.column_names) - {prompt_field})
     if reserved:
         raise ConfigError(
-            f"data.path: {path} has column(s) {', '.join(reserved)}, which rlpipe sets for every sample "
-            "(the completion's length, finish reason and token limit); rename them"
+            f"data.path: {path} has column(s) {', '.join(reserved)}, which rlpipe passes to reward functions itself "
+            f"({', '.join(RESERVED_COLUMNS)}); rename them"
         )
     try:
         rows = table.to_list()
@@ -250,7 +268,7 @@ def _prompt_problem(prompt: Any) -> str | None:
 
 
 def question_text(prompt: str | list[dict]) -> str:
-    """What reward functions see as the prompt: the text, or the last user message of a conversation."""
+    """The prompt's text: the text itself, or the last user message of a conversation."""
     if isinstance(prompt, str):
         return prompt
     return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
@@ -322,7 +340,10 @@ class PromptSet:
                 f"{self.cfg.max_prompt_tokens}"
             )
         columns = {k: v for k, v in row.items() if k != self.cfg.prompt_field}
-        return Prompt(self.id_offset + index, question_text(row[self.cfg.prompt_field]), token_ids, columns)
+        prompt = row[self.cfg.prompt_field]
+        # Reward functions get a conversation as the model was prompted with it (data.system_prompt included).
+        messages = None if isinstance(prompt, str) else chat_messages(prompt, self.cfg.system_prompt)
+        return Prompt(self.id_offset + index, question_text(prompt), token_ids, columns, messages)
 
     def prompts(self, indices) -> list[Prompt]:
         return [self.prompt(int(i)) for i in indices]

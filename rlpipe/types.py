@@ -12,9 +12,15 @@ import torch
 @dataclass
 class Prompt:
     sample_id: int  # stable index of the dataset row, so a resumed or retried step names the same sample
-    question: str  # the raw prompt text, as reward functions see it
+    question: str  # the prompt's text: the text itself, or the conversation's last user message
     token_ids: list[int]  # chat-templated, tokenized prompt, as the engine and the learner see it
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other fields (e.g. answer), for rewards
+    messages: list[dict] | None = None  # a conversation's messages as templated (None for a text prompt)
+
+    @property
+    def for_rewards(self) -> str | list[dict]:
+        """The prompt as reward functions get it (TRL's convention): the text, or the conversation."""
+        return self.question if self.messages is None else self.messages
 
 
 @dataclass

@@ -308,3 +308,101 @@ def test_a_reward_worker_killed_mid_call_is_restarted_and_its_share_scored_once(
     samples = [json.loads(line) for line in (tmp_path / "runs" / "reward-killed" / "samples.jsonl").read_text().splitlines()]
     for group in samples:  # the scores are the function's, computed for these very completions
         assert group["rewards"] == [float(len(text)) for text in group["completions"]]
+
+
+def _one_step(tmp_path, model, name: str, rows: list[dict], functions: list[str], extra: list[str] = ()) -> tuple:
+    """One GRPO step on `rows` (a jsonl file) with these reward functions; (its metrics, its logged groups)."""
+    data = tmp_path / f"{name}.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows))
+    cfg = load_config(None, _overrides(tmp_path / "runs", model) + [
+        f"run.name={name}", "train.steps=1", "data.eval_size=0", "data.source=file", f"data.path={data}",
+        "metrics.export=false", "metrics.tensorboard=false", "metrics.plot=false",
+        f"reward.functions=[{', '.join(functions)}]", *extra,
+    ])
+    train(cfg)
+    (record,) = _read_metrics(tmp_path / "runs" / name)
+    groups = [json.loads(line) for line in (tmp_path / "runs" / name / "samples.jsonl").read_text().splitlines()]
+    assert sum(len(g["completions"]) for g in groups) == 8  # every sample of the step is logged
+    return record, groups
+
+
+def _scores_match(record, groups, name, expected_for_group):
+    """The function's scores in the step's samples and metrics are what it computes on the logged completions."""
+    expected = []
+    for group in groups:
+        values = [v["score"] if isinstance(v, dict) else float(v) for v in expected_for_group(group)]
+        assert group["reward_parts"][name] == pytest.approx(values), name
+        expected += values
+    assert record[f"reward/failures/{name}"] == 0
+    assert record[f"reward/{name}"] == pytest.approx(sum(expected) / len(expected)), name
+
+
+def test_trl_documentation_rewards_and_a_verl_compute_score_run_as_written(tmp_path, tiny_qwen3, ray_cluster):
+    """TRL's documented reward functions and a verl-style compute_score, unchanged, through a real GRPO step on a
+    plain-text dataset and on a conversational one (verl's parquet layout): called by keyword with the dataset's
+    columns, each scores every sample, and its scores are what it gives on the logged completions."""
+    from tests.unit import trl_doc_rewards as docs
+    from tests.unit import verl_style_rewards as verl
+
+    def row(a):
+        return {"data_source": "toy/sum" if a % 2 else "toy/sum-detailed", "extra_info": {"index": a}}
+
+    docs_path, verl_path = "tests.unit.trl_doc_rewards", "tests.unit.verl_style_rewards"
+    text_rows = [{"question": f"Calculate {a} + 3.", "ground_truth": str(a + 3), **row(a)} for a in range(12)]
+    record, groups = _one_step(tmp_path, tiny_qwen3, "trl-text", text_rows, [
+        f"{{name: '{docs_path}:reward_len', weight: 0.01}}",
+        f"{{name: '{docs_path}:token_count_reward', weight: 0.01}}",
+        f"{{name: '{docs_path}:boxed_ground_truth_reward'}}",
+        f"{{name: '{docs_path}:async_reward_func'}}",
+        f"{{name: '{docs_path}:logging_reward'}}",
+        f"{{name: verl, kwargs: {{function: '{verl_path}:compute_score', ground_truth_column: ground_truth}}}}",
+        "{name: 'tests.unit.reward_fixtures:reads_trainer_state', weight: 0.0}",
+    ])
+    for group in groups:
+        group["row"] = text_rows[group["sample_id"]]
+    texts, truths = (lambda g: g["completions"]), (lambda g: [g["row"]["ground_truth"]] * len(g["completions"]))
+    _scores_match(record, groups, "reward_len", lambda g: docs.reward_len(completions=texts(g)))
+    _scores_match(record, groups, "token_count_reward", lambda g: g["completion_tokens"])
+    _scores_match(record, groups, "boxed_ground_truth_reward",
+                  lambda g: docs.boxed_ground_truth_reward(completions=texts(g), ground_truth=truths(g)))
+    _scores_match(record, groups, "async_reward_func", lambda g: [float(bool(t)) for t in texts(g)])
+    _scores_match(record, groups, "logging_reward",
+                  lambda g: docs.logging_reward(completions=texts(g), ground_truth=truths(g)))
+    _scores_match(record, groups, "verl", lambda g: [
+        verl.compute_score(g["row"]["data_source"], t, g["row"]["ground_truth"], g["row"]["extra_info"])
+        for t in texts(g)])
+    _scores_match(record, groups, "reads_trainer_state", lambda g: [0.0] * len(texts(g)))  # the first step: 0 updates
+
+    # The conversational layout of verl's and TRL's datasets: chat-message prompts, reward_model.ground_truth.
+    chat_rows = [{"prompt": [{"role": "user", "content": r["question"]}], "solution": r["ground_truth"],
+                  "reward_model": {"style": "rule", "ground_truth": r["ground_truth"]},
+                  **{k: r[k] for k in ("data_source", "extra_info")}} for r in text_rows]
+    functions = [f"{{name: '{docs_path}:format_reward_func'}}", f"{{name: '{docs_path}:async_reward_func'}}",
+                 f"{{name: verl, kwargs: {{function: '{verl_path}:async_compute_score'}}}}"]
+    trl = _maybe_trl()  # TRL's own accuracy_reward too, where TRL is installed
+    if trl is not None:
+        functions.append("{name: 'trl.rewards:accuracy_reward'}")
+    record, groups = _one_step(tmp_path, tiny_qwen3, "trl-chat", chat_rows, functions, ["data.prompt_field=prompt"])
+    for group in groups:
+        group["row"] = chat_rows[group["sample_id"]]
+
+    def messages(group):
+        return [[{"role": "assistant", "content": text}] for text in group["completions"]]
+
+    _scores_match(record, groups, "format_reward_func", lambda g: docs.format_reward_func(completions=messages(g)))
+    _scores_match(record, groups, "async_reward_func", lambda g: [1.0] * len(g["completions"]))  # a message list
+    _scores_match(record, groups, "verl", lambda g: [
+        verl.compute_score(g["row"]["data_source"], t, g["row"]["reward_model"]["ground_truth"],
+                           g["row"]["extra_info"])
+        for t in g["completions"]])
+    if trl is not None:
+        _scores_match(record, groups, "accuracy_reward", lambda g: trl.accuracy_reward(
+            completions=messages(g), solution=[g["row"]["solution"]] * len(g["completions"])))
+
+
+def _maybe_trl():
+    try:
+        import trl.rewards
+    except ImportError:
+        return None
+    return trl.rewards

@@ -1,4 +1,5 @@
-"""Reward functions with known behaviour, loaded by import path in tests/unit/test_rewards.py."""
+"""Reward functions with known behaviour, loaded by import path in tests/unit/test_rewards.py. Each is written to the
+keyword contract (rewards/contract.py): the arguments it uses by name, **_ for the rest."""
 
 import asyncio
 import math
@@ -10,65 +11,65 @@ SLOW_SECONDS = 3.0
 NOT_A_FUNCTION = 42
 
 
-def length(prompts, completions, **_):
+def length(completions, **_):
     return [float(len(completion)) for completion in completions]
 
 
-def slow_length(prompts, completions, pid_file, seconds, **_):
+def slow_length(completions, pid_file, seconds, **_):
     """`length`, slowly, after leaving this worker's process id in `pid_file` (a test kills the worker mid-call)."""
     Path(pid_file).write_text(str(os.getpid()))
     time.sleep(seconds)
-    return length(prompts, completions)
+    return length(completions)
 
 
-def constant(prompts, completions, value=1.0, **_):
+def constant(completions, value=1.0, **_):
     return [value] * len(completions)
 
 
-def with_extras(prompts, completions, **_):
+def with_extras(completions, **_):
     return [{"score": 0.5, "length": len(completion), "format_ok": True} for completion in completions]
 
 
-def raising(prompts, completions, **_):
+def raising(completions, **_):
     return [1.0 / 0 for _ in completions]
 
 
-def slow(prompts, completions, **_):
+def slow(completions, **_):
     time.sleep(SLOW_SECONDS)
     return [1.0] * len(completions)
 
 
-def short_by_one(prompts, completions, **_):
+def short_by_one(completions, **_):
     return [1.0] * (len(completions) - 1)
 
 
-def nan_first(prompts, completions, **_):
+def nan_first(completions, **_):
     return [math.nan] + [1.0] * (len(completions) - 1)
 
 
-def none_first(prompts, completions, **_):
+def none_first(completions, **_):
     return [None] + [1.0] * (len(completions) - 1)
 
 
-def echo_column(prompts, completions, answer, **_):
+def echo_column(answer, **_):
     return [float(value) for value in answer]
 
 
-async def async_length(prompts, completions, **_):
+async def async_length(completions, **_):
     await asyncio.sleep(0.01)
     return [float(len(completion)) for completion in completions]
 
 
-async def async_slow(prompts, completions, **_):
+async def async_slow(completions, **_):
     await asyncio.sleep(SLOW_SECONDS)
     return [1.0] * len(completions)
 
 
-def scalar(prompts, completions, **_):
+def scalar(**_):
     return 1.0
 
 
-def rank_in_group(prompts, completions, answer, **_):
+def rank_in_group(completions, answer, **_):
     """Group-level: 1.0 for the shortest completion of the group, 0.0 for the others; refuses mixed groups."""
     if len(set(answer)) != 1:
         raise ValueError(f"called with samples of several groups: {answer}")
@@ -76,8 +77,56 @@ def rank_in_group(prompts, completions, answer, **_):
     return [{"score": float(len(c) == shortest), "group_size": len(completions)} for c in completions]
 
 
-def group_failing_on_x(prompts, completions, answer, **_):
+def group_failing_on_x(completions, answer, **_):
     """Group-level: raises for the group whose answer is 'x'."""
     if answer[0] == "x":
         raise RuntimeError("cannot score group x")
     return [1.0] * len(completions)
+
+
+CALLS: list[dict] = []
+"""What `recording` was called with, one dict of keyword arguments per call."""
+
+
+def recording(**kwargs):
+    CALLS.append(kwargs)
+    return [1.0] * len(kwargs["completions"])
+
+
+def reads_trainer_state(completions, trainer_state, **_):
+    """A curriculum-style reward: the step it was scored at (attribute access, as written for TRL)."""
+    return [float(trainer_state.global_step) for _ in completions]
+
+
+# Signatures for the start-up check against the call (tests/unit/test_rewards.py): each returns 1.0 per sample.
+
+
+def accuracy(completions, solution, **kwargs):
+    """As TRL's accuracy_reward takes its arguments: a dataset column by name, after the completions."""
+    return [1.0 for _ in completions]
+
+
+def no_var_keywords(prompts, completions):
+    return [1.0 for _ in completions]
+
+
+def positional_only(completions, /, **kwargs):
+    return [1.0 for _ in kwargs["prompts"]]
+
+
+def only_var_positional(*args):
+    return [1.0]
+
+
+def keyword_only(*, completions, bonus, **kwargs):
+    return [bonus for _ in completions]
+
+
+def every_argument_by_name(
+    prompts, completions, completion_ids, trainer_state, answer, completion_tokens, finish_reason, max_tokens
+):
+    return [1.0 for _ in completions]
+
+
+def answer_with_default(completions, answer=None, **kwargs):
+    return [1.0 for _ in completions]

@@ -514,6 +514,19 @@ def dataset_with_a_reserved_column(d):
 
 
 @case
+def held_out_rows_with_other_columns_than_the_training_rows(d):
+    path = d.jsonl("eval.jsonl", [{**row, "solution": row["answer"]} for row in GOOD_ROWS])
+    return Case([f"data.eval_path={path}", "data.eval_size=2"],
+                [f"data.eval_path: {path} has columns answer, question, solution, the training rows"])
+
+
+@case
+def dataset_with_a_column_named_like_a_call_argument(d):
+    path = d.jsonl("rows.jsonl", [{**row, "completions": "x"} for row in GOOD_ROWS])
+    return Case([f"data.path={path}"], [f"data.path: {path} has column(s) completions", "passes to reward functions"])
+
+
+@case
 def chat_messages_without_a_user_message(d):
     path = d.jsonl("chat.jsonl", [{"prompt": [{"role": "system", "content": "Be brief."}], "answer": "3"}])
     return Case([f"data.path={path}", "data.prompt_field=prompt"],
@@ -631,28 +644,52 @@ def reward_takes_one_argument(d):
     module = d.reward_module("def score(completions):\n    return [0.0 for _ in completions]\n")
     return Case(
         [f"reward.functions=[{{name: '{module}:score'}}]"],
-        [f"reward function '{module}:score' cannot be called", "too many positional arguments"],
+        [f"reward function '{module}:score' cannot take the call", "unexpected keyword argument 'prompts'"],
     )
 
 
 @case
 def reward_does_not_take_the_sample_columns(d):
-    module = d.reward_module("def score(prompts, completions):\n    return [0.0 for _ in completions]\n")
+    module = d.reward_module(
+        "def score(prompts, completions, completion_ids, trainer_state, answer):\n    return [0.0 for _ in completions]\n"
+    )
     return Case(
         [f"reward.functions=[{{name: '{module}:score'}}]"],
-        [f"reward function '{module}:score' cannot be called", "completion_tokens"],
+        [f"reward function '{module}:score' cannot take the call", "completion_tokens"],
     )
 
 
 @case
 def reward_does_not_take_its_kwargs(d):
     module = d.reward_module(
-        "def score(prompts, completions, completion_tokens, finish_reason, max_tokens):\n"
+        "def score(prompts, completions, completion_ids, trainer_state, answer, completion_tokens, finish_reason,\n"
+        "          max_tokens):\n"
         "    return [0.0 for _ in completions]\n"
     )
     return Case(
         [f"reward.functions=[{{name: '{module}:score', kwargs: {{bonus: 2}}}}]"],
-        [f"reward function '{module}:score' cannot be called", "'bonus'"],
+        [f"reward function '{module}:score' cannot take the call", "'bonus'"],
+    )
+
+
+@case
+def reward_needs_a_column_the_dataset_lacks(d):
+    # Called by keyword as TRL calls it, `solution` must be a column of the dataset (here: question, answer).
+    module = d.reward_module("def accuracy(completions, solution, **kwargs):\n    return [0.0 for _ in completions]\n")
+    return Case(
+        [f"reward.functions=[{{name: '{module}:accuracy'}}]"],
+        [f"reward function '{module}:accuracy' cannot take the call", "missing a required argument: 'solution'",
+         "the dataset's columns (answer)"],
+    )
+
+
+@case
+def verl_reward_reads_a_column_the_dataset_lacks(d):
+    module = d.reward_module("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                             "    return 0.0\n")
+    return Case(
+        [f"reward.functions=[{{name: verl, kwargs: {{function: '{module}:compute_score'}}}}]"],
+        ["reward function 'verl' reads column(s) data_source, reward_model, which the dataset does not have"],
     )
 
 

@@ -57,7 +57,7 @@ def tests_pass():
 
 
 def score(tests_pass, completions, **kwargs):
-    return tests_pass([PROMPT] * len(completions), completions, test=[TESTS] * len(completions),
+    return tests_pass(prompts=[PROMPT] * len(completions), completions=completions, test=[TESTS] * len(completions),
                       entry_point=["add"] * len(completions), cpu_s=2, wall_s=5, **kwargs)
 
 
@@ -84,7 +84,7 @@ def test_tests_receive_plain_values_only(tests_pass):
     tests = "def check(candidate):\n    try:\n        candidate(0, 0)\n    except ZeroDivisionError:\n        return\n    assert False\n"
     raising = "    return a / b\n"
     returns_object = "    return object()\n"
-    assert load_reward("code_tests")([PROMPT] * 2, [raising, returns_object], test=[tests] * 2,
+    assert load_reward("code_tests")(prompts=[PROMPT] * 2, completions=[raising, returns_object], test=[tests] * 2,
                                      entry_point=["add"] * 2) == [1.0, 0.0]
 
 

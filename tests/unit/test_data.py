@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlpipe.config import ConfigError, DataConfig
-from rlpipe.data import PromptSet, Sampler, load_rows, render_prompt
+from rlpipe.data import PromptSet, Sampler, load_rows, render_prompt, reward_columns
 from rlpipe.types import Prompt
 from tests.conftest import build_tokenizer
 
@@ -352,16 +352,31 @@ def test_chat_message_prompts_from_parquet(tmp_path, tokenizer):
     assert train == CHAT_ROWS[:4] and held_out == CHAT_ROWS[4:]
     cfg = DataConfig(prompt_field="prompt", system_prompt="Ignored: the rows have their own.")
     (prompt,) = PromptSet(train, tokenizer, cfg).prompts([1])
-    assert prompt.question == "Calculate 1 + 1."  # what reward functions see: the last user message
+    assert prompt.question == "Calculate 1 + 1."  # the prompt's text: the last user message
+    assert prompt.for_rewards == CHAT_ROWS[1]["prompt"]  # reward functions get the conversation, as TRL passes it
     text = tokenizer.decode(prompt.token_ids)
     assert text == "<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nCalculate 1 + 1.<|im_end|>\n<|im_start|>assistant\n"
     assert prompt.columns == {"answer": "2"}
+    assert reward_columns(train, "prompt") == ["answer"]
 
 
 def test_system_prompt_goes_before_a_conversation_without_one(tokenizer):
     rows = [{"prompt": [{"role": "user", "content": "Calculate 2 + 2."}]}]
     (prompt,) = PromptSet(rows, tokenizer, DataConfig(prompt_field="prompt", system_prompt="Solve.")).prompts([0])
     assert tokenizer.decode(prompt.token_ids).startswith("<|im_start|>system\nSolve.<|im_end|>\n<|im_start|>user\n")
+    # Reward functions get the conversation as the model was prompted with it; the row itself is left as it was.
+    assert prompt.for_rewards == [{"role": "system", "content": "Solve."}, rows[0]["prompt"][0]]
+    assert rows[0]["prompt"] == [{"role": "user", "content": "Calculate 2 + 2."}]
+    (text,) = PromptSet([{"question": "Calculate 2 + 2."}], tokenizer, DataConfig(system_prompt="Solve.")).prompts([0])
+    assert text.messages is None and text.for_rewards == "Calculate 2 + 2."  # a text dataset: the text
+
+
+def test_held_out_rows_carry_the_training_rows_columns(tmp_path):
+    path = _write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    other = _write_jsonl(tmp_path / "eval.jsonl", [{**row, "solution": row["answer"]} for row in ROWS[:3]])
+    message = _config_error(lambda: load_rows(_file_cfg(path, eval_path=str(other), eval_size=3), seed=0))
+    assert message.startswith(f"data.eval_path: {other} has columns answer, question, solution, the training rows")
+    assert reward_columns(load_rows(_file_cfg(path), seed=0)[0], "question") == ["answer"]
 
 
 @pytest.mark.parametrize("prompt, problem", [

@@ -60,3 +60,13 @@ def test_a_checkpoint_resumes_the_sampler_before_generations_in_flight():
     resumed = Sampler(100, seed=0)
     resumed.load_state_dict(ahead.sampler_state())
     assert tuple(resumed.next(2)) == prompts_of_step_2
+
+
+def test_reward_functions_get_the_step_as_a_trainer_state():
+    from rlpipe.controller import reward_state
+
+    cfg = load_config(None, ["train.steps=10", "train.prompts_per_step=4", "run.name=r"])
+    run = SimpleNamespace(train_set=[None] * 8)
+    state = reward_state(cfg, run, 3)  # step 4's samples: 3 steps, 12 prompts drawn before them
+    assert state == {"global_step": 3, "max_steps": 10, "epoch": 1.5, "run_name": "r", "mode": "train"}
+    assert state.global_step == 3 and reward_state(cfg, run, 10, "eval").mode == "eval"

@@ -99,17 +99,17 @@ def test_numeric_answer():
         "I don't know",
     ]
     golds = ["0.5", "Reasoning.\n#### 1234", "-3.5", "1+x", "-131073014", "3"]
-    assert numeric_answer([""] * 6, completions, answer=golds) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    assert numeric_answer(completions=completions, answer=golds) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
 
 
 def test_numeric_answer_without_reference_is_unscored():
-    assert numeric_answer(["", ""], ["4", "4"], answer=[None, 4]) == [None, 1.0]
+    assert numeric_answer(completions=["4", "4"], answer=[None, 4]) == [None, 1.0]
 
 
 def test_exact_match_compares_extracted_strings():
     completions = [r"\boxed{0.5}", r"\boxed{1/2}", r"\boxed{Yes}", "#### 72"]
     golds = ["0.5", "0.5", "yes", "Steps.\n#### 72"]
-    assert exact_match([""] * 4, completions, answer=golds) == [1.0, 0.0, 0.0, 1.0]
+    assert exact_match(completions=completions, answer=golds) == [1.0, 0.0, 0.0, 1.0]
 
 
 def test_math_verify_runs_outside_the_main_thread():
@@ -135,8 +135,8 @@ def test_reasoning_gym_scores_real_entries(arithmetic_entries):
     correct = [f"Let me compute.\n<answer>{entry['answer']}</answer>" for entry in arithmetic_entries]
     wrong = [f"<answer>{int(entry['answer']) + 1}</answer>" for entry in arithmetic_entries]
     prompts = [entry["question"] for entry in arithmetic_entries]
-    assert verifier(prompts, correct, entry=arithmetic_entries) == [1.0] * 5
-    assert verifier(prompts, wrong, entry=arithmetic_entries) == [0.0] * 5
+    assert verifier(prompts=prompts, completions=correct, entry=arithmetic_entries) == [1.0] * 5
+    assert verifier(prompts=prompts, completions=wrong, entry=arithmetic_entries) == [0.0] * 5
 
 
 def test_reasoning_gym_extraction_fallbacks(arithmetic_entries):
@@ -151,13 +151,13 @@ def test_reasoning_gym_extraction_fallbacks(arithmetic_entries):
         # Partial credit from the scorer (reference contained in a longer answer) is not a reward.
         f"<answer>I think {answer}</answer>",
     ]
-    assert verifier([""] * 5, completions, entry=[entry] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert verifier(completions=completions, entry=[entry] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
 
 
 def test_reasoning_gym_accepts_json_entries_and_short_name(arithmetic_entries):
     entry = arithmetic_entries[1]
     verify_fn = load_reward("reasoning_gym")
-    assert verify_fn([""], [f"<answer>{entry['answer']}</answer>"], entry=[json.dumps(entry)]) == [1.0]
+    assert verify_fn(completions=[f"<answer>{entry['answer']}</answer>"], entry=[json.dumps(entry)]) == [1.0]
 
 
 # --------------------------------------------------------------------------- #
@@ -370,11 +370,11 @@ def test_format_rewards_check_tags_in_order_and_patterns():
         "<think>a<think>b</think></think><answer>4</answer>",  # nested
         "<think>only thinking</think>",
     ]
-    assert tags([""] * 6, completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
-    assert tags([""], ["<answer>4</answer>"], names=["answer"]) == [1.0]
+    assert tags(completions=completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert tags(completions=["<answer>4</answer>"], names=["answer"]) == [1.0]
     pattern = load_reward("format_regex")
-    assert pattern([""] * 3, ["#### 42", "the answer is 42", "####"], pattern=r"#### -?\d+") == [1.0, 0.0, 0.0]
-    assert pattern([""] * 2, ["42", "42 apples"], pattern=r"\d+", full=True) == [1.0, 0.0]
+    assert pattern(completions=["#### 42", "the answer is 42", "####"], pattern=r"#### -?\d+") == [1.0, 0.0, 0.0]
+    assert pattern(completions=["42", "42 apples"], pattern=r"\d+", full=True) == [1.0, 0.0]
 
 
 def test_group_rewards_see_one_group_at_a_time():
@@ -409,10 +409,10 @@ def test_overlong_shaping_follows_dapo():
     overlong = load_reward("overlong")
     lengths = [10, 80, 90, 100]
     # Limit 100 with a 20-token buffer: free up to 80, then linear down to -1 at the limit.
-    assert overlong([""] * 4, [""] * 4, completion_tokens=lengths, max_tokens=[100] * 4) == [0.0, 0.0, -0.5, -1.0]
-    assert overlong([""] * 2, [""] * 2, completion_tokens=[50, 75], max_tokens=100, buffer_tokens=50) == [0.0, -0.5]
+    assert overlong(completion_tokens=lengths, max_tokens=[100] * 4) == [0.0, 0.0, -0.5, -1.0]
+    assert overlong(completion_tokens=[50, 75], max_tokens=100, buffer_tokens=50) == [0.0, -0.5]
     with pytest.raises(ValueError, match="buffer_tokens"):
-        overlong([""], [""], completion_tokens=[5], max_tokens=[10], buffer_tokens=11)
+        overlong(completion_tokens=[5], max_tokens=[10], buffer_tokens=11)
 
 
 def test_reasoning_gym_verifier_works_for_every_task_by_name():
@@ -423,14 +423,14 @@ def test_reasoning_gym_verifier_works_for_every_task_by_name():
     open_ended = []  # tasks with many right answers: the entry has no reference, the scorer checks the answer itself
     for name in names:
         entries = list(reasoning_gym.create_dataset(name, size=2, seed=3))
-        wrong = verifier(["", ""], ["<answer>not it</answer>"] * 2, entry=entries, task=name)
+        wrong = verifier(completions=["<answer>not it</answer>"] * 2, entry=entries, task=name)
         # game_of_life_halting's scorer (reasoning-gym 0.1.25) accepts any answer but "True" when the answer is False.
         assert wrong == [0.0, 0.0] or name == "game_of_life_halting", name
         if entries[0]["answer"] is None:
             open_ended.append(name)
             continue
         right = [f"<answer>{entry['answer']}</answer>" for entry in entries]
-        assert verifier(["", ""], right, entry=entries, task=name) == [1.0, 1.0], name
+        assert verifier(completions=right, entry=entries, task=name) == [1.0, 1.0], name
     assert len(open_ended) <= 6, open_ended
 
 
@@ -441,7 +441,7 @@ def test_a_pip_installed_package_adds_rewards_through_its_entry_point(tmp_path, 
     source = tmp_path / "src"
     (source / "my_rewards").mkdir(parents=True)
     (source / "my_rewards" / "__init__.py").write_text(
-        "def shouting(prompts, completions, **_):\n    return [float(c.isupper()) for c in completions]\n"
+        "def shouting(completions, **_):\n    return [float(c.isupper()) for c in completions]\n"
     )
     (source / "pyproject.toml").write_text(
         '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
@@ -474,5 +474,253 @@ def test_humaneval_canonical_solutions_pass_and_broken_ones_fail():
     tests_pass = load_reward("code_tests")
     columns = {"test": [r["test"] for r in rows], "entry_point": [r["entry_point"] for r in rows]}
     prompts = [row["question"] for row in rows]
-    assert tests_pass(prompts, solutions, **columns) == [1.0] * len(rows)
-    assert tests_pass(prompts, ["    return None\n"] * len(rows), **columns) == [0.0] * len(rows)
+    assert tests_pass(prompts=prompts, completions=solutions, **columns) == [1.0] * len(rows)
+    assert tests_pass(prompts=prompts, completions=["    return None\n"] * len(rows), **columns) == [0.0] * len(rows)
+
+
+# --------------------------------------------------------------------------- #
+# the keyword contract (TRL's): what a function is called with
+# --------------------------------------------------------------------------- #
+
+TRL_DOCS = "tests.unit.trl_doc_rewards"
+VERL = "tests.unit.verl_style_rewards"
+
+
+def pool_columns(completions, **dataset_columns) -> dict:
+    """A batch's columns as the reward pool sends them: the dataset's and the pool's own per-sample ones."""
+    count = len(completions)
+    return {**dataset_columns, "completion_tokens": [len(c) for c in completions], "finish_reason": ["stop"] * count,
+            "max_tokens": [64] * count}
+
+
+def test_trl_documentation_examples_run_unchanged():
+    from tests.unit import trl_doc_rewards as docs
+
+    names = ["reward_len", "token_count_reward", "boxed_ground_truth_reward", "async_reward_func", "logging_reward"]
+    runner = RewardRunner([{"name": f"{TRL_DOCS}:{name}"} for name in names], columns=["ground_truth"])
+    prompts = ["Problem: Solve the equation $2x + 3 = 7$. Solution:", "Problem: Solve the equation $3x - 5 = 10$."]
+    completions = [r" The solution is \boxed{2}.", r" The solution is \boxed{6}."]
+    ids = [[6303, 13], [304, 279, 12884, 13]]
+    result = runner.score(prompts, completions, pool_columns(completions, ground_truth=["2", "5"]), completion_ids=ids)
+    assert result.first_errors == {}
+    assert result.per_function == {
+        "reward_len": [float(-abs(20 - len(c))) for c in completions],
+        "token_count_reward": [2.0, 4.0],
+        "boxed_ground_truth_reward": [1.0, 0.0],
+        "async_reward_func": [1.0, 1.0],
+        "logging_reward": [1.0, 0.0],
+    }
+    # The same functions called directly give the same scores: nothing is adapted on the way.
+    assert result.per_function["reward_len"] == docs.reward_len(completions=completions)
+
+
+def test_conversational_datasets_get_messages_and_trl_examples_read_them():
+    runner = RewardRunner([{"name": f"{TRL_DOCS}:format_reward_func"}, spec("recording")], columns=["answer"])
+    prompts = [[{"role": "system", "content": "Think first."}, {"role": "user", "content": f"What is {n} + 1?"}]
+               for n in (1, 2)]
+    completions = ["<think>1 + 1 is 2.</think><answer>2</answer>", "It is 3."]
+    reward_fixtures.CALLS.clear()
+    result = runner.score(prompts, completions, pool_columns(completions, answer=["2", "3"]), completion_ids=[[1], [2]])
+    assert result.per_function["format_reward_func"] == [1.0, 0.0]
+    (call,) = reward_fixtures.CALLS
+    assert call["prompts"] == prompts and call["prompts"] is not prompts  # a copy of its own
+    assert call["completions"] == [[{"role": "assistant", "content": text}] for text in completions]
+
+
+def test_every_call_passes_the_same_keywords_as_trl_plus_the_pool_columns():
+    from rewards import TrainerState
+
+    runner = RewardRunner([spec("recording", answer=["from config", "from config"])], columns=["answer", "entry"])
+    reward_fixtures.CALLS.clear()
+    state = {"global_step": 3, "max_steps": 10, "epoch": 0.5, "run_name": "r", "mode": "train"}
+    runner.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, answer=["1", "2"], entry=[{}, {}]),
+                 completion_ids=[[5], [6, 7, 8]], trainer_state=state)
+    (call,) = reward_fixtures.CALLS
+    assert set(call) == {"prompts", "completions", "completion_ids", "trainer_state", "answer", "entry",
+                         "completion_tokens", "finish_reason", "max_tokens"}
+    assert call["prompts"] == PROMPTS and call["completions"] == COMPLETIONS  # plain text for a text dataset
+    assert call["completion_ids"] == [[5], [6, 7, 8]]
+    assert call["answer"] == ["from config", "from config"]  # config kwargs win over a column of the same name
+    assert isinstance(call["trainer_state"], TrainerState) and call["trainer_state"] == state
+    assert call["trainer_state"].global_step == 3 and call["trainer_state"]["epoch"] == 0.5
+    with pytest.raises(AttributeError, match="no 'steps'"):
+        call["trainer_state"].steps
+
+
+def test_trainer_state_reaches_a_curriculum_reward_and_defaults_to_a_start():
+    import pickle
+
+    from rewards import trainer_state
+
+    runner = RewardRunner([spec("reads_trainer_state")])
+    assert runner.score(PROMPTS, COMPLETIONS, trainer_state=trainer_state(global_step=7)).totals == [7.0, 7.0]
+    assert runner.score(PROMPTS, COMPLETIONS).totals == [0.0, 0.0]
+    state = trainer_state(global_step=2, max_steps=5, run_name="x", mode="eval")
+    assert pickle.loads(pickle.dumps(state)) == state and pickle.loads(pickle.dumps(state)).mode == "eval"
+
+
+def test_group_functions_get_each_groups_share_of_every_per_sample_argument():
+    runner = RewardRunner([{**spec("recording"), "group": True}], columns=["answer"])
+    reward_fixtures.CALLS.clear()
+    completions = ["a", "b", "c"]
+    runner.score(["p", "p", "q"], completions, pool_columns(completions, answer=["1", "1", "2"]), group_sizes=[2, 1],
+                 completion_ids=[[1], [2], [3]])
+    first, second = reward_fixtures.CALLS
+    assert (first["prompts"], first["completion_ids"], first["answer"]) == (["p", "p"], [[1], [2]], ["1", "1"])
+    assert (second["completions"], second["finish_reason"], second["max_tokens"]) == (["c"], ["stop"], [64])
+    assert first["trainer_state"] == second["trainer_state"]
+
+
+def test_an_accuracy_style_function_taking_a_column_by_name_scores():
+    # Called positionally, `solution` took the completions and then came again by keyword: a TypeError on every call.
+    runner = RewardRunner([spec("accuracy")], columns=["solution"])
+    result = runner.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, solution=["x", "y"]))
+    assert result.totals == [1.0, 1.0] and result.first_errors == {}
+
+
+@pytest.mark.parametrize("function, kwargs", [
+    ("accuracy", {}),
+    ("no_var_keywords", {}),
+    ("positional_only", {}),
+    ("only_var_positional", {}),
+    ("keyword_only", {}),
+    ("keyword_only", {"bonus": 2.0}),
+    ("every_argument_by_name", {}),
+    ("answer_with_default", {}),
+    ("answer_with_default", {"unexpected": 1}),
+    ("length", {"anything": 1}),
+])
+@pytest.mark.parametrize("columns", [["answer"], ["answer", "solution"]])
+def test_the_startup_check_predicts_the_call(function, kwargs, columns, monkeypatch):
+    """A function the check accepts takes every call; one it refuses would fail on every call with a TypeError."""
+    import rewards.runner
+
+    try:
+        RewardRunner([spec(function, **kwargs)], columns=columns)
+        accepted = True
+    except RewardConfigError as err:
+        accepted = False
+        assert f"'{FIXTURES}:{function}' cannot take the call" in str(err)
+    monkeypatch.setattr(rewards.runner, "_check_signature", lambda *args: None)
+    unchecked = RewardRunner([spec(function, **kwargs)], columns=columns)
+    dataset = {column: ["1", "2"] for column in columns}
+    result = unchecked.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, **dataset), completion_ids=[[1], [2]])
+    error = result.first_errors.get(function, "")
+    assert error.startswith(f"{function}: TypeError") is not accepted, error
+
+
+def test_a_refused_function_is_named_with_the_argument_and_what_the_call_offers():
+    with pytest.raises(RewardConfigError) as raised:
+        RewardRunner([spec("accuracy")], columns=["answer", "entry"])
+    message = str(raised.value)
+    assert "missing a required argument: 'solution'" in message
+    assert "the dataset's columns (answer, entry)" in message and "completion_tokens" in message
+    with pytest.raises(RewardConfigError, match="unexpected keyword argument 'completion_ids'"):
+        RewardRunner([spec("no_var_keywords")])  # refused even with the dataset's columns unknown
+    RewardRunner([spec("accuracy")])  # unknown columns: `solution` may be one
+
+
+def test_kwargs_may_not_set_the_call_arguments_and_batches_carry_the_checked_columns():
+    with pytest.raises(RewardConfigError, match="'kwargs' may not set completions, trainer_state"):
+        RewardRunner([spec("length", completions=["x"], trainer_state={})])
+    runner = RewardRunner([spec("length")], columns=["answer"])
+    with pytest.raises(ValueError, match=r"columns \(answer, completion_tokens, entry, .*\) are not those"):
+        runner.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, answer=["1", "2"], entry=[1, 2]))
+    with pytest.raises(ValueError, match="1 completion_ids but 2 completions"):
+        runner.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, answer=["1", "2"]), completion_ids=[[1]])
+    with pytest.raises(ValueError, match="column.s. prompts would replace the call's own argument"):
+        RewardRunner([spec("length")]).score(PROMPTS, COMPLETIONS, {"prompts": ["x", "y"]})
+
+
+def test_builtins_read_conversational_completions():
+    messages = [[{"role": "assistant", "content": r"so \boxed{4}"}], [{"role": "assistant", "content": "5"}]]
+    assert numeric_answer(completions=messages, answer=["4", "4"]) == [1.0, 0.0]
+    assert load_reward("format_regex")(completions=messages, pattern=r"\\boxed") == [1.0, 0.0]
+    runner = RewardRunner([{"name": "numeric_answer"}, {"name": "format_tags"}, {"name": "overlong"}],
+                          columns=["answer"])
+    prompts = [[{"role": "user", "content": "2 + 2?"}]] * 2
+    completions = ["<think>easy</think><answer>4</answer>", "5"]
+    result = runner.score(prompts, completions, pool_columns(completions, answer=["4", "4"]))
+    assert result.first_errors == {}
+    assert result.per_function["numeric_answer"] == [1.0, 0.0] and result.per_function["format_tags"] == [1.0, 0.0]
+
+
+def test_trl_library_rewards_run_by_import_path():
+    pytest.importorskip("trl")
+    runner = RewardRunner([{"name": "trl.rewards:accuracy_reward"}, {"name": "trl.rewards:think_format_reward"}],
+                          columns=["solution"])
+    prompts = [[{"role": "user", "content": "What is 1/3 as a fraction?"}]] * 2
+    completions = [r"<think>one third</think>My answer is \boxed{\frac{1}{3}}", r"My answer is \boxed{\frac{1}{2}}"]
+    result = runner.score(prompts, completions, pool_columns(completions, solution=[r"\frac{1}{3}"] * 2))
+    assert result.first_errors == {}
+    assert result.per_function == {"accuracy_reward": [1.0, 0.0], "think_format_reward": [1.0, 0.0]}
+
+
+# --------------------------------------------------------------------------- #
+# the verl adapter
+# --------------------------------------------------------------------------- #
+
+
+def verl_spec(function: str = "compute_score", **kwargs) -> dict:
+    return {"name": "verl", "kwargs": {"function": f"{VERL}:{function}", **kwargs}}
+
+
+VERL_COLUMNS = {
+    "data_source": ["toy/sum", "toy/sum-detailed", "toy/sum-detailed"],
+    "reward_model": [{"style": "rule", "ground_truth": "4"}, {"style": "rule", "ground_truth": "7"},
+                     {"style": "rule", "ground_truth": "9"}],
+    "extra_info": [{"index": 0}, {"index": 1}, None],
+}
+VERL_COMPLETIONS = ["2 + 2 = 4", "#### 7", "no idea"]
+
+
+def test_verl_compute_score_runs_unchanged_per_sample():
+    from tests.unit import verl_style_rewards as verl
+
+    runner = RewardRunner([verl_spec()], columns=sorted(VERL_COLUMNS))
+    prompts = [[{"role": "user", "content": "q"}]] * 3  # conversational, as verl's parquet files are
+    result = runner.score(prompts, VERL_COMPLETIONS, pool_columns(VERL_COMPLETIONS, **VERL_COLUMNS))
+    assert result.first_errors == {}
+    expected = [verl.compute_score(source, text, model["ground_truth"], info)
+                for source, text, model, info in zip(VERL_COLUMNS["data_source"], VERL_COMPLETIONS,
+                                                     VERL_COLUMNS["reward_model"], VERL_COLUMNS["extra_info"])]
+    assert expected == [1.0, {"score": 1.0, "pred": "7", "index": 1}, {"score": 0.0, "pred": None, "index": None}]
+    assert result.totals == [1.0, 1.0, 0.0]
+    assert result.extras == {"verl/pred": [None, "7", None], "verl/index": [None, 1, None]}
+
+
+def test_verl_adapter_columns_kwargs_and_async_functions():
+    columns = pool_columns(VERL_COMPLETIONS, answer=["4", "7", "8"], info=[{"index": 5}] * 3)
+    runner = RewardRunner([
+        verl_spec("scaled_compute_score", fixed_data_source="toy/sum", ground_truth_column="answer",
+                  function_kwargs={"scale": 2.0}),
+        verl_spec("async_compute_score", fixed_data_source="toy/sum", ground_truth_column="answer"),
+        verl_spec("mutating_compute_score", fixed_data_source="toy/sum", ground_truth_column="answer",
+                  extra_info_column="info"),
+    ], columns=["answer", "info"])
+    result = runner.score(["q"] * 3, VERL_COMPLETIONS, columns)
+    assert result.first_errors == {}
+    assert result.per_function == {"verl": [2.0, 2.0, 0.0], "verl_2": [1.0, 1.0, 0.0], "verl_3": [1.0, 1.0, 1.0]}
+    assert columns["info"] == [{"index": 5}] * 3  # each call changed a copy of its own
+
+
+@pytest.mark.parametrize("adapter_spec, columns, cause", [
+    (verl_spec("positional_only"), ["data_source", "reward_model"], "cannot be called as verl calls it"),
+    (verl_spec("no_such_function"), ["data_source", "reward_model"], "has no attribute 'no_such_function'"),
+    (verl_spec(function_kwargs={"scale": 2}), ["data_source", "reward_model"], "unexpected keyword argument 'scale'"),
+    (verl_spec(), ["reward_model"], "reads column(s) data_source, which the dataset does not have"),
+    (verl_spec(ground_truth_column="solution.value"), ["data_source", "reward_model"], "reads column(s) solution"),
+])
+def test_verl_adapter_refuses_at_startup_what_would_fail_every_call(adapter_spec, columns, cause):
+    with pytest.raises(RewardConfigError) as raised:
+        RewardRunner([adapter_spec], columns=columns)
+    assert cause in str(raised.value) and "'verl'" in str(raised.value)
+
+
+def test_verl_adapter_defaults_to_verls_own_compute_score():
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is not None:
+        pytest.skip("verl is installed here")
+    with pytest.raises(RewardConfigError, match="cannot import module 'verl.utils.reward_score'"):
+        RewardRunner([{"name": "verl"}])

@@ -1,0 +1,44 @@
+"""`compute_score` functions written as verl's reward managers call them (data_source, solution_str, ground_truth,
+extra_info -> float or {"score": ...}), for the `verl` adapter (rewards/verl.py). Nothing here knows rlpipe."""
+
+import asyncio
+import re
+
+
+def _last_number(text):
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """GSM8K-like: the last number of the solution against the ground truth. `toy/sum` scores a float;
+    `toy/sum-detailed` a dict with the prediction and the row's index from extra_info."""
+    predicted = _last_number(solution_str)
+    correct = predicted is not None and float(predicted) == float(ground_truth)
+    if data_source == "toy/sum":
+        return 1.0 if correct else 0.0
+    if data_source == "toy/sum-detailed":
+        return {"score": float(correct), "pred": predicted, "index": (extra_info or {}).get("index")}
+    raise NotImplementedError(f"reward function is not implemented for data_source={data_source!r}")
+
+
+def scaled_compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0, **kwargs):
+    """`compute_score` times `scale`, a custom_reward_function.reward_kwargs-style argument."""
+    return scale * float(compute_score("toy/sum", solution_str, ground_truth, extra_info))
+
+
+async def async_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's reward loop awaits an async compute_score."""
+    await asyncio.sleep(0.01)
+    return compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def mutating_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """As verl's managers do to extra_info: it must not leak from one sample to another."""
+    extra_info["num_turns"] = extra_info.get("num_turns", 0) + 1
+    return float(extra_info["num_turns"])
+
+
+def positional_only(solution_str, /):
+    """Cannot take verl's keyword call."""
+    return 0.0
