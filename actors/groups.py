@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import ray
 from ray._private import ray_constants
@@ -21,6 +21,7 @@ from rlpipe.config import Config, first_line
 from rlpipe.device import learner_env, learner_processes
 from rlpipe.environments import actors_needed, check_cluster_resources
 from rlpipe.learner import combine_rank_metrics
+from rlpipe.logs import LogSetup
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
 from rlpipe.weightsync import SyncError, SyncPlan, plan_sync
 
@@ -82,12 +83,15 @@ class Roles:
         resume: dict | None = None,
         note: Callable[[str], None] = print,
         reward_columns: list[str] | None = None,
+        log: LogSetup | None = None,
     ):
         """`resume`: {"learner": directory of a checkpoint's learner state, "rng": each rank's RNG state or None}.
         `note`: where to report events worth a line in the run's log (an engine restarted).
         `reward_columns`: the dataset's columns every scored batch carries, checked against the reward functions'
-        signatures when the reward workers start (None: not known here, see RewardRunner)."""
-        self.cfg, self.note = cfg, note
+        signatures when the reward workers start (None: not known here, see RewardRunner).
+        `log`: how the actors log (rlpipe/logs.py), each tagged with its role and index; None leaves their logging
+        as the libraries set it."""
+        self.cfg, self.note, self.log = cfg, note, log
         self.reward_columns = reward_columns
         self.model_path, self.tokenizer_path = model_path, tokenizer_path
         self.engine_restarts = [0] * cfg.rollout.num_engines
@@ -111,7 +115,9 @@ class Roles:
         self.engine_placement = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
         rewarders = self._place("reward", cfg.reward.num_workers)
         self.learners = [
-            LearnerActor.options(**learners.options(rank, env)).remote(model_path, cfg, rank, ranks)
+            LearnerActor.options(**learners.options(rank, env)).remote(
+                model_path, cfg, rank, ranks, self._log_setup("learner", rank)
+            )
             for rank in range(ranks)
         ]
         self.engines = [self._new_engine(index) for index in range(cfg.rollout.num_engines)]
@@ -121,7 +127,7 @@ class Roles:
         restarts = cfg.reward.max_restarts
         self.rewarders = [
             RewardActor.options(**rewarders.options(index), max_restarts=restarts, max_task_retries=restarts).remote(
-                specs, cfg.reward.timeout_s, self.reward_columns
+                specs, cfg.reward.timeout_s, self.reward_columns, self._log_setup("reward", index)
             )
             for index in range(cfg.reward.num_workers)
         ]
@@ -150,8 +156,12 @@ class Roles:
 
     def _new_engine(self, index: int):
         return RolloutActor.options(**self.engine_placement.options(index, compute_env())).remote(
-            self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync
+            self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync,
+            self._log_setup("rollout", index),
         )
+
+    def _log_setup(self, role: str, index: int) -> LogSetup | None:
+        return None if self.log is None else replace(self.log, who=f"{role}-{index}")
 
     def _share_sync_buffers(self) -> None:
         """Every learner rank writes into the shared-memory segments named by rank 0, one per bucket."""

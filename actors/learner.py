@@ -12,6 +12,7 @@ from rlpipe.checkpoint import set_torch_rng_text, torch_rng_text
 from rlpipe.config import Config
 from rlpipe.device import learner_processes
 from rlpipe.learner import Learner
+from rlpipe.logs import LogSetup, configure_worker
 from rlpipe.types import TrainBatch
 from rlpipe.weightsync import SyncPlan, make_transport, stream_parts
 
@@ -41,7 +42,9 @@ def send_parts(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], transp
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, model_path: str, cfg: Config, rank: int, world_size: int):
+    def __init__(self, model_path: str, cfg: Config, rank: int, world_size: int, log: LogSetup | None = None):
+        if log is not None:
+            configure_worker(log)
         # Ray caps an actor's threads at its logical CPU share; the learner should use the whole machine
         # while it trains, since generation and training take turns in synchronous mode.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

@@ -5,11 +5,16 @@ from __future__ import annotations
 import ray
 
 from rewards import RewardResult, RewardRunner
+from rlpipe.logs import LogSetup, configure_worker
 
 
 @ray.remote
 class RewardActor:
-    def __init__(self, specs: list[dict], timeout_s: float, columns: list[str] | None = None):
+    def __init__(
+        self, specs: list[dict], timeout_s: float, columns: list[str] | None = None, log: LogSetup | None = None
+    ):
+        if log is not None:
+            configure_worker(log)
         self.runner = RewardRunner(specs, timeout_s=timeout_s, columns=columns)
 
     def score(

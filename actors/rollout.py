@@ -6,9 +6,13 @@ arrive while the engine generates, and a sync requested mid-generation is handle
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ray
 
 from rlpipe.config import RolloutConfig, SyncConfig
+from rlpipe.logs import LogSetup, configure_worker
+from rlpipe.models.hf import read_hf_config
 from rlpipe.rollout import RolloutEngine
 from rlpipe.types import Completion, Prompt
 from rlpipe.weightsync import SyncPlan
@@ -17,9 +21,19 @@ from rlpipe.weightsync import SyncPlan
 @ray.remote(concurrency_groups={"sync": 1})
 class RolloutActor:
     def __init__(
-        self, model_path: str, cfg: RolloutConfig, seed: int, tokenizer_path: str | None = None, sync: SyncConfig | None = None
+        self,
+        model_path: str,
+        cfg: RolloutConfig,
+        seed: int,
+        tokenizer_path: str | None = None,
+        sync: SyncConfig | None = None,
+        log: LogSetup | None = None,
     ):
-        self.engine = RolloutEngine(model_path, cfg, seed, tokenizer_path, sync)
+        if log is not None:  # before vLLM is imported: its import logs too
+            tied = bool(read_hf_config(model_path).get("tie_word_embeddings", False))
+            configure_worker(replace(log, tied_output_layer=tied), vllm=True)
+        progress_bars = log is None or log.verbose  # vLLM's bar for loading the weights
+        self.engine = RolloutEngine(model_path, cfg, seed, tokenizer_path, sync, progress_bars=progress_bars)
 
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[list[Completion]]:
         return self.engine.generate(prompts, n, **sampling)

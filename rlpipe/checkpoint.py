@@ -22,7 +22,9 @@ import json
 import os
 import pickle
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -195,16 +197,33 @@ def set_torch_rng_text(text: str) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
 
 
-def load_tensors(state: dict, directory: str, target: str) -> None:
+@contextmanager
+def single_process_dcp(single_process: bool) -> Iterator[None]:
+    """torch.distributed.checkpoint warns on every save and load made without a process group that it assumes a
+    single process — even when told so (`no_dist=True`). That is the intent of a one-rank learner, which forms no
+    group, and of `rlpipe export`: there the warning is dropped. With more ranks it would mean a rank working alone,
+    so there it stays."""
+    with warnings.catch_warnings():
+        if single_process:
+            warnings.filterwarnings(
+                "ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent "
+                r"is to (save|load) in a single process",
+            )
+        yield
+
+
+def load_tensors(state: dict, directory: str, target: str, single_process: bool = False) -> None:
     """Fill `state` in place from a torch.distributed.checkpoint directory (resharding as needed), or raise a
     one-line CheckpointError saying that it does not fit `target` (DCP wraps each rank's failure in a long report,
-    and in a BaseException: see `_cause`). Nothing in the directory is unpickled except through `read_metadata`."""
+    and in a BaseException: see `_cause`). Nothing in the directory is unpickled except through `read_metadata`.
+    `single_process`: this process loads on its own (see single_process_dcp)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     read_metadata(directory)  # a foreign or broken .metadata is refused in one line before DCP reads it again
     try:
-        dcp.load(state, storage_reader=_safe_reader(directory))
+        with single_process_dcp(single_process):
+            dcp.load(state, storage_reader=_safe_reader(directory))
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"checkpoint {directory}: does not fit {target} ({_cause(err)})") from None
 
@@ -391,6 +410,6 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     model_path = resolve_model_path(model_cfg["path"])
     model = load_model(model_path)
     state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
-    load_tensors(state, str(source / LEARNER_STATE), model_path)
+    load_tensors(state, str(source / LEARNER_STATE), model_path, single_process=True)
     weights = {name[len("model.") :]: tensor for name, tensor in state.items()}
     return save_state_dict(weights, read_hf_config(model_path), out_dir, source_dir=model_cfg["tokenizer"] or model_path)

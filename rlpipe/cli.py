@@ -41,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             sub.add_argument("--address", help="join this Ray cluster (same as ray.address=...)")
             sub.add_argument(
+                "--verbose", action="store_true",
+                help="also show vLLM, Ray and transformers INFO on the terminal; it is always in <run_dir>/logs/run.log "
+                "(same as run.verbose=true)",
+            )
+            sub.add_argument(
                 "--resume", nargs="?", const="latest", metavar="PATH",
                 help="continue from this run's latest checkpoint, or from PATH (a checkpoint or run directory)",
             )
@@ -161,6 +166,8 @@ def _recipe_and_overrides(args) -> tuple[str | None, list[str]]:
         recipe, overrides = None, [recipe, *overrides]
     if getattr(args, "address", None):
         overrides.append(f"ray.address={args.address}")
+    if getattr(args, "verbose", False):
+        overrides.append("run.verbose=true")
     return recipe, overrides
 
 

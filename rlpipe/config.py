@@ -48,6 +48,9 @@ class RunConfig:
     output_dir: str = _key("runs", "parent directory of run directories")
     seed: int = _key(0, "seed for the sampler, the learner and the rollout engine")
     overwrite: bool = _key(False, "allow reusing a run directory that already holds metrics")
+    verbose: bool = _key(
+        False, "also show vLLM, Ray and transformers INFO on the terminal (always in <run_dir>/logs/run.log)"
+    )
 
 
 @dataclass

@@ -6,6 +6,7 @@ import json
 import math
 import shutil
 import socket
+import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -20,7 +21,8 @@ from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError, one_line
 from rlpipe.data import PromptSet, Sampler, load_rows, reward_columns
 from rlpipe.environments import check_learner_device, check_role_environments
-from rlpipe.metrics import MetricsLogger, rollout_metrics, staleness_metrics
+from rlpipe.logs import LOG_FILE, LogSetup, driver_logging
+from rlpipe.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
 from rlpipe.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
@@ -30,50 +32,68 @@ from rewards import FailureWatch, RewardRunner, TrainerState, trainer_state
 
 def train(cfg: Config, resume: str | None = None) -> dict:
     """Run GRPO as configured (from a checkpoint with `resume`: a path, or "latest" of this run); returns the
-    summary also written to <run_dir>/summary.json."""
+    summary also written to <run_dir>/summary.json. The terminal shows rlpipe's own lines and every process's
+    warnings; their INFO goes to <run_dir>/logs/run.log (rlpipe/logs.py)."""
+    run = prepare(cfg, resume)
+    logs = LogSetup(str(run.dir / LOG_FILE), verbose=cfg.run.verbose)
+    with driver_logging(logs):
+        return _train(cfg, run, logs)
+
+
+def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
     from actors.groups import Roles, start_ray
 
-    run = prepare(cfg, resume)
+    started = time.monotonic()
     try:
-        start_ray(cfg)
-        roles = Roles(cfg, run.model_path, cfg.model.tokenizer, run.resume, note=run.log.note,
-                      reward_columns=run.reward_columns)
-    except BaseException:  # the roles never started: leave no run directory behind that this call created
+        with run.log.activity("starting Ray and the roles"):
+            start_ray(cfg)
+            roles = Roles(cfg, run.model_path, cfg.model.tokenizer, run.resume, note=run.log.note,
+                          reward_columns=run.reward_columns, log=logs)
+    except BaseException as err:  # the roles never started: leave no run directory behind that this call created
         run.log.close()
         if run.created_dir:
             shutil.rmtree(run.dir, ignore_errors=True)
+        if not cfg.run.verbose and not isinstance(err, (ConfigError, KeyboardInterrupt)):
+            print("rlpipe: the roles did not start; `rlpipe train --verbose` shows every process's log on the terminal",
+                  file=sys.stderr)
         raise
     log = run.log
     try:
+        placement = roles.where()  # node id of every actor, per role
+        log.note(roles_summary(cfg, placement, logs.file))
         check = roles.rehearsal
         log.note(
             f"weight sync checked before training: {check['sync/bytes'] / 1e9:.2f} GB from the learner in "
             f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, "
             f"probe max |engine - learner| {check['sync/probe_max_abs']:.1e}"
         )
-        summary = run.summary or {"eval_before": evaluate(roles, run.eval_set, cfg, reward_state(cfg, run, 0, "eval"))}
+        summary = run.summary
+        if not summary:
+            with log.activity("held-out evaluation before training"):
+                summary = {"eval_before": evaluate(roles, run.eval_set, cfg, reward_state(cfg, run, 0, "eval"))}
         summary["sync_check"] = check
-        summary["placement"] = roles.where()  # node id of every actor, per role
+        summary["placement"] = placement
         summary["python"] = roles.interpreters()  # the interpreter of every actor, per role
         log.note(f"held-out accuracy before training: {summary['eval_before']}")
         watch = FailureWatch(cfg.reward.max_failed_share, cfg.reward.max_failed_steps)
         ahead = Lookahead(run, roles, cfg)
         for step in range(run.first_step, cfg.train.steps + 1):
             clock = Clock()
-            with clock("generate"):  # asynchronous mode: only what is left of a generation started a step ago
+            doing = f"step {step}/{cfg.train.steps}:"
+            with clock("generate"), log.activity(f"{doing} generating"):  # asynchronous mode: what is left of it
                 groups = ahead.take(step)
             ahead.start(until=step + cfg.train.max_staleness)  # later steps generate while this one trains
             metrics = staleness_metrics(groups, roles.policy_version)
-            with clock("reward"):
+            with clock("reward"), log.activity(f"{doing} scoring"):
                 failures, errors = roles.score(groups, reward_state(cfg, run, step - 1))
             log.reward_errors(errors)
             watch.update(failures, len(groups) * cfg.rollout.group_size, errors)  # a function broken for good stops
             batch, batch_metrics = make_train_batch(groups, cfg, run.pad_id)
             metrics.update(batch_metrics)
             if batch is not None:  # every sample unscored or filtered: nothing to learn from this step
-                with clock("train"):
+                with clock("train"), log.activity(f"{doing} training"):
                     metrics.update(roles.train(batch))
-                with clock("sync"):
+                with clock("sync"), log.activity(f"{doing} syncing weights"):
                     metrics.update(roles.sync_weights(probe=groups[0]))
             metrics.update(rollout_metrics(groups, cfg.reward.success_threshold, failures))
             metrics.update(clock.metrics(generated_tokens=metrics["completion_tokens"]))
@@ -81,18 +101,22 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             log.log(step, {**metrics, "policy_version": float(roles.policy_version)})
             log.log_samples(step, groups)
             if step == cfg.train.steps or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-                saved = save_checkpoint(run, roles, step, cfg, summary, ahead.sampler_state())
+                with log.activity(f"{doing} saving a checkpoint"):
+                    saved = save_checkpoint(run, roles, step, cfg, summary, ahead.sampler_state())
                 log.note(f"checkpoint saved: {saved}")
-        summary["eval_after"] = evaluate(roles, run.eval_set, cfg, reward_state(cfg, run, cfg.train.steps, "eval"))
+        with log.activity("held-out evaluation after training"):
+            summary["eval_after"] = evaluate(roles, run.eval_set, cfg, reward_state(cfg, run, cfg.train.steps, "eval"))
         log.note(f"held-out accuracy after training: {summary['eval_after']} (before: {summary['eval_before']})")
         if cfg.metrics.export:
-            summary["export"] = roles.export(str(run.dir / "export"))
+            with log.activity("exporting the trained model"):
+                summary["export"] = roles.export(str(run.dir / "export"))
             log.note(f"trained model exported to {summary['export']}")
         if cfg.metrics.plot:
             curves = plot_history(log.history, run.dir / "curves.png", cfg.run.name, summary["eval_before"],
                                   summary["eval_after"])
             summary["plot"] = str(curves) if curves else None
         (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.note(log.final_line(time.monotonic() - started, logs.file))
         return summary
     finally:
         log.close()

@@ -1,16 +1,21 @@
-"""The one logging path: per-step metrics to JSONL and the configured trackers (rlpipe.trackers), a live line per
-step (the plots drawn from these records are rlpipe.plots)."""
+"""The one logging path: per-step metrics to JSONL and the configured trackers (rlpipe.trackers), a line per step
+on the terminal with a live indicator during long phases (the plots drawn from these records are rlpipe.plots)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import shutil
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from rlpipe.logs import PROGRESS_LOGGER
 from rlpipe.types import Group
 
 
@@ -69,11 +74,12 @@ class MetricsLogger:
         ("time/step", "s", "{:.1f}"),
     )
 
-    def __init__(self, run_dir: Path, total_steps: int, trackers: list = (), stream=sys.stdout):
+    def __init__(self, run_dir: Path, total_steps: int, trackers: list = (), stream=None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps = total_steps
-        self.stream = stream
+        self.stream = sys.stdout if stream is None else stream
+        self.status = LiveStatus(self.stream)
         self.history: list[dict] = []
         self._reported: set[str] = set()
         self.trackers = list(trackers)
@@ -94,8 +100,7 @@ class MetricsLogger:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         for tracker in self.trackers:
             tracker.log(step, metrics)
-        self.stream.write(self.format_line(step, metrics) + "\n")
-        self.stream.flush()
+        self._print(self.format_line(step, metrics))
 
     def log_samples(self, step: int, groups: list[Group], count: int = 2) -> None:
         """A few groups' completions and rewards per step in samples.jsonl: what the numbers are about."""
@@ -121,6 +126,12 @@ class MetricsLogger:
         parts.append(f"eta {eta / 60:.1f}m")
         return " | ".join(parts)
 
+    def final_line(self, elapsed_s: float, log_file: str | Path) -> str:
+        """The run's last line: how long it took, the step reward at the first and last step, where things are."""
+        rewards = [record["reward/mean"] for record in self.history if record.get("reward/mean") is not None]
+        trend = f"; step reward {rewards[0]:.3f} at the first step, {rewards[-1]:.3f} at the last" if rewards else ""
+        return f"done in {elapsed_s / 60:.1f} min{trend}; outputs in {self.run_dir}, full log in {log_file}"
+
     def reward_errors(self, errors: dict[str, str]) -> None:
         """Print each reward function's first error once; its failure count is in every step's metrics."""
         for name, message in errors.items():
@@ -129,10 +140,132 @@ class MetricsLogger:
                 self._reported.add(name)
 
     def note(self, message: str) -> None:
-        self.stream.write(message + "\n")
-        self.stream.flush()
+        self._print(message)
+
+    def activity(self, label: str):
+        """`with log.activity("step 3/10: generating"):` shows that the phase is under way while it lasts."""
+        return self.status.phase(label)
+
+    def _print(self, line: str) -> None:
+        """A line on the terminal, copied to the run's log file (rlpipe.logs)."""
+        self.status.write(line + "\n")
+        logging.getLogger(PROGRESS_LOGGER).info(line)
 
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+
+def roles_summary(cfg, placement: dict[str, list[str]], log_file: str | Path) -> str:
+    """The start-up line: what each role runs and where (`placement`: the node id of every actor, per role)."""
+
+    def count(number: int, what: str) -> str:
+        return f"{number} {what}{'' if number == 1 else 's'}"
+
+    learner, rollout = cfg.learner, cfg.rollout
+    engine = "vLLM" if rollout.model_impl == "vllm" else "vLLM with rlpipe's model"
+    tensor_parallel = f", tensor-parallel {rollout.tensor_parallel}" if rollout.tensor_parallel > 1 else ""
+    mode = "graph" if learner.graph else "eager"
+    roles = (
+        f"learner {count(len(placement['learner']), 'rank')} ({learner.device}, {mode}, {cfg.model.dtype}), rollout {count(len(placement['rollout']), 'engine')} ({engine}, {rollout.dtype}"
+        f"{tensor_parallel}), reward {count(len(placement['reward']), 'worker')}"
+    )
+    nodes = {node for ids in placement.values() for node in ids}
+    if len(nodes) <= 1:
+        where = "on one node"
+    else:
+        where = f"on {count(len(nodes), 'node')} (" + "; ".join(
+            f"{role}: {', '.join(sorted({node[:8] for node in ids}))}" for role, ids in placement.items()
+        ) + ")"
+    return f"roles: {roles}; {where}. Full log: {log_file}"
+
+
+class LiveStatus:
+    """A live indicator for phases that may take minutes (the first generation, a compile, an evaluation).
+
+    On a terminal: a status line — a spinner, the phase, its seconds so far — shown once the phase has lasted
+    `delay_s`, redrawn every `tick_s` and erased when the phase ends; any other output meanwhile (a note, a warning
+    forwarded from an actor) erases it first, so lines never run into it. Elsewhere (a pipe, a log file): a line
+    `... <phase> (N s)` every `every_s` seconds while the phase lasts. One phase at a time."""
+
+    SPINNER = "|/-\\"
+
+    def __init__(
+        self, stream, tty: bool | None = None, delay_s: float = 1.0, tick_s: float = 0.25, every_s: float = 30.0
+    ):
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)()) if tty is None else tty
+        self.delay_s, self.tick_s, self.every_s = delay_s, tick_s, every_s
+        self._lock = threading.RLock()
+        self._shown = False  # the status line is on the terminal now
+
+    @contextmanager
+    def phase(self, label: str):
+        started = time.monotonic()
+        stop = threading.Event()
+        thread = threading.Thread(target=self._run, args=(label, started, stop), name="rlpipe-status", daemon=True)
+        swapped = self._swap_std_streams() if self.tty else None
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            with self._lock:
+                self._erase()
+            if swapped:
+                sys.stdout, sys.stderr = swapped
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            self._erase()
+            self.stream.write(text)
+            self.stream.flush()
+
+    def _run(self, label: str, started: float, stop: threading.Event) -> None:
+        turn, next_line = 0, self.every_s
+        while not stop.wait(self.tick_s if self.tty else min(self.tick_s * 4, self.every_s)):
+            elapsed = time.monotonic() - started
+            with self._lock:
+                if stop.is_set():
+                    return
+                if self.tty and elapsed >= self.delay_s:
+                    self._erase()
+                    line = f"{self.SPINNER[turn % len(self.SPINNER)]} {label} ({elapsed:.0f} s)"
+                    self.stream.write(line[: shutil.get_terminal_size().columns - 1])  # one row: erasable
+                    self.stream.flush()
+                    self._shown, turn = True, turn + 1
+                elif not self.tty and elapsed >= next_line:
+                    self.stream.write(f"... {label} ({elapsed:.0f} s)\n")
+                    self.stream.flush()
+                    next_line += self.every_s
+
+    def _erase(self) -> None:
+        if self._shown:
+            self.stream.write("\r\033[K")
+            self._shown = False
+
+    def _swap_std_streams(self):
+        """Route sys.stdout and sys.stderr (where Ray prints what actors write, and rlpipe.logs' console handler
+        writes) through this status, so that their lines erase the status line first."""
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _ErasingStream(sys.stdout, self), _ErasingStream(sys.stderr, self)
+        return saved
+
+
+class _ErasingStream:
+    """A text stream that erases the live status line before it writes (LiveStatus)."""
+
+    def __init__(self, stream, status: LiveStatus):
+        self._stream, self._status = stream, status
+
+    def write(self, text: str) -> int:
+        with self._status._lock:
+            if text:
+                self._status._erase()
+            return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+

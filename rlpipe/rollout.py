@@ -164,7 +164,10 @@ class RolloutEngine:
         seed: int,
         tokenizer_path: str | None = None,
         sync: SyncConfig | None = None,
+        *,
+        progress_bars: bool = True,
     ):
+        """`progress_bars`: vLLM's progress bar while it loads the weights."""
         _engine_env(cfg)
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -202,6 +205,7 @@ class RolloutEngine:
             worker_extension_cls=f"{__name__}.WeightReceiver",
             # Processed logprobs include temperature, which is what the learner reproduces.
             logprobs_mode="processed_logprobs",
+            use_tqdm_on_load=progress_bars,
             **extra,
         )
         self.transport = make_transport(self.sync_cfg.transport)

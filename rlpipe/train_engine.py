@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from rlpipe.checkpoint import load_tensors
+from rlpipe.checkpoint import load_tensors, single_process_dcp
 from rlpipe.config import KernelsConfig
 from rlpipe.device import backend, step_boundary
 from rlpipe.kernels import linear_logprob, logits_logprob
@@ -403,12 +403,13 @@ class TrainEngine:
         """Write this rank's part of the state; every rank calls it at the same time."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self.checkpoint_state(), checkpoint_id=directory)
+        with single_process_dcp(self.world_size == 1):
+            dcp.save(self.checkpoint_state(), checkpoint_id=directory)
 
     def load_checkpoint(self, directory: str) -> None:
         """Load a state saved by `save_checkpoint` with any number of ranks, resharded to this engine."""
         state = self.checkpoint_state()
-        load_tensors(state, directory, "this model")
+        load_tensors(state, directory, "this model", single_process=self.world_size == 1)
         # On xla the loaded values are still pending copies: materialised here, the next step's program is the one
         # every step runs instead of a variant that also performs the load.
         step_boundary(self.device)
