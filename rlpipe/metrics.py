@@ -69,11 +69,11 @@ class MetricsLogger:
         ("time/step", "s", "{:.1f}"),
     )
 
-    def __init__(self, run_dir: Path, total_steps: int, trackers: list = (), stream=sys.stdout):
+    def __init__(self, run_dir: Path, total_steps: int, trackers: list = (), stream=None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps = total_steps
-        self.stream = stream
+        self.stream = stream or sys.stdout  # looked up now: a default bound at import keeps a stdout since replaced
         self.history: list[dict] = []
         self._reported: set[str] = set()
         self.trackers = list(trackers)
