@@ -1,12 +1,13 @@
-"""Reward functions, their registry and the runner that scores batches with them.
+"""Reward functions, their registry and the runner that scores batches with them (installed as rlpipe.rewards).
 
-Plain Python on purpose: this package imports neither `rlpipe`, `actors` nor `ray`, so it runs in any
-worker. Built-ins (`rewards.math`, `rewards.reasoning_gym`, `rewards.code`) import their heavy dependencies only when
-loaded; model-written code runs only in `rewards.sandbox`.
+Plain Python on purpose: this package imports nothing else of rlpipe (neither its core nor rlpipe.actors) and not
+`ray`, so it runs in any worker. Built-ins (`rlpipe.rewards.math`, `rlpipe.rewards.reasoning_gym`,
+`rlpipe.rewards.code`) import their heavy dependencies only when loaded; model-written code runs only in
+`rlpipe.rewards.sandbox`.
 """
 
-from rewards.registry import RewardConfigError, load_reward
-from rewards.runner import SAMPLE_COLUMNS, FailureWatch, RewardFailure, RewardResult, RewardRunner
+from rlpipe.rewards.registry import RewardConfigError, load_reward
+from rlpipe.rewards.runner import SAMPLE_COLUMNS, FailureWatch, RewardFailure, RewardResult, RewardRunner
 
 __all__ = [
     "SAMPLE_COLUMNS",

@@ -12,7 +12,7 @@ import logging
 import re
 from pathlib import Path
 
-from rewards import sandbox
+from rlpipe.rewards import sandbox
 
 logger = logging.getLogger("rewards")
 

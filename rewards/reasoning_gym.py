@@ -20,7 +20,7 @@ from typing import Any
 
 import reasoning_gym
 
-from rewards.extract import last_answer_tag, last_boxed, last_line, last_number
+from rlpipe.rewards.extract import last_answer_tag, last_boxed, last_line, last_number
 
 logger = logging.getLogger("rewards")
 

@@ -24,13 +24,13 @@ from rlpipe.metrics import MetricsLogger, plot_curves, rollout_metrics, stalenes
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, TrainBatch
-from rewards import FailureWatch, RewardRunner
+from rlpipe.rewards import FailureWatch, RewardRunner
 
 
 def train(cfg: Config, resume: str | None = None) -> dict:
     """Run GRPO as configured (from a checkpoint with `resume`: a path, or "latest" of this run); returns the
     summary also written to <run_dir>/summary.json."""
-    from actors.groups import Roles, start_ray
+    from rlpipe.actors.groups import Roles, start_ray
 
     run = prepare(cfg, resume)
     try:

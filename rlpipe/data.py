@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rewards import SAMPLE_COLUMNS
+from rlpipe.rewards import SAMPLE_COLUMNS
 from rlpipe.config import ConfigError, DataConfig, one_line
 from rlpipe.types import Prompt
 

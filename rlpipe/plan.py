@@ -70,13 +70,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlpipe.config import Config, ConfigError
+from rlpipe.config import Config, ConfigError, recipes_dir
 from rlpipe.device import TpuSlice, tpu_slice
 from rlpipe.models.registry import model_config, model_type_of
 
 GIB = 2**30
 USABLE_FRACTION = 0.9
-MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+MODELS_DIR = recipes_dir() / "models"
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

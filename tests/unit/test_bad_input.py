@@ -31,12 +31,12 @@ class ReachedRay(AssertionError):
 
 @pytest.fixture(autouse=True)
 def tripwire(monkeypatch):
-    import actors.groups
+    import rlpipe.actors.groups
 
     def start_ray(cfg):
         raise ReachedRay(f"start_ray reached with run dir {cfg.run_dir}")
 
-    monkeypatch.setattr(actors.groups, "start_ray", start_ray)
+    monkeypatch.setattr(rlpipe.actors.groups, "start_ray", start_ray)
 
 
 @dataclass
@@ -612,7 +612,7 @@ def reward_module_raises_on_import(d):
 
 @case
 def reward_function_missing_from_its_module(d):
-    return Case(["reward.functions=[{name: 'rewards.format:no_such_fn'}]"], ["'rewards.format:no_such_fn'", "no attribute"])
+    return Case(["reward.functions=[{name: 'rlpipe.rewards.format:no_such_fn'}]"], ["'rlpipe.rewards.format:no_such_fn'", "no attribute"])
 
 
 @case
