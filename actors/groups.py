@@ -11,12 +11,12 @@ from dataclasses import asdict, dataclass, replace
 import ray
 from ray._private import ray_constants
 
-from actors.calls import get_all
-from actors.learner import LearnerActor
-from actors.placement import RoleGroup, place_role
-from actors.reward import RewardActor
-from actors.rollout import RolloutActor
-from rewards import trainer_state as start_state
+from rlpipe.actors.calls import get_all
+from rlpipe.actors.learner import LearnerActor
+from rlpipe.actors.placement import RoleGroup, place_role
+from rlpipe.actors.reward import RewardActor
+from rlpipe.actors.rollout import RolloutActor
+from rlpipe.rewards import trainer_state as start_state
 from rlpipe.config import Config, first_line
 from rlpipe.device import learner_env, learner_processes
 from rlpipe.environments import actors_needed, check_cluster_resources

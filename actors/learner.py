@@ -7,7 +7,7 @@ import os
 import ray
 import torch
 
-from actors.calls import get_all
+from rlpipe.actors.calls import get_all
 from rlpipe.checkpoint import set_torch_rng_text, torch_rng_text
 from rlpipe.config import Config
 from rlpipe.device import learner_processes

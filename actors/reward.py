@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from rewards import RewardResult, RewardRunner
+from rlpipe.rewards import RewardResult, RewardRunner
 from rlpipe.logs import LogSetup, configure_worker
 
 

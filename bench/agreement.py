@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from bench.common import in_fresh_process
+from rlpipe.bench.common import in_fresh_process
 
 
 AGREEMENT_QUESTIONS = [

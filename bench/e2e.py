@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import in_fresh_process
 from rlpipe.algo import build_objective, loss_defaults
+from rlpipe.bench.common import in_fresh_process
+from rlpipe.config import recipes_dir
 
 
 E2E_MODELS = {"tiny": "a random 2-layer Qwen3 (hidden 64) with a 384-token BPE", "smollm2-135m": "builtin:smollm2-135m-instruct"}
@@ -46,7 +47,7 @@ class E2ESpec:
     overrides: tuple[str, ...] = ()  # changes to the recipe's workload (`rlpipe bench e2e --set`)
 
     def recipe_path(self) -> str:
-        return self.recipe or str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
+        return self.recipe or str(recipes_dir() / "default.yaml")
 
 
 def e2e_settings(spec: E2ESpec, trl_generation: tuple[str, ...] = ("hf",)) -> dict[str, dict]:
@@ -252,16 +253,16 @@ class TrlReward:
 
     def __init__(self, name: str, weight: float = 1.0, kwargs: dict | None = None, max_tokens: int | None = None,
                  eos_token_id: int | None = None, **_):
-        from rewards import load_reward
-        from rewards.registry import display_name
+        from rlpipe.rewards import load_reward
+        from rlpipe.rewards.registry import display_name
 
         self.fn, self.weight, self.kwargs = load_reward(name), weight, dict(kwargs or {})
         self.max_tokens, self.eos_token_id = max_tokens, eos_token_id
         self.__name__ = display_name(name)  # TRL names the reward's metrics after it
 
     def __call__(self, prompts, completions, completion_ids=None, trainer_state=None, **columns):
-        from rewards.contract import call_arguments
-        from rewards.contract import trainer_state as rlpipe_state
+        from rlpipe.rewards.contract import call_arguments
+        from rlpipe.rewards.contract import trainer_state as rlpipe_state
 
         questions = [p[-1]["content"] if isinstance(p, list) else p for p in prompts]
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -473,7 +474,7 @@ def bench_e2e(model: str, steps: int, threshold: float, trl_generation: list[str
         raise ValueError(f"--model {model!r} (known: {', '.join(E2E_MODELS)})")
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-e2e-") as folder:
         if model == "tiny":
-            from bench.tiny_model import build_tiny_model
+            from rlpipe.bench.tiny_model import build_tiny_model
 
             model_path = build_tiny_model(f"{folder}/tiny-qwen3", "qwen3")
         else:

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from bench.common import in_fresh_process
+from rlpipe.bench.common import in_fresh_process
 
 
 # Output projections of real models: vocabulary -> hidden size (SmolLM2-135M, Qwen3-0.6B).

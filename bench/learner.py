@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import in_fresh_process
+from rlpipe.bench.common import in_fresh_process
 
 
 @dataclass

@@ -62,7 +62,7 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
     assemble. The engine's own write is not part of it (`sync/write_s` in a run's metrics shows that)."""
     import ray
 
-    from actors.groups import start_ray
+    from rlpipe.actors.groups import start_ray
     from rlpipe.config import load_config
     from rlpipe.models import build_model
     from rlpipe.weightsync import EngineLayout, plan_sync
@@ -125,8 +125,8 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
 def _sync_bench_actors():
     import ray
 
-    from actors.groups import compute_env
-    from actors.learner import send_parts
+    from rlpipe.actors.groups import compute_env
+    from rlpipe.actors.learner import send_parts
     from rlpipe.weightsync import Staging, make_transport, shard_rows
 
     # The same thread allowance as the real roles.

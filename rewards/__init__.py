@@ -1,14 +1,15 @@
-"""Reward functions, their registry and the runner that scores batches with them.
+"""Reward functions, their registry and the runner that scores batches with them (installed as rlpipe.rewards).
 
-Plain Python on purpose: this package imports neither `rlpipe`, `actors` nor `ray`, so it runs in any
-worker. The contract functions are written against is TRL's, called by keyword (`rewards.contract`). Built-ins
-(`rewards.math`, `rewards.reasoning_gym`, `rewards.code`, `rewards.verl`) import their heavy dependencies only when
-loaded; model-written code runs only in `rewards.sandbox`.
+Plain Python on purpose: this package imports nothing else of rlpipe (neither its core nor rlpipe.actors) and not
+`ray`, so it runs in any worker. The contract functions are written against is TRL's, called by keyword
+(`rlpipe.rewards.contract`). Built-ins (`rlpipe.rewards.math`, `rlpipe.rewards.reasoning_gym`, `rlpipe.rewards.code`,
+`rlpipe.rewards.verl`) import their heavy dependencies only when loaded; model-written code runs only in
+`rlpipe.rewards.sandbox`.
 """
 
-from rewards.contract import RESERVED_COLUMNS, SAMPLE_COLUMNS, TrainerState, trainer_state
-from rewards.registry import RewardConfigError, load_reward
-from rewards.runner import FailureWatch, RewardFailure, RewardResult, RewardRunner
+from rlpipe.rewards.contract import RESERVED_COLUMNS, SAMPLE_COLUMNS, TrainerState, trainer_state
+from rlpipe.rewards.registry import RewardConfigError, load_reward
+from rlpipe.rewards.runner import FailureWatch, RewardFailure, RewardResult, RewardRunner
 
 __all__ = [
     "RESERVED_COLUMNS",

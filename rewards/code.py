@@ -12,8 +12,8 @@ import logging
 import re
 from pathlib import Path
 
-from rewards import sandbox
-from rewards.contract import completion_text, prompt_text
+from rlpipe.rewards import sandbox
+from rlpipe.rewards.contract import completion_text, prompt_text
 
 logger = logging.getLogger("rewards")
 

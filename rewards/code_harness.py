@@ -1,4 +1,4 @@
-"""The harness `rewards.code` runs in the sandbox: the tests in one process, the model's program in another.
+"""The harness `rlpipe.rewards.code` runs in the sandbox: the tests in one process, the model's program in another.
 
 Test side (`python main.py`): reads the tests from stdin, makes itself non-dumpable (so that no other process of
 the same uid can read its memory or open its descriptors through /proc), starts the program side, and runs the

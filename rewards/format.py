@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from rewards.contract import completion_text
+from rlpipe.rewards.contract import completion_text
 
 
 def regex(completions: list, pattern: str, full: bool = False, **_: object) -> list[float]:

@@ -1,6 +1,6 @@
 """Built-in rewards for math problems with a single final answer (GSM8K, MATH style datasets).
 
-The model's answer is taken from the completion by `rewards.extract.extract_answer` (last `\\boxed{}`,
+The model's answer is taken from the completion by `rlpipe.rewards.extract.extract_answer` (last `\\boxed{}`,
 else after `####`, else `<answer>` tags, else the last number); the reference from the `answer` column
 (after `####` if present, else the whole string).
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 from math_verify import parse, verify
 
-from rewards.contract import completion_text
-from rewards.extract import extract_answer, gold_answer
+from rlpipe.rewards.contract import completion_text
+from rlpipe.rewards.extract import extract_answer, gold_answer
 
 # Plain numbers are compared exactly, up to float printing noise (0.30000000000000004 == 0.3); a looser
 # relative tolerance would accept a wrong last digit in a large integer.

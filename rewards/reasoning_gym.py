@@ -18,10 +18,18 @@ from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
-import reasoning_gym
+try:
+    import reasoning_gym
+except ModuleNotFoundError as err:  # an optional dependency: say which extra brings it
+    if err.name != "reasoning_gym":
+        raise
+    raise ModuleNotFoundError(
+        "this reward needs the 'reasoning-gym' extra, which is not installed: pip install 'rlpipe[reasoning-gym]'",
+        name="reasoning_gym",
+    ) from None
 
-from rewards.contract import completion_text
-from rewards.extract import last_answer_tag, last_boxed, last_line, last_number
+from rlpipe.rewards.contract import completion_text
+from rlpipe.rewards.extract import last_answer_tag, last_boxed, last_line, last_number
 
 logger = logging.getLogger("rewards")
 

@@ -17,14 +17,14 @@ ENTRY_POINT_GROUP = "rlpipe.rewards"
 # Built-ins are named by import path so that loading `rewards` does not import math-verify or
 # reasoning-gym until a config asks for them.
 BUILTIN_REWARDS = {
-    "numeric_answer": "rewards.math:numeric_answer",
-    "exact_match": "rewards.math:exact_match",
-    "reasoning_gym": "rewards.reasoning_gym:verifier",
-    "code_tests": "rewards.code:tests_pass",
-    "format_regex": "rewards.format:regex",
-    "format_tags": "rewards.format:tags",
-    "overlong": "rewards.shaping:overlong",
-    "verl": "rewards.verl:compute_score",
+    "numeric_answer": "rlpipe.rewards.math:numeric_answer",
+    "exact_match": "rlpipe.rewards.math:exact_match",
+    "reasoning_gym": "rlpipe.rewards.reasoning_gym:verifier",
+    "code_tests": "rlpipe.rewards.code:tests_pass",
+    "format_regex": "rlpipe.rewards.format:regex",
+    "format_tags": "rlpipe.rewards.format:tags",
+    "overlong": "rlpipe.rewards.shaping:overlong",
+    "verl": "rlpipe.rewards.verl:compute_score",
 }
 
 
@@ -48,8 +48,11 @@ def load_reward(path: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # the user's module may fail to import with any error, not only ImportError
+        hint = ""
+        if module_name.startswith("rewards.") and isinstance(err, ModuleNotFoundError) and err.name == "rewards":
+            hint = f" (rlpipe's built-in rewards are rlpipe.rewards: 'rlpipe.{path}')"
         raise RewardConfigError(
-            f"reward path {path!r}: cannot import module {module_name!r}: {describe_error(err)}"
+            f"reward path {path!r}: cannot import module {module_name!r}: {describe_error(err)}{hint}"
         ) from err
 
     target = module

@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rewards.contract import CALL_ARGUMENTS, SAMPLE_COLUMNS, call_arguments
-from rewards.contract import trainer_state as start_state
-from rewards.registry import RewardConfigError, describe_error, display_name, load_reward
+from rlpipe.rewards.contract import CALL_ARGUMENTS, SAMPLE_COLUMNS, call_arguments
+from rlpipe.rewards.contract import trainer_state as start_state
+from rlpipe.rewards.registry import RewardConfigError, describe_error, display_name, load_reward
 
 logger = logging.getLogger("rewards")
 
@@ -362,7 +362,7 @@ def _parse_specs(specs: list[dict], columns: list[str] | None) -> list[_Reward]:
                 f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(_SPEC_KEYS)}"
             )
         if "name" not in spec:
-            raise RewardConfigError(f"{where}: missing 'name' (e.g. 'rewards.math:numeric_answer')")
+            raise RewardConfigError(f"{where}: missing 'name' (e.g. 'rlpipe.rewards.math:numeric_answer')")
         weight = spec.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
             raise RewardConfigError(f"{where}: 'weight' must be a finite number, got {weight!r}")

@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
-from rewards.contract import completion_text
-from rewards.registry import RewardConfigError, load_reward
+from rlpipe.rewards.contract import completion_text
+from rlpipe.rewards.registry import RewardConfigError, load_reward
 
 VERL_DEFAULT = "verl.utils.reward_score:default_compute_score"
 

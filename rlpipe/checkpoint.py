@@ -5,7 +5,8 @@ Layout under a run directory:
     checkpoints/
       step_000004/          a complete checkpoint (only complete ones ever carry this name)
         learner/            model shards and optimizer state, torch.distributed.checkpoint (every rank writes its own)
-        trainer.json        step, policy version, sampler position, RNG states, the resolved config, metrics so far
+        trainer.json        step, policy version, sampler position, RNG states, the resolved config, the model
+                            folder model.path resolved to, metrics so far
       latest                the name of the newest complete checkpoint (one line)
 
 A save writes everything into `checkpoints/.partial-step_NNNNNN`, fsyncs every file and the directory, renames it
@@ -398,7 +399,9 @@ def _fsync(path: Path) -> None:
 
 def export(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Write a checkpoint's weights as a Hugging Face folder (safetensors, config, tokenizer, generation config),
-    whatever number of ranks saved it. The model's architecture and tokenizer come from the run's `model.path`."""
+    whatever number of ranks saved it. The model's architecture and tokenizer come from the folders the run's
+    `model.path` and `model.tokenizer` resolved to (recorded in the checkpoint; a Hub id's cached snapshot)."""
+    from rlpipe.config import ConfigError
     from rlpipe.models import load_model, read_hf_config, save_state_dict
     from rlpipe.models.builtin import resolve_model_path
 
@@ -406,10 +409,23 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise CheckpointError(f"export: {out_dir} already exists; it is not overwritten")
-    model_cfg = read_trainer_state(source)["config"]["model"]
-    model_path = resolve_model_path(model_cfg["path"])
+    trainer = read_trainer_state(source)
+    model_cfg = trainer["config"]["model"]
+
+    def folder(recorded: str | None, given: str | None, key: str) -> str | None:
+        """The folder the run resolved `key` to, as the checkpoint records it; else (an older checkpoint, a folder
+        since removed) `key` resolved again."""
+        if recorded and Path(recorded).is_dir():
+            return recorded
+        try:
+            return resolve_model_path(given, key) if given else None
+        except ConfigError as err:
+            raise CheckpointError(f"checkpoint {source}: {err}") from None
+
+    model_path = folder(trainer.get("model_path"), model_cfg["path"], "model.path")
+    tokenizer_path = folder(trainer.get("tokenizer_path"), model_cfg["tokenizer"], "model.tokenizer")
     model = load_model(model_path)
     state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
     load_tensors(state, str(source / LEARNER_STATE), model_path, single_process=True)
     weights = {name[len("model.") :]: tensor for name, tensor in state.items()}
-    return save_state_dict(weights, read_hf_config(model_path), out_dir, source_dir=model_cfg["tokenizer"] or model_path)
+    return save_state_dict(weights, read_hf_config(model_path), out_dir, source_dir=tokenizer_path or model_path)

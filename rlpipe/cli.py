@@ -9,11 +9,11 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from rewards import RewardConfigError, RewardFailure
+from rlpipe.rewards import RewardConfigError, RewardFailure
 from rlpipe.checkpoint import CheckpointError
-from rlpipe.config import Config, ConfigError, first_line, help_text, load_config
+from rlpipe.config import Config, ConfigError, first_line, help_text, load_config, recipes_dir
 
-DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+DEFAULT_RECIPE = recipes_dir() / "default.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = _parse_args(parser, argv)
     if args.command == "bench" and args.what == "sync":
-        from bench.sync import SYNC_MODELS, bench_sync
+        from rlpipe.bench.sync import SYNC_MODELS, bench_sync
         from rlpipe.weightsync import TRANSPORTS
 
         split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
@@ -261,14 +261,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "bench" and args.what == "agreement":
-        from bench.agreement import bench_agreement
+        from rlpipe.bench.agreement import bench_agreement
 
         split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
         bench_agreement(args.model, split(args.impls), split(args.dtypes), args.prompts, args.samples,
                         args.max_tokens, args.out)
         return 0
     if args.command == "bench" and args.what == "e2e":
-        from bench.e2e import TRL_GENERATION, bench_e2e
+        from rlpipe.bench.e2e import TRL_GENERATION, bench_e2e
 
         split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
         unknown = [g for g in split(args.trl) if g not in TRL_GENERATION]
@@ -278,13 +278,13 @@ def main(argv: list[str] | None = None) -> int:
                   args.repeats, args.overrides)
         return 0
     if args.command == "bench" and args.what == "kernels":
-        from bench.kernels import bench_kernels
+        from rlpipe.bench.kernels import bench_kernels
 
         numbers = lambda text: [int(item) for item in text.split(",") if item]  # noqa: E731
         bench_kernels(numbers(args.vocabs), numbers(args.tokens), args.chunk, args.repeats, args.out)
         return 0
     if args.command == "bench":
-        from bench.learner import PRESETS, LearnerBenchShape, bench_learner, unsupported_modes
+        from rlpipe.bench.learner import PRESETS, LearnerBenchShape, bench_learner, unsupported_modes
 
         if args.preset is not None and args.preset not in PRESETS:
             parser.error(f"bench learner --preset: unknown {args.preset!r} (known: {', '.join(PRESETS)})")
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             result = plan(cfg)
             print(format_plan(result))
             return 0 if result.ok else 1
-        from actors.groups import WorkerLost
+        from rlpipe.actors.groups import WorkerLost
 
         try:
             train_with_restarts(cfg, args.resume, args.auto_resume)
@@ -351,7 +351,7 @@ def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> d
     when it gives up."""
     import ray
 
-    from actors.groups import WorkerLost
+    from rlpipe.actors.groups import WorkerLost
     from rlpipe import checkpoint
     from rlpipe.controller import train
 

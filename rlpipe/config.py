@@ -138,7 +138,7 @@ class RolloutConfig:
 
 @dataclass
 class RewardFunctionConfig:
-    name: str = _key("rewards.reasoning_gym:verifier", "import path pkg.mod:fn, or a built-in name")
+    name: str = _key("rlpipe.rewards.reasoning_gym:verifier", "import path pkg.mod:fn, or a built-in name")
     weight: float = _key(1.0, "weight of this function in the total reward")
     kwargs: dict = _key({}, "keyword arguments passed on every call")
     group: bool = _key(False, "call the function once per group (it sees one prompt's completions together)")
@@ -542,6 +542,25 @@ class _RecipeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def recipes_dir() -> Path:
+    """The recipes rlpipe ships: configs/ beside rlpipe/ in a checkout (an editable install reads them there too),
+    rlpipe/configs/ once installed from a wheel."""
+    here = Path(__file__).resolve().parent
+    inside = here / "configs"
+    return inside if inside.is_dir() else here.parent / "configs"
+
+
+def find_recipe(recipe: str | Path) -> Path:
+    """The recipe file `recipe` names; where no such file exists, the shipped recipe of that name (`default.yaml`,
+    `configs/qwen3-8b-v6e.yaml`), so that an installed rlpipe runs the recipes it carries from any directory."""
+    path = Path(recipe)
+    if path.exists() or path.is_absolute():
+        return path
+    parts = path.parts[1:] if path.parts[:1] == ("configs",) else path.parts
+    shipped = recipes_dir().joinpath(*parts) if parts else path
+    return shipped if shipped.is_file() else path
+
+
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
@@ -565,7 +584,7 @@ def load_yaml(path: str | Path) -> dict:
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Recipe file, then `a.b=value` overrides, then type checks and cross-key validation."""
-    tree = load_yaml(recipe) if recipe else {}
+    tree = load_yaml(find_recipe(recipe)) if recipe else {}
     for text in overrides:
         path, value = _parse_override(text)
         _set_path(tree, path, value, text.split("=", 1)[0])

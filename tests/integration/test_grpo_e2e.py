@@ -112,7 +112,7 @@ def test_qwen3_moe_from_jsonl(tmp_path, tiny_qwen3_moe, ray_cluster):
         f"data.path={data}",
         # none_first cannot score the first sample of each call: that sample is counted and left out.
         # rank_in_group raises when it sees samples of two prompts; overlong reads the pool's per-sample columns.
-        "reward.functions=[{name: 'rewards.math:numeric_answer'}, {name: 'tests.unit.reward_fixtures:length', "
+        "reward.functions=[{name: 'rlpipe.rewards.math:numeric_answer'}, {name: 'tests.unit.reward_fixtures:length', "
         "weight: 0.01}, {name: 'tests.unit.reward_fixtures:none_first', weight: 0.0}, "
         "{name: 'tests.unit.reward_fixtures:rank_in_group', weight: 0.0, group: true}, "
         "{name: overlong, weight: 0.1, kwargs: {buffer_tokens: 4}}]",
@@ -139,7 +139,7 @@ def test_qwen3_moe_from_jsonl(tmp_path, tiny_qwen3_moe, ray_cluster):
 def test_local_cluster_is_bound_to_loopback(ray_cluster):
     import ray
 
-    from actors.groups import start_ray
+    from rlpipe.actors.groups import start_ray
 
     from ray._raylet import AuthenticationMode, get_authentication_mode
 
@@ -178,7 +178,7 @@ def test_llama_from_reasoning_gym(tmp_path, tiny_llama, ray_cluster, twin_python
 
 
 def test_roles_that_do_not_fit_the_cluster_fail_fast(tiny_qwen3, ray_cluster):
-    from actors.groups import Roles, start_ray
+    from rlpipe.actors.groups import Roles, start_ray
     from rlpipe.config import ConfigError
 
     start_ray(load_config(None, ["ray.num_cpus=6"]))
@@ -192,7 +192,7 @@ def test_a_dead_learner_rank_fails_the_step_at_once(tiny_qwen3, ray_cluster):
 
     import ray
 
-    from actors.groups import Roles, WorkerLost, start_ray
+    from rlpipe.actors.groups import Roles, WorkerLost, start_ray
     from rlpipe.types import TrainBatch
 
     start_ray(load_config(None, ["ray.num_cpus=6"]))
@@ -261,7 +261,7 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_pat
 
 
 def test_a_reward_function_broken_for_good_stops_the_run_naming_it(tmp_path, tiny_qwen3, ray_cluster):
-    from rewards import RewardFailure
+    from rlpipe.rewards import RewardFailure
 
     cfg = load_config(None, _overrides(tmp_path / "runs", tiny_qwen3) + [
         "run.name=broken-reward",

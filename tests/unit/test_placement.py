@@ -11,7 +11,7 @@ import pytest
 from ray._private.accelerators.tpu import get_chips_per_host, get_num_chips_from_topology
 from ray.util.placement_group import PlacementGroup
 
-from actors.placement import (
+from rlpipe.actors.placement import (
     SLICE_NAME_LABEL,
     WORKER_ID_LABEL,
     RoleGroup,
@@ -21,7 +21,7 @@ from actors.placement import (
     fallback_slice_bundles,
     slice_slots,
 )
-from actors.groups import KEEP_FREED_MEMORY, compute_env
+from rlpipe.actors.groups import KEEP_FREED_MEMORY, compute_env
 from rlpipe.config import ConfigError, RolePlacement
 from rlpipe.device import tpu_slice
 

@@ -1,0 +1,183 @@
+"""Packaging: one installed package, rlpipe. The checkout's actors/, rewards/, bench/ and configs/ install inside it
+(rlpipe.actors, rlpipe.rewards, rlpipe.bench, rlpipe/configs/), so a wheel carries the recipes and no module of a
+user's can shadow rlpipe's own; an editable install maps the same names to the checkout's folders.
+
+The wheel and the editable install go into fresh virtual environments layered over this one's packages by a plain
+.pth path line: that adds this environment's site-packages to sys.path without running its .pth files, so this
+environment's own (editable) rlpipe is not among them — the rlpipe imported is the one just installed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
+PARTS = {"rlpipe.actors": "actors", "rlpipe.rewards": "rewards", "rlpipe.bench": "bench"}
+SOURCES = ["pyproject.toml", "README.md", "rlpipe", *SETUPTOOLS["package-dir"].values()]
+
+
+def _tracked(folder: str) -> list[Path]:
+    listed = subprocess.run(["git", "ls-files", folder], cwd=REPO, capture_output=True, text=True, check=True)
+    return [Path(line) for line in listed.stdout.splitlines()]
+
+
+def test_the_package_list_names_every_package_folder():
+    assert {name: SETUPTOOLS["package-dir"][name] for name in PARTS} == PARTS
+    assert SETUPTOOLS["package-dir"]["rlpipe.configs"] == "configs"
+    found = {".".join(p.parent.parts) for p in _tracked("rlpipe") if p.name == "__init__.py"}
+    for name, folder in PARTS.items():
+        found |= {".".join((name, *p.parent.relative_to(folder).parts)) for p in _tracked(folder) if p.name == "__init__.py"}
+    assert found | {"rlpipe.configs"} == set(SETUPTOOLS["packages"])
+
+
+def _copy_sources(target: Path) -> Path:
+    """The files the package is built from, tracked ones only (no build/ or egg-info leftovers of a checkout)."""
+    for name in SOURCES:
+        for path in _tracked(name) if (REPO / name).is_dir() else [Path(name)]:
+            (target / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / path, target / path)
+    return target
+
+
+def _layered_venv(folder: Path) -> Path:
+    """A fresh environment whose only packages beyond its own are this environment's, on sys.path as a plain path."""
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    site = folder / "lib" / ("python%d.%d" % sys.version_info[:2]) / "site-packages"
+    (site / "layered_over.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return folder / "bin" / "python"
+
+
+def _pip_install(python: Path, *args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", "install", "--quiet",
+         "--no-deps", "--no-index", "--no-build-isolation", *args],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing points at a checkout
+
+
+# A user's own modules by the names the top-level folders used to install as: they must not stand in for rlpipe's.
+SHADOWS = {"rewards.py": "raise SystemExit('a user module shadowed rlpipe.rewards')\n",
+           "actors.py": "raise SystemExit('a user module shadowed rlpipe.actors')\n",
+           "bench.py": "raise SystemExit('a user module shadowed rlpipe.bench')\n"}
+
+# Where rlpipe's parts are found, and which module a built-in reward comes from.
+CHECK = """
+import importlib.util, json
+from rlpipe.rewards import load_reward
+print(json.dumps({
+    "parts": {name: importlib.util.find_spec(name).origin for name in ("rlpipe.actors.groups", "rlpipe.rewards.math",
+                                                                        "rlpipe.bench.learner")},
+    "builtin": load_reward("numeric_answer").__module__,
+}))
+"""
+# A recipe still naming a built-in reward by its former top-level path.
+MOVED = """
+from rlpipe.rewards import RewardConfigError, load_reward
+try:
+    load_reward("rewards.math:numeric_answer")
+except RewardConfigError as err:
+    print(err)
+"""
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("wheel")
+    source = _copy_sources(root / "src")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-index", "--no-build-isolation",
+                    "--disable-pip-version-check", "-w", str(root / "dist"), str(source)],
+                   check=True, capture_output=True, timeout=300)
+    (built,) = (root / "dist").glob("rlpipe-*.whl")
+    return built
+
+
+def test_the_wheel_holds_rlpipe_alone_with_its_recipes(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names} == {"rlpipe", f"{wheel.name.split('-py3')[0]}.dist-info"}
+    for folder, inside in [("rlpipe", "rlpipe"), *((f, n.replace(".", "/")) for n, f in PARTS.items())]:
+        for path in _tracked(folder):
+            assert f"{inside}/{path.relative_to(folder)}" in names, path
+    for path in _tracked("configs"):
+        assert f"rlpipe/{path}" in names, path
+
+
+def test_a_wheel_install_runs_outside_the_checkout(wheel, tmp_path):
+    python = _layered_venv(tmp_path / "venv")
+    _pip_install(python, str(wheel))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name, text in SHADOWS.items():
+        (elsewhere / name).write_text(text)
+    rlpipe = python.parent / "rlpipe"
+
+    shown = subprocess.run([str(rlpipe), "config", "show"], cwd=elsewhere, env=_env(), capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    config = yaml.safe_load(shown.stdout)
+    assert config["run"]["name"] == "smollm2-arithmetic"  # the default recipe, from the wheel
+    assert config["reward"]["functions"][0]["name"] == "rlpipe.rewards.reasoning_gym:verifier"
+    tpu = subprocess.run([str(rlpipe), "config", "show", "configs/qwen3-8b-v6e.yaml"], cwd=elsewhere, env=_env(),
+                         capture_output=True, text=True)
+    assert tpu.returncode == 0, tpu.stderr
+    assert yaml.safe_load(tpu.stdout)["placement"]["learner"]["tpu"] == "v6e-16"  # a shipped recipe, by its name
+
+    checked = subprocess.run([str(python), "-c", CHECK], cwd=elsewhere, env=_env(), capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    report = yaml.safe_load(checked.stdout)
+    site = str(python.parent.parent / "lib")
+    for name, origin in report["parts"].items():
+        assert origin.startswith(site) and f"/site-packages/{name.replace('.', '/')}" in origin, (name, origin)
+    assert report["builtin"] == "rlpipe.rewards.math"
+    moved = subprocess.run([str(python), "-c", MOVED], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    assert "No module named 'rewards'" in moved.stdout, moved.stdout + moved.stderr
+    assert "rlpipe's built-in rewards are rlpipe.rewards: 'rlpipe.rewards.math:numeric_answer'" in moved.stdout
+
+
+def test_an_editable_install_maps_the_checkout_folders(tmp_path):
+    source = _copy_sources(tmp_path / "src")
+    python = _layered_venv(tmp_path / "venv")
+    _pip_install(python, "--editable", str(source))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name, text in SHADOWS.items():
+        (elsewhere / name).write_text(text)
+    checked = subprocess.run([str(python), "-c", CHECK], cwd=elsewhere, env=_env(), capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    report = yaml.safe_load(checked.stdout)
+    for name, origin in report["parts"].items():
+        folder = PARTS[name.rpartition(".")[0]]
+        assert origin == str(source / folder / f"{name.rpartition('.')[2]}.py"), (name, origin)
+    assert report["builtin"] == "rlpipe.rewards.math"
+    shown = subprocess.run([str(python.parent / "rlpipe"), "config", "show"], cwd=elsewhere, env=_env(),
+                           capture_output=True, text=True)
+    assert shown.returncode == 0 and yaml.safe_load(shown.stdout)["run"]["name"] == "smollm2-arithmetic", shown.stderr
+
+
+def test_a_checkout_on_the_path_maps_its_own_folders(tmp_path):
+    """No install: PYTHONPATH (or a Ray job's working_dir) names a checkout. Its rlpipe maps rlpipe.actors and the
+    others to the folders beside it, ahead of any other install's (here: this environment's own rlpipe)."""
+    source = _copy_sources(tmp_path / "src")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name, text in SHADOWS.items():
+        (elsewhere / name).write_text(text)
+    env = {**_env(), "PYTHONPATH": str(source)}
+    checked = subprocess.run([sys.executable, "-c", CHECK], cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    for name, origin in yaml.safe_load(checked.stdout)["parts"].items():
+        assert origin.startswith(str(source / PARTS[name.rpartition(".")[0]])), (name, origin)
