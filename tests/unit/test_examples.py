@@ -219,3 +219,69 @@ def test_gsm8k_prepare_as_a_command_exits_2_and_never_replaces_output(tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
 
 
+# ---------------------------------------------------------------- examples/reward_package
+
+_PACKAGE_CHECK = r"""
+import importlib, inspect, json, sys
+
+try:
+    api = importlib.import_module("rlpipe.rewards")
+except ModuleNotFoundError:
+    api = importlib.import_module("rewards")
+import example_rewards.answers as answers
+
+report = {"final_number": api.load_reward("final_number") is answers.final_number,
+          "brevity": api.load_reward("brevity") is answers.brevity,
+          "from": inspect.getsourcefile(answers)}
+specs = [{"name": "final_number"}, {"name": "brevity", "weight": 0.5, "kwargs": {"target_tokens": 4}}]
+runner = api.RewardRunner(specs, columns=["solution"])
+completions = ["6 x 7 = 42", "it is 41", "1,000", "no number"]
+text = runner.score(["q"] * 4, completions, {"solution": ["42", "42", "1000", "7"], "completion_tokens": [5, 3, 1, 2],
+                    "finish_reason": ["stop"] * 4, "max_tokens": [8] * 4}, completion_ids=[[1] * 5, [1] * 3, [1], [1, 1]])
+chat = runner.score([[{"role": "user", "content": "q"}]], ["so 42"], {"solution": ["42"], "completion_tokens": [2],
+                    "finish_reason": ["stop"], "max_tokens": [8]}, completion_ids=[[1, 1]])
+report.update(text=text.per_function, totals=text.totals, chat=chat.per_function)
+try:
+    api.RewardRunner([{"name": "final_number"}], columns=["answer"])
+except api.RewardConfigError as err:
+    report["refused"] = str(err)
+print("REPORT " + json.dumps(report))
+"""
+
+
+def install_reward_package(folder: Path) -> Path:
+    """pip-installs examples/reward_package into `folder`/site-packages (offline: no build isolation, no
+    dependencies to fetch) and returns that folder; on PYTHONPATH it is found as site-packages would be."""
+    # Built from a copy: setuptools writes build/ and *.egg-info next to the sources it builds.
+    source = shutil.copytree(EXAMPLES / "reward_package", folder / "reward_package")
+    site = folder / "site-packages"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet",
+         "--disable-pip-version-check", "--target", str(site), str(source)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert install.returncode == 0, install.stderr
+    assert (site / "rlpipe_example_rewards-0.1.0.dist-info" / "entry_points.txt").read_text().startswith(
+        "[rlpipe.rewards]")
+    return site
+
+
+def test_the_reward_package_installs_and_rlpipe_finds_its_functions_by_name(tmp_path):
+    site = install_reward_package(tmp_path)
+
+    # A fresh interpreter with the installed folder on its path: importlib.metadata finds the package's dist-info
+    # there, as it would in site-packages.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", _PACKAGE_CHECK], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
+    assert lines, done.stderr[-3000:]
+    report = json.loads(lines[-1].removeprefix("REPORT "))
+    assert report["final_number"] and report["brevity"]
+    assert report["from"].startswith(str(site))  # the installed copy, not the example's sources
+    assert report["text"] == {"final_number": [1.0, 0.0, 1.0, 0.0], "brevity": [0.0, 0.25, 0.75, 0.5]}
+    assert report["totals"] == [1.0, 0.125, 1.375, 0.25]
+    assert report["chat"] == {"final_number": [1.0], "brevity": [0.5]}  # conversational completions too
+    assert "final_number" in report["refused"] and "solution" in report["refused"]
+
+
