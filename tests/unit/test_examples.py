@@ -285,3 +285,160 @@ def test_the_reward_package_installs_and_rlpipe_finds_its_functions_by_name(tmp_
     assert "final_number" in report["refused"] and "solution" in report["refused"]
 
 
+# ---------------------------------------------------------------- examples/trl_grpo
+
+
+def mapping_tables(page: Path) -> dict[str, list[list[str]]]:
+    """The page's markdown tables by their first header cell: {header: rows of cells}."""
+    tables, current = {}, None
+    for line in page.read_text().splitlines():
+        if not line.startswith("|"):
+            current = None
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if current is None:
+            current = tables.setdefault(cells[0], [])
+        elif not set("".join(cells)) <= set("-: "):
+            current.append(cells)
+    return tables
+
+
+def spans(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+RLPIPE_KEYS = {key for key, _, _ in describe()}
+SECTIONS = {key.split(".")[0] for key in RLPIPE_KEYS}
+
+
+def rlpipe_spans(row: list[str]) -> tuple[list[str], list[str]]:
+    """(the rlpipe column's spans, the notes' spans that name rlpipe keys: those starting with a config section)."""
+    named = spans(row[1])
+    noted = [s for s in spans(row[2]) if s.split(".")[0] in SECTIONS and "." in s.split("=")[0]]
+    return named, noted
+
+
+def test_every_rlpipe_key_in_the_mapping_page_exists():
+    tables = mapping_tables(TRL_PAGE)
+    rows = tables["GRPOConfig field"] + tables["GRPOTrainer argument"]
+    assert len(tables["GRPOConfig field"]) >= 40 and len(tables["GRPOTrainer argument"]) >= 5
+    checked = 0
+    for row in rows:
+        named, noted = rlpipe_spans(row)
+        if row[1] != "—":
+            assert named, row
+        for span in named + noted:
+            key, _, value = span.partition("=")
+            assert key in RLPIPE_KEYS, f"{row[0]}: {key} is not an rlpipe config key"
+            if value:
+                load_config(None, [span])  # the value is one the key takes
+            checked += 1
+    assert checked >= 60
+
+
+def test_every_trl_name_in_the_mapping_page_exists_in_trl():
+    trl = pytest.importorskip("trl")
+    fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    arguments = set(inspect.signature(trl.GRPOTrainer.__init__).parameters)
+    tables = mapping_tables(TRL_PAGE)
+    for table, known in (("GRPOConfig field", fields), ("GRPOTrainer argument", arguments)):
+        for row in tables[table]:
+            for name in spans(row[0]):
+                assert name in known, f"{name} is not a {table.split()[0]} {table.split()[1]} in trl {trl.__version__}"
+
+
+def trl_script_calls() -> tuple[dict, dict]:
+    """The keyword arguments train_trl.py passes to GRPOConfig and GRPOTrainer, read from its source (TRL not needed):
+    literal values as they are, names (variables, functions) as their text."""
+
+    def value(node):
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.List):
+            return [value(element) for element in node.elts]
+        return ast.literal_eval(node)
+
+    calls = {}
+    for node in ast.walk(ast.parse((TRL_DIR / "train_trl.py").read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("GRPOConfig", "GRPOTrainer"):
+            calls[node.func.id] = {keyword.arg: value(keyword.value) for keyword in node.keywords}
+    return calls["GRPOConfig"], calls["GRPOTrainer"]
+
+
+def test_the_trl_recipe_says_what_the_trl_script_says():
+    args, trainer = trl_script_calls()
+    cfg = load_config(TRL_RECIPE)
+    epsilon = args.get("epsilon", 0.2)
+    steps_per_generation = args.get("steps_per_generation", args.get("gradient_accumulation_steps", 1))
+    generation_batch = args["per_device_train_batch_size"] * steps_per_generation  # one device
+    aggregation = {"dapo": ("grpo", "token-mean"), "grpo": ("grpo", "seq-mean-token-mean"), "dr_grpo": ("dr_grpo", None)}
+    schedule = {"constant_with_warmup": "constant", "cosine": "cosine"}
+    assert {
+        "run": (f"{cfg.run.output_dir}/{cfg.run.name}", cfg.run.seed),
+        "model": Path(cfg.model.path).name,
+        "samples per step": cfg.samples_per_step,
+        "group": cfg.rollout.group_size,
+        "micro": cfg.train.micro_batch_size,
+        "optimizer steps per step": cfg.samples_per_step // (cfg.train.mini_batch_size or cfg.samples_per_step),
+        "steps": cfg.train.steps,
+        "sampling": (cfg.rollout.max_tokens, cfg.rollout.temperature, cfg.rollout.top_p),
+        "optimizer": (cfg.train.lr, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.grad_clip),
+        "loss": (cfg.algo.loss, cfg.algo.loss_agg, cfg.algo.advantage_scale),
+        "clip": (cfg.algo.clip_low, cfg.algo.clip_high),
+        "kl": (cfg.algo.kl_beta, cfg.algo.kl_estimator),
+        "rewards": [(f.name, f.weight) for f in cfg.reward.functions],
+        "precision": (cfg.model.dtype, cfg.learner.param_dtype),
+        "activation checkpointing": cfg.learner.activation_checkpointing,
+        "checkpoints": (cfg.train.checkpoint_every, cfg.train.keep_checkpoints),
+        "template": cfg.data.chat_template_kwargs,
+        "engine memory": cfg.rollout.gpu_memory_utilization,
+        "eval": cfg.data.eval_size > 0,
+    } == {
+        "run": (args["output_dir"], args["seed"]),
+        "model": trainer["model"].rpartition("/")[2],
+        "samples per step": generation_batch,
+        "group": args["num_generations"],
+        "micro": args["per_device_train_batch_size"],
+        "optimizer steps per step": steps_per_generation // args["gradient_accumulation_steps"],
+        "steps": args["max_steps"] * args["gradient_accumulation_steps"] // steps_per_generation,
+        "sampling": (args["max_completion_length"], args["temperature"], args["top_p"]),
+        "optimizer": (args["learning_rate"], schedule[args["lr_scheduler_type"]], args["warmup_steps"],
+                      args["max_grad_norm"]),
+        "loss": (*aggregation[args["loss_type"]], args["scale_rewards"]),
+        "clip": (epsilon, args.get("epsilon_high") or epsilon),
+        "kl": (args["beta"], "k3"),
+        "rewards": [(f"gsm8k_rewards:{name}", weight) for name, weight in zip(trainer["reward_funcs"],
+                                                                                args["reward_weights"], strict=True)],
+        "precision": ("float32", "bfloat16" if args["bf16"] else None),
+        "activation checkpointing": args["gradient_checkpointing"],
+        "checkpoints": (args["save_steps"], args["save_total_limit"]),
+        "template": args["chat_template_kwargs"],
+        "engine memory": args["vllm_gpu_memory_utilization"],
+        "eval": "eval_dataset" in trainer,
+    }
+
+
+def test_the_trl_script_rewards_pass_rlpipe_start_up_check_on_the_prepared_data(tmp_path, monkeypatch, prepare_module):
+    monkeypatch.syspath_prepend(str(TRL_DIR))  # as PYTHONPATH=examples/trl_grpo does for `rlpipe train`
+    out = tmp_path / "gsm8k-chat"
+    assert prepare_module.main([str(gsm8k_folder(tmp_path / "gsm8k")), "--out", str(out)]) == 0
+    cfg = load_config(TRL_RECIPE, [f"data.path={out}"])
+    train, _ = load_rows(cfg.data, cfg.run.seed)
+    api = rewards_api()
+    runner = api.RewardRunner([dataclasses.asdict(f) for f in cfg.reward.functions], cfg.reward.timeout_s,
+                              columns=reward_columns(train, cfg.data.prompt_field))
+    completions = ["48 + 24 = 72\n#### 72", "#### 1,000", "72"]
+    rows = [train[0]] * 3
+    result = runner.score([r["prompt"] for r in rows], completions, batch_columns(rows, completions, "prompt"))
+    assert result.per_function == {"correctness_reward": [1.0, 0.0, 0.0], "format_reward": [0.2, 0.2, 0.0]}
+    assert result.failures == {"correctness_reward": 0, "format_reward": 0}
+
+    # The script's own dataset.map(to_conversation) makes the rows prepare.py wrote.
+    pytest.importorskip("trl")
+    train_trl = importlib.import_module("train_trl")
+    assert train_trl.SYSTEM_PROMPT == prepare_module.SYSTEM_PROMPT
+    for source, row in zip(GSM8K_TRAIN, train, strict=True):
+        mapped = {**source, **train_trl.to_conversation(source)}
+        del mapped["question"]  # remove_columns=["question"]
+        assert mapped == row
+    assert train_trl.correctness_reward is importlib.import_module("gsm8k_rewards").correctness_reward
