@@ -128,7 +128,7 @@ def test_two_ranks_equal_one(request, family, graph):
     assert max((start[n] - t).abs().max() for n, t in single.model.state_dict().items()) > 1e-3  # it trained
 
 
-def _recompute_rank(rank, model_path, ports, results):
+def _recompute_rank(rank, model_path, port_queue, results):
     """Eager learners without and with activation checkpointing, then a graph learner with it, one after another."""
     import torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass as remat
 
@@ -145,7 +145,13 @@ def _recompute_rank(rank, model_path, ports, results):
     remat.remat_using_tags_for_fwd_loss_bwd_graph = counting
     out = {}
     runs = [(False, False), (False, True), (True, True)]
-    for port, current in zip(ports, runs):
+    for current in runs:
+        # Each group's port is chosen when it starts, by rank 0: one chosen minutes earlier may be taken by then.
+        if rank == 0:
+            port = find_free_port()
+            port_queue.put(port)
+        else:
+            port = port_queue.get(timeout=600)
         graph, recompute = current
         cfg = _config(
             model_path,
@@ -169,8 +175,8 @@ def test_activation_checkpointing_on_two_ranks_changes_no_numbers(tiny_qwen3):
     all-gather is re-emitted for backward, so backward reads no forward-gathered copy."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    ports = [find_free_port() for _ in range(3)]
-    procs = [context.Process(target=_recompute_rank, args=(r, tiny_qwen3, ports, results)) for r in range(2)]
+    port_queue = context.Queue()
+    procs = [context.Process(target=_recompute_rank, args=(r, tiny_qwen3, port_queue, results)) for r in range(2)]
     for p in procs:
         p.start()
     outputs = dict((rank, (out, gathers)) for rank, out, gathers in (results.get(timeout=600) for _ in procs))
