@@ -71,8 +71,8 @@ KNOWN_HARMLESS: list[tuple[str, str]] = [
     # vLLM's CPU worker binds its threads and then refuses torch.set_num_threads — including vLLM's own later calls
     # (its renderer warm-up, its serving thread setting), which is what prints this; the binding stays as it is.
     ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding"),
-    # rlpipe's local cluster relies on Ray's default token authentication (README, actors/groups.py start_ray); the
-    # opposite warning, that authentication is off, is not in this list.
+    # rlpipe's local cluster relies on Ray's default token authentication (docs/rewards.md, actors/groups.py
+    # start_ray); the opposite warning, that authentication is off, is not in this list.
     ("ray._private.authentication.authentication_token_setup", "Token authentication is enabled for this Ray cluster"),
 ]
 

@@ -14,7 +14,7 @@ Expert implementations (config `model.kernels.experts`):
   matmul (rlpipe/kernels/gmm.py) over all experts at once; the shapes are static (tokens x k rows), so the
   Graph Trainer captures the layer in its one graph.
 - `loop`: one slice of tokens per expert, gathered with a mask, as transformers' eager code does; the baseline
-  of `rlpipe bench learner --moe`, eager only (its shapes depend on the routing).
+  of `rlpipe bench learner --experts N`, eager only (its shapes depend on the routing).
 """
 
 from __future__ import annotations
