@@ -97,14 +97,14 @@ def _e2e_config(spec: E2ESpec, overrides: list[str]):
 def e2e_prompt_rows(cfg) -> list[dict]:
     """The rows rlpipe's controller draws, step by step, in its order (its Sampler with run.seed): TRL reads
     them in this order with its own shuffling off. `entry` travels as JSON text (the verifier reads both)."""
-    from rlpipe.data import Sampler, load_rows
+    from rlpipe.data import Sampler, load_rows, with_suffix
 
     train_rows, _ = load_rows(cfg.data, cfg.run.seed)
     sampler = Sampler(len(train_rows), cfg.run.seed)
     order = [i for _ in range(cfg.train.steps) for i in sampler.next(cfg.train.prompts_per_step)]
     return [
         {
-            "question": train_rows[i]["question"],
+            "question": with_suffix(train_rows[i]["question"], cfg.data.prompt_suffix),
             "answer": train_rows[i]["answer"],
             "entry": json.dumps(train_rows[i]["entry"]),
         }

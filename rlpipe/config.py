@@ -101,6 +101,10 @@ class DataConfig:
     eval_split: str | None = _key(None, "held-out split of data.path (e.g. test); its first eval_size rows")
     prompt_field: str = _key("question", "column holding the prompt: text, or a list of chat messages {role, content}")
     system_prompt: str | None = _key(None, "system message put before every prompt that has none")
+    prompt_suffix: str | None = _key(
+        None, "text appended to every prompt: to the text, or to a conversation's last user message (e.g. \" Reply "
+        "with only the final number.\"; give the leading space or newline you want)",
+    )
     chat_template: Literal["tokenizer", "none"] = _key(
         "tokenizer", "tokenizer: the tokenizer's chat template; none: the prompt text as is (base models)"
     )

@@ -289,6 +289,19 @@ def question_text(prompt: str | list[dict]) -> str:
     return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
 
 
+def with_suffix(prompt: str | list[dict], suffix: str | None) -> str | list[dict]:
+    """The prompt with data.prompt_suffix appended: to the text, or to the last user message of a conversation
+    (a new list; the row is left as it was)."""
+    if not suffix:
+        return prompt
+    if isinstance(prompt, str):
+        return prompt + suffix
+    messages = [dict(m) for m in prompt]
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    messages[last_user]["content"] += suffix
+    return messages
+
+
 def chat_messages(prompt: str | list[dict], system_prompt: str | None) -> list[dict]:
     """The conversation to template; data.system_prompt goes first unless the conversation has its own."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
@@ -345,7 +358,7 @@ class PromptSet:
                     f"{self.cfg.prompt_field!r} (keep the tokenizer's template for those)"
                 )
             self._token_ids[index] = render_prompt(
-                self.tokenizer, row[self.cfg.prompt_field], self.cfg.system_prompt, self.cfg.chat_template,
+                self.tokenizer, self._prompt(row), self.cfg.system_prompt, self.cfg.chat_template,
                 self.cfg.chat_template_kwargs,
             )
         token_ids = self._token_ids[index]
@@ -355,10 +368,14 @@ class PromptSet:
                 f"{self.cfg.max_prompt_tokens}"
             )
         columns = {k: v for k, v in row.items() if k != self.cfg.prompt_field}
-        prompt = row[self.cfg.prompt_field]
-        # Reward functions get a conversation as the model was prompted with it (data.system_prompt included).
+        prompt = self._prompt(row)
+        # Reward functions get the prompt as the model was prompted with it (data.system_prompt and
+        # data.prompt_suffix included).
         messages = None if isinstance(prompt, str) else chat_messages(prompt, self.cfg.system_prompt)
         return Prompt(self.id_offset + index, question_text(prompt), token_ids, columns, messages)
+
+    def _prompt(self, row: dict) -> str | list[dict]:
+        return with_suffix(row[self.cfg.prompt_field], self.cfg.prompt_suffix)
 
     def prompts(self, indices) -> list[Prompt]:
         return [self.prompt(int(i)) for i in indices]

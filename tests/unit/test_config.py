@@ -59,6 +59,23 @@ def test_default_recipe_loads_and_validates():
     assert cfg.reward.functions == [RewardFunctionConfig(name="rlpipe.rewards.reasoning_gym:verifier", weight=1.0)]
 
 
+def test_default_recipe_asks_for_the_answer_its_verifier_scores():
+    # The default recipe's prompts ask for the final number only, and rollout.max_tokens is sized for that reply:
+    # a bare number is what reasoning-gym's scorer must take in full, on the held-out rows the evaluation reads.
+    from rlpipe.data import load_rows, with_suffix
+    from rlpipe.rewards.reasoning_gym import verifier
+
+    cfg = load_config(DEFAULT_RECIPE)
+    assert cfg.data.source == "reasoning_gym" and "number" in cfg.data.prompt_suffix
+    train_rows, held_out = load_rows(cfg.data, cfg.run.seed)
+    assert len(train_rows) == cfg.data.size and len(held_out) == cfg.data.eval_size
+    assert not {row["question"] for row in held_out} & {row["question"] for row in train_rows}
+    for row in held_out[:16]:
+        assert with_suffix(row["question"], cfg.data.prompt_suffix).endswith(cfg.data.prompt_suffix)
+        wrong = str(int(row["answer"]) + 1)
+        assert verifier([row["answer"], f"{row['answer']}.", wrong], [row["entry"]] * 3) == [1.0, 1.0, 0.0]
+
+
 def test_recipe_then_overrides(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("run: {name: from-yaml}\ntrain: {steps: 7, lr: 1.0e-5}\n")

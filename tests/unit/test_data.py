@@ -371,6 +371,21 @@ def test_system_prompt_goes_before_a_conversation_without_one(tokenizer):
     assert text.messages is None and text.for_rewards == "Calculate 2 + 2."  # a text dataset: the text
 
 
+def test_prompt_suffix_goes_after_the_text_or_the_last_user_message(tokenizer):
+    cfg = DataConfig(system_prompt="Solve.", prompt_suffix=" Reply with only the number.")
+    (text,) = PromptSet([{"question": "Calculate 2 + 2."}], tokenizer, cfg).prompts([0])
+    assert text.question == text.for_rewards == "Calculate 2 + 2. Reply with only the number."
+    assert text.token_ids == render_prompt(tokenizer, "Calculate 2 + 2. Reply with only the number.", "Solve.")
+    rows = [{"prompt": [{"role": "user", "content": "Calculate 1 + 1."}, {"role": "assistant", "content": "2"},
+                        {"role": "user", "content": "Calculate 2 + 2."}]}]
+    cfg = DataConfig(prompt_field="prompt", prompt_suffix=" Reply with only the number.")
+    (chat,) = PromptSet(rows, tokenizer, cfg).prompts([0])
+    decoded = tokenizer.decode(chat.token_ids)
+    assert "Calculate 1 + 1.<|im_end|>" in decoded and "Calculate 2 + 2. Reply with only the number.<|im_end|>" in decoded
+    assert chat.for_rewards[-1]["content"] == "Calculate 2 + 2. Reply with only the number."
+    assert rows[0]["prompt"][-1]["content"] == "Calculate 2 + 2."  # the row itself is left as it was
+
+
 def test_held_out_rows_carry_the_training_rows_columns(tmp_path):
     path = _write_jsonl(tmp_path / "rows.jsonl", ROWS)
     other = _write_jsonl(tmp_path / "eval.jsonl", [{**row, "solution": row["answer"]} for row in ROWS[:3]])
