@@ -23,6 +23,7 @@ import pytest
 
 from rlpipe.config import describe, load_config
 from rlpipe.data import PromptSet, load_rows, reward_columns
+from rlpipe.rewards import RewardRunner
 from tests.conftest import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,9 +60,12 @@ GSM8K_TEST = [
 ]
 
 
-def rewards_api():
-    """rlpipe's reward package."""
-    return importlib.import_module("rlpipe.rewards")
+def score_with_recipe(cfg, train: list[dict], completions: list[str]):
+    """The recipe's reward functions on `completions`, each answering the first training row."""
+    runner = RewardRunner([dataclasses.asdict(f) for f in cfg.reward.functions], cfg.reward.timeout_s,
+                          columns=reward_columns(train, cfg.data.prompt_field))
+    rows = [train[0]] * len(completions)
+    return runner.score([r["prompt"] for r in rows], completions, batch_columns(rows, completions, "prompt"))
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -132,12 +136,7 @@ def test_gsm8k_prepare_writes_chat_splits_that_the_example_recipe_reads(tmp_path
     assert rendered.startswith("<|im_start|>system\nSolve the problem") and rendered.endswith("<|im_start|>assistant\n")
 
     # The recipe's rewards take these columns, and score the format the system prompt asks for.
-    api = rewards_api()
-    runner = api.RewardRunner([dataclasses.asdict(f) for f in cfg.reward.functions], cfg.reward.timeout_s,
-                              columns=reward_columns(train, cfg.data.prompt_field))
-    completions = ["48 / 2 = 24 in May, 48 + 24 = 72.\n#### 72", "#### 71", "The answer is 72"]
-    rows = [train[0]] * 3
-    result = runner.score([r["prompt"] for r in rows], completions, batch_columns(rows, completions, "prompt"))
+    result = score_with_recipe(cfg, train, ["48 / 2 = 24 in May, 48 + 24 = 72.\n#### 72", "#### 71", "The answer is 72"])
     assert result.per_function == {"numeric_answer": [1.0, 0.0, 1.0], "format_regex": [1.0, 1.0, 0.0]}
 
 
@@ -418,12 +417,7 @@ def test_the_trl_script_rewards_pass_rlpipe_start_up_check_on_the_prepared_data(
     assert prepare_module.main([str(gsm8k_folder(tmp_path / "gsm8k")), "--out", str(out)]) == 0
     cfg = load_config(TRL_RECIPE, [f"data.path={out}"])
     train, _ = load_rows(cfg.data, cfg.run.seed)
-    api = rewards_api()
-    runner = api.RewardRunner([dataclasses.asdict(f) for f in cfg.reward.functions], cfg.reward.timeout_s,
-                              columns=reward_columns(train, cfg.data.prompt_field))
-    completions = ["48 + 24 = 72\n#### 72", "#### 1,000", "72"]
-    rows = [train[0]] * 3
-    result = runner.score([r["prompt"] for r in rows], completions, batch_columns(rows, completions, "prompt"))
+    result = score_with_recipe(cfg, train, ["48 + 24 = 72\n#### 72", "#### 1,000", "72"])
     assert result.per_function == {"correctness_reward": [1.0, 0.0, 0.0], "format_reward": [0.2, 0.2, 0.0]}
     assert result.failures == {"correctness_reward": 0, "format_reward": 0}
 
