@@ -375,12 +375,21 @@ class Roles:
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:  # the latter: a learner's send
                 dead = self._dead_engines(targets)
                 if not dead:
-                    raise
+                    if self._learners_alive():
+                        raise
+                    raise WorkerLost(f"a learner rank died during a weight sync ({first_line(err)})") from err
                 for index in dead:
                     self._replace_engine(index, self.engines[index], err, push_weights=False)
                 if not rehearsal:
                     done = get_all([self.engines[index].held_version.remote() for index in targets])
                     targets = [index for index, held in zip(targets, done) if held < version]
+
+    def _learners_alive(self) -> bool:
+        try:
+            ray.get([learner.policy_version.remote() for learner in self.learners], timeout=60)
+        except ray.exceptions.RayActorError:
+            return False
+        return True
 
     def _dead_engines(self, indexes: list[int]) -> list[int]:
         dead = []
@@ -416,7 +425,10 @@ class Roles:
 
     def save_checkpoint(self, directory: str) -> list[str]:
         """Every learner rank writes its part of the learner state (in parallel); returns their RNG states."""
-        return get_all([learner.save_checkpoint.remote(directory) for learner in self.learners])
+        try:
+            return get_all([learner.save_checkpoint.remote(directory) for learner in self.learners])
+        except ray.exceptions.RayActorError as err:  # the save is abandoned; a restart from the last one may go on
+            raise WorkerLost(f"a learner rank died while writing a checkpoint ({first_line(err)})") from err
 
     def seed(self, step: int) -> None:
         """Seed every engine's sampling for this step (see RolloutEngine.seed)."""

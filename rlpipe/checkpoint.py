@@ -62,10 +62,12 @@ def begin_save(run_dir: str | os.PathLike, step: int) -> Path:
 
 
 def save(run_dir: str | os.PathLike, step: int, write_learner: Callable[[str], T], trainer_state: Callable[[T], dict],
-         keep: int) -> Path:
+         keep: int, passthrough: tuple[type[BaseException], ...] = ()) -> Path:
     """The whole save: `write_learner(directory)` writes the learner state (returning what `trainer_state` needs to
     build trainer.json), then `finish_save`. A failure anywhere — a full disk, a rank that died while writing —
-    removes everything this save wrote, leaves `latest` as it was, and raises one CheckpointError naming the cause."""
+    removes everything this save wrote, leaves `latest` as it was, and raises one CheckpointError naming the cause.
+    Errors of the `passthrough` types are the run's rather than the save's (a worker lost for good, which a restart
+    may cure): they are raised as they are, after the same clean-up."""
     partial = None
     try:
         partial = begin_save(run_dir, step)
@@ -74,7 +76,7 @@ def save(run_dir: str | os.PathLike, step: int, write_learner: Callable[[str], T
     except BaseException as err:  # torch.distributed.checkpoint reports a failed write as a BaseException
         if partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
-        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        if isinstance(err, (KeyboardInterrupt, SystemExit, *passthrough)):
             raise
         latest = Path(run_dir) / CHECKPOINTS / LATEST
         kept = latest.read_text().strip() if latest.is_file() else "none"

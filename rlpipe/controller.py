@@ -187,7 +187,10 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, samp
             "summary": {"eval_before": summary.get("eval_before")},
         }
 
-    return checkpoint.save(run.dir, step, roles.save_checkpoint, trainer_state, cfg.train.keep_checkpoints)
+    from rlpipe.actors.groups import WorkerLost
+
+    return checkpoint.save(run.dir, step, roles.save_checkpoint, trainer_state, cfg.train.keep_checkpoints,
+                           passthrough=(WorkerLost,))
 
 
 def prepare(cfg: Config, resume: str | None = None) -> Run:

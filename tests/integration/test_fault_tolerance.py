@@ -156,10 +156,11 @@ def _latest_step(run_dir) -> int:
         return 0
 
 
-def _wait_for_checkpoint(driver: subprocess.Popen, run_dir, step: int, timeout_s: float = 400) -> None:
+def _wait_for_checkpoint(driver: subprocess.Popen, run_dir, step: int, stderr, timeout_s: float = 400) -> None:
     deadline = time.monotonic() + timeout_s
     while _latest_step(run_dir) < step:
-        assert driver.poll() is None, f"the driver ended (exit {driver.returncode}) before checkpoint {step}"
+        assert driver.poll() is None, (f"the driver ended (exit {driver.returncode}) before checkpoint {step}:\n"
+                                       + stderr.read_text()[-3000:])
         assert time.monotonic() < deadline, f"no checkpoint of step {step} within {timeout_s:g} s"
         time.sleep(0.2)
 
@@ -185,12 +186,12 @@ def test_a_killed_learner_rank_is_auto_resumed_and_a_killed_driver_is_resumed(tm
         driver = subprocess.Popen([*command, "--auto-resume"], start_new_session=True, stdout=subprocess.DEVNULL,
                                   stderr=err)
     try:
-        _wait_for_checkpoint(driver, run_dir, step=1)
+        _wait_for_checkpoint(driver, run_dir, 1, stderr)
         # Ray names an actor's process after its class; this run's cluster is the only one on the machine.
         ranks = subprocess.run(["pgrep", "-f", "ray::LearnerActor"], capture_output=True, text=True).stdout.split()
         assert ranks, "no learner rank process found"
         os.kill(int(ranks[-1]), signal.SIGKILL)
-        _wait_for_checkpoint(driver, run_dir, step=3)
+        _wait_for_checkpoint(driver, run_dir, 3, stderr)
         os.kill(driver.pid, signal.SIGKILL)  # the driver alone, wherever it is in step 4 (or saving it)
         driver.wait(timeout=30)
     finally:

@@ -335,3 +335,24 @@ def test_a_disk_full_at_any_point_of_a_save_keeps_nothing_of_it_and_names_the_ca
         learner.load_checkpoint(str(checkpoint.resolve(run_dir) / checkpoint.LEARNER_STATE))
     _save_step_2(learner, run_dir)  # space again: the same save goes through
     assert checkpoint.resolve(run_dir).name == "step_000002"
+
+
+def test_a_worker_lost_during_a_save_is_raised_as_it_is_after_the_same_clean_up(tiny_qwen3, tmp_path):
+    """A learner rank dying while it writes is the run's failure, not the save's: `--auto-resume` must see it as a
+    lost worker (a CheckpointError would stop the run for good), and the half-written save must still be gone."""
+    from rlpipe.actors.groups import WorkerLost
+
+    learner = Learner.from_config(tiny_qwen3, load_config(None, [f"model.path={tiny_qwen3}"]))
+    run_dir = tmp_path / "run"
+    _save(learner, run_dir, 1)
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+
+    def rank_dies_midway(directory: str) -> None:
+        learner.save_checkpoint(directory)
+        raise WorkerLost("a learner rank died while writing a checkpoint")
+
+    with pytest.raises(WorkerLost, match="died while writing"):
+        checkpoint.save(run_dir, 2, rank_dies_midway, lambda _: {"step": 2}, keep=3, passthrough=(WorkerLost,))
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
+    with pytest.raises(CheckpointError, match="could not be written.*still step_000001"):  # without it: the save's
+        checkpoint.save(run_dir, 2, rank_dies_midway, lambda _: {"step": 2}, keep=3)
