@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-RLPIPE_LINES = ("... ", "roles: ", "weight sync checked", "held-out accuracy", "step ", "checkpoint saved", "done in ")
+RLPIPE_LINES = ("... ", "roles: ", "weight sync (", "held-out accuracy", "step ", "checkpoint saved", "done in ")
 
 
 def logging_reward(prompts, completions, **_):
