@@ -17,13 +17,13 @@ from rlpipe.actors.placement import RoleGroup, place_role
 from rlpipe.actors.reward import RewardActor
 from rlpipe.actors.rollout import RolloutActor
 from rlpipe.rewards import trainer_state as start_state
-from rlpipe.config import Config, first_line
+from rlpipe.config import Config, ConfigError, first_line
 from rlpipe.device import learner_env, learner_processes
 from rlpipe.environments import actors_needed, check_cluster_resources
 from rlpipe.learner import combine_rank_metrics
 from rlpipe.logs import LogSetup
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
-from rlpipe.weightsync import SyncError, SyncPlan, plan_sync
+from rlpipe.weightsync import SyncError, SyncPlan, plan_routes, plan_sync
 
 # glibc serves large blocks by mmap and gives freed memory back to the kernel, so every step faulted its
 # activations and gradients in again, zeroed by the kernel: on this project's 2-core VM the learner spent
@@ -111,9 +111,12 @@ class Roles:
         learners = self._place(
             "learner", ranks, gpus_per_actor=1 if cfg.learner.device == "cuda" else 0, learner_device=cfg.learner.device
         )
+        self.learner_placement = learners
         env = compute_env() | learner_env(cfg.learner.device, cfg.learner.ranks)
         self.engine_placement = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
         rewarders = self._place("reward", cfg.reward.num_workers)
+        # Before any actor starts: a forced shm between hosts is refused here.
+        self.routes = plan_routes(cfg.sync.transport, learners.hosts(), self.engine_placement.hosts())
         self.learners = [
             LearnerActor.options(**learners.options(rank, env)).remote(
                 model_path, cfg, rank, ranks, self._log_setup("learner", rank)
@@ -148,6 +151,7 @@ class Roles:
             self.policy_version = versions[0]
         plan = self._plan_sync()
         self.sync_plan = ray.put(plan)
+        self._set_sync_routes()
         self._share_sync_buffers()
         self._connect_sync_group()
         vocab = plan.shapes["model.embed_tokens.weight"][0]
@@ -163,9 +167,38 @@ class Roles:
     def _log_setup(self, role: str, index: int) -> LogSetup | None:
         return None if self.log is None else replace(self.log, who=f"{role}-{index}")
 
+    def _set_sync_routes(self, engines: list[int] | None = None) -> None:
+        """Tell each side of every pair its route (`sync.transport: auto`); `engines`: only these engines (the
+        learner ranks' routes did not change)."""
+        if self.routes.transport != "auto":
+            return
+        whole = self.routes.whole_buckets
+        calls = [] if engines is not None else [
+            learner.set_sync_routes.remote(self.routes.to_engines(rank), whole)
+            for rank, learner in enumerate(self.learners)
+        ]
+        calls += [self.engines[index].set_sync_routes.remote(self.routes.from_ranks(index), whole)
+                  for index in (range(len(self.engines)) if engines is None else engines)]
+        get_all(calls)
+
+    def _reroute(self, index: int) -> None:
+        """After engine `index` was started again (maybe on another host, its old one lost): its routes, and
+        everyone's when they changed."""
+        previous = self.routes
+        try:
+            self.routes = plan_routes(self.cfg.sync.transport, self.learner_placement.hosts(), self.engine_placement.hosts())
+        except ConfigError as err:  # a forced shm, and the engine had to move to another host
+            raise WorkerLost(f"rollout engine {index} was restarted on another host: {err}") from None
+        if self.routes == previous:
+            self._set_sync_routes(engines=[index])
+            return
+        self.note(f"weight sync routes changed: {self.routes.counts()}")
+        self._set_sync_routes()
+        self._share_sync_buffers()
+
     def _share_sync_buffers(self) -> None:
         """Every learner rank writes into the shared-memory segments named by rank 0, one per bucket."""
-        if self.cfg.sync.transport == "shm":
+        if self.routes.transport in ("shm", "auto") and self.routes.whole_buckets:
             prefix = ray.get(self.learners[0].sync_buffer_prefix.remote())
             get_all([learner.share_sync_buffers.remote(prefix) for learner in self.learners])
 
@@ -191,6 +224,12 @@ class Roles:
             return ray.get_runtime_context().get_node_id()
 
         return self._ask_every_actor(node_of)
+
+    @staticmethod
+    def hosts(placement: dict[str, list[str]]) -> dict[str, list[str]]:
+        """The node addresses of `placement` (node ids per role, from `where`)."""
+        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        return {role: [addresses.get(node, node) for node in nodes] for role, nodes in placement.items()}
 
     def interpreters(self) -> dict[str, list[str]]:
         """The Python interpreter each actor runs under, as the actor itself reports it, per role in rank order."""
@@ -294,6 +333,7 @@ class Roles:
         ray.kill(dead, no_restart=True)
         self.engines[index] = self._new_engine(index)
         ray.get(self.engines[index].policy_version.remote())  # started: the model is loaded
+        self._reroute(index)
         self._connect_sync_group()
         if push_weights and self.policy_version > 0:  # version 0 is what the new engine loaded from the model folder
             self._transfer(self.policy_version, self.probe_tokens, engines=[index])
@@ -438,6 +478,7 @@ class Roles:
         finally:
             get_all([learner.release_weights.remote() for learner in self.learners])
         metrics = {
+            **self.routes.counts(),
             "sync/probe_max_abs": max(result["probe_max_abs"] for result in results),
             "sync/probe_mean_abs": max(result["probe_mean_abs"] for result in results),
             "sync/bytes": float(sum(sent)),

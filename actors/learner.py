@@ -72,6 +72,10 @@ class LearnerActor:
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.learner.weight_shapes()
 
+    def set_sync_routes(self, routes: list[str], whole_buckets: bool) -> None:
+        """`sync.transport: auto`: the route to each engine (rlpipe/weightsync/routes.py)."""
+        self.transport.set_routes(routes, whole_buckets)
+
     def sync_buffer_prefix(self) -> str:
         """This rank's name for the shared-memory buffers every rank writes into (asked of rank 0)."""
         return self.transport.buffer_prefix()

@@ -65,6 +65,12 @@ class RoleGroup:
             options.update(num_cpus=1, num_gpus=slot.gpus)
         return options
 
+    def hosts(self) -> list[str]:
+        """The node address of each slot's bundle, in slot order: where Ray placed (or will place) each actor."""
+        bundle_nodes = placement_group_table(self.group)["bundles_to_node_id"]
+        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        return [addresses[bundle_nodes[slot.bundle_index]] for slot in self.slots]
+
     def remove(self) -> None:
         for group in [self.group, *self.head_groups]:
             try:

@@ -61,6 +61,11 @@ class RolloutActor:
         self.engine.transport.connect(address, port, rank, learner_ranks, world, self.engine.sync_cfg.timeout_s)
 
     @ray.method(concurrency_group="sync")
+    def set_sync_routes(self, routes: list[str], whole_buckets: bool) -> None:
+        """`sync.transport: auto`: the route from each learner rank (rlpipe/weightsync/routes.py)."""
+        self.engine.transport.set_routes(routes, whole_buckets)
+
+    @ray.method(concurrency_group="sync")
     def begin_sync(self, plan: SyncPlan, version: int) -> None:
         self.engine.begin_sync(plan, version)
 

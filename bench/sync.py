@@ -20,6 +20,10 @@ SYNC_MODELS = {
 }
 
 
+# The transports measured one against another (`auto` is a choice between two of them per pair, not a third).
+SYNC_TRANSPORTS = ("ray", "shm", "gloo")
+
+
 def sync_model_config(name: str) -> dict:
     base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 2048,
             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu"}

@@ -218,11 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = _parse_args(parser, argv)
     if args.command == "bench" and args.what == "sync":
-        from rlpipe.bench.sync import SYNC_MODELS, bench_sync
-        from rlpipe.weightsync import TRANSPORTS
+        from rlpipe.bench.sync import SYNC_MODELS, SYNC_TRANSPORTS, bench_sync
 
         split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
-        for option, values, known in (("--models", args.models, SYNC_MODELS), ("--transports", args.transports, TRANSPORTS)):
+        for option, values, known in (("--models", args.models, SYNC_MODELS), ("--transports", args.transports, SYNC_TRANSPORTS)):
             unknown = [value for value in split(values) if value not in known]
             if unknown:
                 parser.error(f"bench sync {option}: unknown {', '.join(unknown)} (known: {', '.join(known)})")

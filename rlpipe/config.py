@@ -275,8 +275,10 @@ class LearnerConfig:
 
 @dataclass
 class SyncConfig:
-    transport: Literal["ray", "shm", "gloo"] = _key(
-        "ray", "weight transport: ray (object store, across hosts), shm (shared memory, one host), gloo (torch.distributed)"
+    transport: Literal["auto", "ray", "shm", "gloo"] = _key(
+        "auto",
+        "weight transport: auto (per learner-rank/engine pair: shm on one host, ray across hosts), ray (object "
+        "store), shm (shared memory; every pair on one host), gloo (torch.distributed)",
     )
     bucket_mb: float = _key(64.0, "weights travel in buckets of about this many MiB, packed two buckets ahead")
     probe_tolerance: float | None = _key(

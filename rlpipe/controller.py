@@ -22,7 +22,7 @@ from rlpipe.config import Config, ConfigError, one_line
 from rlpipe.data import PromptSet, Sampler, load_rows, reward_columns
 from rlpipe.environments import check_learner_device, check_role_environments
 from rlpipe.logs import LOG_FILE, LogSetup, driver_logging
-from rlpipe.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
+from rlpipe.metrics import MetricsLogger, describe_routes, roles_summary, rollout_metrics, staleness_metrics
 from rlpipe.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
@@ -63,7 +63,8 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
         log.note(roles_summary(cfg, placement, logs.file))
         check = roles.rehearsal
         log.note(
-            f"weight sync checked before training: {check['sync/bytes'] / 1e9:.2f} GB from the learner in "
+            f"weight sync ({describe_routes(roles.routes)}) checked before training: "
+            f"{check['sync/bytes'] / 1e9:.2f} GB from the learner in "
             f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, "
             f"probe max |engine - learner| {check['sync/probe_max_abs']:.1e}"
         )
@@ -74,6 +75,8 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
         summary["sync_check"] = check
         summary["model_path"] = run.model_path  # the folder model.path named (a Hub id: its cached snapshot)
         summary["placement"] = placement
+        summary["hosts"] = roles.hosts(placement)  # the node address of every actor, per role
+        summary["sync_routes"] = roles.routes.describe()
         summary["python"] = roles.interpreters()  # the interpreter of every actor, per role
         log.note(f"held-out accuracy before training: {summary['eval_before']}")
         watch = FailureWatch(cfg.reward.max_failed_share, cfg.reward.max_failed_steps)

@@ -181,6 +181,18 @@ def roles_summary(cfg, placement: dict[str, list[str]], log_file: str | Path) ->
     return f"roles: {roles}; {where}. Full log: {log_file}"
 
 
+def describe_routes(routes) -> str:
+    """The weight-sync transport in words: "shared memory", or under auto how many pairs take each route."""
+    names = {"shm": "shared memory", "ray": "object store", "gloo": "gloo"}
+    if routes.transport != "auto":
+        return names[routes.transport]
+    counts = {kind: int(count) for kind, count in routes.counts().items() if count}
+    if len(counts) == 1:
+        return f"auto: {names[next(iter(counts))[len('sync/pairs_'):]]}"
+    return "auto: " + ", ".join(f"{names[kind[len('sync/pairs_'):]]} for {count} pair{'s' if count > 1 else ''}"
+                                for kind, count in counts.items())
+
+
 class LiveStatus:
     """A live indicator for phases that may take minutes (the first generation, a compile, an evaluation).
 

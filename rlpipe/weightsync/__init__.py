@@ -11,6 +11,7 @@ from rlpipe.weightsync.plan import (
     plan_sync,
     shard_rows,
 )
+from rlpipe.weightsync.routes import SyncRoutes, plan_routes
 from rlpipe.weightsync.sender import OutgoingPart, stream_parts
 from rlpipe.weightsync.transport import TRANSPORTS, make_transport
 
@@ -23,11 +24,13 @@ __all__ = [
     "Staging",
     "SyncError",
     "SyncPlan",
+    "SyncRoutes",
     "TRANSPORTS",
     "checksum",
     "engine_tensors",
     "make_transport",
     "pack_part",
+    "plan_routes",
     "plan_sync",
     "shard_rows",
     "stream_parts",

@@ -21,6 +21,10 @@ version v+1 never writes the segments of version v, which the engine may still n
           (`whole_buckets`), so the engine uses each tensor in place however many ranks sent it. The segments are
           named after learner rank 0's transport (`buffer_prefix()` there, `share_buffers(prefix)` on every rank
           before the first transfer); rank 0 unlinks them.
+- `auto`: per learner-rank/engine pair, `shm` where both are on one host and `ray` where they are not
+          (routes.py decides, from where Ray placed them; `set_routes` tells each side). When every pair shares a
+          host it is exactly `shm`; otherwise each rank sends its own part, from a segment of its own when some
+          engine shares its host, and puts the same bytes in the object store when some engine does not.
 - `gloo`: torch.distributed point-to-point over a process group of its own (learner ranks, then engines). Sends
           block until the engine receives, which is why the engines are told first and `deliver()` comes after.
 """
@@ -38,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-TRANSPORTS = ("ray", "shm", "gloo")
+TRANSPORTS = ("auto", "ray", "shm", "gloo")
 
 
 # Names of the segments this process created (and so registered with its resource tracker).
@@ -231,6 +235,64 @@ class SharedMemoryTransport:
             self.close()
 
 
+class AutoTransport:
+    """`shm` or `ray` per pair. A learner rank's handle for a part carries what each kind of receiver needs (the
+    segment name, the object reference); each engine reads it the way its route from that rank says."""
+
+    name = "auto"
+    stable_receive_buffers = True
+
+    def __init__(self) -> None:
+        self._shm, self._ray = SharedMemoryTransport(), RayTransport()
+        self._routes: list[str] = []  # sender: to each engine; receiver: from each learner rank
+        self.whole_buckets = False
+
+    def set_routes(self, routes: list[str], whole_buckets: bool) -> None:
+        """The kind of each of this side's pairs (routes.py). A change (an engine replaced on another host) starts
+        on fresh buffers; segments still viewed by an engine's rollback copy stay mapped (see `close`)."""
+        if (whole_buckets != self.whole_buckets or set(routes) != set(self._routes)) and self._routes:
+            self._shm.close()
+            self._ray.close()
+            self._shm = SharedMemoryTransport()
+        self._routes, self.whole_buckets = list(routes), whole_buckets
+
+    def buffer_prefix(self) -> str:
+        return self._shm.buffer_prefix()
+
+    def share_buffers(self, prefix: str) -> None:
+        self._shm.share_buffers(prefix)
+
+    def select(self, engine_indexes: list[int]) -> None:
+        return None
+
+    def allocate(self, nbytes: int, bucket: int, version: int) -> np.ndarray:
+        if not self._routes:
+            raise RuntimeError("auto weight transport used before set_routes()")
+        pool = self._shm if "shm" in self._routes else self._ray
+        return pool.allocate(nbytes, bucket, version)
+
+    def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
+        handle = {}
+        if "shm" in self._routes:
+            handle["shm"] = self._shm.send(buffer)[0]
+        if "ray" in self._routes:
+            handle["ray"] = self._ray.send(buffer)[0]  # copies the bytes into the object store
+        return handle, _nothing
+
+    @contextlib.contextmanager
+    def receive(self, handle: Any, source_rank: int, nbytes: int) -> Iterator[np.ndarray]:
+        route = self._routes[source_rank]
+        with (self._shm if route == "shm" else self._ray).receive(handle[route], source_rank, nbytes) as buffer:
+            yield buffer
+
+    def release(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._shm.close()
+        self._ray.close()
+
+
 class GlooTransport(_BufferPool):
     """Point-to-point over a gloo group of M learner ranks (0..M-1) and E engines (M..M+E-1), separate from the
     learners' own group so that neither knows about the other's collectives."""
@@ -285,6 +347,8 @@ class GlooTransport(_BufferPool):
 
 
 def make_transport(name: str):
+    if name == "auto":
+        return AutoTransport()
     if name == "ray":
         return RayTransport()
     if name == "shm":

@@ -36,7 +36,8 @@ def _read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check_run(run_dir, summary, samples_per_step=8, export=True):
+def _check_run(run_dir, summary, route, samples_per_step=8, export=True):
+    """`route`: the weight-sync route every learner-rank/engine pair should have taken (all on one host)."""
     records = _read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
@@ -54,6 +55,10 @@ def _check_run(run_dir, summary, samples_per_step=8, export=True):
     # The channel was checked end to end before training: every byte, the write and the probe.
     assert summary["sync_check"]["sync/probe_max_abs"] < 1e-5
     assert summary["sync_check"]["sync/bytes"] == records[0]["sync/bytes"] > 0
+    assert set(summary["hosts"]) == {"learner", "rollout", "reward"} and len(set(sum(summary["hosts"].values(), []))) == 1
+    assert set(summary["sync_routes"].values()) == {route}
+    if route in ("shm", "ray"):
+        assert records[0][f"sync/pairs_{route}"] == len(summary["sync_routes"])
     # Step 1 samples from the starting weights, which learner and engine share: their logprobs agree.
     assert records[0]["logprob_gap/max_abs"] < 1e-3
     assert (run_dir / "curves.png").stat().st_size > 0
@@ -107,7 +112,7 @@ def test_qwen3_moe_from_jsonl(tmp_path, tiny_qwen3_moe, ray_cluster):
         "run.name=qwen3",
         "learner.ranks=2",  # a SimpleFSDP-sharded learner group; each rank sends its own shards to the engine
         "algo.router_aux_loss_coef=0.01",
-        # (sync.transport stays the default, the Ray object store)
+        "sync.transport=ray",  # the object store (the default, auto, takes shared memory on one host)
         "data.source=file",
         f"data.path={data}",
         # none_first cannot score the first sample of each call: that sample is counted and left out.
@@ -119,7 +124,7 @@ def test_qwen3_moe_from_jsonl(tmp_path, tiny_qwen3_moe, ray_cluster):
     ])
     summary = train(cfg)
     run_dir = tmp_path / "runs" / "qwen3"
-    _check_run(run_dir, summary, samples_per_step=7)
+    _check_run(run_dir, summary, "ray", samples_per_step=7)
     record = _read_metrics(run_dir)[0]
     assert "reward/numeric_answer" in record and "reward/length" in record
     assert record["reward/failures/none_first"] == 1 and record["reward/unscored"] == 1
@@ -170,7 +175,7 @@ def test_llama_from_reasoning_gym(tmp_path, tiny_llama, ray_cluster, twin_python
     assert summary["python"]["reward"] == [twin_python] * 2
     assert twin_python not in summary["python"]["learner"] + summary["python"]["rollout"]
     run_dir = tmp_path / "runs" / "llama"
-    _check_run(run_dir, summary, export=False)
+    _check_run(run_dir, summary, "gloo", export=False)
     first, second = _read_metrics(run_dir)
     assert "kl" in second
     assert first["staleness/max"] == 0 and second["staleness/max"] == second["staleness/mean"] == 1
@@ -232,6 +237,8 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_pat
 
     whole, split = _read_metrics(tmp_path / "runs" / "whole"), _read_metrics(tmp_path / "runs" / "split")
     assert [r["step"] for r in split] == [1, 2, 3]
+    assert set(whole_summary["sync_routes"].values()) == {"shm"}  # the default, auto, on one host
+    assert all(r["sync/pairs_shm"] == 1 and r["sync/pairs_ray"] == 0 and r["sync/probe_max_abs"] < 1e-5 for r in split)
     timing = ("time/", "tokens_per_s/", "sync/transfer_s", "sync/write_s")
     for uninterrupted, resumed in zip(whole[2:], split[2:], strict=True):
         compared = [key for key in uninterrupted if not key.startswith(timing)]
