@@ -298,10 +298,6 @@ class HostCluster:
             raise RuntimeError(f"cannot list the cluster's nodes: {done.stderr.strip()[-2000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    def host_of(self) -> dict[str, str]:
-        """Ray node id -> the address of the host it runs on, for the live nodes."""
-        return {node["id"]: node["address"] for node in self.nodes()}
-
     def close(self) -> None:
         """Stop every process on every host, then the namespaces' holders; remove the Ray temp dirs."""
         for host in self.hosts.values():

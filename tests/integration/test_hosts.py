@@ -36,8 +36,7 @@ def _train_command(hosts, output_dir: Path, model: str, name: str, *extra: str) 
         "train.prompts_per_step=2", "train.micro_batch_size=4", "train.lr=1e-3", "metrics.tensorboard=false",
         "metrics.plot=false", "metrics.export=false",
         # Rewards that differ within a group, so every step moves the weights the probe then checks.
-        "reward.functions=[{name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
-        "sync.transport=ray", *extra,
+        "reward.functions=[{name: 'tests.unit.reward_fixtures:length', weight: 0.01}]", *extra,
     ]
 
 
@@ -60,6 +59,7 @@ def _check_steps(run_dir: Path) -> list[dict]:
     for record in records:
         assert record["sync/probe_max_abs"] < 1e-4, record
         assert record["sync/bytes"] > 0
+        assert record["sync/pairs_ray"] == 2 and record["sync/pairs_shm"] == 0  # learner and engine hosts differ
     assert any(r["sync/policy_shift"] > 1e-3 for r in records)  # the weights did move
     return records
 
@@ -67,20 +67,14 @@ def _check_steps(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def uninterrupted(hosts, tiny_qwen3, tmp_path_factory):
     """A GRPO run with its learner ranks on host A, its engine on host B and its reward worker on host C: the
-    placement test checks it, the fault test compares a run that loses a host with it. Returns the run directory,
-    the driver's result and each role's host addresses."""
+    placement test checks it, the fault test compares a run that loses a host with it. Returns the run directory
+    and the driver's result."""
     output = tmp_path_factory.mktemp("hosts-runs")
     command = _train_command(
         hosts, output, tiny_qwen3, "placed", "placement.learner.resources={host_a: 1}",
         "placement.rollout.resources={host_b: 1}", "placement.reward.resources={host_c: 1}",
     )
-    done = hosts.head.run(command, cwd=str(REPO), timeout=600)
-    address_of = hosts.host_of()  # Ray node id -> host address, while every node is alive
-    placement = {}
-    if done.returncode == 0:
-        summary = json.loads((output / "placed" / "summary.json").read_text())
-        placement = {role: [address_of.get(node) for node in nodes] for role, nodes in summary["placement"].items()}
-    return output / "placed", done, placement
+    return output / "placed", hosts.head.run(command, cwd=str(REPO), timeout=600)
 
 
 def test_each_host_has_its_own_address_network_and_shared_memory(hosts):
@@ -106,15 +100,32 @@ def test_each_host_has_its_own_address_network_and_shared_memory(hosts):
 
 
 def test_roles_run_on_the_hosts_their_placement_names(hosts, uninterrupted):
-    run_dir, done, placement = uninterrupted
+    run_dir, done = uninterrupted
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     a, b, c = (hosts.hosts[name].address for name in ("host_a", "host_b", "host_c"))
-    assert placement == {"learner": [a, a], "rollout": [b], "reward": [c]}
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["hosts"] == {"learner": [a, a], "rollout": [b], "reward": [c]}
+    # sync.transport auto: learner ranks and engine on different hosts, so the object store for both pairs.
+    assert set(summary["sync_routes"].values()) == {"ray"} and len(summary["sync_routes"]) == 2
     assert summary["sync_check"]["sync/probe_max_abs"] < 1e-4  # the start-up check, learner on A to engine on B
     assert summary["sync_check"]["sync/bytes"] > 0
     records = _check_steps(run_dir)
     assert all(r["rollout/restarts"] == 0 for r in records)
+
+
+def test_a_forced_shm_between_hosts_stops_at_start_up_naming_both(hosts, tiny_qwen3, tmp_path):
+    """Shared-memory segments exist only on the host that made them: sync.transport=shm with the learner on host
+    A and the engine on host B is refused before any actor starts, in one line naming both hosts."""
+    command = _train_command(
+        hosts, tmp_path, tiny_qwen3, "shm", "sync.transport=shm", "placement.learner.resources={host_a: 1}",
+        "placement.rollout.resources={host_b: 1}", "placement.reward.resources={host_c: 1}",
+    )
+    done = hosts.head.run(command, cwd=str(REPO), timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("rlpipe:")]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    a, b = hosts.hosts["host_a"].address, hosts.hosts["host_b"].address
+    assert lines[0].startswith("rlpipe: config error: sync.transport: shm") and a in lines[0] and b in lines[0]
+    assert not (tmp_path / "shm").exists()  # nothing written for a run that never started
 
 
 def _engine(hosts) -> tuple[object, int] | tuple[None, None]:
@@ -141,7 +152,7 @@ def test_a_rollout_host_lost_mid_step_moves_its_engine_to_another_host(hosts, un
     declares the host dead, Ray moves the engine's placement bundle to the other host with room for an engine, a
     new engine starts there with the current weights and generates the lost prompts again; the run completes
     with the same steps, versions and prompts as the uninterrupted run."""
-    baseline_dir, baseline, _ = uninterrupted
+    baseline_dir, baseline = uninterrupted
     assert baseline.returncode == 0, "the uninterrupted run failed; see test_roles_run_on_the_hosts_their_placement_names"
     command = _train_command(
         hosts, tmp_path, tiny_qwen3, "lost-host", "placement.learner.resources={host_a: 1}",
@@ -176,6 +187,7 @@ def test_a_rollout_host_lost_mid_step_moves_its_engine_to_another_host(hosts, un
         if driver.poll() is None:
             driver.kill()
     assert moved_to is not None and moved_to is not lost and "rollout_slot" in hosts.specs[moved_to.name]["resources"]
+    assert json.loads((run_dir / "summary.json").read_text())["hosts"]["rollout"] == [lost.address]  # at the start
     notes = [line for line in stdout.read_text().splitlines() if "rollout engine 0 died" in line]
     assert len(notes) == 1 and "restart 1 of at most 3" in notes[0], stdout.read_text()[-3000:]
     records = _check_steps(run_dir)
