@@ -239,7 +239,8 @@ class HostCluster:
 
     def user_ns(self) -> list[str]:
         """nsenter's arguments that join the sandbox's user namespace (as non-root only)."""
-        return [] if os.geteuid() == 0 else [f"--user=/proc/{self.sandbox.pid}/ns/user"]
+        # Its map makes the caller root inside; keep the credentials (setgroups is denied there).
+        return [] if os.geteuid() == 0 else [f"--user=/proc/{self.sandbox.pid}/ns/user", "--preserve-credentials"]
 
     def enter_sandbox(self, net: bool = True) -> list[str]:
         """The command prefix that runs in the sandbox's namespaces (without `net`: its user namespace only)."""
