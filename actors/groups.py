@@ -329,6 +329,7 @@ class Roles:
             f"rollout engine {index} died ({first_line(error)}); starting it again "
             f"(restart {self.engine_restarts[index]} of at most {self.cfg.rollout.max_restarts})"
         )
+        self._wait_for_room(index, dead)
         ray.kill(dead, no_restart=True)
         self.engines[index] = self._new_engine(index)
         ray.get(self.engines[index].policy_version.remote())  # started: the model is loaded
@@ -336,6 +337,31 @@ class Roles:
         self._connect_sync_group()
         if push_weights and self.policy_version > 0:  # version 0 is what the new engine loaded from the model folder
             self._transfer(self.policy_version, self.probe_tokens, engines=[index])
+
+    def _wait_for_room(self, index: int, dead) -> None:
+        """Wait until engine `index`'s slot can take a new engine. An engine whose host stopped answering (powered
+        off, cable cut) is only "unavailable" until the cluster's health checks declare the host dead (seconds);
+        only then does Ray move the engine's placement-group bundle to a live host with room for it, so a new engine
+        started before would be placed on the lost host and die with it. Waits at most ray.placement_timeout_s for
+        that host to be declared dead and for room elsewhere; without room the run stops (WorkerLost)."""
+        timeout_s = self.cfg.ray.placement_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(dead.policy_version.remote(), timeout=5)
+            except ray.exceptions.ActorUnavailableError:  # not answering, not declared dead yet
+                time.sleep(0.5)
+                continue
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # dead (the usual case), or busy: either way it is replaced
+            break  # (answering after all: a blip; it is replaced all the same)
+        remaining = max(deadline - time.monotonic(), 0.0)
+        if not self.engine_placement.group.wait(timeout_seconds=remaining):
+            resources = dict(self.cfg.placement.rollout.resources)
+            raise WorkerLost(
+                f"rollout engine {index} lost its host and no live node has room for it (placement.rollout.resources "
+                f"{resources}) within {timeout_s:g} s (ray.placement_timeout_s)"
+            )
 
     def score(self, groups: list[Group], trainer_state: dict | None = None) -> tuple[dict[str, int], dict[str, str]]:
         """Fill each group's rewards; returns failures per reward function and the first error of each.

@@ -28,3 +28,18 @@ def lane_python(venv_variable: str, default_folder: str, required_variable: str,
             pytest.fail(message)
         pytest.skip(message)
     return str(python)
+
+
+@pytest.fixture(scope="module")
+def hosts(request):
+    """A cluster of hosts on this machine (tests/integration/hosts.py), laid out as the module's HOSTS says and
+    shared by its tests; skipped where the machine cannot make namespaces. Nothing of it may outlive the module."""
+    from tests.integration.hosts import HostCluster, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"no cluster of hosts on this machine: {reason}")
+    cluster = HostCluster(request.module.HOSTS)
+    yield cluster
+    cluster.close()
+    assert not cluster.leftovers()

@@ -181,3 +181,57 @@ def test_compute_actors_keep_freed_memory(monkeypatch):
     assert _resident_after_free(None) < 128 <= _resident_after_free(KEEP_FREED_MEMORY)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     assert compute_env()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"  # the user's own is kept
+
+
+class _Engine:
+    """An engine handle whose calls fail as a lost host's do: unavailable `unavailable` times, then dead."""
+
+    def __init__(self, unavailable: int):
+        import ray
+
+        self.answers = [ray.exceptions.ActorUnavailableError("RPC error: Socket closed", None)] * unavailable
+        self.answers.append(ray.exceptions.ActorDiedError())
+        self.policy_version = self
+
+    def remote(self):
+        return self.answers.pop(0)
+
+
+class _Group:
+    def __init__(self, placed: bool):
+        self.placed, self.waited = placed, None
+
+    def wait(self, timeout_seconds):
+        self.waited = timeout_seconds
+        return self.placed
+
+
+@pytest.mark.parametrize("placed", [True, False])
+def test_a_lost_hosts_engine_is_replaced_once_it_is_declared_dead_and_there_is_room(monkeypatch, placed):
+    """Roles._wait_for_room waits while the engine is only unavailable (its host not yet declared dead), then for
+    the rollout placement group to be placed again; without room it stops the run in one line."""
+    import ray
+
+    from rlpipe.actors.groups import Roles, WorkerLost
+    from rlpipe.config import load_config
+
+    def get(answer, timeout=None):
+        raise answer
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr("rlpipe.actors.groups.time.sleep", lambda seconds: None)
+    roles = Roles.__new__(Roles)
+    roles.cfg = load_config(None, ["placement.rollout.resources={rollout_slot: 1}", "ray.placement_timeout_s=30"])
+    roles.engine_placement = RoleGroup("rollout", _Group(placed), [Slot(0)])
+    engine = _Engine(unavailable=3)
+    if placed:
+        roles._wait_for_room(0, engine)
+    else:
+        with pytest.raises(WorkerLost) as lost:
+            roles._wait_for_room(0, engine)
+        assert str(lost.value) == (
+            "rollout engine 0 lost its host and no live node has room for it (placement.rollout.resources "
+            "{'rollout_slot': 1}) within 30 s (ray.placement_timeout_s)"
+        )
+    assert engine.answers == []  # asked until it was declared dead
+    assert 0 < roles.engine_placement.group.waited <= 30
