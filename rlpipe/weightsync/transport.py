@@ -286,7 +286,8 @@ class AutoTransport:
             yield buffer
 
     def release(self) -> None:
-        return None
+        self._shm.release()
+        self._ray.release()
 
     def close(self) -> None:
         self._shm.close()
