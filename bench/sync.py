@@ -1,10 +1,16 @@
 """`rlpipe bench sync`: weight-sync bytes/s of each transport, learner ranks (Ray actors) to a receiving actor,
-against this host's copy bandwidth measured alongside."""
+against this host's copy bandwidth measured alongside.
+
+A run syncs once per step with the same actors, so the bench does too: every row is a series of versions through
+one set of actors, and the first sync (which sets the transport up) is reported apart from the ones after it (the
+steady state a training run sees from its second sync on, the first being the start-up rehearsal)."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
+import statistics
 import time
 from collections.abc import Callable
 
@@ -92,34 +98,62 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
 
                     port, world = find_free_port(), rank_count + 1
                     ray.get([s.connect.remote(port, world) for s in senders] + [receiver.connect.remote(port, world)])
-                times, copies = [], []
+                syncs, copies = [], []
                 for version in range(1, repeats + 1):
                     copies.append(copy_rates(2))
                     ray.get(receiver.begin.remote(version))
                     started = time.perf_counter()
-                    ray.get([s.send.remote(version, receiver) for s in senders])
-                    receiving = ray.get(receiver.finish.remote())
-                    times.append((time.perf_counter() - started, receiving))
+                    sent = ray.get([s.send.remote(version, receiver) for s in senders])
+                    receiving, receiver_faults = ray.get(receiver.finish.remote())
+                    syncs.append({"s": time.perf_counter() - started, "receiver_busy_s": receiving,
+                                  "sender_faults": sum(faults for _, faults in sent), "receiver_faults": receiver_faults})
                     ray.get([s.release.remote() for s in senders])
                 ray.get([s.close.remote() for s in senders])
                 for handle in [*senders, receiver]:
                     ray.kill(handle)
-                seconds, receiving = min(times)
-                baseline = max(memcpy for memcpy, _ in copies)
-                streaming = max((rate for _, rate in copies if rate), default=None)
-                row = {"model": model, "ranks": rank_count, "transport": transport, "bytes": plan.nbytes,
-                       "seconds": seconds, "receiver_busy_s": receiving, "gbps": plan.nbytes / seconds / 1e9,
-                       "memcpy_gbps": baseline, "streaming_copy_gbps": streaming}
+                row = sync_row(model, rank_count, transport, plan.nbytes, syncs, copies)
                 rows.append(row)
-                strict = f" = {row['gbps'] / streaming:5.1%} of streaming copy" if streaming else ""
-                print(f"  {transport:>4}: {row['gbps']:5.2f} GB/s = {row['gbps'] / baseline:5.1%} of memcpy "
-                      f"({baseline:.1f} GB/s){strict}{f' ({streaming:.1f})' if streaming else ''}  "
-                      f"({seconds:.2f} s, receiver busy {receiving:.2f} s; best of {repeats})", flush=True)
+                print(format_row(row), flush=True)
     ray.shutdown()
     if out:
         with open(out, "w") as f:
             json.dump({"bucket_mb": bucket_mb, "rows": rows}, f, indent=2)
     return rows
+
+
+def sync_row(model: str, ranks: int, transport: str, nbytes: int, syncs: list[dict],
+             copies: list[tuple[float, float | None]]) -> dict:
+    """One row of the bench: the first sync (the transport's set-up included) and the steady state (the median of
+    the syncs after it), each in seconds and as a share of this host's memcpy (the best measured next to the row)."""
+    memcpy = max(rate for rate, _ in copies)
+    streaming = max((rate for _, rate in copies if rate), default=None)
+    first = syncs[0]["s"]
+    steady = statistics.median(sync["s"] for sync in syncs[1:]) if len(syncs) > 1 else None
+
+    def share(seconds: float | None) -> float | None:
+        return None if seconds is None else nbytes / seconds / 1e9 / memcpy
+
+    return {"model": model, "ranks": ranks, "transport": transport, "bytes": nbytes,
+            "first_s": first, "first_pct_memcpy": 100 * share(first),
+            "steady_s": steady, "steady_pct_memcpy": None if steady is None else 100 * share(steady),
+            "best_s": min(sync["s"] for sync in syncs), "memcpy_gbps": memcpy, "streaming_copy_gbps": streaming,
+            "syncs": syncs}
+
+
+def format_row(row: dict) -> str:
+    def part(seconds: float | None, pct: float | None) -> str:
+        if seconds is None:
+            return "   -   "
+        return f"{seconds:5.2f} s = {row['bytes'] / seconds / 1e9:5.2f} GB/s = {pct:5.1f} % of memcpy"
+
+    faults = "/".join(f"{s['sender_faults']}+{s['receiver_faults']}" for s in row["syncs"])
+    return (f"  {row['transport']:>4}: first {part(row['first_s'], row['first_pct_memcpy'])}; "
+            f"steady {part(row['steady_s'], row['steady_pct_memcpy'])} (median of {len(row['syncs']) - 1}; memcpy "
+            f"{row['memcpy_gbps']:.1f} GB/s); page faults sender+receiver per sync {faults}")
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _sync_bench_actors():
@@ -151,9 +185,9 @@ def _sync_bench_actors():
             self.transport.share_buffers(prefix)
 
         def send(self, version, receiver):
-            started = time.perf_counter()
+            started, faults = time.perf_counter(), _minor_faults()
             send_parts(self.plan, self.rank, self.local, self.transport, [receiver], version)
-            return time.perf_counter() - started
+            return time.perf_counter() - started, _minor_faults() - faults
 
         def release(self):
             self.transport.release()
@@ -166,6 +200,7 @@ def _sync_bench_actors():
         def __init__(self, plan, transport):
             self.plan, self.transport, self.staging = plan, make_transport(transport), None
             self.busy = 0.0  # seconds spent receiving (transport, checksum, assembly)
+            self.faults = 0
 
         def connect(self, port, world):
             self.transport.connect("127.0.0.1", port, world - 1, self.plan.learner_ranks, world, 300)
@@ -175,6 +210,7 @@ def _sync_bench_actors():
             reuse = self.staging.owned if self.staging else None
             self.staging = Staging(self.plan, version, reuse, adopt_buffers=self.transport.stable_receive_buffers,
                                    whole_buckets=self.transport.whole_buckets)
+            self.faults = _minor_faults()
 
         @ray.method(concurrency_group="sync")
         def receive_part(self, version, bucket, rank, handle, nbytes, digest):
@@ -187,6 +223,6 @@ def _sync_bench_actors():
         def finish(self):
             self.staging.complete()
             busy, self.busy = self.busy, 0.0
-            return busy
+            return busy, _minor_faults() - self.faults
 
     return Sender, Receiver
