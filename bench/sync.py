@@ -63,9 +63,10 @@ def copy_bandwidth(nbytes: int) -> Callable[[int], tuple[float, float | None]]:
 
 def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucket_mb: float, repeats: int,
                out: str | None = None) -> list[dict]:
-    """Learner ranks (Ray actors holding random weights sharded as SimpleFSDP stores them) stream one version to
-    a receiving actor through each transport, with the code the real actors run: pack, transport, checksum,
-    assemble. The engine's own write is not part of it (`sync/write_s` in a run's metrics shows that)."""
+    """Learner ranks (Ray actors holding random weights sharded as SimpleFSDP stores them) stream `repeats`
+    versions in turn to a receiving actor through each transport, with the code the real actors run: pack,
+    transport, checksum, assemble. The engine's own write is not part of it (`sync/write_s` in a run's metrics
+    shows that)."""
     import ray
 
     from rlpipe.actors.groups import start_ray
@@ -85,8 +86,8 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
             plan = plan_sync(shapes, rank_count, layout, int(bucket_mb * 2**20))
             copy_rates = copy_bandwidth(min(plan.nbytes, 512 * 2**20))
             print(f"{model}: {plan.nbytes / 1e9:.2f} GB in {len(plan.buckets)} buckets, M={rank_count}; memcpy = torch "
-                  f"copy_ on {torch.get_num_threads()} threads, streaming copy = one thread, both measured before "
-                  "every sync, best of all", flush=True)
+                  f"copy_ on {torch.get_num_threads()} threads, streaming copy = one thread, both measured (best of "
+                  "two) just before every sync, which is set against them", flush=True)
             for transport in transports:
                 senders = [sender_cls.remote(plan, rank, transport) for rank in range(rank_count)]
                 receiver = receiver_cls.remote(plan, transport)
@@ -98,20 +99,21 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
 
                     port, world = find_free_port(), rank_count + 1
                     ray.get([s.connect.remote(port, world) for s in senders] + [receiver.connect.remote(port, world)])
-                syncs, copies = [], []
+                syncs = []
                 for version in range(1, repeats + 1):
-                    copies.append(copy_rates(2))
+                    memcpy, streaming = copy_rates(2)
                     ray.get(receiver.begin.remote(version))
                     started = time.perf_counter()
                     sent = ray.get([s.send.remote(version, receiver) for s in senders])
                     receiving, receiver_faults = ray.get(receiver.finish.remote())
-                    syncs.append({"s": time.perf_counter() - started, "receiver_busy_s": receiving,
+                    syncs.append({"s": time.perf_counter() - started, "memcpy_gbps": memcpy,
+                                  "streaming_copy_gbps": streaming, "receiver_busy_s": receiving,
                                   "sender_faults": sum(faults for _, faults in sent), "receiver_faults": receiver_faults})
                     ray.get([s.release.remote() for s in senders])
                 ray.get([s.close.remote() for s in senders])
                 for handle in [*senders, receiver]:
                     ray.kill(handle)
-                row = sync_row(model, rank_count, transport, plan.nbytes, syncs, copies)
+                row = sync_row(model, rank_count, transport, plan.nbytes, syncs)
                 rows.append(row)
                 print(format_row(row), flush=True)
     ray.shutdown()
@@ -121,23 +123,27 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
     return rows
 
 
-def sync_row(model: str, ranks: int, transport: str, nbytes: int, syncs: list[dict],
-             copies: list[tuple[float, float | None]]) -> dict:
+def sync_row(model: str, ranks: int, transport: str, nbytes: int, syncs: list[dict]) -> dict:
     """One row of the bench: the first sync (the transport's set-up included) and the steady state (the median of
-    the syncs after it), each in seconds and as a share of this host's memcpy (the best measured next to the row)."""
-    memcpy = max(rate for rate, _ in copies)
-    streaming = max((rate for _, rate in copies if rate), default=None)
-    first = syncs[0]["s"]
-    steady = statistics.median(sync["s"] for sync in syncs[1:]) if len(syncs) > 1 else None
+    the syncs after it). Each sync's share of memcpy is taken against the copy bandwidth measured just before it,
+    so that a machine whose speed drifts (shared, noisy) compares like with like; the steady share is the median
+    of those of the syncs after the first."""
+    for sync in syncs:
+        sync["gbps"] = nbytes / sync["s"] / 1e9
+        sync["pct_memcpy"] = 100 * sync["gbps"] / sync["memcpy_gbps"]
+        streaming = sync["streaming_copy_gbps"]
+        sync["pct_streaming_copy"] = 100 * sync["gbps"] / streaming if streaming else None
+    later = syncs[1:]
 
-    def share(seconds: float | None) -> float | None:
-        return None if seconds is None else nbytes / seconds / 1e9 / memcpy
+    def median(key: str) -> float | None:
+        values = [sync[key] for sync in later if sync[key] is not None]
+        return statistics.median(values) if values else None
 
     return {"model": model, "ranks": ranks, "transport": transport, "bytes": nbytes,
-            "first_s": first, "first_pct_memcpy": 100 * share(first),
-            "steady_s": steady, "steady_pct_memcpy": None if steady is None else 100 * share(steady),
-            "best_s": min(sync["s"] for sync in syncs), "memcpy_gbps": memcpy, "streaming_copy_gbps": streaming,
-            "syncs": syncs}
+            "first_s": syncs[0]["s"], "first_pct_memcpy": syncs[0]["pct_memcpy"],
+            "steady_s": median("s"), "steady_pct_memcpy": median("pct_memcpy"),
+            "steady_pct_streaming_copy": median("pct_streaming_copy"),
+            "memcpy_gbps": statistics.median(sync["memcpy_gbps"] for sync in syncs), "syncs": syncs}
 
 
 def format_row(row: dict) -> str:
@@ -146,10 +152,13 @@ def format_row(row: dict) -> str:
             return "   -   "
         return f"{seconds:5.2f} s = {row['bytes'] / seconds / 1e9:5.2f} GB/s = {pct:5.1f} % of memcpy"
 
-    faults = "/".join(f"{s['sender_faults']}+{s['receiver_faults']}" for s in row["syncs"])
-    return (f"  {row['transport']:>4}: first {part(row['first_s'], row['first_pct_memcpy'])}; "
-            f"steady {part(row['steady_s'], row['steady_pct_memcpy'])} (median of {len(row['syncs']) - 1}; memcpy "
-            f"{row['memcpy_gbps']:.1f} GB/s); page faults sender+receiver per sync {faults}")
+    steady = row["steady_pct_streaming_copy"]
+    times = " ".join(f"{sync['s']:.3f}" for sync in row["syncs"])
+    faults = " ".join(f"{sync['sender_faults']}+{sync['receiver_faults']}" for sync in row["syncs"])
+    return (f"  {row['transport']:>4}: first {part(row['first_s'], row['first_pct_memcpy'])}; steady "
+            f"{part(row['steady_s'], row['steady_pct_memcpy'])}{f' = {steady:5.1f} % of streaming copy' if steady else ''}"
+            f" (medians of {len(row['syncs']) - 1}; memcpy {row['memcpy_gbps']:.1f} GB/s)\n"
+            f"        each sync: {times} s; page faults, senders+receiver: {faults}")
 
 
 def _minor_faults() -> int:

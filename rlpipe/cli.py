@@ -119,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     sync.add_argument("--transports", default="ray,shm,gloo")
     sync.add_argument("--ranks", default="1,2", help="learner ranks sending (each its own shards)")
     sync.add_argument("--bucket-mb", type=float, default=64.0)
-    sync.add_argument("--repeats", type=int, default=2, help="syncs per row; the fastest is reported")
+    sync.add_argument("--repeats", type=int, default=5,
+                      help="syncs per row, versions in turn through the same actors; the first is reported apart")
     kernels = benches.add_parser("kernels", help="fused (chunked) vs whole-logits log-probs: speed and peak memory")
     kernels.add_argument("--vocabs", default="49152,151936")
     kernels.add_argument("--tokens", default="1024,4096", help="tokens per call (sequence length x batch)")
