@@ -106,10 +106,13 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
                     started = time.perf_counter()
                     sent = ray.get([s.send.remote(version, receiver) for s in senders])
                     receiving, receiver_faults = ray.get(receiver.finish.remote())
-                    syncs.append({"s": time.perf_counter() - started, "memcpy_gbps": memcpy,
+                    released = time.perf_counter()
+                    # As in a run, after the version is committed: counted, since a transport may do work there.
+                    ray.get([s.release.remote() for s in senders])
+                    finished = time.perf_counter()
+                    syncs.append({"s": finished - started, "release_s": finished - released, "memcpy_gbps": memcpy,
                                   "streaming_copy_gbps": streaming, "receiver_busy_s": receiving,
                                   "sender_faults": sum(faults for _, faults in sent), "receiver_faults": receiver_faults})
-                    ray.get([s.release.remote() for s in senders])
                 ray.get([s.close.remote() for s in senders])
                 for handle in [*senders, receiver]:
                     ray.kill(handle)

@@ -502,7 +502,8 @@ def _mapped_and_resident(name: str) -> list[tuple[int, int]]:
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads this process's mappings from /proc")
 def test_shared_memory_sets_up_both_segment_sets_once_and_faults_them_in():
     # Versions alternate two segments per bucket; both are created, and mapped page by page by every sender rank
-    # and the receiver, with the first version, so that no later version creates, maps or faults in anything.
+    # and the receiver, with the first version (a rank that did not create a segment maps it when the version is
+    # released), so that no later version creates, maps or faults in anything.
     shapes = _hf_shapes(kv_heads=2)
     plan = plan_sync(shapes, 2, _layout(1, 2), 30_000)
     senders = [make_transport("shm") for _ in range(2)]
@@ -521,6 +522,8 @@ def test_shared_memory_sets_up_both_segment_sets_once_and_faults_them_in():
                         staging.add(part.bucket, part.rank, buffer, part.checksum)
             for name, tensor in staging.complete().items():
                 torch.testing.assert_close(tensor, full[name], rtol=0, atol=0)
+            for sender in senders:
+                sender.release()
             # Two segments per bucket, each opened once per process, all with the first version.
             assert [t.segments_opened for t in (*senders, receiver)] == [2 * len(plan.buckets)] * 3
             if version == 1:
@@ -536,6 +539,23 @@ def test_shared_memory_sets_up_both_segment_sets_once_and_faults_them_in():
         for sender in reversed(senders):
             sender.close()
     assert not any(os.path.exists(f"/dev/shm/{name}") for name in names)
+
+
+def test_a_dev_shm_without_room_for_the_segments_fails_with_a_clear_error(monkeypatch):
+    # Writing into a segment that tmpfs has no room for raises SIGBUS; the segments get their memory up front.
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    transport = make_transport("shm")
+    with pytest.raises(RuntimeError, match=r"no room in /dev/shm for segment .*\(or use sync.transport=ray\)"):
+        transport.allocate(4096, bucket=0, version=1)
+    name = f"{transport.buffer_prefix()}-0-1"
+    assert os.path.exists(f"/dev/shm/{name}")
+    transport.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
 
 
 def test_a_rank_waits_for_a_shared_segment_another_rank_is_still_sizing():
