@@ -3,7 +3,10 @@ against this host's copy bandwidth measured alongside.
 
 A run syncs once per step with the same actors, so the bench does too: every row is a series of versions through
 one set of actors, and the first sync (which sets the transport up) is reported apart from the ones after it (the
-steady state a training run sees from its second sync on, the first being the start-up rehearsal)."""
+steady state a training run sees from its second sync on, the first being the start-up rehearsal).
+
+With `--in-run-rounds N` it also runs the default recipe for a few steps per transport, N rounds with the transports
+alternating, and reports the sync as a training step sees it: transfer, the engine's write, the whole sync phase."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import json
 import os
 import resource
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -24,6 +28,10 @@ SYNC_MODELS = {
     "random-500m": {"hidden_size": 1280, "num_hidden_layers": 24, "num_attention_heads": 20, "num_key_value_heads": 4,
                     "intermediate_size": 3456, "vocab_size": 32000, "tie_word_embeddings": False},
 }
+
+
+# The default recipe's model, whose run gives the in-run figures (`--in-run-rounds`).
+IN_RUN_MODEL = "builtin:smollm2-135m-instruct"
 
 
 def sync_model_config(name: str) -> dict:
@@ -62,11 +70,11 @@ def copy_bandwidth(nbytes: int) -> Callable[[int], tuple[float, float | None]]:
 
 
 def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucket_mb: float, repeats: int,
-               out: str | None = None) -> list[dict]:
+               out: str | None = None, in_run_rounds: int = 0, in_run_steps: int = 6) -> list[dict]:
     """Learner ranks (Ray actors holding random weights sharded as SimpleFSDP stores them) stream `repeats`
     versions in turn to a receiving actor through each transport, with the code the real actors run: pack,
-    transport, checksum, assemble. The engine's own write is not part of it (`sync/write_s` in a run's metrics
-    shows that)."""
+    transport, checksum, assemble. The engine's own write is not part of it; `in_run_rounds` > 0 adds runs of the
+    default recipe that show it (`bench_sync_in_run`)."""
     import ray
 
     from rlpipe.actors.groups import start_ray
@@ -120,10 +128,119 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
                 rows.append(row)
                 print(format_row(row), flush=True)
     ray.shutdown()
+    in_run = bench_sync_in_run(transports, in_run_rounds, in_run_steps) if in_run_rounds > 0 else None
     if out:
         with open(out, "w") as f:
-            json.dump({"bucket_mb": bucket_mb, "rows": rows}, f, indent=2)
+            json.dump({"bucket_mb": bucket_mb, "rows": rows, "in_run": in_run}, f, indent=2)
     return rows
+
+
+def bench_sync_in_run(transports: list[str], rounds: int, steps: int) -> dict:
+    """The sync as a training step sees it: the default recipe (its model, `IN_RUN_MODEL`, if installed) for
+    `steps` steps per transport, each run in a fresh process, the transports in turn for `rounds` rounds (every
+    other round in reverse order). Per run, from its metrics: the start-up rehearsal, the first step's sync, and
+    the medians over the later steps of `sync/transfer_s` (learner ranks to the engines), `sync/write_s` (the
+    engine's write and probe) and `time/sync` (the step's whole sync phase, the learner's probe log-probs too)."""
+    from rlpipe.bench.common import in_fresh_process
+
+    with tempfile.TemporaryDirectory(prefix="rlpipe-bench-sync-") as folder:
+        model_path, model, extra = _in_run_model(folder)
+        print(f"in a run: the default recipe on {model}, {steps} steps a run, {rounds} round(s) of "
+              f"{', '.join(transports)}", flush=True)
+        runs: dict[str, list[dict]] = {transport: [] for transport in transports}
+        for round_index in range(rounds):
+            for transport in transports if round_index % 2 == 0 else transports[::-1]:
+                overrides = [*extra, f"model.path={model_path}", f"train.steps={steps}", f"sync.transport={transport}",
+                             "data.eval_size=0", "metrics.tensorboard=false", "metrics.plot=false",
+                             "metrics.export=false", f"run.output_dir={folder}/runs", f"run.name={transport}",
+                             "run.overwrite=true"]
+                result = in_fresh_process(_in_run, overrides)
+                if "error" in result:
+                    raise RuntimeError(f"bench sync: the {transport} run failed: {result['error']}")
+                summary = in_run_summary(result["steps"], result["rehearsal"])
+                summary.update(transport=transport, round=round_index + 1)
+                runs[transport].append(summary)
+                print(format_in_run(summary), flush=True)
+                time.sleep(2)  # the run's processes (Ray's among them) finish exiting before the next starts
+    medians = {transport: {key: statistics.median(run["steady"][key] for run in done)
+                           for key in ("transfer_s", "write_s", "transfer_write_s", "sync_s")}
+               for transport, done in runs.items() if done}
+    if "ray" in medians:
+        for transport, figures in medians.items():
+            print(f"  {transport:>4}, medians of {rounds} run(s): " + ", ".join(
+                f"{key} {value:.3f} s ({medians['ray'][key] / value:.2f}x ray's speed)" for key, value in figures.items()
+            ), flush=True)
+    return {"model": model, "steps": steps, "rounds": rounds, "runs": runs, "medians": medians}
+
+
+def in_run_summary(steps: list[dict], rehearsal: dict) -> dict:
+    """A run's syncs from its metrics (one dict a step) and its start-up rehearsal (summary.json's sync_check):
+    the first step's sync apart, the medians of the steps after it."""
+    synced = [step for step in steps if "sync/transfer_s" in step]  # a step without samples does not sync
+
+    def figures(step: dict) -> dict:
+        transfer, write = step["sync/transfer_s"], step["sync/write_s"]
+        return {"transfer_s": transfer, "write_s": write, "transfer_write_s": transfer + write,
+                "sync_s": step["time/sync"]}
+
+    each = [figures(step) for step in synced]
+    later = each[1:] or each
+    return {"rehearsal": {"transfer_s": rehearsal["sync/transfer_s"], "write_s": rehearsal["sync/write_s"]},
+            "first_step": each[0] if each else None,
+            "steady": {key: statistics.median(step[key] for step in later) for key in later[0]} if later else None,
+            "steps": each}
+
+
+def format_in_run(run: dict) -> str:
+    def part(figures: dict | None) -> str:
+        if not figures:
+            return "-"
+        return (f"transfer {figures['transfer_s']:.3f} + write {figures['write_s']:.3f} s, "
+                f"sync phase {figures['sync_s']:.3f} s")
+
+    return (f"  {run['transport']:>4} (round {run['round']}): rehearsal transfer {run['rehearsal']['transfer_s']:.2f} + "
+            f"write {run['rehearsal']['write_s']:.2f} s; first step {part(run['first_step'])}; later steps (medians "
+            f"of {max(1, len(run['steps']) - 1)}) {part(run['steady'])}")
+
+
+def _in_run_model(folder: str) -> tuple[str, str, list[str]]:
+    """(path, what it is, overrides): the default recipe's model where it is installed; else random weights in
+    SmolLM2-135M's shapes (the bench's model) with the tests' small tokenizer, every sample trained on (a random
+    policy earns no reward, and a step whose groups all lack signal would train and sync nothing)."""
+    from rlpipe.config import ConfigError
+    from rlpipe.models.builtin import resolve_model_path
+
+    try:
+        return resolve_model_path(IN_RUN_MODEL), IN_RUN_MODEL, []
+    except ConfigError as err:
+        print(f"in a run: {err}; random weights in SmolLM2-135M's shapes instead", flush=True)
+    import transformers
+
+    from rlpipe.bench.tiny_model import build_tokenizer
+
+    path = os.path.join(folder, "random-smollm2-135m")
+    tokenizer = build_tokenizer(path)
+    config = {key: value for key, value in sync_model_config("smollm2-135m").items() if key != "model_type"}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **config, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None))
+    model.save_pretrained(path)
+    return path, "random weights, SmolLM2-135M's shapes", ["algo.drop_uniform_groups=false"]
+
+
+def _in_run(overrides: list[str], results) -> None:
+    """`rlpipe train` of the default recipe with `overrides`, in this (fresh) process; puts its per-step metrics
+    and its start-up rehearsal on `results`."""
+    try:
+        from rlpipe.config import load_config, recipes_dir
+        from rlpipe.controller import train
+
+        cfg = load_config(str(recipes_dir() / "default.yaml"), overrides)
+        train(cfg)
+        steps = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        rehearsal = json.loads((cfg.run_dir / "summary.json").read_text())["sync_check"]
+        results.put({"steps": steps, "rehearsal": rehearsal})
+    except BaseException as err:
+        results.put({"error": f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"})
 
 
 def sync_row(model: str, ranks: int, transport: str, nbytes: int, syncs: list[dict]) -> dict:
