@@ -8,8 +8,8 @@ transfer the sender says which engines it goes to, `select(engine_indexes)`: usu
 engine catches up (only gloo, which addresses receivers itself, needs to know).
 
 Buffers are kept per bucket and reused by later versions: touching freshly mapped memory costs a page fault per
-4 KiB, which on this CPU made first-touch buffers, not the copies, the bulk of a sync. Shared memory faults both
-of its segment sets in when a bucket is first allocated, sender and receiver alike (see SharedMemoryTransport).
+4 KiB, which on this CPU made first-touch buffers, not the copies, the bulk of a sync. Shared memory sets up
+both of its segment sets with the first version, faulted in on every side (see SharedMemoryTransport).
 
 `stable_receive_buffers`: what `receive` yields stays valid and unchanged until two versions later, so the engine
 may use it in place instead of copying it (see `Staging`). True for the object store (an object never changes
@@ -163,8 +163,9 @@ class RayTransport(_BufferPool):
 
 class SharedMemoryTransport:
     """Segments live for the whole run, one per bucket and version parity. Both parities of a bucket are created
-    and faulted in (`populate`) the first time the bucket is allocated, by every sender rank, and the receiver maps
-    the other parity as soon as it first sees a bucket's segment; every mapping stays open until close(). A fresh
+    the first time the bucket is allocated and faulted in (`populate`) everywhere: by the rank that created the
+    segment at once, by the other sender ranks when the version is released, and by the receiver, which maps the
+    other parity as soon as it first sees a bucket's segment; every mapping stays open until close(). A fresh
     segment otherwise costs a page fault per 4 KiB written (the kernel allocates, zeroes and maps each page) and
     one per 64 KiB read, and since consecutive versions alternate parities, the first two syncs of a run each paid
     that once: with SmolLM2-135M's 0.54 GB, 131k faults and 0.5-0.7 s a sync against 0.1 s once mapped. Now the
