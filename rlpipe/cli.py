@@ -119,7 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     sync.add_argument("--transports", default="ray,shm,gloo")
     sync.add_argument("--ranks", default="1,2", help="learner ranks sending (each its own shards)")
     sync.add_argument("--bucket-mb", type=float, default=64.0)
-    sync.add_argument("--repeats", type=int, default=2, help="syncs per row; the fastest is reported")
+    sync.add_argument("--repeats", type=int, default=5,
+                      help="syncs per row, versions in turn through the same actors; the first is reported apart")
+    sync.add_argument("--in-run-rounds", type=int, default=0,
+                      help="> 0: also run the default recipe per transport, this many rounds, for the sync a step sees")
+    sync.add_argument("--in-run-steps", type=int, default=6, help="training steps of each of those runs")
     kernels = benches.add_parser("kernels", help="fused (chunked) vs whole-logits log-probs: speed and peak memory")
     kernels.add_argument("--vocabs", default="49152,151936")
     kernels.add_argument("--tokens", default="1024,4096", help="tokens per call (sequence length x batch)")
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 parser.error(f"bench sync {option}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
         bench_sync(split(args.models), split(args.transports), [int(r) for r in split(args.ranks)], args.bucket_mb,
-                   args.repeats, args.out)
+                   args.repeats, args.out, args.in_run_rounds, args.in_run_steps)
         return 0
     if args.command == "submit":
         from rlpipe.submit import SubmitError, submit

@@ -483,6 +483,81 @@ def test_shared_memory_alternates_two_segment_sets_and_is_freed_on_close():
             shared_memory.SharedMemory(name=name)
 
 
+def _mapped_and_resident(name: str) -> list[tuple[int, int]]:
+    """(size, resident) in bytes of each of this process's mappings of the shared-memory segment `name`, from
+    /proc/self/smaps: resident counts the pages this process has mapped (Rss), not those merely allocated."""
+    mappings, current = [], None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line: address range, perms, ... path
+                current = fields[-1] == f"/dev/shm/{name}"
+            elif current and fields[0] == "Size:":
+                mappings.append([int(fields[1]) * 1024, None])
+            elif current and fields[0] == "Rss:":
+                mappings[-1][1] = int(fields[1]) * 1024
+    return [tuple(mapping) for mapping in mappings]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads this process's mappings from /proc")
+def test_shared_memory_sets_up_both_segment_sets_once_and_faults_them_in():
+    # Versions alternate two segments per bucket; both are created, and mapped page by page by every sender rank
+    # and the receiver, with the first version (a rank that did not create a segment maps it when the version is
+    # released), so that no later version creates, maps or faults in anything.
+    shapes = _hf_shapes(kv_heads=2)
+    plan = plan_sync(shapes, 2, _layout(1, 2), 30_000)
+    senders = [make_transport("shm") for _ in range(2)]
+    for sender in senders:
+        sender.share_buffers(senders[0].buffer_prefix())
+    receiver = make_transport("shm")
+    handles = {}
+    try:
+        for version in range(1, 6):
+            full = _full_tensors(shapes, seed=version)
+            staging = Staging(plan, version, adopt_buffers=True, whole_buckets=True)
+            for rank, sender in enumerate(senders):
+                for part in stream_parts(plan, rank, _local_shards(full, rank, 2), sender, version):
+                    handles.setdefault(version % 2, set()).add(part.handle)
+                    with receiver.receive(part.handle, part.rank, part.nbytes) as buffer:
+                        staging.add(part.bucket, part.rank, buffer, part.checksum)
+            for name, tensor in staging.complete().items():
+                torch.testing.assert_close(tensor, full[name], rtol=0, atol=0)
+            for sender in senders:
+                sender.release()
+            # Two segments per bucket, each opened once per process, all with the first version.
+            assert [t.segments_opened for t in (*senders, receiver)] == [2 * len(plan.buckets)] * 3
+            if version == 1:
+                names = [f"{senders[0].buffer_prefix()}-{bucket.index}-{parity}"
+                         for bucket in plan.buckets for parity in (0, 1)]
+                for name in names:  # the next version's segments too: three mappings, every page mapped in each
+                    mappings = _mapped_and_resident(name)
+                    assert len(mappings) == 3 and all(size > 0 and resident == size for size, resident in mappings)
+        assert set(handles) == {0, 1} and all(len(named) == len(plan.buckets) for named in handles.values())
+        assert handles[0].isdisjoint(handles[1]) and handles[0] | handles[1] == set(names)
+    finally:
+        receiver.close()
+        for sender in reversed(senders):
+            sender.close()
+    assert not any(os.path.exists(f"/dev/shm/{name}") for name in names)
+
+
+def test_a_dev_shm_without_room_for_the_segments_fails_with_a_clear_error(monkeypatch):
+    # Writing into a segment that tmpfs has no room for raises SIGBUS; the segments get their memory up front.
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    transport = make_transport("shm")
+    with pytest.raises(RuntimeError, match=r"no room in /dev/shm for segment .*\(or use sync.transport=ray\)"):
+        transport.allocate(4096, bucket=0, version=1)
+    name = f"{transport.buffer_prefix()}-0-1"
+    assert os.path.exists(f"/dev/shm/{name}")
+    transport.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
 def test_a_rank_waits_for_a_shared_segment_another_rank_is_still_sizing():
     # SharedMemory(create=True) creates the segment, then sets its size: a rank attaching in between must wait.
     import _posixshmem
@@ -502,8 +577,9 @@ def test_a_rank_waits_for_a_shared_segment_another_rank_is_still_sizing():
         sizing.join()
         os.close(descriptor)
         other.close()
-        assert os.path.exists(f"/dev/shm/{name}")  # not the owner: it leaves the segment
-        _posixshmem.shm_unlink("/" + name)
+        for left in (name, f"{owner.buffer_prefix()}-0-0"):  # and the other parity's, which it created
+            assert os.path.exists(f"/dev/shm/{left}")  # not the owner: it leaves the segments
+            _posixshmem.shm_unlink("/" + left)
         owner.close()
 
 
