@@ -42,6 +42,15 @@ def sync_model_config(name: str) -> dict:
     return {**base, **SYNC_MODELS[name]}
 
 
+def sync_model_shapes(name: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """The HF config of SYNC_MODELS[name] and its weights' shapes (built on the meta device: no memory)."""
+    from rlpipe.models import build_model
+
+    hf_config = sync_model_config(name)
+    with torch.device("meta"):
+        return hf_config, {name: tuple(t.shape) for name, t in build_model(hf_config).state_dict().items()}
+
+
 def copy_bandwidth(nbytes: int) -> Callable[[int], tuple[float, float | None]]:
     """A measurement of this host's copy bandwidth between two preallocated buffers of `nbytes`: called with a
     repeat count, it returns the best GB/s of torch's copy_ on all threads (the memcpy figure) and of the packing
@@ -81,16 +90,13 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
 
     from rlpipe.actors.groups import start_ray
     from rlpipe.config import load_config
-    from rlpipe.models import build_model
     from rlpipe.weightsync import EngineLayout, plan_sync
 
     start_ray(load_config(None, [f"ray.num_cpus={max(ranks) + 2}"]))
     sender_cls, receiver_cls = _sync_bench_actors()
     rows = []
     for model in models:
-        hf_config = sync_model_config(model)
-        with torch.device("meta"):
-            shapes = {name: tuple(t.shape) for name, t in build_model(hf_config).state_dict().items()}
+        hf_config, shapes = sync_model_shapes(model)
         layout = EngineLayout.from_hf_config(hf_config, 1, "float32")
         for rank_count in ranks:
             plan = plan_sync(shapes, rank_count, layout, int(bucket_mb * 2**20))

@@ -34,19 +34,15 @@ CONFIGS = (("ray", "host_a", "ray, one host"), ("ray", "host_b", "ray, across ho
 def measure(address: str, models: list[str], ranks: int, bucket_mb: float, repeats: int) -> list[dict]:
     """Inside host A: join the cluster, time `repeats` syncs of each configuration, interleaved."""
     import ray
-    import torch
 
-    from rlpipe.bench.sync import _sync_bench_actors, sync_model_config
-    from rlpipe.models import build_model
+    from rlpipe.bench.sync import _sync_bench_actors, sync_model_shapes
     from rlpipe.weightsync import EngineLayout, plan_sync
 
     ray.init(address=address, logging_level="ERROR")
     sender_cls, receiver_cls = _sync_bench_actors()
     rows = []
     for model in models:
-        hf_config = sync_model_config(model)
-        with torch.device("meta"):
-            shapes = {name: tuple(t.shape) for name, t in build_model(hf_config).state_dict().items()}
+        hf_config, shapes = sync_model_shapes(model)
         plan = plan_sync(shapes, ranks, EngineLayout.from_hf_config(hf_config, 1, "float32"), int(bucket_mb * 2**20))
         on = lambda host: {"resources": {host: 1}}  # noqa: E731
         senders = {transport: [sender_cls.options(**on("host_a")).remote(plan, rank, transport) for rank in range(ranks)]
