@@ -50,8 +50,11 @@ def _node_ports() -> list[str]:
 class Cluster:
     def __init__(self, token: str):
         # The environment of an activated virtual environment, so jobs find the same `python`.
+        # Not the single-machine switch `start_ray` leaves behind in a process that started a local cluster:
+        # under it `ray start` refuses a second node.
+        inherited = {key: value for key, value in os.environ.items() if key != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
         self.env = {
-            **os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+            **inherited, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
             "PATH": f"{PYTHON_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         }
         gcs, dashboard, client = _free_ports(3)
