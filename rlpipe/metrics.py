@@ -186,11 +186,13 @@ def describe_routes(routes) -> str:
     names = {"shm": "shared memory", "ray": "object store", "gloo": "gloo"}
     if routes.transport != "auto":
         return names[routes.transport]
-    counts = {kind: int(count) for kind, count in routes.counts().items() if count}
-    if len(counts) == 1:
-        return f"auto: {names[next(iter(counts))[len('sync/pairs_'):]]}"
-    return "auto: " + ", ".join(f"{names[kind[len('sync/pairs_'):]]} for {count} pair{'s' if count > 1 else ''}"
-                                for kind, count in counts.items())
+    kinds = [kind for row in routes.pairs for kind in row]
+    used = sorted(set(kinds), key=kinds.index)
+    if len(used) == 1:
+        return f"auto: {names[used[0]]}"
+    return "auto: " + ", ".join(
+        f"{names[kind]} for {kinds.count(kind)} pair{'s' if kinds.count(kind) > 1 else ''}" for kind in used
+    )
 
 
 class LiveStatus:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from rlpipe.config import ConfigError
+from rlpipe.metrics import describe_routes
 from rlpipe.weightsync import Staging, make_transport, plan_routes, plan_sync, stream_parts
 from tests.unit.test_weightsync import _full_tensors, _hf_shapes, _layout, _local_shards
 
@@ -22,6 +23,10 @@ def test_auto_picks_shared_memory_within_a_host_and_the_object_store_across():
     assert one_host.whole_buckets and one_host.counts() == {"sync/pairs_shm": 4.0, "sync/pairs_ray": 0.0}
     apart = plan_routes("auto", ["10.0.0.1"], ["10.0.0.2"])
     assert apart.pairs == (("ray",),) and not apart.whole_buckets
+    # The start-up line's words for them.
+    assert describe_routes(one_host) == "auto: shared memory" and describe_routes(apart) == "auto: object store"
+    assert describe_routes(routes) == "auto: shared memory for 2 pairs, object store for 4 pairs"
+    assert describe_routes(plan_routes("gloo", ["a"], ["b"])) == "gloo"
 
 
 def test_a_forced_transport_is_used_for_every_pair_and_shm_across_hosts_is_refused_naming_both():
