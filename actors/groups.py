@@ -204,8 +204,9 @@ class Roles:
         self._share_sync_buffers()
 
     def _share_sync_buffers(self) -> None:
-        """Every learner rank writes into the shared-memory segments named by rank 0, one per bucket."""
-        if self.routes.transport in ("shm", "auto") and self.routes.whole_buckets:
+        """Every learner rank writes into the shared-memory segments named by rank 0, one per bucket (whole buckets:
+        every pair on shared memory)."""
+        if self.routes.whole_buckets:
             prefix = ray.get(self.learners[0].sync_buffer_prefix.remote())
             get_all([learner.share_sync_buffers.remote(prefix) for learner in self.learners])
 
