@@ -5,6 +5,7 @@ environment these tests are skipped, unless RLPIPE_REQUIRE_TPU_ENV=1 (set by scr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -23,27 +24,18 @@ def tpu_python() -> str:
 EXTRAS = ["tpu", "cpu", "xla", "bench", "reasoning-gym", "humaneval"]
 
 
-@pytest.fixture(scope="module")
-def resolutions(tpu_python) -> dict[str, subprocess.Popen]:
-    """pip's resolver for every extra, all started at once: each spends most of its time waiting on the index."""
-    started = {}
-    for extra in EXTRAS:
-        python = tpu_python if extra == "tpu" else sys.executable  # tpu's wheels are Python 3.12 only
-        started[extra] = subprocess.Popen(
-            [python, "-m", "pip", "install", "--disable-pip-version-check", "--quiet", "--dry-run",
-             "--ignore-installed", f"{ROOT}[{extra}]"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-    yield started
-    for process in started.values():
-        if process.poll() is None:
-            process.kill()
-
-
 @pytest.mark.parametrize("extra", EXTRAS)
-def test_every_extra_resolves_for_its_python(extra, resolutions):
-    _, stderr = resolutions[extra].communicate(timeout=900)
-    assert resolutions[extra].returncode == 0, stderr[-3000:]
+def test_every_extra_resolves_for_its_python(extra, tpu_python, tmp_path):
+    # One at a time: without the index's metadata files pip downloads each wheel to a temporary folder (~0.8 GB
+    # per extra at its peak), and several at once can fill a small disk.
+    python = tpu_python if extra == "tpu" else sys.executable  # tpu's wheels are Python 3.12 only
+    done = subprocess.run(
+        [python, "-m", "pip", "install", "--disable-pip-version-check", "--quiet", "--dry-run",
+         "--ignore-installed", f"{ROOT}[{extra}]"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_rlpipes_tpu_code_against_the_installed_tpu_packages(tpu_python):
