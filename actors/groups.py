@@ -440,12 +440,15 @@ class Roles:
         """Stream the learner's weights to the engines (all, or those indexed by `engines`) as `version`, then write
         and check them there. An engine that dies on the way is replaced and the transfer repeated for the engines
         that have not committed the version; the others keep it."""
-        expected = get_all([learner.sequence_logprobs.remote(probe_tokens) for learner in self.learners])[0]
+        expected = None  # the learner's probe logprobs, computed while the first engines write
         targets = list(range(len(self.engines))) if engines is None else list(engines)
         while True:
             handles = [self.engines[index] for index in targets]
             try:
-                return self._transfer_to(version, probe_tokens, expected, rehearsal, targets, handles)
+                metrics, results, expected = self._transfer_to(
+                    version, probe_tokens, expected, rehearsal, targets, handles
+                )
+                return metrics, results
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:  # the latter: a learner's send
                 dead = self._dead_engines(targets)
                 if not dead:
@@ -475,14 +478,20 @@ class Roles:
         return dead
 
     def _transfer_to(self, version, probe_tokens, expected, rehearsal, targets: list[int], handles: list):
+        """One attempt of `_transfer`; returns its metrics, the engines' results and the learner's probe logprobs.
+        The learner ranks compute those (all take part: the model is sharded) after sending, while the engines write,
+        and the engines wait for them only to check their own replay of the probe."""
         get_all([engine.begin_sync.remote(self.sync_plan, version) for engine in handles])
         started = time.perf_counter()
         try:
-            sent = get_all(
-                [learner.send_weights.remote(self.sync_plan, version, handles, targets) for learner in self.learners]
-            )
+            plan = self.sync_plan
+            sends = [learner.send_weights.remote(plan, version, handles, targets) for learner in self.learners]
+            probes = None if expected else [learner.sequence_logprobs.remote(probe_tokens) for learner in self.learners]
+            sent = get_all(sends)
             transfer_s = time.perf_counter() - started
-            results = get_all([engine.commit.remote(version, probe_tokens, expected, rehearsal) for engine in handles])
+            reference = expected or [probes[0]]
+            results = get_all([engine.commit.remote(version, probe_tokens, reference, rehearsal) for engine in handles])
+            expected = expected or get_all(probes)[0]
         finally:
             get_all([learner.release_weights.remote() for learner in self.learners])
         metrics = {
@@ -493,7 +502,7 @@ class Roles:
             "sync/transfer_s": transfer_s,
             "sync/write_s": max(result["write_s"] for result in results),
         }
-        return metrics, results
+        return metrics, results, expected
 
     def export(self, out_dir: str) -> str:
         return get_all([learner.export.remote(out_dir) for learner in self.learners])[0]

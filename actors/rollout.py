@@ -74,5 +74,12 @@ class RolloutActor:
         return self.engine.receive_part(version, bucket, rank, handle, nbytes, digest)
 
     @ray.method(concurrency_group="sync")
-    def commit(self, version: int, probe_tokens: list[int], expected: list[float], rehearsal: bool = False) -> dict:
+    def commit(self, version: int, probe_tokens: list[int], expected: list, rehearsal: bool = False) -> dict:
+        """`expected`: the learner's probe logprobs, or a one-item list of the ObjectRef they will arrive in (a list,
+        so that Ray hands the reference over instead of waiting for it before the write starts)."""
+        if len(expected) == 1 and isinstance(expected[0], ray.ObjectRef):
+            pending = expected[0]
+            return self.engine.commit(
+                version, probe_tokens, lambda: ray.get(pending, timeout=self.engine.sync_cfg.timeout_s), rehearsal
+            )
         return self.engine.commit(version, probe_tokens, expected, rehearsal)

@@ -294,6 +294,12 @@ class SyncConfig:
         True, "engines keep the previous version's weights (one extra copy) so a failed check rolls back"
     )
     timeout_s: float = _key(300.0, "a transfer waiting longer than this fails the sync")
+    engine_write: Literal["in_place", "reload"] = _key(
+        "in_place",
+        "how a CPU engine applies a version: in_place (copy into the weights it keeps beside its packed GEMM copies, "
+        "then repack; one more copy of the linear weights in memory) or reload (vLLM rebuilds every layer); "
+        "quantized, MoE and TPU engines always reload",
+    )
 
     def probe_tolerance_for(self, rollout_dtype: str) -> float:
         if self.probe_tolerance is not None:

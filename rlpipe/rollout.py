@@ -5,9 +5,11 @@ No Ray here, so it runs (and is tested) in one process; actors/rollout.py wraps 
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load as load_safetensors_bytes
@@ -31,11 +33,17 @@ def decode_weights(payload: bytes) -> dict[str, torch.Tensor]:
 class WeightReceiver:
     """vLLM worker extension: mixed into every vLLM worker, reached through `collective_rpc`."""
 
-    def rlpipe_load_weights(self, weights: bytes | list[tuple[str, torch.Tensor]]) -> int:
+    def rlpipe_load_weights(self, weights: bytes | list[tuple[str, torch.Tensor]], in_place: bool = False) -> int:
+        """Apply a complete set of weights. `in_place` (sync.engine_write) writes into the tensors the engine
+        computes with, where its layers allow (`_writes_in_place`); otherwise vLLM's in-place reload builds each
+        layer anew."""
         if isinstance(weights, bytes):  # from a child-process engine, where tensors do not cross the RPC
             weights = list(decode_weights(weights).items())
         if vllm_platform() == "torchtpu":
             return self._reload_on_torchtpu(weights)
+        if in_place and self._writes_in_place():
+            self._write_in_place(weights)
+            return len(weights)
         # In-place reload keeps vLLM's own loaders in charge of fusing (qkv, gate/up), tensor-parallel slicing
         # and CPU repacking.
         try:
@@ -46,6 +54,50 @@ class WeightReceiver:
         self._refresh_tied_output_layer()
         self._prepack_reloaded_experts({name for name, _ in weights})
         return len(weights)
+
+    def _writes_in_place(self) -> bool:
+        """Whether every layer that prepares its weights after loading is an unquantized linear or embedding layer on
+        CPU, whose preparation rlpipe can redo itself (`_write_in_place`). Quantized and MoE layers prepare theirs
+        in ways only vLLM's reload redoes."""
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
+        plain = (type(None), UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+        return all(isinstance(getattr(m, "quant_method", None), plain) for m in self.model_runner.get_model().modules())
+
+    def _write_in_place(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy the weights into the layers' own tensors, then redo vLLM's CPU GEMM dispatch for each linear layer.
+
+        vLLM on CPU packs each linear layer's weight into a oneDNN (or similar) GEMM object after loading and drops
+        the plain weight; its reload therefore rebuilds every layer on fresh memory, loads, packs and copies back.
+        Here each such layer gets its plain weight back once (from vLLM's own reload metadata) and keeps it, so a
+        write is one copy into memory already in place plus one packing per layer, at the cost of a second copy of
+        the linear weights in memory. The packed kernels themselves stay vLLM's: unpacked GEMMs generate 1.3-3x
+        slower on CPU."""
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+
+        model = self.model_runner.get_model()
+        packed = [module for module in model.modules() if _packs_its_gemm(module)]
+        for layer in packed:
+            if layer.weight.numel() == 0:  # dropped after packing: the layer's parameters as loading made them
+                info = get_layerwise_info(layer)
+                restore_layer_on_meta(layer, info)
+                materialize_layer(layer, info)
+                for param in layer.parameters(recurse=False):  # a reload leaves its buffering loaders on them
+                    if hasattr(param, "weight_loader"):
+                        param.weight_loader = inspect.unwrap(param.weight_loader, stop=_not_a_reload_buffer)
+        loaded = model.load_weights(weights) or set()
+        missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+        if missing:
+            raise SyncError(f"the weights leave {len(missing)} of the engine's parameters unwritten, e.g. {missing[0]}")
+        for layer in packed:
+            layer.cpu_linear = None  # the old packed copy is freed before the new one is made
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
     def rlpipe_seed(self, seed: int) -> None:
         """Seed the worker's sampling: vLLM draws requests without their own seed from torch's global generator."""
@@ -127,6 +179,23 @@ def _engine_env(cfg: RolloutConfig) -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if cfg.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def _packs_its_gemm(module: torch.nn.Module) -> bool:
+    """A layer whose matmul runs on a packed copy of its weight (vLLM on CPU): unquantized linear layers and the
+    output head. The input embedding also gets a packed copy, which its lookups never use."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if not hasattr(module, "cpu_linear") or getattr(module, "_cpu_skip_gemm_dispatch", False):
+        return False
+    plain_linear = isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
+    return plain_linear or isinstance(module, ParallelLMHead)
+
+
+def _not_a_reload_buffer(loader) -> bool:
+    """vLLM's layerwise reload wraps each parameter's own loader in one that buffers the tensors it is given."""
+    return getattr(loader, "__name__", "") != "online_process_loader"
 
 
 # vllm-torchtpu's mark on a linear layer whose weight it has transposed for the TPU matmul.
@@ -329,13 +398,20 @@ class RolloutEngine:
                 raise
         return nbytes
 
-    def commit(self, version: int, probe_tokens: list[int], expected: list[float], rehearsal: bool = False) -> dict:
+    def commit(
+        self,
+        version: int,
+        probe_tokens: list[int],
+        expected: list[float] | Callable[[], list[float]],
+        rehearsal: bool = False,
+    ) -> dict:
         """Apply a fully received version: pause generation, write, check the probe, resume.
 
-        A failed write or check restores the previous weights (or, without `sync.keep_previous`, leaves the engine
-        refusing to generate); either way the engine never serves a mix of two versions. A `rehearsal` sends the
-        weights the engine already serves (the start-up check of the channel): written and checked the same way,
-        but the policy version stays."""
+        `expected` is the learner's logprobs of the probe, or a function that waits for them: the learner computes
+        them while the engine writes and replays the probe. A failed write or check restores the previous weights
+        (or, without `sync.keep_previous`, leaves the engine refusing to generate); either way the engine never
+        serves a mix of two versions. A `rehearsal` sends the weights the engine already serves (the start-up check
+        of the channel): written and checked the same way, but the policy version stays."""
         staging, self._staging = self._staging, None
         if staging is None or staging.version != version:
             raise SyncError(f"weight sync v{version}: nothing received for this version (a bucket failed?)")
@@ -346,21 +422,28 @@ class RolloutEngine:
             self._state.wait_for(lambda: not self._generating)
         started = time.perf_counter()
         try:
+            probe, gap_max, gap_mean, failure = [], float("nan"), float("nan"), None
             try:
                 self._write(weights)
                 probe = self.sequence_logprobs(probe_tokens)
-                gaps = [abs(a - b) for a, b in zip(probe[1:], expected[1:])] or [0.0]
-                gap_max, gap_mean = max(gaps), sum(gaps) / len(gaps)
-                failure = None
             except Exception as err:  # a write that broke off may have left some layers new and some old
-                probe, gap_max, gap_mean, failure = [], float("nan"), float("nan"), f"{type(err).__name__}: {err}"
+                failure = f"writing the weights failed ({type(err).__name__}: {err})"
+            write_s = time.perf_counter() - started
+            if failure is None:
+                try:
+                    reference = expected() if callable(expected) else expected
+                except Exception as err:  # the new weights cannot be checked, so they are not served
+                    failure = f"the learner's probe logprobs did not arrive ({type(err).__name__}: {err})"
+                else:
+                    gaps = [abs(a - b) for a, b in zip(probe[1:], reference[1:])] or [0.0]
+                    gap_max, gap_mean = max(gaps), sum(gaps) / len(gaps)
             # float32 engines reproduce the learner token for token; bf16 kernels differ a little on every token.
             exact = self.cfg.dtype == "float32"
             gap, statistic = (gap_max, "max") if exact else (gap_mean, "mean")
             if failure or not gap <= self.probe_tolerance:  # `not <=` also catches NaN
                 self._spare_owned = staging.owned
                 message = f"weight sync v{version}: " + (
-                    f"writing the weights failed ({failure})"
+                    failure
                     if failure
                     else f"after writing, the engine's probe logprobs differ from the learner's by {gap:.3g} "
                     f"({statistic} over tokens) > sync.probe_tolerance {self.probe_tolerance:g}"
@@ -387,7 +470,7 @@ class RolloutEngine:
             return {
                 "probe_max_abs": gap_max,
                 "probe_mean_abs": gap_mean,
-                "write_s": time.perf_counter() - started,
+                "write_s": write_s,
                 "bytes": staging.bytes_received,
                 "probe": probe,
             }
@@ -399,7 +482,7 @@ class RolloutEngine:
     def _write(self, weights: dict[str, torch.Tensor]) -> None:
         items = list(weights.items())
         payload = items if self.cfg.in_process else encode_weights(weights)
-        self.llm.collective_rpc("rlpipe_load_weights", args=(payload,))
+        self.llm.collective_rpc("rlpipe_load_weights", args=(payload, self.sync_cfg.engine_write == "in_place"))
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()
 

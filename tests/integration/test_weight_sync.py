@@ -21,19 +21,21 @@ PROBE = list(range(5, 45))
 
 @pytest.fixture(
     scope="module",
-    params=[("qwen3", "vllm"), ("qwen3", "rlpipe"), ("qwen3_moe", "vllm"), ("qwen3_moe", "rlpipe")],
-    ids=["qwen3-vllm", "qwen3-rlpipe", "qwen3_moe-vllm", "qwen3_moe-rlpipe"],
+    params=[("qwen3", "vllm", "in_place"), ("qwen3", "vllm", "reload"), ("qwen3", "rlpipe", "in_place"),
+            ("qwen3_moe", "vllm", "in_place"), ("qwen3_moe", "rlpipe", "in_place")],
+    ids=["qwen3-vllm", "qwen3-vllm-reload", "qwen3-rlpipe", "qwen3_moe-vllm", "qwen3_moe-rlpipe"],
 )
 def setup(request):
     """The engine runs vLLM's own Qwen3 (fused qkv / gate-up) or rlpipe's model inside vLLM (the learner's names).
-    For the tiny Qwen3-MoE, vLLM's own model holds the experts fused (w13 / w2 of its CPU MoE layer)."""
+    For the tiny Qwen3-MoE, vLLM's own model holds the experts fused (w13 / w2 of its CPU MoE layer). Engines write
+    in place (the default), and one runs vLLM's reload instead (sync.engine_write)."""
     from rlpipe.rollout import RolloutEngine
 
-    family, model_impl = request.param
+    family, model_impl, engine_write = request.param
     tiny_qwen3 = request.getfixturevalue(f"tiny_{family}")
 
     cfg = load_config(None, [f"model.path={tiny_qwen3}", "sync.transport=shm", "sync.bucket_mb=0.05",
-                             "sync.probe_tolerance=1e-5"])
+                             "sync.probe_tolerance=1e-5", f"sync.engine_write={engine_write}"])
     rollout = RolloutConfig(max_model_len=512, max_tokens=16, model_impl=model_impl)
     engine = RolloutEngine(tiny_qwen3, rollout, 0, sync=cfg.sync)
     learner = Learner.from_config(tiny_qwen3, cfg)
@@ -124,6 +126,53 @@ def test_a_write_that_breaks_off_is_rolled_back(setup):
         engine.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
     assert engine.policy_version == version
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
+
+
+def _kept_linear_weights(engine) -> list[bool]:
+    """For each of vLLM's linear layers (on CPU their matmuls run on packed copies of their weights), whether the
+    engine also holds its plain weight."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    (kept,) = engine.llm.collective_rpc(lambda worker: [
+        module.weight.numel() > 0 for module in worker.model_runner.get_model().modules()
+        if isinstance(module, LinearBase)
+    ])
+    return kept
+
+
+def test_the_engine_writes_as_configured(setup):
+    engine, learner, plan = setup
+    (in_place,) = engine.llm.collective_rpc("_writes_in_place")
+    vllm_dense = engine.cfg.model_impl == "vllm" and "moe" not in engine.model_path
+    # vLLM's own fused-MoE layers pack their experts in ways only its reload redoes; rlpipe's model packs nothing.
+    assert in_place == (vllm_dense or engine.cfg.model_impl == "rlpipe")
+    _perturb(learner, 20)
+    version = engine.policy_version + 1
+    _send(engine, learner, plan, version)
+    assert engine.commit(version, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+    kept = _kept_linear_weights(engine)
+    assert bool(kept) == (engine.cfg.model_impl == "vllm")  # rlpipe's model has no vLLM linear layers
+    if kept:  # vLLM's reload packs each weight and drops it; an in-place write keeps it to write into
+        writes_in_place = vllm_dense and engine.sync_cfg.engine_write == "in_place"
+        assert all(kept) == writes_in_place and any(kept) == writes_in_place
+
+
+def test_the_learners_probe_may_arrive_while_the_engine_writes(setup):
+    engine, learner, plan = setup
+    before, version = engine.sequence_logprobs(PROBE), engine.policy_version
+    _perturb(learner, 30)
+    _send(engine, learner, plan, version + 1)
+    assert engine.commit(version + 1, PROBE, lambda: learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+
+    def lost():
+        raise RuntimeError("learner rank 0 died")
+
+    _perturb(learner, 31)
+    _send(engine, learner, plan, version + 2)
+    with pytest.raises(SyncError, match=rf"probe logprobs did not arrive .*died.* rolled back to version {version + 1}"):
+        engine.commit(version + 2, PROBE, lost)
+    assert engine.policy_version == version + 1
+    assert _max_gap(engine.sequence_logprobs(PROBE), before) > 1e-2  # version + 1, not the one before
 
 
 _TENSOR_PARALLEL_SYNC = """
