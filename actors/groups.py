@@ -478,9 +478,13 @@ class Roles:
         return dead
 
     def _transfer_to(self, version, probe_tokens, expected, rehearsal, targets: list[int], handles: list):
-        """One attempt of `_transfer`; returns its metrics, the engines' results and the learner's probe logprobs.
-        The learner ranks compute those (all take part: the model is sharded) after sending, while the engines write,
-        and the engines wait for them only to check their own replay of the probe."""
+        """One attempt of `_transfer`; returns its metrics, the engines' results and the learner's probe logprobs
+        (all ranks compute them: the model is sharded). Where no engine shares a host with a learner rank, the ranks
+        compute them after sending, while the engines write, and the engines wait for them only to check their own
+        replay of the probe; on a shared host the two would compete for its cores, which on 2 cores cost more than
+        running one after the other (docs/benchmarks.md)."""
+        if not expected and self.routes.shared_host:
+            expected = get_all([learner.sequence_logprobs.remote(probe_tokens) for learner in self.learners])[0]
         get_all([engine.begin_sync.remote(self.sync_plan, version) for engine in handles])
         started = time.perf_counter()
         try:

@@ -20,10 +20,12 @@ from rlpipe.config import ConfigError
 class SyncRoutes:
     """`pairs[rank][engine]`: the transport from learner rank `rank` to engine `engine` ("shm" or "ray" under
     auto; the configured transport otherwise). `whole_buckets`: every pair uses shared memory, so all ranks write
-    into one segment per bucket (see transport.py); otherwise each rank sends its own part."""
+    into one segment per bucket (see transport.py); otherwise each rank sends its own part. `shared_host`: some
+    learner rank runs on the host of some engine, whatever the transport, so they compete for its cores."""
 
     transport: str
     pairs: tuple[tuple[str, ...], ...]
+    shared_host: bool = False
 
     @property
     def whole_buckets(self) -> bool:
@@ -65,4 +67,4 @@ def plan_routes(transport: str, learner_hosts: list[str], engine_hosts: list[str
         pairs = tuple(tuple("shm" if a == b else "ray" for b in engine_hosts) for a in learner_hosts)
     else:
         pairs = tuple(tuple(transport for _ in engine_hosts) for _ in learner_hosts)
-    return SyncRoutes(transport, pairs)
+    return SyncRoutes(transport, pairs, shared_host=bool(set(learner_hosts) & set(engine_hosts)))

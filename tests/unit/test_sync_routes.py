@@ -29,6 +29,13 @@ def test_auto_picks_shared_memory_within_a_host_and_the_object_store_across():
     assert describe_routes(plan_routes("gloo", ["a"], ["b"])) == "gloo"
 
 
+def test_routes_know_whether_a_learner_rank_shares_a_host_with_an_engine_whatever_the_transport():
+    for transport in ("auto", "ray", "gloo"):
+        assert plan_routes(transport, ["a", "b"], ["c", "b"]).shared_host
+        assert not plan_routes(transport, ["a", "a"], ["b", "c"]).shared_host
+    assert plan_routes("shm", ["a"], ["a"]).shared_host
+
+
 def test_a_forced_transport_is_used_for_every_pair_and_shm_across_hosts_is_refused_naming_both():
     assert plan_routes("ray", ["a"], ["a", "b"]).pairs == (("ray", "ray"),)
     assert plan_routes("gloo", ["a"], ["b"]).pairs == (("gloo",),)
