@@ -103,11 +103,16 @@ def cpu_bundles(spec: RolePlacement, actors: int, gpus: int = 0) -> list[dict[st
     return [{"CPU": 1.0, **extra, **{str(k): float(v) for k, v in spec.resources.items()}} for _ in range(actors)]
 
 
+class PlacementTimeout(ConfigError):
+    """The cluster could not place a role in time: a configuration error at a run's start; when an auto-resumed run
+    starts again, most likely a lost host not back yet (rlpipe train waits for it with another attempt)."""
+
+
 def _wait(group: PlacementGroup, role: str, timeout_s: float, wanted: str) -> None:
     if not group.wait(timeout_seconds=timeout_s):
         remove_placement_group(group)
         available = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
-        raise ConfigError(
+        raise PlacementTimeout(
             f"placement.{role}: the cluster cannot place {wanted} within {timeout_s:g} s "
             f"(ray.placement_timeout_s); available: {available}"
         )

@@ -355,6 +355,7 @@ def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> d
     import ray
 
     from rlpipe.actors.groups import WorkerLost
+    from rlpipe.actors.placement import PlacementTimeout
     from rlpipe import checkpoint
     from rlpipe.controller import train
 
@@ -362,7 +363,9 @@ def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> d
     while True:
         try:
             return train(cfg, resume)
-        except (WorkerLost, ray.exceptions.RayActorError) as err:
+        except (WorkerLost, ray.exceptions.RayActorError, PlacementTimeout) as err:
+            if isinstance(err, PlacementTimeout) and not restarts:
+                raise  # at the run's start: the cluster never had the room this configuration asks for
             first = first_line(err)
             if not auto_resume or restarts == cfg.train.max_auto_resumes:
                 raise WorkerLost(first) from err

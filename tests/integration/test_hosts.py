@@ -197,6 +197,61 @@ def test_a_rollout_host_lost_mid_step_moves_its_engine_to_another_host(hosts, un
     assert [r["samples_trained"] for r in records] == [2.0 * GROUP_SIZE] * STEPS
 
 
+def test_a_rollout_host_lost_with_no_room_elsewhere_is_waited_for_by_auto_resume(hosts, uninterrupted, tiny_qwen3,
+                                                                               tmp_path):
+    """The engine may only run on host B, which loses power as the engine generates step 2. No live host can take
+    the engine, so after ray.placement_timeout_s the run gives up on it in one line; --auto-resume starts again from
+    the latest checkpoint and waits for room, which comes back with B's Ray node. Steps, versions and prompts are
+    those of the uninterrupted run, each step trained once."""
+    baseline_dir, baseline = uninterrupted
+    assert baseline.returncode == 0, "the uninterrupted run failed; see test_roles_run_on_the_hosts_their_placement_names"
+    for name, host in hosts.hosts.items():  # a host an earlier test powered off is switched on again
+        if host.ray is None:
+            hosts.start_ray(name, HOSTS[name])
+    command = _train_command(
+        hosts, tmp_path, tiny_qwen3, "no-room", "placement.learner.resources={host_a: 1}",
+        "placement.rollout.resources={host_b: 1}", "placement.reward.resources={host_a: 1}",
+        "train.checkpoint_every=1", "ray.placement_timeout_s=45", "train.max_auto_resumes=2", "--auto-resume",
+    )
+    run_dir, stdout, stderr = tmp_path / "no-room", tmp_path / "driver.stdout", tmp_path / "driver.stderr"
+    host_b = hosts.hosts["host_b"]
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        driver = hosts.head.popen(command, cwd=str(REPO), stdout=out, stderr=err)
+    try:
+        deadline = time.monotonic() + 480
+        pid = None
+        while pid is None:
+            assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+            lost, pid = _engine(hosts)
+            time.sleep(0.1)
+        assert lost is host_b
+        was_generating = False
+        while True:
+            assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+            generating = _generating(pid)
+            if generating and not was_generating and (run_dir / "metrics.jsonl").exists() and _records(run_dir):
+                host_b.power_off()
+                break
+            was_generating = generating
+            time.sleep(0.002)
+        while "restarting from" not in stderr.read_text():
+            assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+            time.sleep(0.5)
+        assert _engine(hosts) == (None, None)  # nowhere to go while B is off
+        hosts.start_ray("host_b", HOSTS["host_b"])
+        assert driver.wait(timeout=max(deadline - time.monotonic(), 1)) == 0, stderr.read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    restarts = [line for line in stderr.read_text().splitlines() if "restarting from" in line]
+    assert restarts and "no live node has room" in restarts[0] and "restarting from step_00000" in restarts[0], restarts
+    assert all("cannot place" in line for line in restarts[1:])  # B took longer than a placement timeout to return
+    assert json.loads((run_dir / "summary.json").read_text())["hosts"]["rollout"] == [host_b.address]
+    records = _check_steps(run_dir)
+    assert _prompts_by_step(run_dir) == _prompts_by_step(baseline_dir)
+    assert [r["samples_trained"] for r in records] == [2.0 * GROUP_SIZE] * STEPS
+
+
 def test_the_cluster_of_hosts_leaves_nothing_behind(hosts):
     """Last in the module: closing the cluster ends every process on every host and the namespaces with them (the
     bridge, the veth pairs and each private /dev/shm go with their namespaces)."""
