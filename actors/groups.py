@@ -440,7 +440,7 @@ class Roles:
         """Stream the learner's weights to the engines (all, or those indexed by `engines`) as `version`, then write
         and check them there. An engine that dies on the way is replaced and the transfer repeated for the engines
         that have not committed the version; the others keep it."""
-        expected = None  # the learner's probe logprobs, computed while the first engines write
+        expected = None  # the learner's probe logprobs: computed in the first attempt, kept for any repeat
         targets = list(range(len(self.engines))) if engines is None else list(engines)
         while True:
             handles = [self.engines[index] for index in targets]

@@ -75,8 +75,8 @@ class WeightReceiver:
         the plain weight; its reload therefore rebuilds every layer on fresh memory, loads, packs and copies back.
         Here each such layer gets its plain weight back once (from vLLM's own reload metadata) and keeps it, so a
         write is one copy into memory already in place plus one packing per layer, at the cost of a second copy of
-        the linear weights in memory. The packed kernels themselves stay vLLM's: unpacked GEMMs generate 1.3-3x
-        slower on CPU."""
+        the linear weights in memory. The packed kernels themselves stay vLLM's: on the plain weights the matmuls
+        run 1.4-1.7x slower and generation 1.6x slower (docs/benchmarks.md)."""
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
@@ -407,8 +407,8 @@ class RolloutEngine:
     ) -> dict:
         """Apply a fully received version: pause generation, write, check the probe, resume.
 
-        `expected` is the learner's logprobs of the probe, or a function that waits for them: the learner computes
-        them while the engine writes and replays the probe. A failed write or check restores the previous weights
+        `expected` is the learner's logprobs of the probe, or a function that waits for them (the learner may be
+        computing them while the engine writes and replays the probe). A failed write or check restores the previous weights
         (or, without `sync.keep_previous`, leaves the engine refusing to generate); either way the engine never
         serves a mix of two versions. A `rehearsal` sends the weights the engine already serves (the start-up check
         of the channel): written and checked the same way, but the policy version stays."""
