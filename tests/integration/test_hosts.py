@@ -146,6 +146,25 @@ def _generating(pid: int) -> bool:
         return False
 
 
+def _power_off_the_engines_host_in_step_2(hosts, driver, run_dir: Path, stderr: Path, deadline: float):
+    """Power off the host running the rollout engine as the engine starts generating after step 1 was logged;
+    returns that host. Fails if the driver ends or the deadline passes first."""
+    lost, pid = None, None
+    while lost is None:
+        assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+        lost, pid = _engine(hosts)
+        time.sleep(0.1)
+    was_generating = False
+    while True:
+        assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+        generating = _generating(pid)
+        if generating and not was_generating and (run_dir / "metrics.jsonl").exists() and _records(run_dir):
+            lost.power_off()
+            return lost
+        was_generating = generating
+        time.sleep(0.002)
+
+
 def test_a_rollout_host_lost_mid_step_moves_its_engine_to_another_host(hosts, uninterrupted, tiny_qwen3, tmp_path):
     """The engine's host loses power (every process on it SIGKILLed) while the engine generates step 2. The cluster
     declares the host dead, Ray moves the engine's placement bundle to the other host with room for an engine, a
@@ -162,21 +181,7 @@ def test_a_rollout_host_lost_mid_step_moves_its_engine_to_another_host(hosts, un
         driver = hosts.head.popen(command, cwd=str(REPO), stdout=out, stderr=err)
     try:
         deadline = time.monotonic() + 300
-        lost, pid = None, None
-        while lost is None:
-            assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
-            lost, pid = _engine(hosts)
-            time.sleep(0.1)
-        # Power off the engine's host as the engine starts generating after step 1 was logged.
-        was_generating = False
-        while True:
-            assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
-            generating = _generating(pid)
-            if generating and not was_generating and (run_dir / "metrics.jsonl").exists() and _records(run_dir):
-                lost.power_off()
-                break
-            was_generating = generating
-            time.sleep(0.002)
+        lost = _power_off_the_engines_host_in_step_2(hosts, driver, run_dir, stderr, deadline)
         moved_to = None
         while driver.poll() is None and time.monotonic() < deadline:
             moved_to = moved_to or _engine(hosts)[0]
@@ -219,21 +224,7 @@ def test_a_rollout_host_lost_with_no_room_elsewhere_is_waited_for_by_auto_resume
         driver = hosts.head.popen(command, cwd=str(REPO), stdout=out, stderr=err)
     try:
         deadline = time.monotonic() + 480
-        pid = None
-        while pid is None:
-            assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
-            lost, pid = _engine(hosts)
-            time.sleep(0.1)
-        assert lost is host_b
-        was_generating = False
-        while True:
-            assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
-            generating = _generating(pid)
-            if generating and not was_generating and (run_dir / "metrics.jsonl").exists() and _records(run_dir):
-                host_b.power_off()
-                break
-            was_generating = generating
-            time.sleep(0.002)
+        assert _power_off_the_engines_host_in_step_2(hosts, driver, run_dir, stderr, deadline) is host_b
         while "restarting from" not in stderr.read_text():
             assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
             time.sleep(0.5)
