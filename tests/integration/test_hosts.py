@@ -127,9 +127,12 @@ def test_a_forced_shm_between_hosts_stops_at_start_up_naming_both(hosts, tiny_qw
     assert not (tmp_path / "shm").exists()  # nothing written for a run that never started
 
 
-def _engine(hosts) -> tuple[object, int] | tuple[None, None]:
-    """The host running the rollout engine and the engine's process id (Ray titles a worker after its actor)."""
+def _engine(hosts, unreachable=None) -> tuple[object, int] | tuple[None, None]:
+    """The host running the rollout engine and the engine's process id (Ray titles a worker after its actor), not
+    counting a host cut off from the network (`unreachable`), whose processes run on unseen."""
     for host in hosts.hosts.values():
+        if host is unreachable:
+            continue
         for pid in host.processes():
             try:
                 if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RolloutActor"):
@@ -146,9 +149,17 @@ def _generating(pid: int) -> bool:
         return False
 
 
-def _power_off_the_engines_host_in_step_2(hosts, driver, run_dir: Path, stderr: Path, deadline: float):
-    """Power off the host running the rollout engine as the engine starts generating after step 1 was logged;
-    returns that host. Fails if the driver ends or the deadline passes first."""
+def _switch_on_every_host(hosts) -> None:
+    """Start the Ray node again on any host an earlier test powered off."""
+    for name, host in hosts.hosts.items():
+        if host.ray is None:
+            hosts.start_ray(name, HOSTS[name])
+
+
+def _lose_the_engines_host_in_step_2(hosts, driver, run_dir: Path, stderr: Path, deadline: float,
+                                     how: str = "power_off"):
+    """Lose the host running the rollout engine (`how`: power_off or cut, see hosts.Host) as the engine starts
+    generating after step 1 was logged; returns that host. Fails if the driver ends or the deadline passes first."""
     lost, pid = None, None
     while lost is None:
         assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
@@ -159,19 +170,21 @@ def _power_off_the_engines_host_in_step_2(hosts, driver, run_dir: Path, stderr: 
         assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
         generating = _generating(pid)
         if generating and not was_generating and (run_dir / "metrics.jsonl").exists() and _records(run_dir):
-            lost.power_off()
+            getattr(lost, how)()
             return lost
         was_generating = generating
         time.sleep(0.002)
 
 
-def test_a_rollout_host_lost_mid_step_moves_its_engine_to_another_host(hosts, uninterrupted, tiny_qwen3, tmp_path):
-    """The engine's host loses power (every process on it SIGKILLed) while the engine generates step 2. The cluster
-    declares the host dead, Ray moves the engine's placement bundle to the other host with room for an engine, a
-    new engine starts there with the current weights and generates the lost prompts again; the run completes
-    with the same steps, versions and prompts as the uninterrupted run."""
+@pytest.mark.parametrize("how", ["power_off", "cut"])
+def test_a_rollout_host_lost_mid_step_moves_its_engine_to_another_host(how, hosts, uninterrupted, tiny_qwen3, tmp_path):
+    """The engine's host loses power (every process on it SIGKILLed), or its link (its processes run on, unreachable),
+    while the engine generates step 2. The cluster declares the host dead, Ray moves the engine's placement bundle
+    to the other host with room for an engine, a new engine starts there with the current weights and generates the
+    lost prompts again; the run completes with the same steps, versions and prompts as the uninterrupted run."""
     baseline_dir, baseline = uninterrupted
     assert baseline.returncode == 0, "the uninterrupted run failed; see test_roles_run_on_the_hosts_their_placement_names"
+    _switch_on_every_host(hosts)
     command = _train_command(
         hosts, tmp_path, tiny_qwen3, "lost-host", "placement.learner.resources={host_a: 1}",
         "placement.rollout.resources={rollout_slot: 1}", "placement.reward.resources={host_a: 1}",
@@ -179,17 +192,21 @@ def test_a_rollout_host_lost_mid_step_moves_its_engine_to_another_host(hosts, un
     run_dir, stdout, stderr = tmp_path / "lost-host", tmp_path / "driver.stdout", tmp_path / "driver.stderr"
     with open(stdout, "w") as out, open(stderr, "w") as err:
         driver = hosts.head.popen(command, cwd=str(REPO), stdout=out, stderr=err)
+    lost = None
     try:
         deadline = time.monotonic() + 300
-        lost = _power_off_the_engines_host_in_step_2(hosts, driver, run_dir, stderr, deadline)
+        lost = _lose_the_engines_host_in_step_2(hosts, driver, run_dir, stderr, deadline, how)
         moved_to = None
         while driver.poll() is None and time.monotonic() < deadline:
-            moved_to = moved_to or _engine(hosts)[0]
+            moved_to = moved_to or _engine(hosts, unreachable=lost)[0]
             time.sleep(0.2)
         assert driver.wait(timeout=max(deadline - time.monotonic(), 1)) == 0, stderr.read_text()[-3000:]
     finally:
         if driver.poll() is None:
             driver.kill()
+        if how == "cut" and lost is not None:  # the cut host's node, declared dead, goes; the next test restarts it
+            lost.mend()
+            lost.power_off()
     assert moved_to is not None and moved_to is not lost and "rollout_slot" in hosts.specs[moved_to.name]["resources"]
     assert json.loads((run_dir / "summary.json").read_text())["hosts"]["rollout"] == [lost.address]  # at the start
     notes = [line for line in stdout.read_text().splitlines() if "rollout engine 0 died" in line]
@@ -210,9 +227,7 @@ def test_a_rollout_host_lost_with_no_room_elsewhere_is_waited_for_by_auto_resume
     those of the uninterrupted run, each step trained once."""
     baseline_dir, baseline = uninterrupted
     assert baseline.returncode == 0, "the uninterrupted run failed; see test_roles_run_on_the_hosts_their_placement_names"
-    for name, host in hosts.hosts.items():  # a host an earlier test powered off is switched on again
-        if host.ray is None:
-            hosts.start_ray(name, HOSTS[name])
+    _switch_on_every_host(hosts)
     command = _train_command(
         hosts, tmp_path, tiny_qwen3, "no-room", "placement.learner.resources={host_a: 1}",
         "placement.rollout.resources={host_b: 1}", "placement.reward.resources={host_a: 1}",
@@ -224,7 +239,7 @@ def test_a_rollout_host_lost_with_no_room_elsewhere_is_waited_for_by_auto_resume
         driver = hosts.head.popen(command, cwd=str(REPO), stdout=out, stderr=err)
     try:
         deadline = time.monotonic() + 480
-        assert _power_off_the_engines_host_in_step_2(hosts, driver, run_dir, stderr, deadline) is host_b
+        assert _lose_the_engines_host_in_step_2(hosts, driver, run_dir, stderr, deadline) is host_b
         while "restarting from" not in stderr.read_text():
             assert driver.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
             time.sleep(0.5)
