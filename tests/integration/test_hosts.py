@@ -156,6 +156,23 @@ def _switch_on_every_host(hosts) -> None:
             hosts.start_ray(name, HOSTS[name])
 
 
+def _start_run(hosts, uninterrupted, model: str, tmp_path: Path, name: str, rollout_resources: str, *extra: str):
+    """With every host switched on, start a run in the background: learner ranks and reward worker on host A, the
+    engine where `rollout_resources` allow. Returns the uninterrupted run's directory, this run's, the files of the
+    driver's stdout and stderr, and the driver."""
+    baseline_dir, baseline = uninterrupted
+    assert baseline.returncode == 0, "the uninterrupted run failed; see test_roles_run_on_the_hosts_their_placement_names"
+    _switch_on_every_host(hosts)
+    command = _train_command(
+        hosts, tmp_path, model, name, "placement.learner.resources={host_a: 1}",
+        f"placement.rollout.resources={rollout_resources}", "placement.reward.resources={host_a: 1}", *extra,
+    )
+    run_dir, stdout, stderr = tmp_path / name, tmp_path / "driver.stdout", tmp_path / "driver.stderr"
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        driver = hosts.head.popen(command, cwd=str(REPO), stdout=out, stderr=err)
+    return baseline_dir, run_dir, stdout, stderr, driver
+
+
 def _lose_the_engines_host_in_step_2(hosts, driver, run_dir: Path, stderr: Path, deadline: float,
                                      how: str = "power_off"):
     """Lose the host running the rollout engine (`how`: power_off or cut, see hosts.Host) as the engine starts
@@ -182,16 +199,9 @@ def test_a_rollout_host_lost_mid_step_moves_its_engine_to_another_host(how, host
     while the engine generates step 2. The cluster declares the host dead, Ray moves the engine's placement bundle
     to the other host with room for an engine, a new engine starts there with the current weights and generates the
     lost prompts again; the run completes with the same steps, versions and prompts as the uninterrupted run."""
-    baseline_dir, baseline = uninterrupted
-    assert baseline.returncode == 0, "the uninterrupted run failed; see test_roles_run_on_the_hosts_their_placement_names"
-    _switch_on_every_host(hosts)
-    command = _train_command(
-        hosts, tmp_path, tiny_qwen3, "lost-host", "placement.learner.resources={host_a: 1}",
-        "placement.rollout.resources={rollout_slot: 1}", "placement.reward.resources={host_a: 1}",
+    baseline_dir, run_dir, stdout, stderr, driver = _start_run(
+        hosts, uninterrupted, tiny_qwen3, tmp_path, "lost-host", "{rollout_slot: 1}"
     )
-    run_dir, stdout, stderr = tmp_path / "lost-host", tmp_path / "driver.stdout", tmp_path / "driver.stderr"
-    with open(stdout, "w") as out, open(stderr, "w") as err:
-        driver = hosts.head.popen(command, cwd=str(REPO), stdout=out, stderr=err)
     lost = None
     try:
         deadline = time.monotonic() + 300
@@ -225,18 +235,11 @@ def test_a_rollout_host_lost_with_no_room_elsewhere_is_waited_for_by_auto_resume
     the engine, so after ray.placement_timeout_s the run gives up on it in one line; --auto-resume starts again from
     the latest checkpoint and waits for room, which comes back with B's Ray node. Steps, versions and prompts are
     those of the uninterrupted run, each step trained once."""
-    baseline_dir, baseline = uninterrupted
-    assert baseline.returncode == 0, "the uninterrupted run failed; see test_roles_run_on_the_hosts_their_placement_names"
-    _switch_on_every_host(hosts)
-    command = _train_command(
-        hosts, tmp_path, tiny_qwen3, "no-room", "placement.learner.resources={host_a: 1}",
-        "placement.rollout.resources={host_b: 1}", "placement.reward.resources={host_a: 1}",
-        "train.checkpoint_every=1", "ray.placement_timeout_s=45", "train.max_auto_resumes=2", "--auto-resume",
+    baseline_dir, run_dir, stdout, stderr, driver = _start_run(
+        hosts, uninterrupted, tiny_qwen3, tmp_path, "no-room", "{host_b: 1}", "train.checkpoint_every=1",
+        "ray.placement_timeout_s=45", "train.max_auto_resumes=2", "--auto-resume",
     )
-    run_dir, stdout, stderr = tmp_path / "no-room", tmp_path / "driver.stdout", tmp_path / "driver.stderr"
     host_b = hosts.hosts["host_b"]
-    with open(stdout, "w") as out, open(stderr, "w") as err:
-        driver = hosts.head.popen(command, cwd=str(REPO), stdout=out, stderr=err)
     try:
         deadline = time.monotonic() + 480
         assert _lose_the_engines_host_in_step_2(hosts, driver, run_dir, stderr, deadline) is host_b
