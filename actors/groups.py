@@ -440,7 +440,13 @@ class Roles:
         """Stream the learner's weights to the engines (all, or those indexed by `engines`) as `version`, then write
         and check them there. An engine that dies on the way is replaced and the transfer repeated for the engines
         that have not committed the version; the others keep it."""
-        expected = None  # the learner's probe logprobs: computed in the first attempt, kept for any repeat
+        # The learner's probe logprobs (all ranks compute them: the model is sharded). Where no engine shares a host
+        # with a learner rank they are computed during the first attempt, while the engines write; on a shared host
+        # the two would compete for its cores, which on 2 cores cost more than one after the other
+        # (docs/benchmarks.md), so they come first.
+        expected = None
+        if self.routes.shared_host:
+            expected = get_all([learner.sequence_logprobs.remote(probe_tokens) for learner in self.learners])[0]
         targets = list(range(len(self.engines))) if engines is None else list(engines)
         while True:
             handles = [self.engines[index] for index in targets]
@@ -478,13 +484,9 @@ class Roles:
         return dead
 
     def _transfer_to(self, version, probe_tokens, expected, rehearsal, targets: list[int], handles: list):
-        """One attempt of `_transfer`; returns its metrics, the engines' results and the learner's probe logprobs
-        (all ranks compute them: the model is sharded). Where no engine shares a host with a learner rank, the ranks
-        compute them after sending, while the engines write, and the engines wait for them only to check their own
-        replay of the probe; on a shared host the two would compete for its cores, which on 2 cores cost more than
-        running one after the other (docs/benchmarks.md)."""
-        if not expected and self.routes.shared_host:
-            expected = get_all([learner.sequence_logprobs.remote(probe_tokens) for learner in self.learners])[0]
+        """One attempt of `_transfer`; returns its metrics, the engines' results and the learner's probe logprobs.
+        Without `expected` the learner ranks compute them after sending, and the engines wait for them only to check
+        their own replay of the probe."""
         get_all([engine.begin_sync.remote(self.sync_plan, version) for engine in handles])
         started = time.perf_counter()
         try:

@@ -17,6 +17,13 @@ def ray_cluster():
     ray.shutdown()
 
 
+def node_environment() -> dict[str, str]:
+    """This process's environment for starting Ray nodes: without the single-machine switch that `start_ray` leaves
+    in a process that started a local cluster (an earlier test in this worker), under which `ray start` refuses a
+    node of a multi-node cluster."""
+    return {key: value for key, value in os.environ.items() if key != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+
+
 def lane_python(venv_variable: str, default_folder: str, required_variable: str, setup_script: str) -> str:
     """The interpreter of a lane's own environment (.venv-xla, .venv-tpu): the folder `venv_variable` names, else
     `default_folder` in the checkout. Without it the calling test is skipped — or fails where `required_variable`

@@ -65,11 +65,10 @@ def unavailable() -> str | None:
 
 
 def _tool_env() -> dict[str, str]:
-    """`ip` lives in /usr/sbin, which a non-root PATH may leave out. Without the single-machine switch that
-    `start_ray` leaves in the environment of a process that started a local cluster (an earlier test in this
-    worker): `ray start` of a second node refuses to run under it."""
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
-    return {**env, "PATH": f"{os.environ.get('PATH', '')}{os.pathsep}/usr/sbin{os.pathsep}/sbin"}
+    """`ip` lives in /usr/sbin, which a non-root PATH may leave out."""
+    from tests.integration.conftest import node_environment
+
+    return {**node_environment(), "PATH": f"{os.environ.get('PATH', '')}{os.pathsep}/usr/sbin{os.pathsep}/sbin"}
 
 
 def _holder(command: list[str], env: dict[str, str]) -> subprocess.Popen:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from rlpipe.cli import main
+from tests.integration.conftest import node_environment
 
 pytestmark = pytest.mark.integration
 
@@ -50,11 +51,8 @@ def _node_ports() -> list[str]:
 class Cluster:
     def __init__(self, token: str):
         # The environment of an activated virtual environment, so jobs find the same `python`.
-        # Not the single-machine switch `start_ray` leaves behind in a process that started a local cluster:
-        # under it `ray start` refuses a second node.
-        inherited = {key: value for key, value in os.environ.items() if key != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
         self.env = {
-            **inherited, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+            **node_environment(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
             "PATH": f"{PYTHON_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         }
         gcs, dashboard, client = _free_ports(3)

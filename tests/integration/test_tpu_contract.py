@@ -21,10 +21,7 @@ def tpu_python() -> str:
     return lane_python("RLPIPE_TPU_VENV", ".venv-tpu", "RLPIPE_REQUIRE_TPU_ENV", "setup-tpu.sh")
 
 
-EXTRAS = ["tpu", "cpu", "xla", "bench", "reasoning-gym", "humaneval"]
-
-
-@pytest.mark.parametrize("extra", EXTRAS)
+@pytest.mark.parametrize("extra", ["tpu", "cpu", "xla", "bench", "reasoning-gym", "humaneval"])
 def test_every_extra_resolves_for_its_python(extra, tpu_python, tmp_path):
     # One at a time: without the index's metadata files pip downloads each wheel to a temporary folder (~0.8 GB
     # per extra at its peak), and several at once can fill a small disk.
