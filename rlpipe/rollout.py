@@ -408,9 +408,9 @@ class RolloutEngine:
         """Apply a fully received version: pause generation, write, check the probe, resume.
 
         `expected` is the learner's logprobs of the probe, or a function that waits for them (the learner may be
-        computing them while the engine writes and replays the probe). A failed write or check restores the previous weights
-        (or, without `sync.keep_previous`, leaves the engine refusing to generate); either way the engine never
-        serves a mix of two versions. A `rehearsal` sends the weights the engine already serves (the start-up check
+        computing them while the engine writes and replays the probe). A failed write or check restores the previous
+        weights (or, without `sync.keep_previous`, leaves the engine refusing to generate); either way the engine
+        never serves a mix of two versions. A `rehearsal` sends the weights the engine already serves (the start-up check
         of the channel): written and checked the same way, but the policy version stays."""
         staging, self._staging = self._staging, None
         if staging is None or staging.version != version:

@@ -41,14 +41,10 @@ def test_every_extra_resolves_for_its_python(extra, tpu_python, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     resolved = {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
                 for item in json.loads(report.read_text())["install"]}
-    for wanted in map(Requirement, _extra_requirements(extra)):
-        name = canonicalize_name(wanted.name)
-        assert name in resolved and wanted.specifier.contains(resolved[name], prereleases=True), (wanted, resolved.get(name))
-
-
-def _extra_requirements(extra: str) -> list[str]:
-    with open(ROOT / "pyproject.toml", "rb") as file:
-        return tomllib.load(file)["project"]["optional-dependencies"][extra]
+    pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]
+    for wanted in map(Requirement, pins):
+        found = resolved.get(canonicalize_name(wanted.name))
+        assert found is not None and wanted.specifier.contains(found, prereleases=True), (wanted, found)
 
 
 def test_rlpipes_tpu_code_against_the_installed_tpu_packages(tpu_python):
