@@ -168,7 +168,7 @@ class Roles:
     def _new_engine(self, index: int):
         return RolloutActor.options(**self.engine_placement.options(index, compute_env())).remote(
             self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync,
-            self._log_setup("rollout", index),
+            self._log_setup("rollout", index), self.cfg.model.kernels,
         )
 
     def _log_setup(self, role: str, index: int) -> LogSetup | None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import ray
 
-from rlpipe.config import RolloutConfig, SyncConfig
+from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig
 from rlpipe.logs import LogSetup, configure_worker
 from rlpipe.models.hf import read_hf_config
 from rlpipe.rollout import RolloutEngine
@@ -28,12 +28,15 @@ class RolloutActor:
         tokenizer_path: str | None = None,
         sync: SyncConfig | None = None,
         log: LogSetup | None = None,
+        kernels: KernelsConfig | None = None,
     ):
         if log is not None:  # before vLLM is imported: its import logs too
             tied = bool(read_hf_config(model_path).get("tie_word_embeddings", False))
             configure_worker(replace(log, tied_output_layer=tied), vllm=True)
         progress_bars = log is None or log.verbose  # vLLM's bar for loading the weights
-        self.engine = RolloutEngine(model_path, cfg, seed, tokenizer_path, sync, progress_bars=progress_bars)
+        self.engine = RolloutEngine(
+            model_path, cfg, seed, tokenizer_path, sync, kernels=kernels, progress_bars=progress_bars
+        )
 
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[list[Completion]]:
         return self.engine.generate(prompts, n, **sampling)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
-from rlpipe.config import RolloutConfig, SyncConfig
+from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig
 from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.types import Completion, Prompt
 from rlpipe.weightsync import EngineLayout, Staging, SyncError, SyncPlan, make_transport
@@ -234,9 +234,11 @@ class RolloutEngine:
         tokenizer_path: str | None = None,
         sync: SyncConfig | None = None,
         *,
+        kernels: KernelsConfig | None = None,
         progress_bars: bool = True,
     ):
-        """`progress_bars`: vLLM's progress bar while it loads the weights."""
+        """`kernels`: `model.kernels`, which rlpipe's model runs in the engine (`rollout.model_impl: rlpipe`);
+        `progress_bars`: vLLM's progress bar while it loads the weights."""
         _engine_env(cfg)
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -254,10 +256,11 @@ class RolloutEngine:
         self.policy_version = 0
         extra = {}
         if cfg.model_impl == "rlpipe":
-            from rlpipe.vllm_model import ARCHITECTURE, register
+            from rlpipe.vllm_model import engine_overrides, register
 
             register()  # in this process; vLLM's worker processes register it through the plugin entry point
-            extra["hf_overrides"] = {"architectures": [ARCHITECTURE]}
+            kernels = kernels or KernelsConfig()
+            extra["hf_overrides"] = engine_overrides(kernels.rmsnorm, kernels.experts)
         block_size = cfg.kv_block_size or (CPU_KV_BLOCK_SIZE if current_platform.is_cpu() else None)
         if block_size:
             extra["block_size"] = block_size

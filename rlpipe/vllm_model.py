@@ -4,10 +4,12 @@ vLLM keeps what only it can do — the paged KV cache and its attention kernels 
 while the embeddings, norms, rotary embedding, q/k/v/o projections, MLP and output projection are the modules of
 `rlpipe.models.CausalLM`, with the same Hugging Face parameter names. Differences between the engine's log-probs
 and the learner's then come from attention alone (and batching), which is what the agreement benchmark measures.
+The norms and expert matmuls run the kernels `model.kernels` names, so a `pallas` choice runs the same Pallas
+kernel in the engine as in the learner.
 
 Registered with vLLM under ARCHITECTURE by `register()`: called in-process by the rollout engine, and in vLLM's
-worker processes through the `vllm.general_plugins` entry point. The engine selects it with
-`hf_overrides={"architectures": [ARCHITECTURE]}`.
+worker processes through the `vllm.general_plugins` entry point. The engine selects it, and the kernels, with
+`hf_overrides=engine_overrides(...)`.
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ from rlpipe.models.moe import stack_expert_weights
 from rlpipe.models.registry import model_type_of
 
 ARCHITECTURE = "RlpipeForCausalLM"
+# The engine's hf_overrides entry carrying `model.kernels.rmsnorm` / `.experts` to the model's constructor.
+KERNELS_KEY = "rlpipe_kernels"
 # Checkpoint entries that are not parameters (rotary tables some exporters write).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def engine_overrides(rmsnorm: str = "torch", experts: str = "torch") -> dict:
+    """vLLM's `hf_overrides` for an engine that runs this model with these kernels (`model.kernels`)."""
+    return {"architectures": [ARCHITECTURE], KERNELS_KEY: {"rmsnorm": rmsnorm, "experts": experts}}
 
 
 def register() -> None:
@@ -39,6 +48,7 @@ class RlpipeForCausalLM(CausalLM):
 
         hf_config = vllm_config.model_config.hf_config.to_dict()
         super().__init__(ModelConfig.from_hf({**hf_config, "model_type": model_type_of(hf_config)}))
+        self.use_kernels(**hf_config.get(KERNELS_KEY, {}))  # attention stays vLLM's (the paged KV cache)
         for index, layer in enumerate(self.model.layers):
             attention = layer.self_attn
             # Named so that the module path equals the prefix vLLM binds this layer's KV cache under.

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from rlpipe.kernels._jax import interpret, jax_modules, round_up, to_jax, to_torch
+from rlpipe.kernels._jax import jax_modules, round_up, run_kernel
 
 IMPLEMENTATIONS = ("torch", "pallas")
 BLOCK_Q, BLOCK_KV = 128, 128
@@ -214,7 +214,7 @@ def _grad_kv_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _pallas_functions(window: int, block_q: int, block_kv: int):
+def _pallas_functions(window: int, block_q: int, block_kv: int, interpret_mode: bool):
     jax, jnp, pl = jax_modules()
 
     def layout(q, k):
@@ -243,7 +243,7 @@ def _pallas_functions(window: int, block_q: int, block_kv: int):
             grid=(batch, heads, padded // bq, padded // bkv),
             in_specs=[q_spec, kv_spec, kv_spec],
             out_specs=[q_spec, row_spec, row_spec],
-            interpret=interpret(),
+            interpret=interpret_mode,
         )(pad(q, padded), pad(k, padded), pad(v, padded))
         row_sum = jnp.where(row_sum > 0, row_sum, 1.0)  # padded query rows see nothing
         out = (acc / row_sum)[:, :, :length].astype(q.dtype)
@@ -268,7 +268,7 @@ def _pallas_functions(window: int, block_q: int, block_kv: int):
             grid=(batch, heads, q_blocks, padded // bkv),
             in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
             out_specs=q_spec,
-            interpret=interpret(),
+            interpret=interpret_mode,
         )(*inputs)
 
         # Grid (batch, kv head, kv block, query head in the group x query block).
@@ -284,18 +284,29 @@ def _pallas_functions(window: int, block_q: int, block_kv: int):
             grid=(batch, kv_heads, padded // bkv, groups * q_blocks),
             in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
             out_specs=[kv_spec, kv_spec],
-            interpret=interpret(),
+            interpret=interpret_mode,
         )(*inputs)
         return tuple(g[:, :, :length].astype(x.dtype) for g, x in ((grad_q, q), (grad_k, k), (grad_v, v)))
 
     return jax.jit(forward), jax.jit(backward)
 
 
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, interpret_mode: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pallas_functions(window, BLOCK_Q, BLOCK_KV, interpret_mode)[0](q, k, v)
+
+
+def _backward_pass(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+    window: int, interpret_mode: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _pallas_functions(window, BLOCK_Q, BLOCK_KV, interpret_mode)[1](q, k, v, out, lse, grad_out)
+
+
 @torch.library.custom_op("rlpipe::pallas_attention", mutates_args=())
 def _pallas_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    forward, _ = _pallas_functions(window, BLOCK_Q, BLOCK_KV)
-    out, lse = forward(to_jax(q), to_jax(k), to_jax(v))
-    return to_torch(out).clone(), to_torch(lse).clone()
+    return run_kernel(_forward, q, k, v, window)
 
 
 @_pallas_attention_op.register_fake
@@ -307,9 +318,7 @@ def _(q, k, v, window):
 def _pallas_attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, window: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, backward = _pallas_functions(window, BLOCK_Q, BLOCK_KV)
-    grads = backward(*(to_jax(t.contiguous()) for t in (q, k, v, out, lse, grad_out)))
-    return tuple(to_torch(g).clone() for g in grads)
+    return run_kernel(_backward_pass, *(t.contiguous() for t in (q, k, v, out, lse, grad_out)), window)
 
 
 @_pallas_attention_backward.register_fake

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from rlpipe.kernels._jax import interpret, jax_modules, round_up, to_jax, to_torch
+from rlpipe.kernels._jax import jax_modules, round_up, run_kernel
 
 IMPLEMENTATIONS = ("torch", "pallas")
 BLOCK_M, BLOCK_K, BLOCK_N = 128, 128, 128
@@ -103,7 +103,7 @@ def _weight_grad_kernel(block_group_ref, x_ref, grad_ref, out_ref):
 
 
 @functools.lru_cache(maxsize=None)
-def _pallas_functions(block_m: int, block_k: int, block_n: int):
+def _pallas_functions(block_m: int, block_k: int, block_n: int, interpret_mode: bool):
     jax, jnp, pl = jax_modules()
     from jax.experimental.pallas import tpu as pltpu
 
@@ -144,7 +144,7 @@ def _pallas_functions(block_m: int, block_k: int, block_n: int):
                 ],
                 out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk, group: (i, j)),
             ),
-            interpret=interpret(),
+            interpret=interpret_mode,
         )(block_group, x_padded, weights)
         return out[:, :n]
 
@@ -178,7 +178,7 @@ def _pallas_functions(block_m: int, block_k: int, block_n: int):
                 ],
                 out_specs=pl.BlockSpec((1, bk, bn), lambda kk, j, i, group: (group[i], kk, j)),
             ),
-            interpret=interpret(),
+            interpret=interpret_mode,
         )(block_group, pad_to(x_padded, (padded_rows, kp)), pad_to(grad_padded, (padded_rows, np_)))
         grad_w = jnp.where((group_sizes > 0)[:, None, None], grad_w[:, :k, :n], 0.0)
         return grad_x.astype(x.dtype), grad_w.astype(weights.dtype)
@@ -186,10 +186,19 @@ def _pallas_functions(block_m: int, block_k: int, block_n: int):
     return jax.jit(forward), jax.jit(backward)
 
 
+def _forward(x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor, interpret_mode: bool) -> torch.Tensor:
+    return _pallas_functions(BLOCK_M, BLOCK_K, BLOCK_N, interpret_mode)[0](x, weights, group_sizes)
+
+
+def _backward_pass(
+    x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor, grad: torch.Tensor, interpret_mode: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pallas_functions(BLOCK_M, BLOCK_K, BLOCK_N, interpret_mode)[1](x, weights, group_sizes, grad)
+
+
 @torch.library.custom_op("rlpipe::pallas_grouped_matmul", mutates_args=())
 def pallas_grouped_matmul(x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    forward, _ = _pallas_functions(BLOCK_M, BLOCK_K, BLOCK_N)
-    return to_torch(forward(to_jax(x), to_jax(weights), to_jax(group_sizes))).clone()
+    return run_kernel(_forward, x, weights, group_sizes)
 
 
 @pallas_grouped_matmul.register_fake
@@ -201,9 +210,7 @@ def _(x, weights, group_sizes):
 def _pallas_grouped_matmul_backward(
     x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor, grad: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _, backward = _pallas_functions(BLOCK_M, BLOCK_K, BLOCK_N)
-    grads = backward(to_jax(x), to_jax(weights), to_jax(group_sizes), to_jax(grad.contiguous()))
-    return tuple(to_torch(g).clone() for g in grads)
+    return run_kernel(_backward_pass, x, weights, group_sizes, grad.contiguous())
 
 
 @_pallas_grouped_matmul_backward.register_fake

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from rlpipe.kernels._jax import interpret, jax_modules, round_up, to_jax, to_torch
+from rlpipe.kernels._jax import jax_modules, round_up, run_kernel
 
 IMPLEMENTATIONS = ("chunked", "reference", "pallas")
 DEFAULT_CHUNK = 8192
@@ -214,7 +214,7 @@ def _padded(hidden, weight, column_arrays, block_tokens, block_vocab):
 
 
 @functools.lru_cache(maxsize=None)
-def _pallas_functions(inv_temperature: float, block_tokens: int, block_vocab: int):
+def _pallas_functions(inv_temperature: float, block_tokens: int, block_vocab: int, interpret_mode: bool):
     """Jitted forward and backward for one temperature and block size (shapes specialise inside jit)."""
     jax, jnp, pl = jax_modules()
 
@@ -243,7 +243,7 @@ def _pallas_functions(inv_temperature: float, block_tokens: int, block_vocab: in
             grid=(hidden_p.shape[0] // bt, weight_p.shape[0] // bv),
             in_specs=[pl.BlockSpec((bt, width), token_block), pl.BlockSpec((bv, width), vocab_block), column],
             out_specs=[column] * 4,
-            interpret=interpret(),
+            interpret=interpret_mode,
         )(hidden_p, weight_p, targets_p)
         running_max, sum_exp, weighted, picked = (out[:rows, 0] for out in outputs)
         lse = running_max + jnp.log(sum_exp)
@@ -266,7 +266,7 @@ def _pallas_functions(inv_temperature: float, block_tokens: int, block_vocab: in
             in_specs=[pl.BlockSpec((bt, width), token_block), pl.BlockSpec((bv, width), vocab_block)]
             + [pl.BlockSpec((bt, 1), token_block)] * 3,
             out_specs=pl.BlockSpec((bt, width), token_block),
-            interpret=interpret(),
+            interpret=interpret_mode,
         )(hidden_p, weight_p, *columns)
         token_block, vocab_block = specs(1)
         grad_weight = pl.pallas_call(
@@ -276,11 +276,25 @@ def _pallas_functions(inv_temperature: float, block_tokens: int, block_vocab: in
             in_specs=[pl.BlockSpec((bt, width), token_block), pl.BlockSpec((bv, width), vocab_block)]
             + [pl.BlockSpec((bt, 1), token_block)] * 3,
             out_specs=pl.BlockSpec((bv, width), vocab_block),
-            interpret=interpret(),
+            interpret=interpret_mode,
         )(hidden_p, weight_p, *columns)
         return grad_hidden[:rows].astype(hidden.dtype), grad_weight[:vocab].astype(weight.dtype)
 
     return jax.jit(forward), jax.jit(backward)
+
+
+def _forward(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temperature: float, interpret_mode: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _pallas_functions(inv_temperature, BLOCK_TOKENS, BLOCK_VOCAB, interpret_mode)[0](hidden, weight, targets)
+
+
+def _backward_pass(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_logprob: torch.Tensor,
+    inv_temperature: float, interpret_mode: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    functions = _pallas_functions(inv_temperature, BLOCK_TOKENS, BLOCK_VOCAB, interpret_mode)
+    return functions[1](hidden, weight, targets, lse, grad_logprob)
 
 
 @torch.library.custom_op("rlpipe::pallas_linear_logprob", mutates_args=())
@@ -288,9 +302,7 @@ def pallas_linear_logprob(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob, entropy, logsumexp), each [N] float32."""
-    forward, _ = _pallas_functions(inv_temperature, BLOCK_TOKENS, BLOCK_VOCAB)
-    outputs = forward(to_jax(hidden), to_jax(weight), to_jax(targets))
-    return tuple(to_torch(out).clone() for out in outputs)
+    return run_kernel(_forward, hidden, weight, targets, inv_temperature)
 
 
 @pallas_linear_logprob.register_fake
@@ -307,9 +319,7 @@ def pallas_linear_logprob_backward(
     grad_logprob: torch.Tensor,
     inv_temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _, backward = _pallas_functions(inv_temperature, BLOCK_TOKENS, BLOCK_VOCAB)
-    grads = backward(*(to_jax(t) for t in (hidden, weight, targets, lse, grad_logprob.float().contiguous())))
-    return tuple(to_torch(grad).clone() for grad in grads)
+    return run_kernel(_backward_pass, hidden, weight, targets, lse, grad_logprob.float().contiguous(), inv_temperature)
 
 
 @pallas_linear_logprob_backward.register_fake

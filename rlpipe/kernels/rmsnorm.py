@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from rlpipe.kernels._jax import interpret, jax_modules, round_up, to_jax, to_torch
+from rlpipe.kernels._jax import jax_modules, round_up, run_kernel
 
 IMPLEMENTATIONS = ("torch", "pallas")
 BLOCK_ROWS = 256
@@ -60,7 +60,7 @@ def _backward_kernel(x_ref, weight_ref, grad_ref, grad_x_ref, grad_weight_ref, *
 
 
 @functools.lru_cache(maxsize=None)
-def _pallas_functions(eps: float, block_rows: int):
+def _pallas_functions(eps: float, block_rows: int, interpret_mode: bool):
     jax, jnp, pl = jax_modules()
 
     def blocks(x):
@@ -78,7 +78,7 @@ def _pallas_functions(eps: float, block_rows: int):
             grid=(padded.shape[0] // block,),
             in_specs=[pl.BlockSpec((block, width), lambda i: (i, 0)), pl.BlockSpec((1, width), lambda i: (0, 0))],
             out_specs=pl.BlockSpec((block, width), lambda i: (i, 0)),
-            interpret=interpret(),
+            interpret=interpret_mode,
         )(padded, weight[None, :])
         return out[: x.shape[0]]
 
@@ -96,18 +96,27 @@ def _pallas_functions(eps: float, block_rows: int):
             grid=(padded.shape[0] // block,),
             in_specs=[rows_spec, weight_spec, rows_spec],
             out_specs=[rows_spec, weight_spec],
-            interpret=interpret(),
+            interpret=interpret_mode,
         )(padded, weight[None, :], grad_padded)
         return grad_x[: x.shape[0]], grad_weight[0].astype(weight.dtype)
 
     return jax.jit(forward), jax.jit(backward)
 
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, interpret_mode: bool) -> torch.Tensor:
+    return _pallas_functions(eps, BLOCK_ROWS, interpret_mode)[0](x, weight)
+
+
+def _backward_pass(
+    x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float, interpret_mode: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pallas_functions(eps, BLOCK_ROWS, interpret_mode)[1](x, weight, grad)
+
+
 @torch.library.custom_op("rlpipe::pallas_rms_norm", mutates_args=())
 def pallas_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [rows, width], weight [width]."""
-    forward, _ = _pallas_functions(eps, BLOCK_ROWS)
-    return to_torch(forward(to_jax(x), to_jax(weight))).clone()
+    return run_kernel(_forward, x, weight, eps)
 
 
 @pallas_rms_norm.register_fake
@@ -119,9 +128,7 @@ def _(x, weight, eps):
 def pallas_rms_norm_backward(
     x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _, backward = _pallas_functions(eps, BLOCK_ROWS)
-    grads = backward(to_jax(x), to_jax(weight), to_jax(grad))
-    return tuple(to_torch(g).clone() for g in grads)
+    return run_kernel(_backward_pass, x, weight, grad, eps)
 
 
 @pallas_rms_norm_backward.register_fake

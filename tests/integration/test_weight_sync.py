@@ -28,16 +28,19 @@ PROBE = list(range(5, 45))
 def setup(request):
     """The engine runs vLLM's own Qwen3 (fused qkv / gate-up) or rlpipe's model inside vLLM (the learner's names).
     For the tiny Qwen3-MoE, vLLM's own model holds the experts fused (w13 / w2 of its CPU MoE layer). Engines write
-    in place (the default), and one runs vLLM's reload instead (sync.engine_write)."""
+    in place (the default), and one runs vLLM's reload instead (sync.engine_write). rlpipe's dense model runs the
+    Pallas RMSNorm kernel (interpreted here) in the learner and in the engine alike."""
     from rlpipe.rollout import RolloutEngine
 
     family, model_impl, engine_write = request.param
     tiny_qwen3 = request.getfixturevalue(f"tiny_{family}")
 
+    rmsnorm = "pallas" if (family, model_impl) == ("qwen3", "rlpipe") else "torch"
     cfg = load_config(None, [f"model.path={tiny_qwen3}", "sync.transport=shm", "sync.bucket_mb=0.05",
-                             "sync.probe_tolerance=1e-5", f"sync.engine_write={engine_write}"])
+                             "sync.probe_tolerance=1e-5", f"sync.engine_write={engine_write}",
+                             f"model.kernels.rmsnorm={rmsnorm}"])
     rollout = RolloutConfig(max_model_len=512, max_tokens=16, model_impl=model_impl)
-    engine = RolloutEngine(tiny_qwen3, rollout, 0, sync=cfg.sync)
+    engine = RolloutEngine(tiny_qwen3, rollout, 0, sync=cfg.sync, kernels=cfg.model.kernels)
     learner = Learner.from_config(tiny_qwen3, cfg)
     layout, params = engine.layout()
     plan = plan_sync(learner.weight_shapes(), 1, layout, int(cfg.sync.bucket_mb * 2**20))
@@ -126,6 +129,20 @@ def test_a_write_that_breaks_off_is_rolled_back(setup):
         engine.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
     assert engine.policy_version == version
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
+
+
+def test_rlpipes_model_in_the_engine_runs_the_configured_kernels(setup):
+    engine, learner, plan = setup
+    if engine.cfg.model_impl != "rlpipe":
+        pytest.skip("vLLM's own model runs vLLM's kernels")
+    from rlpipe.models.llama import RMSNorm
+
+    def norm_kernels(worker):
+        return sorted({module.impl for module in worker.model_runner.get_model().modules() if isinstance(module, RMSNorm)})
+
+    (engine_kernels,) = engine.llm.collective_rpc(norm_kernels)
+    learner_kernels = sorted({module.impl for module in learner.model.modules() if isinstance(module, RMSNorm)})
+    assert engine_kernels == learner_kernels == ["pallas" if "moe" not in engine.model_path else "torch"]
 
 
 def _kept_linear_weights(engine) -> list[bool]:

@@ -59,7 +59,7 @@ def vllm_distributed():
         ensure_model_parallel_initialized(1, 1)
 
 
-def _tpu_model(model_path: str):
+def _tpu_model(model_path: str, **engine_args):
     """vLLM's model for `model_path` with the TPU runner's quantization config (its linear method), on the CPU."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -68,7 +68,7 @@ def _tpu_model(model_path: str):
     from vllm_torchtpu.layers.adapter.quantization import get_tpu_quantization_config
 
     config = EngineArgs(model=model_path, skip_tokenizer_init=True, max_model_len=128, enforce_eager=True,
-                        load_format="dummy", dtype="bfloat16").create_engine_config()
+                        load_format="dummy", dtype="bfloat16", **engine_args).create_engine_config()
     config.quant_config = get_tpu_quantization_config(config)  # as TPUModelRunner does before loading
     with set_current_vllm_config(config), set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
         return initialize_model(vllm_config=config), config
@@ -152,3 +152,18 @@ def test_vllms_own_reload_alone_fails_on_the_transposed_layers(tmp_path, vllm_di
         process_weights_after_loading(model, config.model_config, torch.device("cpu"))
         with pytest.raises(RuntimeError, match="size of tensor"):
             _runner(model, config).reload_weights(weights_iterator=list(second.items()), is_checkpoint_format=True)
+
+
+def test_rlpipes_model_builds_in_vllm_on_torchtpu_with_the_configured_kernels(tmp_path, vllm_distributed):
+    """`rollout.model_impl: rlpipe` on this platform: the engine's arguments as RolloutEngine builds them, the model
+    vLLM builds from them is rlpipe's, and its norms run the kernel `model.kernels.rmsnorm` names (on `tpu` tensors
+    the Pallas one goes through TorchTPU's bridge: tests/tpu_contract/test_kernels.py)."""
+    from rlpipe.bench.tiny_model import build_tiny_model
+    from rlpipe.models.llama import RMSNorm
+    from rlpipe.vllm_model import RlpipeForCausalLM, engine_overrides, register
+
+    register()
+    model_path = build_tiny_model(tmp_path / "qwen3", "qwen3")
+    model, _ = _tpu_model(model_path, hf_overrides=engine_overrides(rmsnorm="pallas"))
+    assert isinstance(model, RlpipeForCausalLM)
+    assert {module.impl for module in model.modules() if isinstance(module, RMSNorm)} == {"pallas"}

@@ -1,0 +1,109 @@
+"""rlpipe's Pallas kernels through TorchTPU's own bridge to JAX kernels (`torch.tpu.pallas.jax_op`), on a host
+without a TPU: every kernel registers as a TorchTPU op, and its fake (shape) implementation — which exports the JAX
+function for TPU, lowering each Pallas kernel to Mosaic for the chip generation named — gives the shapes and dtypes
+rlpipe's own ops declare. What this cannot show without a chip: the kernels compiling and running on the TPU."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from rlpipe.kernels import attention, gmm, logprob, rmsnorm
+from rlpipe.kernels._jax import torchtpu_op
+
+BF16 = torch.bfloat16
+
+
+def _rms_norm():
+    x, weight = torch.empty(300, 256, dtype=BF16), torch.empty(256, dtype=BF16)
+    out = torch.ops.rlpipe.pallas_rms_norm(x, weight, 1e-6)
+    return [
+        (rmsnorm._forward, (x, weight, 1e-6), out),
+        (rmsnorm._backward_pass, (x, weight, out, 1e-6), torch.ops.rlpipe.pallas_rms_norm_backward(x, weight, out, 1e-6)),
+    ]
+
+
+def _attention(window: int):
+    q = torch.empty(1, 4, 256, 64, dtype=BF16)
+    k, v = torch.empty(1, 2, 256, 64, dtype=BF16), torch.empty(1, 2, 256, 64, dtype=BF16)
+    out, lse = torch.ops.rlpipe.pallas_attention(q, k, v, window)
+    grads = torch.ops.rlpipe.pallas_attention_backward(q, k, v, out, lse, out, window)
+    return [
+        (attention._forward, (q, k, v, window), (out, lse)),
+        (attention._backward_pass, (q, k, v, out, lse, out, window), grads),
+    ]
+
+
+def _grouped_matmul():
+    x, weights = torch.empty(128, 256, dtype=BF16), torch.empty(4, 256, 512, dtype=BF16)
+    group_sizes = torch.empty(4, dtype=torch.int32)
+    out = torch.ops.rlpipe.pallas_grouped_matmul(x, weights, group_sizes)
+    grads = torch.ops.rlpipe.pallas_grouped_matmul_backward(x, weights, group_sizes, out)
+    return [
+        (gmm._forward, (x, weights, group_sizes), out),
+        (gmm._backward_pass, (x, weights, group_sizes, out), grads),
+    ]
+
+
+def _linear_logprob():
+    hidden, weight = torch.empty(128, 256, dtype=BF16), torch.empty(1024, 256, dtype=BF16)
+    targets = torch.empty(128, dtype=torch.int32)
+    outputs = torch.ops.rlpipe.pallas_linear_logprob(hidden, weight, targets, 1.0)
+    grads = torch.ops.rlpipe.pallas_linear_logprob_backward(hidden, weight, targets, outputs[2], outputs[0], 1.0)
+    return [
+        (logprob._forward, (hidden, weight, targets, 1.0), outputs),
+        (logprob._backward_pass, (hidden, weight, targets, outputs[2], outputs[0], 1.0), grads),
+    ]
+
+
+CASES = {
+    "rmsnorm": _rms_norm,
+    "attention": lambda: _attention(0),
+    "attention-window": lambda: _attention(64),
+    "grouped-matmul": _grouped_matmul,
+    "logprob": _linear_logprob,
+}
+
+
+def _target(device_kind: str):
+    """Lower for `device_kind` on a host without one, as torch_tpu's own kernels do when exported off TPU."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+@pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v5p", "TPU v6 lite"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_kernel_is_a_torchtpu_op_that_lowers_for_the_chip(case, device_kind):
+    with FakeTensorMode(), _target(device_kind):
+        for kernel, args, expected in CASES[case]():
+            op = torchtpu_op(kernel)
+            schema = op._opoverload._schema
+            assert schema.name.startswith("rlpipe_tpu::") and schema.arguments[-1].name == "interpret_mode"
+            result = op(*args, False)  # the fake implementation: jax.export for TPU, so Mosaic lowers every kernel
+            results = result if isinstance(result, (tuple, list)) else (result,)
+            expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+            assert [(r.shape, r.dtype) for r in results] == [(e.shape, e.dtype) for e in expected], kernel.__qualname__
+
+
+def test_the_bridge_is_the_documented_public_entry_point():
+    import torch_tpu  # noqa: F401
+
+    assert torchtpu_op(rmsnorm._forward) is torchtpu_op(rmsnorm._forward)  # registered once per process
+    assert torch.tpu.pallas.jax_op.__module__ == "torch_tpu._internal.pallas.pallas"
+
+
+def _rms_norm_with_three_row_blocks(x: torch.Tensor, weight: torch.Tensor, eps: float, interpret_mode: bool) -> torch.Tensor:
+    return rmsnorm._pallas_functions(eps, 3, interpret_mode)[0](x, weight)
+
+
+def test_a_block_shape_the_chip_cannot_take_fails_the_lowering():
+    """The check above is Mosaic's own: rows in blocks of 3 (not a multiple of 8) are refused for TPU, while the
+    same kernel runs interpreted on the host."""
+    x, weight = torch.randn(300, 128), torch.ones(128)
+    interpreted = _rms_norm_with_three_row_blocks(jax.numpy.asarray(x.numpy()), jax.numpy.asarray(weight.numpy()), 1e-6, True)
+    assert interpreted.shape == (300, 128)
+    with FakeTensorMode(), _target("TPU v6 lite"), pytest.raises(ValueError, match="block shape"):
+        torchtpu_op(_rms_norm_with_three_row_blocks)(torch.empty(300, 128), torch.empty(128), 1e-6, False)
