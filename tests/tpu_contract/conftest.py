@@ -4,5 +4,17 @@ Where those packages are not installed (the main environment) the folder is not 
 
 import importlib.util
 
+import pytest
+
 if importlib.util.find_spec("vllm_torchtpu") is None or importlib.util.find_spec("torch_tpu") is None:
     collect_ignore_glob = ["test_*.py"]
+
+
+@pytest.fixture(scope="session")
+def tpu_device_name():
+    """The `tpu` device name, which torch_tpu registers on a TPU host only and vLLM's config parses (tensors stay
+    on the CPU)."""
+    import torch
+
+    if torch._C._get_privateuse1_backend_name() != "tpu":
+        torch.utils.rename_privateuse1_backend("tpu")

@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rlpipe.kernels import attention, gmm, logprob, rmsnorm
-from rlpipe.kernels._jax import torchtpu_op
+from rlpipe.kernels._jax import run_kernel, torchtpu_op
 
 BF16 = torch.bfloat16
 
@@ -107,3 +107,27 @@ def test_a_block_shape_the_chip_cannot_take_fails_the_lowering():
     assert interpreted.shape == (300, 128)
     with FakeTensorMode(), _target("TPU v6 lite"), pytest.raises(ValueError, match="block shape"):
         torchtpu_op(_rms_norm_with_three_row_blocks)(torch.empty(300, 128), torch.empty(128), 1e-6, False)
+
+
+def test_kernels_on_tpu_tensors_go_through_the_torchtpu_ops(tpu_device_name):
+    """rlpipe's ops hand `tpu` tensors to the TorchTPU op (DLPack cannot carry them); here fake ones, through
+    which only shapes flow."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    recorder = Recorder()
+    with FakeTensorMode(), _target("TPU v6 lite"):
+        x = torch.empty(64, 128, dtype=BF16, device="tpu")
+        weight = torch.empty(128, dtype=BF16, device="tpu")
+        with recorder:
+            out = run_kernel(rmsnorm._forward, x, weight, 1e-6)  # the body of rlpipe::pallas_rms_norm
+    assert (out.shape, out.dtype, out.device.type) == ((64, 128), BF16, "tpu")
+    assert "rlpipe_tpu::rmsnorm_forward" in recorder.ops

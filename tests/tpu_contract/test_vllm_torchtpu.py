@@ -44,13 +44,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def vllm_distributed():
-    """vLLM's (one-process) model-parallel groups, which its layers ask for when built; and the `tpu` device name,
-    which torch_tpu registers on a TPU host only and vLLM's config parses (the tensors stay on the CPU)."""
+def vllm_distributed(tpu_device_name):
+    """vLLM's (one-process) model-parallel groups, which its layers ask for when built."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    if torch._C._get_privateuse1_backend_name() != "tpu":
-        torch.utils.rename_privateuse1_backend("tpu")
     from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
 
     with set_current_vllm_config(VllmConfig()):
