@@ -605,6 +605,20 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> 
     return config
 
 
+def torchtpu_refusal(cfg: RolloutConfig) -> str | None:
+    """What vLLM on TorchTPU would change without a word (read from vllm-torchtpu 0.29's source): it computes in
+    bfloat16 whatever dtype it is given, and reports each sampled token's log-prob before temperature, while the
+    importance weights need the log-probs the tokens were sampled with."""
+    if cfg.dtype != "bfloat16":
+        return f"rollout.dtype: vLLM on TorchTPU computes in bfloat16 only; set rollout.dtype=bfloat16 (not {cfg.dtype})"
+    if cfg.temperature != 1.0:
+        return (
+            "rollout.temperature: vLLM on TorchTPU reports log-probs before temperature, which match the sampling "
+            f"only at 1.0; set rollout.temperature=1.0 (not {cfg.temperature:g})"
+        )
+    return None
+
+
 def validate(cfg: Config) -> None:
     """Combinations a type check cannot see. Each message names the key to change."""
 
@@ -686,6 +700,9 @@ def validate(cfg: Config) -> None:
     need(cfg.learner.collective_timeout_s > 0, "learner.collective_timeout_s: must be > 0")
     need(cfg.rollout.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
     need(cfg.placement.reward.tpu is None, "placement.reward.tpu: reward workers run on CPUs; set it to null")
+    if cfg.placement.rollout.tpu is not None:  # the engines run vLLM on TorchTPU
+        refused = torchtpu_refusal(cfg.rollout)
+        need(refused is None, f"{refused} (placement.rollout.tpu is set)")
     for role in ("learner", "rollout", "reward"):
         where = f"placement.{role}"
         role_placement = getattr(cfg.placement, role)

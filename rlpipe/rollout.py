@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
-from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig
+from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig, torchtpu_refusal
 from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.types import Completion, Prompt
 from rlpipe.weightsync import EngineLayout, Staging, SyncError, SyncPlan, make_transport
@@ -248,6 +248,8 @@ class RolloutEngine:
                 "rollout: vLLM's JAX TPU platform (tpu-inference) is not supported; rlpipe's TPU engines run vLLM on "
                 "TorchTPU (vllm-torchtpu, the `tpu` extra)"
             )
+        if vllm_platform() == "torchtpu" and (refused := torchtpu_refusal(cfg)):
+            raise RuntimeError(refused)
 
         self.cfg = cfg
         self.sync_cfg = sync or SyncConfig()

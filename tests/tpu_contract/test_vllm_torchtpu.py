@@ -164,3 +164,25 @@ def test_rlpipes_model_builds_in_vllm_on_torchtpu_with_the_configured_kernels(tm
     model, _ = _tpu_model(model_path, hf_overrides=engine_overrides(rmsnorm="pallas"))
     assert isinstance(model, RlpipeForCausalLM)
     assert {module.impl for module in model.modules() if isinstance(module, RMSNorm)} == {"pallas"}
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [({"dtype": "float32"}, "rollout.dtype: vLLM on TorchTPU computes in bfloat16 only"),
+     ({"temperature": 0.7}, "rollout.temperature: vLLM on TorchTPU reports log-probs before temperature")],
+)
+def test_an_engine_refuses_what_this_platform_would_change_silently(setting, message, tmp_path):
+    """Both read from the installed source: the platform's config check turns any dtype into bfloat16, and its runner
+    gathers log-probs from the logits before temperature."""
+    from vllm_torchtpu.platforms.tpu_platform import TpuPlatform
+    from vllm_torchtpu.runner import tpu_runner
+
+    from rlpipe.bench.tiny_model import build_tiny_model
+    from rlpipe.config import RolloutConfig
+    from rlpipe.rollout import RolloutEngine
+
+    assert "model_config.dtype = torch.bfloat16" in inspect.getsource(TpuPlatform.check_and_update_config)
+    assert "original logits (before any penalties or\n                # temperature scaling)" in inspect.getsource(tpu_runner)
+    model = build_tiny_model(tmp_path / "qwen3", "qwen3")
+    with pytest.raises(RuntimeError, match=message):
+        RolloutEngine(model, RolloutConfig(**{"dtype": "bfloat16", **setting}), 0)

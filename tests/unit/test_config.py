@@ -332,6 +332,16 @@ def test_bad_placement_settings_name_their_key(override, key):
     assert _error(override).startswith(key + ":")
 
 
+def test_engines_on_a_tpu_slice_must_ask_for_what_vllm_on_torchtpu_computes():
+    """It computes in bfloat16 and reports log-probs before temperature (tests/tpu_contract reads both in its source)."""
+    on_tpu = ["placement.rollout.tpu=v6e-8", "rollout.dtype=bfloat16", "rollout.temperature=1.0"]
+    assert load_config(None, on_tpu).rollout.dtype == "bfloat16"
+    assert _error(*on_tpu, "rollout.dtype=float32").startswith("rollout.dtype: vLLM on TorchTPU computes in bfloat16")
+    message = _error(*on_tpu, "rollout.temperature=0.7")
+    assert message.startswith("rollout.temperature: vLLM on TorchTPU") and "placement.rollout.tpu is set" in message
+    assert load_config(None, ["rollout.dtype=float32", "rollout.temperature=0.7"]).rollout.temperature == 0.7  # CPU
+
+
 def test_tpu_recipes_load_and_a_tpu_learner_is_refused_where_no_tpu_is_available():
     cfg = load_config(None, ["learner.device=tpu", "placement.learner.tpu=v6e-8", "learner.ranks=8"])
     assert cfg.placement.learner.tpu == "v6e-8" and cfg.placement.reward.strategy == "SPREAD"
