@@ -23,7 +23,7 @@ from rlpipe.environments import actors_needed, check_cluster_resources
 from rlpipe.learner import combine_rank_metrics
 from rlpipe.logs import LogSetup
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
-from rlpipe.weightsync import SyncError, SyncPlan, plan_routes, plan_sync
+from rlpipe.weightsync import DECODE_TOKENS, SyncError, SyncPlan, plan_routes, plan_sync
 
 # glibc serves large blocks by mmap and gives freed memory back to the kernel, so every step faulted its
 # activations and gradients in again, zeroed by the kernel: on this project's 2-core VM the learner spent
@@ -147,6 +147,8 @@ class Roles:
             + [e.policy_version.remote() for e in self.engines]
             + [r.names.remote() for r in self.rewarders]
         )
+        # Engines that cannot replay a sequence check each sync by decoding (rlpipe/weightsync/probe.py).
+        self.probe_by_decoding = ray.get(self.engines[0].probe_by_decoding.remote())
         address, port = ray.get(self.learners[0].rendezvous_address.remote())
         get_all([learner.join_group.remote(address, port) for learner in self.learners])
         self.policy_version = 0
@@ -444,9 +446,12 @@ class Roles:
         # with a learner rank they are computed during the first attempt, while the engines write; on a shared host
         # the two would compete for its cores, which on 2 cores cost more than one after the other
         # (docs/benchmarks.md), so they come first.
+        if self.probe_by_decoding:  # the continuation must fit in the engine's context
+            probe_tokens = probe_tokens[: self.cfg.rollout.max_model_len - DECODE_TOKENS]
         expected = None
         if self.routes.shared_host:
-            expected = get_all([learner.sequence_logprobs.remote(probe_tokens) for learner in self.learners])[0]
+            expected = get_all([learner.probe_reference.remote(probe_tokens, self.probe_by_decoding)
+                                for learner in self.learners])[0]
         targets = list(range(len(self.engines))) if engines is None else list(engines)
         while True:
             handles = [self.engines[index] for index in targets]
@@ -492,7 +497,9 @@ class Roles:
         try:
             plan = self.sync_plan
             sends = [learner.send_weights.remote(plan, version, handles, targets) for learner in self.learners]
-            probes = None if expected else [learner.sequence_logprobs.remote(probe_tokens) for learner in self.learners]
+            probes = None if expected else [
+                learner.probe_reference.remote(probe_tokens, self.probe_by_decoding) for learner in self.learners
+            ]
             sent = get_all(sends)
             transfer_s = time.perf_counter() - started
             reference = expected or [probes[0]]

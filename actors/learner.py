@@ -99,6 +99,9 @@ class LearnerActor:
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         return self.learner.sequence_logprobs(token_ids)
 
+    def probe_reference(self, token_ids: list[int], by_decoding: bool):
+        return self.learner.probe_reference(token_ids, by_decoding)
+
     def export(self, out_dir: str) -> str:
         return self.learner.export(out_dir)
 

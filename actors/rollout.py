@@ -44,6 +44,9 @@ class RolloutActor:
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         return self.engine.sequence_logprobs(token_ids)
 
+    def probe_by_decoding(self) -> bool:
+        return self.engine.probe_by_decoding
+
     def policy_version(self) -> int:
         return self.engine.policy_version
 
@@ -77,10 +80,10 @@ class RolloutActor:
         return self.engine.receive_part(version, bucket, rank, handle, nbytes, digest)
 
     @ray.method(concurrency_group="sync")
-    def commit(self, version: int, probe_tokens: list[int], expected: list, rehearsal: bool = False) -> dict:
-        """`expected`: the learner's probe logprobs, or a one-item list of the ObjectRef they will arrive in (a list,
+    def commit(self, version: int, probe_tokens: list[int], expected, rehearsal: bool = False) -> dict:
+        """`expected`: the learner's probe reference, or a one-item list of the ObjectRef it will arrive in (a list,
         so that Ray hands the reference over instead of waiting for it before the write starts)."""
-        if len(expected) == 1 and isinstance(expected[0], ray.ObjectRef):
+        if isinstance(expected, list) and len(expected) == 1 and isinstance(expected[0], ray.ObjectRef):
             pending = expected[0]
             return self.engine.commit(
                 version, probe_tokens, lambda: ray.get(pending, timeout=self.engine.sync_cfg.timeout_s), rehearsal

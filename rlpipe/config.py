@@ -287,6 +287,12 @@ class SyncConfig:
         "for a float32 rollout, the mean for bf16 (its kernels differ from the float32 learner on every token); "
         "null: 1e-4 (float32) or 0.5 (bf16)",
     )
+    probe: Literal["auto", "replay", "decode"] = _key(
+        "auto",
+        "how each engine's log-probs are checked after a sync: replay (its log-probs of the probe sequence), decode "
+        "(engine and learner each continue the sequence greedily), auto: replay, or decode on vLLM for TorchTPU, "
+        "which returns no log-probs of a given sequence",
+    )
     on_generation: Literal["finish", "abort"] = _key(
         "finish", "a sync arriving mid-generation waits for in-flight requests (finish) or aborts them (abort)"
     )
@@ -605,10 +611,12 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> 
     return config
 
 
-def torchtpu_refusal(cfg: RolloutConfig) -> str | None:
-    """What vLLM on TorchTPU would change without a word (read from vllm-torchtpu 0.29's source): it computes in
-    bfloat16 whatever dtype it is given, and reports each sampled token's log-prob before temperature, while the
-    importance weights need the log-probs the tokens were sampled with."""
+def torchtpu_refusal(cfg: RolloutConfig, sync: SyncConfig) -> str | None:
+    """What vLLM on TorchTPU cannot do, or would change without a word (read from vllm-torchtpu 0.29's source): it
+    computes in bfloat16 whatever dtype it is given, reports each sampled token's log-prob before temperature (the
+    importance weights need the log-probs the tokens were sampled with), and returns no prompt log-probs."""
+    if sync.probe == "replay":
+        return "sync.probe: replay needs log-probs of a given sequence, which vLLM on TorchTPU does not return; use auto"
     if cfg.dtype != "bfloat16":
         return f"rollout.dtype: vLLM on TorchTPU computes in bfloat16 only; set rollout.dtype=bfloat16 (not {cfg.dtype})"
     if cfg.temperature != 1.0:
@@ -701,7 +709,7 @@ def validate(cfg: Config) -> None:
     need(cfg.rollout.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
     need(cfg.placement.reward.tpu is None, "placement.reward.tpu: reward workers run on CPUs; set it to null")
     if cfg.placement.rollout.tpu is not None:  # the engines run vLLM on TorchTPU
-        refused = torchtpu_refusal(cfg.rollout)
+        refused = torchtpu_refusal(cfg.rollout, cfg.sync)
         need(refused is None, f"{refused} (placement.rollout.tpu is set)")
     for role in ("learner", "rollout", "reward"):
         where = f"placement.{role}"

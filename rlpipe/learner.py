@@ -16,6 +16,7 @@ from rlpipe.models.moe import balance_loss_from_sums
 from rlpipe.models.registry import model_config
 from rlpipe.train_engine import TrainEngine, accumulate
 from rlpipe.types import TrainBatch
+from rlpipe.weightsync.probe import DECODE_TOKENS, DecodedProbe
 
 
 class Learner:
@@ -125,6 +126,13 @@ class Learner:
         return dict(sums)
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        return self.engine.sequence_logprobs(token_ids)
+
+    def probe_reference(self, token_ids: list[int], by_decoding: bool) -> list[float] | DecodedProbe:
+        """What an engine's probe is checked against: the log-probs of `token_ids`, or for an engine that decodes
+        its probe, the greedy continuation of them (rlpipe/weightsync/probe.py)."""
+        if by_decoding:
+            return self.engine.decoded_probe(token_ids, DECODE_TOKENS)
         return self.engine.sequence_logprobs(token_ids)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -18,7 +18,16 @@ from safetensors.torch import save as save_safetensors_bytes
 from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig, torchtpu_refusal
 from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.types import Completion, Prompt
-from rlpipe.weightsync import EngineLayout, Staging, SyncError, SyncPlan, make_transport
+from rlpipe.weightsync import (
+    DECODE_TOKENS,
+    DecodedProbe,
+    EngineLayout,
+    Staging,
+    SyncError,
+    SyncPlan,
+    decoded_gaps,
+    make_transport,
+)
 
 
 def encode_weights(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -221,6 +230,13 @@ def vllm_platform() -> str:
 CPU_KV_BLOCK_SIZE = 32
 
 
+def decoding_params():
+    """vLLM's sampling parameters of a decoded probe: greedy, DECODE_TOKENS tokens whatever they are."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True, logprobs=0)
+
+
 class RolloutEngine:
     """One vLLM engine. Generation and weight sync may be called from two threads (the rollout actor runs them in
     separate concurrency groups): a sync receives its buckets while generation goes on, and pauses generation
@@ -248,12 +264,15 @@ class RolloutEngine:
                 "rollout: vLLM's JAX TPU platform (tpu-inference) is not supported; rlpipe's TPU engines run vLLM on "
                 "TorchTPU (vllm-torchtpu, the `tpu` extra)"
             )
-        if vllm_platform() == "torchtpu" and (refused := torchtpu_refusal(cfg)):
+        sync = sync or SyncConfig()
+        if vllm_platform() == "torchtpu" and (refused := torchtpu_refusal(cfg, sync)):
             raise RuntimeError(refused)
 
         self.cfg = cfg
-        self.sync_cfg = sync or SyncConfig()
+        self.sync_cfg = sync
         self.probe_tolerance = self.sync_cfg.probe_tolerance_for(cfg.dtype)
+        # vLLM on TorchTPU returns no prompt log-probs, so there the probe is decoded (rlpipe/weightsync/probe.py).
+        self.probe_by_decoding = sync.probe == "decode" or (sync.probe == "auto" and vllm_platform() == "torchtpu")
         self.model_path = model_path
         self.policy_version = 0
         extra = {}
@@ -368,7 +387,19 @@ class RolloutEngine:
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)
+        if output.prompt_logprobs is None:
+            raise SyncError("this engine returns no log-probs of a given sequence (vLLM on TorchTPU); decode instead")
         return [0.0] + [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], token_ids[1:])]
+
+    def decoded_probe(self, token_ids: list[int]) -> DecodedProbe:
+        """DECODE_TOKENS tokens decoded greedily after `token_ids`, with their log-probs (the probe of an engine
+        that cannot replay a sequence)."""
+        from vllm.inputs import TokensPrompt
+
+        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], decoding_params(), use_tqdm=False)
+        sample = output.outputs[0]
+        tokens = list(sample.token_ids)
+        return DecodedProbe(tokens, [step[token].logprob for step, token in zip(sample.logprobs, tokens)])
 
     # ------------------------------------------------------------------ weight sync
 
@@ -430,7 +461,7 @@ class RolloutEngine:
             probe, gap_max, gap_mean, failure = [], float("nan"), float("nan"), None
             try:
                 self._write(weights)
-                probe = self.sequence_logprobs(probe_tokens)
+                probe = self.decoded_probe(probe_tokens) if self.probe_by_decoding else self.sequence_logprobs(probe_tokens)
             except Exception as err:  # a write that broke off may have left some layers new and some old
                 failure = f"writing the weights failed ({type(err).__name__}: {err})"
             write_s = time.perf_counter() - started
@@ -440,7 +471,11 @@ class RolloutEngine:
                 except Exception as err:  # the new weights cannot be checked, so they are not served
                     failure = f"the learner's probe logprobs did not arrive ({type(err).__name__}: {err})"
                 else:
-                    gaps = [abs(a - b) for a, b in zip(probe[1:], reference[1:])] or [0.0]
+                    if self.probe_by_decoding:  # the new log-probs of the sequence itself are the learner's
+                        gaps, probe = decoded_gaps(probe, reference), reference.sequence_logprobs
+                    else:
+                        gaps = [abs(a - b) for a, b in zip(probe[1:], reference[1:])]
+                    gaps = gaps or [0.0]
                     gap_max, gap_mean = max(gaps), sum(gaps) / len(gaps)
             # float32 engines reproduce the learner token for token; bf16 kernels differ a little on every token.
             exact = self.cfg.dtype == "float32"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from rlpipe.checkpoint import load_tensors, single_process_dcp
 from rlpipe.config import KernelsConfig
@@ -27,6 +28,7 @@ from rlpipe.packing import pack, pack_static, packed_length, packed_static_token
 from rlpipe.parallel.graph_trainer import GraphTrainStep, bucket_length
 from rlpipe.parallel.strategy import choose_strategy
 from rlpipe.types import ModelOutputs, TrainBatch
+from rlpipe.weightsync.probe import DecodedProbe
 
 
 def token_logprobs(
@@ -335,6 +337,21 @@ class TrainEngine:
         with torch.no_grad():
             ids = torch.tensor([token_ids], device=self.device)
             return token_logprobs(self.model, ids, kernels=self.kernels)[0].tolist()
+
+    def decoded_probe(self, token_ids: list[int], count: int) -> DecodedProbe:
+        """`count` tokens decoded greedily after `token_ids`, for engines that cannot replay a sequence
+        (rlpipe/weightsync/probe.py); the log-probs come from `sequence_logprobs`, as a replayed probe's do."""
+        tokens = list(token_ids)
+        with torch.no_grad():
+            for _ in range(count):
+                ids = torch.tensor([tokens], device=self.device)
+                if hasattr(self.model, "output_embedding"):
+                    logits = F.linear(self.model.hidden_states(ids)[0, -1], self.model.output_embedding())
+                else:
+                    logits = self.model(ids)[0, -1]
+                tokens.append(int(logits.argmax()))
+        logprobs = self.sequence_logprobs(tokens)
+        return DecodedProbe(tokens[len(token_ids):], logprobs[len(token_ids):], logprobs[: len(token_ids)])
 
     # ------------------------------------------------------------------ the update
 

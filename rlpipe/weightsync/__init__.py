@@ -1,6 +1,7 @@
 """The weight-sync channel: learner shards -> buckets -> transport -> engine staging -> verified reload."""
 
 from rlpipe.weightsync.codec import Staging, SyncError, checksum, pack_part
+from rlpipe.weightsync.probe import DECODE_TOKENS, DecodedProbe, decoded_gaps
 from rlpipe.weightsync.plan import (
     Bucket,
     Destination,
@@ -16,7 +17,9 @@ from rlpipe.weightsync.sender import OutgoingPart, stream_parts
 from rlpipe.weightsync.transport import TRANSPORTS, make_transport
 
 __all__ = [
+    "DECODE_TOKENS",
     "Bucket",
+    "DecodedProbe",
     "Destination",
     "EngineLayout",
     "OutgoingPart",
@@ -27,6 +30,7 @@ __all__ = [
     "SyncRoutes",
     "TRANSPORTS",
     "checksum",
+    "decoded_gaps",
     "engine_tensors",
     "make_transport",
     "pack_part",

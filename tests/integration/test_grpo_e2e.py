@@ -103,7 +103,7 @@ def _check_export(folder):
 
 def test_qwen3_moe_from_jsonl(tmp_path, tiny_qwen3_moe, ray_cluster):
     """The tiny Qwen3-MoE through the whole loop on two sharded learner ranks (whole experts each): every step's
-    engine probe equals the learner after the sync, the router metrics reach metrics.jsonl, and a local jsonl file
+    engine probe (decoded, as engines that cannot replay a sequence check theirs) equals the learner after the sync, the router metrics reach metrics.jsonl, and a local jsonl file
     feeds five reward functions (group-level, failing and shaping ones among them)."""
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"Calculate {a} + {a + 3}.", "answer": str(2 * a + 3)})
@@ -113,6 +113,7 @@ def test_qwen3_moe_from_jsonl(tmp_path, tiny_qwen3_moe, ray_cluster):
         "learner.ranks=2",  # a SimpleFSDP-sharded learner group; each rank sends its own shards to the engine
         "algo.router_aux_loss_coef=0.01",
         "sync.transport=ray",  # the object store (the default, auto, takes shared memory on one host)
+        "sync.probe=decode",  # as on vLLM for TorchTPU: engine and both ranks continue each probe greedily
         "data.source=file",
         f"data.path={data}",
         # none_first cannot score the first sample of each call: that sample is counted and left out.

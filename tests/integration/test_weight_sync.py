@@ -131,6 +131,31 @@ def test_a_write_that_breaks_off_is_rolled_back(setup):
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
 
 
+def test_an_engine_that_cannot_replay_a_sequence_checks_its_weights_by_decoding(setup):
+    """vLLM on TorchTPU returns no prompt log-probs, so there engine and learner each decode the probe greedily
+    (rlpipe/weightsync/probe.py). Run here on the CPU engine, switched to that way."""
+    engine, learner, plan = setup
+    engine.probe_by_decoding = True
+    try:
+        _perturb(learner, 40)
+        reference = learner.probe_reference(PROBE, True)
+        version = engine.policy_version + 1
+        _send(engine, learner, plan, version)
+        result = engine.commit(version, PROBE, reference)
+        assert result["probe_max_abs"] < 1e-5 and engine.policy_version == version
+        assert result["probe"] == reference.sequence_logprobs
+        assert engine.decoded_probe(PROBE).tokens == reference.tokens  # the same weights decode the same tokens
+
+        stale = learner.probe_reference(PROBE, True)  # the reference of weights other than those sent next
+        _perturb(learner, 41)
+        _send(engine, learner, plan, version + 1)
+        with pytest.raises(SyncError, match=rf"differ from the learner's .* rolled back to version {version}"):
+            engine.commit(version + 1, PROBE, stale)
+        assert engine.policy_version == version
+    finally:
+        engine.probe_by_decoding = False
+
+
 def test_rlpipes_model_in_the_engine_runs_the_configured_kernels(setup):
     engine, learner, plan = setup
     if engine.cfg.model_impl != "rlpipe":

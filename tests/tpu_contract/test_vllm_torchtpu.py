@@ -169,7 +169,8 @@ def test_rlpipes_model_builds_in_vllm_on_torchtpu_with_the_configured_kernels(tm
 @pytest.mark.parametrize(
     "setting, message",
     [({"dtype": "float32"}, "rollout.dtype: vLLM on TorchTPU computes in bfloat16 only"),
-     ({"temperature": 0.7}, "rollout.temperature: vLLM on TorchTPU reports log-probs before temperature")],
+     ({"temperature": 0.7}, "rollout.temperature: vLLM on TorchTPU reports log-probs before temperature"),
+     ({"probe": "replay"}, "sync.probe: replay needs log-probs of a given sequence")],
 )
 def test_an_engine_refuses_what_this_platform_would_change_silently(setting, message, tmp_path):
     """Both read from the installed source: the platform's config check turns any dtype into bfloat16, and its runner
@@ -178,11 +179,27 @@ def test_an_engine_refuses_what_this_platform_would_change_silently(setting, mes
     from vllm_torchtpu.runner import tpu_runner
 
     from rlpipe.bench.tiny_model import build_tiny_model
-    from rlpipe.config import RolloutConfig
+    from rlpipe.config import RolloutConfig, SyncConfig
     from rlpipe.rollout import RolloutEngine
 
     assert "model_config.dtype = torch.bfloat16" in inspect.getsource(TpuPlatform.check_and_update_config)
     assert "original logits (before any penalties or\n                # temperature scaling)" in inspect.getsource(tpu_runner)
     model = build_tiny_model(tmp_path / "qwen3", "qwen3")
     with pytest.raises(RuntimeError, match=message):
-        RolloutEngine(model, RolloutConfig(**{"dtype": "bfloat16", **setting}), 0)
+        sync = SyncConfig(probe=setting.pop("probe", "auto"))
+        RolloutEngine(model, RolloutConfig(**{"dtype": "bfloat16", **setting}), 0, sync=sync)
+
+
+def test_the_platform_takes_the_decoded_probe_and_returns_no_prompt_logprobs():
+    """Why engines here check each sync by decoding: the runner fills no prompt log-probs. The greedy request the
+    decoded probe makes passes the platform's own request check (which refuses per-request seeds)."""
+    from vllm import SamplingParams
+    from vllm.platforms import current_platform
+    from vllm_torchtpu.runner import tpu_runner
+
+    from rlpipe.rollout import decoding_params
+
+    assert "prompt_logprobs_dict={req_id: None for req_id in req_ids}" in inspect.getsource(tpu_runner)
+    current_platform.validate_request(None, decoding_params())
+    with pytest.raises(ValueError, match="per-request seed"):
+        current_platform.validate_request(None, SamplingParams(seed=1))

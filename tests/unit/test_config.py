@@ -339,6 +339,7 @@ def test_engines_on_a_tpu_slice_must_ask_for_what_vllm_on_torchtpu_computes():
     assert _error(*on_tpu, "rollout.dtype=float32").startswith("rollout.dtype: vLLM on TorchTPU computes in bfloat16")
     message = _error(*on_tpu, "rollout.temperature=0.7")
     assert message.startswith("rollout.temperature: vLLM on TorchTPU") and "placement.rollout.tpu is set" in message
+    assert _error(*on_tpu, "sync.probe=replay").startswith("sync.probe: replay needs log-probs of a given sequence")
     assert load_config(None, ["rollout.dtype=float32", "rollout.temperature=0.7"]).rollout.temperature == 0.7  # CPU
 
 

@@ -678,3 +678,15 @@ def test_plan_names_rlpipes_own_expert_tensors_inside_vllm():
     built = engine_tensors(plan, full, tp_rank=0)
     for name in names:
         torch.testing.assert_close(built[name], full[name], rtol=0, atol=0)
+
+
+def test_a_decoded_probe_is_compared_up_to_where_the_continuations_part():
+    from rlpipe.weightsync import DecodedProbe, decoded_gaps
+
+    learner = DecodedProbe([5, 6, 7, 8], [-0.5, -0.25, -1.0, -2.0])
+    same = DecodedProbe([5, 6, 7, 8], [-0.5, -0.75, -1.0, -2.5])
+    assert decoded_gaps(same, learner) == [0.0, 0.5, 0.0, 0.5]
+    # Parted at the third token: it is compared (each side's top token), the context after it is not the same.
+    parted = DecodedProbe([5, 6, 9, 1], [-0.5, -0.25, -1.5, -9.0])
+    assert decoded_gaps(parted, learner) == [0.0, 0.0, 0.5]
+    assert decoded_gaps(DecodedProbe([4, 6, 7, 8], [-3.0, -0.25, -1.0, -2.0]), learner) == [2.5]

@@ -1,0 +1,30 @@
+"""The probe a weight sync is checked against: after writing, the engine's log-probs must match the learner's.
+
+Engines that return the log-probs of a given sequence (vLLM's prompt log-probs) replay the probe sequence. Engines
+that return none (vLLM on TorchTPU) decode instead: engine and learner each continue the probe sequence greedily
+for DECODE_TOKENS tokens, and their log-probs of those tokens are compared up to and including the first token
+where the two continuations part (there each side's value is its top token's, which agree whenever the weights
+do; after it the contexts differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DECODE_TOKENS = 16
+
+
+@dataclass
+class DecodedProbe:
+    """A greedy continuation of the probe sequence and each continued token's log-prob (temperature 1);
+    `sequence_logprobs`, from the learner only: its log-probs of the probe sequence itself."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    sequence_logprobs: list[float] | None = None
+
+
+def decoded_gaps(engine: DecodedProbe, learner: DecodedProbe) -> list[float]:
+    parted = next((i for i, (a, b) in enumerate(zip(engine.tokens, learner.tokens)) if a != b), len(engine.tokens))
+    compared = min(parted + 1, len(engine.tokens), len(learner.tokens))
+    return [abs(a - b) for a, b in zip(engine.logprobs[:compared], learner.logprobs[:compared])]
