@@ -1,11 +1,13 @@
 """Running JAX (Pallas) kernels on torch tensors.
 
-Each kernel is one JAX function of arrays, then static scalars, then `interpret` (`run_kernel`). On a TorchTPU
-tensor it becomes a torch op through TorchTPU's own bridge to JAX kernels (`torch.tpu.pallas.jax_op`), which exports
-the function for TPU (Mosaic) and runs it on the chip, inside a compiled graph too. Elsewhere tensors cross by DLPack,
-so no bytes are copied on the way in or out (bf16 included), and off TPU the kernels run in Pallas' interpret mode:
-the same kernel code and block specs, executed by XLA on the host, which is what the parity tests check. jax is
-imported on first use, so the torch paths never pay for it.
+Each kernel is one JAX function of arrays, then static scalars, then `interpret`, and each has a torch custom op of
+rlpipe's (`rlpipe::...`) whose body runs it by DLPack (`run_kernel`): no bytes are copied on the way in or out
+(bf16 included), and off TPU the kernel runs in Pallas' interpret mode — the same kernel code and block specs,
+executed by XLA on the host, which is what the parity tests check. DLPack cannot carry TorchTPU's `tpu` tensors, so
+on those `call` runs the kernel as an op of TorchTPU's own bridge to JAX kernels (`torch.tpu.pallas.jax_op`, the
+way vllm-torchtpu calls its own): it exports the function for TPU (Mosaic) and runs it on the chip, inside a compiled
+graph too, with the same autograd as rlpipe's op (`with_autograd`). jax is imported on first use, so the torch paths
+never pay for it.
 """
 
 from __future__ import annotations
@@ -45,24 +47,44 @@ def round_up(value: int, multiple: int) -> int:
 
 
 def run_kernel(kernel: Callable, *args):
-    """`kernel(*args, interpret)` on torch tensors, returning a tensor or a tuple of them.
-
-    `kernel`'s annotations are what TorchTPU's bridge reads to build the op's schema: tensors (annotated
-    `torch.Tensor`, the op's own types; the function itself sees jax arrays) and static scalars."""
-    if any(isinstance(arg, torch.Tensor) and arg.device.type == "tpu" for arg in args):
-        return torchtpu_op(kernel)(*args, False)
+    """`kernel(*args, interpret)` on host tensors by DLPack, returning a tensor or a tuple of them."""
     outputs = kernel(*(to_jax(arg) if isinstance(arg, torch.Tensor) else arg for arg in args), interpret())
     if isinstance(outputs, (tuple, list)):
         return tuple(to_torch(out).clone() for out in outputs)
     return to_torch(outputs).clone()
 
 
+def call(op, kernel: Callable, *args):
+    """rlpipe's op `op` on `args`; on TorchTPU tensors, `kernel` as a TorchTPU op instead."""
+    if any(isinstance(arg, torch.Tensor) and arg.device.type == "tpu" for arg in args):
+        return torchtpu_op(kernel)(*args, False)
+    return op(*args)
+
+
+_AUTOGRAD: dict[Callable, tuple[Callable, Callable]] = {}
+
+
+def with_autograd(op, kernel: Callable, backward: Callable, setup_context: Callable) -> None:
+    """Differentiate rlpipe's op `op` with `backward`, and `kernel`'s TorchTPU op the same way once it is made."""
+    op.register_autograd(backward, setup_context=setup_context)
+    _AUTOGRAD[kernel] = (backward, setup_context)
+
+
 @functools.cache
 def torchtpu_op(kernel: Callable):
-    """`kernel` registered as the TorchTPU op `rlpipe_tpu::<module>_<name>` (once per process)."""
+    """`kernel` registered as the TorchTPU op `rlpipe_tpu::<module>_<name>` (once per process). `kernel`'s
+    annotations are what the bridge builds the op's schema from: tensors (annotated `torch.Tensor`, the op's own
+    types; the function itself sees jax arrays) and static scalars."""
     import torch_tpu  # noqa: F401  (adds torch.tpu)
 
     name = f"rlpipe_tpu::{kernel.__module__.rsplit('.', 1)[-1]}_{kernel.__name__.strip('_')}"
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*jax_op is experimental")
-        return torch.tpu.pallas.jax_op(name, kernel)
+        op = torch.tpu.pallas.jax_op(name, kernel)
+    if kernel in _AUTOGRAD:  # rlpipe's op's autograd, past the trailing `interpret` input
+        backward, setup_context = _AUTOGRAD[kernel]
+        op.register_autograd(
+            lambda ctx, *grads: (*backward(ctx, *grads), None),
+            setup_context=lambda ctx, inputs, output: setup_context(ctx, inputs[:-1], output),
+        )
+    return op

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from rlpipe.kernels._jax import jax_modules, round_up, run_kernel
+from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, with_autograd
 
 IMPLEMENTATIONS = ("torch", "pallas")
 BLOCK_Q, BLOCK_KV = 128, 128
@@ -334,12 +334,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    return (*_pallas_attention_backward(q, k, v, out, lse, grad_out, ctx.window), None)
+    return (*call(_pallas_attention_backward, _backward_pass, q, k, v, out, lse, grad_out, ctx.window), None)
 
 
-_pallas_attention_op.register_autograd(_backward, setup_context=_setup_context)
+with_autograd(_pallas_attention_op, _forward, _backward, _setup_context)
 
 
 def pallas_attention(q, k, v, window: int = 0) -> torch.Tensor:
     """window 0: plain causal."""
-    return _pallas_attention_op(q, k, v, window)[0]
+    return call(_pallas_attention_op, _forward, q, k, v, window)[0]

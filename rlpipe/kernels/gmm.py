@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from rlpipe.kernels._jax import jax_modules, round_up, run_kernel
+from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, with_autograd
 
 IMPLEMENTATIONS = ("torch", "pallas")
 BLOCK_M, BLOCK_K, BLOCK_N = 128, 128, 128
@@ -31,7 +31,7 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Te
     if impl == "torch":
         return torch_grouped_matmul(x, weights, group_sizes)
     if impl == "pallas":
-        return pallas_grouped_matmul(x.contiguous(), weights.contiguous(), group_sizes.to(torch.int32))
+        return call(pallas_grouped_matmul, _forward, x.contiguous(), weights.contiguous(), group_sizes.to(torch.int32))
     raise ValueError(f"grouped_matmul: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
 
 
@@ -220,7 +220,7 @@ def _(x, weights, group_sizes, grad):
 
 def _backward(ctx, grad):
     x, weights, group_sizes = ctx.saved_tensors
-    return (*_pallas_grouped_matmul_backward(x, weights, group_sizes, grad), None)
+    return (*call(_pallas_grouped_matmul_backward, _backward_pass, x, weights, group_sizes, grad), None)
 
 
-pallas_grouped_matmul.register_autograd(_backward, setup_context=_save_inputs)
+with_autograd(pallas_grouped_matmul, _forward, _backward, _save_inputs)

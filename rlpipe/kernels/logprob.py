@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from rlpipe.kernels._jax import jax_modules, round_up, run_kernel
+from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, with_autograd
 
 IMPLEMENTATIONS = ("chunked", "reference", "pallas")
 DEFAULT_CHUNK = 8192
@@ -42,7 +42,7 @@ def linear_logprob(
     if impl == "chunked" or (impl == "pallas" and hidden.device.type == "xla"):  # see rlpipe/kernels/_xla.py
         return _ChunkedLinearLogprob.apply(hidden, weight, targets, inv_temperature, chunk)
     if impl == "pallas":
-        logprob, entropy, _ = pallas_linear_logprob(hidden, weight, targets.to(torch.int32), inv_temperature)
+        logprob, entropy, _ = call(pallas_linear_logprob, _forward, hidden, weight, targets.to(torch.int32), inv_temperature)
         return logprob, entropy.detach()
     raise ValueError(f"model.kernels.logprob: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
 
@@ -319,7 +319,7 @@ def pallas_linear_logprob_backward(
     grad_logprob: torch.Tensor,
     inv_temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return run_kernel(_backward_pass, hidden, weight, targets, lse, grad_logprob.float().contiguous(), inv_temperature)
+    return run_kernel(_backward_pass, hidden, weight, targets, lse, grad_logprob, inv_temperature)
 
 
 @pallas_linear_logprob_backward.register_fake
@@ -335,10 +335,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_logprob, grad_entropy, grad_lse):
     hidden, weight, targets, lse = ctx.saved_tensors
-    grad_hidden, grad_weight = pallas_linear_logprob_backward(
-        hidden, weight, targets, lse, grad_logprob, ctx.inv_temperature
+    grad_logprob = grad_logprob.float().contiguous()
+    grad_hidden, grad_weight = call(
+        pallas_linear_logprob_backward, _backward_pass, hidden, weight, targets, lse, grad_logprob, ctx.inv_temperature
     )
     return grad_hidden, grad_weight, None, None
 
 
-pallas_linear_logprob.register_autograd(_backward, setup_context=_setup_context)
+with_autograd(pallas_linear_logprob, _forward, _backward, _setup_context)

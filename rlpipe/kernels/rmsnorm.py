@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from rlpipe.kernels._jax import jax_modules, round_up, run_kernel
+from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, with_autograd
 
 IMPLEMENTATIONS = ("torch", "pallas")
 BLOCK_ROWS = 256
@@ -23,7 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "tor
         return reference_rms_norm(x, weight, eps)
     if impl == "pallas":
         shape = x.shape
-        return pallas_rms_norm(x.reshape(-1, shape[-1]), weight, eps).view(shape)
+        return call(pallas_rms_norm, _forward, x.reshape(-1, shape[-1]), weight, eps).view(shape)
     raise ValueError(f"model.kernels.rmsnorm: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
 
 
@@ -144,8 +144,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    grad_x, grad_weight = pallas_rms_norm_backward(x, weight, grad.contiguous(), ctx.eps)
+    grad_x, grad_weight = call(pallas_rms_norm_backward, _backward_pass, x, weight, grad.contiguous(), ctx.eps)
     return grad_x, grad_weight, None
 
 
-pallas_rms_norm.register_autograd(_backward, setup_context=_setup_context)
+with_autograd(pallas_rms_norm, _forward, _backward, _setup_context)

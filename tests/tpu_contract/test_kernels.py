@@ -109,25 +109,66 @@ def test_a_block_shape_the_chip_cannot_take_fails_the_lowering():
         torchtpu_op(_rms_norm_with_three_row_blocks)(torch.empty(300, 128), torch.empty(128), 1e-6, False)
 
 
-def test_kernels_on_tpu_tensors_go_through_the_torchtpu_ops(tpu_device_name):
-    """rlpipe's ops hand `tpu` tensors to the TorchTPU op (DLPack cannot carry them); here fake ones, through
-    which only shapes flow."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _model_calls(device):
+    """Each kernel as the models call it (`model.kernels.* = pallas`), on `device`: (name, call)."""
+    def tensor(*shape):
+        return torch.randn(*shape, dtype=BF16, device=device)
 
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
+    sizes = torch.tensor([32, 0, 96, 0], dtype=torch.int32, device=device)
+    targets = torch.randint(0, 512, (64,), device=device)
+    return [
+        ("rmsnorm", lambda: rmsnorm.rms_norm(tensor(64, 128), tensor(128), 1e-6, impl="pallas")),
+        ("attention", lambda: attention.causal_attention(
+            tensor(1, 4, 128, 64), tensor(1, 2, 128, 64), tensor(1, 2, 128, 64), impl="pallas")),
+        ("gmm", lambda: gmm.grouped_matmul(tensor(128, 256), tensor(4, 256, 256), sizes, impl="pallas")),
+        ("logprob", lambda: logprob.linear_logprob(tensor(64, 128), tensor(512, 128), targets, impl="pallas")[0]),
+    ]
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func.name())
-            return func(*args, **(kwargs or {}))
 
-    recorder = Recorder()
+class _Recorder:
+    """The ops dispatched inside it."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = set()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.add(func.name())
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def test_the_models_kernels_on_tpu_tensors_run_as_torchtpu_ops(tpu_device_name):
+    """On `tpu` tensors (here fake ones, through which only shapes flow) every kernel the models call is the
+    TorchTPU op, not rlpipe's DLPack op, so a compiled step holds ops TorchTPU knows."""
     with FakeTensorMode(), _target("TPU v6 lite"):
-        x = torch.empty(64, 128, dtype=BF16, device="tpu")
-        weight = torch.empty(128, dtype=BF16, device="tpu")
-        with recorder:
-            out = run_kernel(rmsnorm._forward, x, weight, 1e-6)  # the body of rlpipe::pallas_rms_norm
-    assert (out.shape, out.dtype, out.device.type) == ((64, 128), BF16, "tpu")
-    assert "rlpipe_tpu::rmsnorm_forward" in recorder.ops
+        for name, model_call in _model_calls("tpu"):
+            with _Recorder() as recorder:
+                out = model_call()
+            assert f"rlpipe_tpu::{name}_forward" in recorder.ops, name
+            assert not any(op.startswith("rlpipe::") for op in recorder.ops), recorder.ops
+            assert out.device.type == "tpu"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_torchtpu_op_is_differentiated_as_rlpipes_op_is(case):
+    """The TorchTPU ops take rlpipe's ops' autograd. (Run on the host's fake tensors: torch's autograd engine has
+    no `tpu` device without a chip; which backward op runs there follows the same rule as the forward above.)"""
+    with FakeTensorMode(), _target("TPU v6 lite"):
+        (kernel, args, _), (_, _, expected_grads) = CASES[case]()
+        leaves = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args]
+        result = torchtpu_op(kernel)(*leaves, False)
+        first = result[0] if isinstance(result, (tuple, list)) else result
+        with _Recorder() as recorder:
+            first.float().sum().backward()
+        grads = [leaf.grad for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        assert [(g.shape, g.dtype) for g in grads] == [(e.shape, e.dtype) for e in expected_grads]
+        assert any(op.startswith("rlpipe::") and "backward" in op for op in recorder.ops), recorder.ops
