@@ -616,9 +616,13 @@ def torchtpu_refusal(cfg: RolloutConfig, sync: SyncConfig) -> str | None:
     computes in bfloat16 whatever dtype it is given, reports each sampled token's log-prob before temperature (the
     importance weights need the log-probs the tokens were sampled with), and returns no prompt log-probs."""
     if sync.probe == "replay":
-        return "sync.probe: replay needs log-probs of a given sequence, which vLLM on TorchTPU does not return; use auto"
+        return (
+            "sync.probe: replay needs log-probs of a given sequence, which vLLM on TorchTPU does not return; use auto"
+        )
     if cfg.dtype != "bfloat16":
-        return f"rollout.dtype: vLLM on TorchTPU computes in bfloat16 only; set rollout.dtype=bfloat16 (not {cfg.dtype})"
+        return (
+            f"rollout.dtype: vLLM on TorchTPU computes in bfloat16 only; set rollout.dtype=bfloat16 (not {cfg.dtype})"
+        )
     if cfg.temperature != 1.0:
         return (
             "rollout.temperature: vLLM on TorchTPU reports log-probs before temperature, which match the sampling "

@@ -461,7 +461,8 @@ class RolloutEngine:
             probe, gap_max, gap_mean, failure = [], float("nan"), float("nan"), None
             try:
                 self._write(weights)
-                probe = self.decoded_probe(probe_tokens) if self.probe_by_decoding else self.sequence_logprobs(probe_tokens)
+                replay = self.decoded_probe if self.probe_by_decoding else self.sequence_logprobs
+                probe = replay(probe_tokens)
             except Exception as err:  # a write that broke off may have left some layers new and some old
                 failure = f"writing the weights failed ({type(err).__name__}: {err})"
             write_s = time.perf_counter() - started

@@ -42,7 +42,8 @@ def linear_logprob(
     if impl == "chunked" or (impl == "pallas" and hidden.device.type == "xla"):  # see rlpipe/kernels/_xla.py
         return _ChunkedLinearLogprob.apply(hidden, weight, targets, inv_temperature, chunk)
     if impl == "pallas":
-        logprob, entropy, _ = call(pallas_linear_logprob, _forward, hidden, weight, targets.to(torch.int32), inv_temperature)
+        targets = targets.to(torch.int32)
+        logprob, entropy, _ = call(pallas_linear_logprob, _forward, hidden, weight, targets, inv_temperature)
         return logprob, entropy.detach()
     raise ValueError(f"model.kernels.logprob: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
 

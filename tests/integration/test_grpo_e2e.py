@@ -103,8 +103,9 @@ def _check_export(folder):
 
 def test_qwen3_moe_from_jsonl(tmp_path, tiny_qwen3_moe, ray_cluster):
     """The tiny Qwen3-MoE through the whole loop on two sharded learner ranks (whole experts each): every step's
-    engine probe (decoded, as engines that cannot replay a sequence check theirs) equals the learner after the sync, the router metrics reach metrics.jsonl, and a local jsonl file
-    feeds five reward functions (group-level, failing and shaping ones among them)."""
+    engine probe (decoded, as engines that cannot replay a sequence check theirs) equals the learner after the
+    sync, the router metrics reach metrics.jsonl, and a local jsonl file feeds five reward functions (group-level,
+    failing and shaping ones among them)."""
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"Calculate {a} + {a + 3}.", "answer": str(2 * a + 3)})
                               for a in range(24)))

@@ -163,7 +163,8 @@ def test_rlpipes_model_in_the_engine_runs_the_configured_kernels(setup):
     from rlpipe.models.llama import RMSNorm
 
     def norm_kernels(worker):
-        return sorted({module.impl for module in worker.model_runner.get_model().modules() if isinstance(module, RMSNorm)})
+        modules = worker.model_runner.get_model().modules()
+        return sorted({module.impl for module in modules if isinstance(module, RMSNorm)})
 
     (engine_kernels,) = engine.llm.collective_rpc(norm_kernels)
     learner_kernels = sorted({module.impl for module in learner.model.modules() if isinstance(module, RMSNorm)})

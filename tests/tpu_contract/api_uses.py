@@ -114,8 +114,9 @@ def collect(root: Path, extensions: dict[str, str], folders=("rlpipe", "actors")
                         if chain[0] == "self" and chain[1] not in own and all(part.isidentifier() for part in chain):
                             add(".".join([extensions[node.name], *chain[1:]]), inner_node.lineno, True)
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "collective_rpc"
-                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "collective_rpc" and node.args
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
                     and worker and node.args[0].value not in own_methods):
                 add(f"{worker}.{node.args[0].value}", node.lineno, True)
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and _ours(node.module):

@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rlpipe.kernels import attention, gmm, logprob, rmsnorm
-from rlpipe.kernels._jax import run_kernel, torchtpu_op
+from rlpipe.kernels._jax import torchtpu_op
 
 BF16 = torch.bfloat16
 
@@ -21,7 +21,8 @@ def _rms_norm():
     out = torch.ops.rlpipe.pallas_rms_norm(x, weight, 1e-6)
     return [
         (rmsnorm._forward, (x, weight, 1e-6), out),
-        (rmsnorm._backward_pass, (x, weight, out, 1e-6), torch.ops.rlpipe.pallas_rms_norm_backward(x, weight, out, 1e-6)),
+        (rmsnorm._backward_pass, (x, weight, out, 1e-6),
+         torch.ops.rlpipe.pallas_rms_norm_backward(x, weight, out, 1e-6)),
     ]
 
 
@@ -95,7 +96,9 @@ def test_the_bridge_is_the_documented_public_entry_point():
     assert torch.tpu.pallas.jax_op.__module__ == "torch_tpu._internal.pallas.pallas"
 
 
-def _rms_norm_with_three_row_blocks(x: torch.Tensor, weight: torch.Tensor, eps: float, interpret_mode: bool) -> torch.Tensor:
+def _rms_norm_with_three_row_blocks(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, interpret_mode: bool
+) -> torch.Tensor:
     return rmsnorm._pallas_functions(eps, 3, interpret_mode)[0](x, weight)
 
 
@@ -103,7 +106,8 @@ def test_a_block_shape_the_chip_cannot_take_fails_the_lowering():
     """The check above is Mosaic's own: rows in blocks of 3 (not a multiple of 8) are refused for TPU, while the
     same kernel runs interpreted on the host."""
     x, weight = torch.randn(300, 128), torch.ones(128)
-    interpreted = _rms_norm_with_three_row_blocks(jax.numpy.asarray(x.numpy()), jax.numpy.asarray(weight.numpy()), 1e-6, True)
+    arrays = jax.numpy.asarray(x.numpy()), jax.numpy.asarray(weight.numpy())
+    interpreted = _rms_norm_with_three_row_blocks(*arrays, 1e-6, True)
     assert interpreted.shape == (300, 128)
     with FakeTensorMode(), _target("TPU v6 lite"), pytest.raises(ValueError, match="block shape"):
         torchtpu_op(_rms_norm_with_three_row_blocks)(torch.empty(300, 128), torch.empty(128), 1e-6, False)

@@ -183,7 +183,8 @@ def test_an_engine_refuses_what_this_platform_would_change_silently(setting, mes
     from rlpipe.rollout import RolloutEngine
 
     assert "model_config.dtype = torch.bfloat16" in inspect.getsource(TpuPlatform.check_and_update_config)
-    assert "original logits (before any penalties or\n                # temperature scaling)" in inspect.getsource(tpu_runner)
+    runner_source = inspect.getsource(tpu_runner)
+    assert "original logits (before any penalties or\n                # temperature scaling)" in runner_source
     model = build_tiny_model(tmp_path / "qwen3", "qwen3")
     with pytest.raises(RuntimeError, match=message):
         sync = SyncConfig(probe=setting.pop("probe", "auto"))

@@ -333,7 +333,8 @@ def test_bad_placement_settings_name_their_key(override, key):
 
 
 def test_engines_on_a_tpu_slice_must_ask_for_what_vllm_on_torchtpu_computes():
-    """It computes in bfloat16 and reports log-probs before temperature (tests/tpu_contract reads both in its source)."""
+    """It computes in bfloat16 and reports log-probs before temperature (tests/tpu_contract reads both in its
+    source)."""
     on_tpu = ["placement.rollout.tpu=v6e-8", "rollout.dtype=bfloat16", "rollout.temperature=1.0"]
     assert load_config(None, on_tpu).rollout.dtype == "bfloat16"
     assert _error(*on_tpu, "rollout.dtype=float32").startswith("rollout.dtype: vLLM on TorchTPU computes in bfloat16")
