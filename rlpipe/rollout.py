@@ -259,20 +259,21 @@ class RolloutEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        if vllm_platform() == "tpu-inference":
+        platform = vllm_platform()
+        if platform == "tpu-inference":
             raise RuntimeError(
                 "rollout: vLLM's JAX TPU platform (tpu-inference) is not supported; rlpipe's TPU engines run vLLM on "
                 "TorchTPU (vllm-torchtpu, the `tpu` extra)"
             )
         sync = sync or SyncConfig()
-        if vllm_platform() == "torchtpu" and (refused := torchtpu_refusal(cfg, sync)):
+        if platform == "torchtpu" and (refused := torchtpu_refusal(cfg, sync)):
             raise RuntimeError(refused)
 
         self.cfg = cfg
         self.sync_cfg = sync
         self.probe_tolerance = self.sync_cfg.probe_tolerance_for(cfg.dtype)
         # vLLM on TorchTPU returns no prompt log-probs, so there the probe is decoded (rlpipe/weightsync/probe.py).
-        self.probe_by_decoding = sync.probe == "decode" or (sync.probe == "auto" and vllm_platform() == "torchtpu")
+        self.probe_by_decoding = sync.probe == "decode" or (sync.probe == "auto" and platform == "torchtpu")
         self.model_path = model_path
         self.policy_version = 0
         extra = {}
@@ -461,8 +462,8 @@ class RolloutEngine:
             probe, gap_max, gap_mean, failure = [], float("nan"), float("nan"), None
             try:
                 self._write(weights)
-                replay = self.decoded_probe if self.probe_by_decoding else self.sequence_logprobs
-                probe = replay(probe_tokens)
+                probe_of = self.decoded_probe if self.probe_by_decoding else self.sequence_logprobs
+                probe = probe_of(probe_tokens)
             except Exception as err:  # a write that broke off may have left some layers new and some old
                 failure = f"writing the weights failed ({type(err).__name__}: {err})"
             write_s = time.perf_counter() - started
