@@ -16,3 +16,8 @@ def get_all(refs: list) -> list:
         ready, pending = ray.wait(pending, num_returns=1)
         ray.get(ready)
     return ray.get(list(refs))
+
+
+class WorkerLost(RuntimeError):
+    """A role's actor died and could not be replaced; a run restarted from its latest checkpoint may go on
+    (`rlpipe train --auto-resume`)."""

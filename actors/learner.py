@@ -72,15 +72,17 @@ class LearnerActor:
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.learner.weight_shapes()
 
+    # This rank's end of the weight-sync channel, set up and driven by its driver side (actors/sync_channel.py).
+
     def set_sync_routes(self, routes: list[str], whole_buckets: bool) -> None:
-        """`sync.transport: auto`: the route to each engine (rlpipe/weightsync/routes.py)."""
+        """The route to each engine (rlpipe/weightsync/routes.py)."""
         self.transport.set_routes(routes, whole_buckets)
 
-    def sync_buffer_prefix(self) -> str:
-        """This rank's name for the shared-memory buffers every rank writes into (asked of rank 0)."""
+    def sync_buffer_prefix(self) -> str | None:
+        """The name of the buffers every rank writes into, where the transport shares them (asked of rank 0)."""
         return self.transport.buffer_prefix()
 
-    def share_sync_buffers(self, prefix: str) -> None:
+    def share_sync_buffers(self, prefix: str | None) -> None:
         self.transport.share_buffers(prefix)
 
     def send_weights(self, plan: SyncPlan, version: int, engines: list, engine_indexes: list[int]) -> int:

@@ -41,7 +41,7 @@ class Slot:
 
 
 @dataclass
-class RoleGroup:
+class PlacedRole:
     """A role's placement group and one slot per actor, in rank order."""
 
     role: str
@@ -82,7 +82,7 @@ class RoleGroup:
 def place_role(
     role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int = 1, gpus_per_actor: int = 0,
     learner_device: str | None = None,
-) -> RoleGroup:
+) -> PlacedRole:
     """Reserve the placement for `actors` actors of `role` (each with `gpus_per_actor` GPUs on GPU nodes), waiting
     at most `timeout_s` for it. `learner_device`: the learner's `learner.device` (the learner role only), which on a
     TPU slice decides the process contract its ranks get."""
@@ -92,7 +92,7 @@ def place_role(
         bundles = cpu_bundles(spec, actors, gpus_per_actor)
         group = placement_group(bundles, strategy=spec.strategy, name=f"rlpipe-{role}")
         _wait(group, role, timeout_s, f"{actors} bundle(s) of {bundles[0]} ({spec.strategy})")
-        placed = RoleGroup(role, group, [Slot(index, gpus=gpus_per_actor) for index in range(actors)])
+        placed = PlacedRole(role, group, [Slot(index, gpus=gpus_per_actor) for index in range(actors)])
     if spec.python:
         placed.python = interpreter(f"placement.{role}.python", spec.python)
     return placed
@@ -192,7 +192,7 @@ def fallback_slice_bundles(tslice: TpuSlice, head_node: dict) -> tuple[list[dict
 
 def _place_on_slice(
     role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int, learner_device: str | None
-) -> RoleGroup:
+) -> PlacedRole:
     try:
         tslice = tpu_slice(spec.tpu, spec.topology)
     except ValueError as err:
@@ -223,4 +223,4 @@ def _place_on_slice(
     _wait(group, role, timeout_s, wanted)
     bundle_nodes = {int(k): v for k, v in placement_group_table(group)["bundles_to_node_id"].items()}
     slots = slice_slots(tslice, bundle_nodes, ray.nodes(), chips_per_actor, learner_device)
-    return RoleGroup(role, group, slots, head_groups)
+    return PlacedRole(role, group, slots, head_groups)

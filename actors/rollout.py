@@ -62,22 +62,25 @@ class RolloutActor:
     def layout(self):
         return self.engine.layout()
 
+    # The engine's end of the weight-sync channel (rlpipe/weightsync/receiver.py), called by the channel's driver
+    # side (actors/sync_channel.py) and, for each part, by the learner ranks.
+
     @ray.method(concurrency_group="sync")
     def connect_sync_group(self, address: str, port: int, rank: int, learner_ranks: int, world: int) -> None:
-        self.engine.transport.connect(address, port, rank, learner_ranks, world, self.engine.sync_cfg.timeout_s)
+        self.engine.sync.transport.connect(address, port, rank, learner_ranks, world, self.engine.sync_cfg.timeout_s)
 
     @ray.method(concurrency_group="sync")
     def set_sync_routes(self, routes: list[str], whole_buckets: bool) -> None:
-        """`sync.transport: auto`: the route from each learner rank (rlpipe/weightsync/routes.py)."""
-        self.engine.transport.set_routes(routes, whole_buckets)
+        """The route from each learner rank (rlpipe/weightsync/routes.py)."""
+        self.engine.sync.transport.set_routes(routes, whole_buckets)
 
     @ray.method(concurrency_group="sync")
     def begin_sync(self, plan: SyncPlan, version: int) -> None:
-        self.engine.begin_sync(plan, version)
+        self.engine.sync.begin(plan, version)
 
     @ray.method(concurrency_group="sync")
     def receive_part(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:
-        return self.engine.receive_part(version, bucket, rank, handle, nbytes, digest)
+        return self.engine.sync.receive(version, bucket, rank, handle, nbytes, digest)
 
     @ray.method(concurrency_group="sync")
     def commit(self, version: int, probe_tokens: list[int], expected, rehearsal: bool = False) -> dict:
@@ -85,7 +88,6 @@ class RolloutActor:
         so that Ray hands the reference over instead of waiting for it before the write starts)."""
         if isinstance(expected, list) and len(expected) == 1 and isinstance(expected[0], ray.ObjectRef):
             pending = expected[0]
-            return self.engine.commit(
-                version, probe_tokens, lambda: ray.get(pending, timeout=self.engine.sync_cfg.timeout_s), rehearsal
-            )
-        return self.engine.commit(version, probe_tokens, expected, rehearsal)
+            timeout_s = self.engine.sync_cfg.timeout_s
+            return self.engine.sync.commit(version, probe_tokens, lambda: ray.get(pending, timeout=timeout_s), rehearsal)
+        return self.engine.sync.commit(version, probe_tokens, expected, rehearsal)

@@ -88,8 +88,9 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
     default recipe that show it (`bench_sync_in_run`)."""
     import ray
 
-    from rlpipe.actors.groups import start_ray
+    from rlpipe.actors.cluster import start_ray
     from rlpipe.config import load_config
+    from rlpipe.parallel.mesh import find_free_port
     from rlpipe.weightsync import EngineLayout, plan_sync
 
     start_ray(load_config(None, [f"ray.num_cpus={max(ranks) + 2}"]))
@@ -107,21 +108,19 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
             for transport in transports:
                 senders = [sender_cls.remote(plan, rank, transport) for rank in range(rank_count)]
                 receiver = receiver_cls.remote(plan, transport)
-                if transport == "shm":  # as the run does: every rank writes into rank 0's segments
-                    prefix = ray.get(senders[0].buffer_prefix.remote())
-                    ray.get([s.share_buffers.remote(prefix) for s in senders])
-                if transport == "gloo":
-                    from rlpipe.parallel.mesh import find_free_port
-
-                    port, world = find_free_port(), rank_count + 1
-                    ray.get([s.connect.remote(port, world) for s in senders] + [receiver.connect.remote(port, world)])
+                # As the run's channel sets a transport up (actors/sync_channel.py): ranks write into the buffers
+                # rank 0 names where the transport shares them, and join its process group where it has one.
+                prefix = ray.get(senders[0].buffer_prefix.remote())
+                ray.get([s.share_buffers.remote(prefix) for s in senders])
+                port, world = find_free_port(), rank_count + 1
+                ray.get([s.connect.remote(port, world) for s in senders] + [receiver.connect.remote(port, world)])
                 syncs = []
                 for version in range(1, repeats + 1):
                     memcpy, streaming = copy_rates(2)
                     ray.get(receiver.begin.remote(version))
                     started = time.perf_counter()
                     sent = ray.get([s.send.remote(version, receiver) for s in senders])
-                    receiving, receiver_faults = ray.get(receiver.finish.remote())
+                    receiving, receiver_faults = ray.get(receiver.finish.remote(version))
                     released = time.perf_counter()
                     # As in a run, after the version is committed: counted, since a transport may do work there.
                     ray.get([s.release.remote() for s in senders])
@@ -296,9 +295,9 @@ def _minor_faults() -> int:
 def _sync_bench_actors():
     import ray
 
-    from rlpipe.actors.groups import compute_env
+    from rlpipe.actors.cluster import compute_env
     from rlpipe.actors.learner import send_parts
-    from rlpipe.weightsync import Staging, make_transport, shard_rows
+    from rlpipe.weightsync import WeightReceiver, make_transport, shard_rows
 
     # The same thread allowance as the real roles.
     @ray.remote(num_cpus=1, runtime_env={"env_vars": compute_env()})
@@ -334,32 +333,35 @@ def _sync_bench_actors():
 
     @ray.remote(num_cpus=1, runtime_env={"env_vars": compute_env()}, concurrency_groups={"sync": 1})
     class Receiver:
+        """An engine's end of the channel (rlpipe's WeightReceiver) in front of an engine that writes nothing and
+        answers the probe as the learner does: what is timed is the transport, the checks and the assembly."""
+
         def __init__(self, plan, transport):
-            self.plan, self.transport, self.staging = plan, make_transport(transport), None
+            self.plan = plan
+            self.receiver = WeightReceiver(make_transport(transport), write=lambda weights: None,
+                                           probe=lambda tokens: [0.0] * len(tokens), initial_weights=dict,
+                                           tolerance=0.0, exact=True)
             self.busy = 0.0  # seconds spent receiving (transport, checksum, assembly)
             self.faults = 0
 
         def connect(self, port, world):
-            self.transport.connect("127.0.0.1", port, world - 1, self.plan.learner_ranks, world, 300)
+            self.receiver.transport.connect("127.0.0.1", port, world - 1, self.plan.learner_ranks, world, 300)
 
         def begin(self, version):
-            # As the engine does: adopt what the transport hands over in place where it can, reuse owned memory.
-            reuse = self.staging.owned if self.staging else None
-            self.staging = Staging(self.plan, version, reuse, adopt_buffers=self.transport.stable_receive_buffers,
-                                   whole_buckets=self.transport.whole_buckets)
+            self.receiver.begin(self.plan, version)
             self.faults = _minor_faults()
 
         @ray.method(concurrency_group="sync")
         def receive_part(self, version, bucket, rank, handle, nbytes, digest):
             started = time.perf_counter()
-            with self.transport.receive(handle, rank, nbytes) as buffer:
-                self.staging.add(bucket, rank, buffer, digest)
+            self.receiver.receive(version, bucket, rank, handle, nbytes, digest)
             self.busy += time.perf_counter() - started
             return nbytes
 
-        def finish(self):
-            self.staging.complete()
-            busy, self.busy = self.busy, 0.0
+        def finish(self, version):
+            started = time.perf_counter()
+            self.receiver.commit(version, [0, 1], [0.0, 0.0])
+            busy, self.busy = self.busy + time.perf_counter() - started, 0.0
             return busy, _minor_faults() - self.faults
 
     return Sender, Receiver

@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             result = plan(cfg)
             print(format_plan(result))
             return 0 if result.ok else 1
-        from rlpipe.actors.groups import WorkerLost
+        from rlpipe.actors.calls import WorkerLost
 
         try:
             train_with_restarts(cfg, args.resume, args.auto_resume)
@@ -354,7 +354,7 @@ def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> d
     when it gives up."""
     import ray
 
-    from rlpipe.actors.groups import WorkerLost
+    from rlpipe.actors.calls import WorkerLost
     from rlpipe.actors.placement import PlacementTimeout
     from rlpipe import checkpoint
     from rlpipe.controller import train

@@ -1,4 +1,5 @@
-"""The GRPO loop (synchronous): sample prompts → generate → score → advantages → train → sync weights."""
+"""The GRPO loop: sample prompts → generate → score → advantages → train → sync weights; synchronous, or with the
+generation of later steps started while a step trains (train.max_staleness, `Lookahead`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from rlpipe.config import Config, ConfigError, one_line
 from rlpipe.data import PromptSet, Sampler, load_rows, reward_columns
 from rlpipe.environments import check_learner_device, check_role_environments
 from rlpipe.logs import LOG_FILE, LogSetup, driver_logging
-from rlpipe.metrics import MetricsLogger, describe_routes, roles_summary, rollout_metrics, staleness_metrics
+from rlpipe.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
 from rlpipe.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
@@ -41,7 +42,8 @@ def train(cfg: Config, resume: str | None = None) -> dict:
 
 
 def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
-    from rlpipe.actors.groups import Roles, start_ray
+    from rlpipe.actors.cluster import start_ray
+    from rlpipe.actors.roles import Roles
 
     started = time.monotonic()
     try:
@@ -63,7 +65,7 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
         log.note(roles_summary(cfg, placement, logs.file))
         check = roles.rehearsal
         log.note(
-            f"weight sync ({describe_routes(roles.routes)}) checked before training: "
+            f"weight sync ({roles.routes.in_words()}) checked before training: "
             f"{check['sync/bytes'] / 1e9:.2f} GB from the learner in "
             f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, "
             f"probe max |engine - learner| {check['sync/probe_max_abs']:.1e}"
@@ -190,7 +192,7 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, samp
             "summary": {"eval_before": summary.get("eval_before")},
         }
 
-    from rlpipe.actors.groups import WorkerLost
+    from rlpipe.actors.calls import WorkerLost
 
     return checkpoint.save(run.dir, step, roles.save_checkpoint, trainer_state, cfg.train.keep_checkpoints,
                            passthrough=(WorkerLost,))

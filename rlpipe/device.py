@@ -318,11 +318,6 @@ class TpuSlice:
         """The chips of one host as x,y,z bounds (TPU_CHIPS_PER_HOST_BOUNDS)."""
         return {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}[self.chips_per_host]
 
-    @property
-    def accelerator_type(self) -> str:
-        """Ray's accelerator-type resource suffix, e.g. TPU-V6E."""
-        return "TPU-" + ("V5LITEPOD" if self.generation == "v5litepod" else self.generation.upper())
-
 
 def tpu_slice(pod_type: str, topology: str | None = None) -> TpuSlice:
     """The slice a pod type names. Hosts carry 4 chips, except single-host v5e/v6e slices of up to 8 chips."""

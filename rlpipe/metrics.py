@@ -181,20 +181,6 @@ def roles_summary(cfg, placement: dict[str, list[str]], log_file: str | Path) ->
     return f"roles: {roles}; {where}. Full log: {log_file}"
 
 
-def describe_routes(routes) -> str:
-    """The weight-sync transport in words: "shared memory", or under auto how many pairs take each route."""
-    names = {"shm": "shared memory", "ray": "object store", "gloo": "gloo"}
-    if routes.transport != "auto":
-        return names[routes.transport]
-    kinds = [kind for row in routes.pairs for kind in row]
-    used = sorted(set(kinds), key=kinds.index)
-    if len(used) == 1:
-        return f"auto: {names[used[0]]}"
-    return "auto: " + ", ".join(
-        f"{names[kind]} for {kinds.count(kind)} pair{'s' if kinds.count(kind) > 1 else ''}" for kind in used
-    )
-
-
 class LiveStatus:
     """A live indicator for phases that may take minutes (the first generation, a compile, an evaluation).
 

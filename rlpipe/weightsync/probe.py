@@ -28,3 +28,11 @@ def decoded_gaps(engine: DecodedProbe, learner: DecodedProbe) -> list[float]:
     parted = next((i for i, (a, b) in enumerate(zip(engine.tokens, learner.tokens)) if a != b), len(engine.tokens))
     compared = min(parted + 1, len(engine.tokens), len(learner.tokens))
     return [abs(a - b) for a, b in zip(engine.logprobs[:compared], learner.logprobs[:compared])]
+
+
+def probe_gaps(engine: list[float] | DecodedProbe, learner: list[float] | DecodedProbe) -> tuple[list[float], list[float]]:
+    """|engine - learner| per compared token, and the probe sequence's log-probs under the new weights: the engine's
+    own where it replays the sequence, the learner's where it decodes (it returns none of its own)."""
+    if isinstance(engine, DecodedProbe):
+        return decoded_gaps(engine, learner), learner.sequence_logprobs
+    return [abs(a - b) for a, b in zip(engine[1:], learner[1:])], engine

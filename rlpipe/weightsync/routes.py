@@ -42,6 +42,19 @@ class SyncRoutes:
         kinds = [kind for row in self.pairs for kind in row]
         return {f"sync/pairs_{kind}": float(kinds.count(kind)) for kind in ("shm", "ray")}
 
+    def in_words(self) -> str:
+        """The transport for a run's start-up line: "shared memory", or under auto how many pairs take each route."""
+        names = {"shm": "shared memory", "ray": "object store", "gloo": "gloo"}
+        if self.transport != "auto":
+            return names[self.transport]
+        kinds = [kind for row in self.pairs for kind in row]
+        used = sorted(set(kinds), key=kinds.index)
+        if len(used) == 1:
+            return f"auto: {names[used[0]]}"
+        return "auto: " + ", ".join(
+            f"{names[kind]} for {kinds.count(kind)} pair{'s' if kinds.count(kind) > 1 else ''}" for kind in used
+        )
+
     def describe(self) -> dict[str, str]:
         """For summary.json: "learner 0 -> engine 1": "shm", ..."""
         return {

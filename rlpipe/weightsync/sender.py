@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rlpipe.weightsync.codec import pack_part
-from rlpipe.weightsync.plan import SyncPlan
+from rlpipe.weightsync.layout import SyncPlan
 
 
 # Buckets packed ahead of the one being shipped: the packing thread runs on without waiting for the caller's

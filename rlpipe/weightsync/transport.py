@@ -1,5 +1,9 @@
-"""How a bucket part's bytes travel from a learner rank to the rollout engines, behind one interface.
+"""How a bucket part's bytes travel from a learner rank to the rollout engines: one interface, `Transport`, that every
+transport implements whole, so that nothing outside this package asks which one it has.
 
+Set-up, before the first transfer (and again when an engine is replaced), on both sides: `set_routes` (which pairs
+take which route), `buffer_prefix` / `share_buffers` (learner ranks writing into rank 0's buffers), `connect` (a
+process group of learner ranks and engines). A step that means nothing to a transport does nothing there.
 Sender side (a learner rank), per part:  `buffer = allocate(nbytes, bucket, version)`, pack into it,
 `handle, deliver = send(buffer)`, tell every engine about `handle`, then call `deliver()`.
 Receiver side (an engine), per part:      `with receive(handle, source_rank, nbytes) as buffer:` read it.
@@ -8,8 +12,9 @@ transfer the sender says which engines it goes to, `select(engine_indexes)`: usu
 engine catches up (only gloo, which addresses receivers itself, needs to know).
 
 Buffers are kept per bucket and reused by later versions: touching freshly mapped memory costs a page fault per
-4 KiB, which on this CPU made first-touch buffers, not the copies, the bulk of a sync. Shared memory sets up
-both of its segment sets with the first version, faulted in on every side (see SharedMemoryTransport).
+4 KiB, which would otherwise make first-touch buffers, not the copies, the bulk of a sync (docs/benchmarks.md).
+Shared memory sets up both of its segment sets with the first version, faulted in on every side (see
+SharedMemoryTransport).
 
 `stable_receive_buffers`: what `receive` yields stays valid and unchanged until two versions later, so the engine
 may use it in place instead of copying it (see `Staging`). True for the object store (an object never changes
@@ -32,6 +37,7 @@ version v+1 never writes the segments of version v, which the engine may still n
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import errno
 import mmap
@@ -96,9 +102,9 @@ def populate(segment, created: bool) -> None:
     The process that `created` the segment gives the file its memory first (fallocate: a /dev/shm too small for it
     fails here, rather than with a SIGBUS at some later write) and maps it page by page for writing. The others
     find the pages there and map them for reading, which the kernel does 64 KiB at a time (fault-around) and, on a
-    shared mapping, writable as well: for 1 GiB here 0.6 s to allocate and map, 0.09 s to map again elsewhere,
-    against 1.1 s and 0.4 s in page faults when first written. Without MADV_POPULATE_* (Linux < 5.14, other
-    systems) one byte per page is read instead, which maps the same."""
+    shared mapping, writable as well; both take a fraction of what the page faults of a first write would
+    (docs/benchmarks.md). Without MADV_POPULATE_* (Linux < 5.14, other systems) one byte per page is read instead,
+    which maps the same."""
     if segment.size == 0:
         return
     if created and hasattr(os, "posix_fallocate"):
@@ -124,14 +130,55 @@ def populate(segment, created: bool) -> None:
     del pages  # a view left alive would keep close() from unmapping the segment
 
 
-class _BufferPool:
+class Transport(abc.ABC):
+    """One end of the weight channel, on a learner rank (the sender) or an engine (the receiver)."""
+
+    name: str
+    stable_receive_buffers: bool  # see the module's docstring
+    whole_buckets = False  # every rank's part of a bucket arrives in one buffer, rows in place (shared memory)
+
+    def set_routes(self, routes: list[str], whole_buckets: bool) -> None:
+        """The route of each of this side's pairs, "shm" or "ray" (routes.py); only `auto` chooses per pair."""
+
+    def buffer_prefix(self) -> str | None:
+        """The name of the buffers every learner rank writes into, asked of rank 0; None where each rank sends its
+        own."""
+        return None
+
+    def share_buffers(self, prefix: str | None) -> None:
+        """Write into the buffers `prefix` names (learner rank 0's `buffer_prefix()`); None: nothing is shared."""
+
+    def connect(self, address: str, port: int, rank: int, learner_ranks: int, world: int, timeout_s: float) -> None:
+        """Join the channel's own process group (learner ranks first, then engines); only gloo has one."""
+
+    def select(self, engine_indexes: list[int]) -> None:
+        """The engines the next transfer goes to; only gloo addresses receivers itself."""
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int, bucket: int, version: int) -> np.ndarray:
+        """A buffer of `nbytes` to pack `bucket` of `version` into."""
+
+    @abc.abstractmethod
+    def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
+        """The handle engines receive `buffer` by, and the call that delivers it (after they were told)."""
+
+    @abc.abstractmethod
+    def receive(self, handle: Any, source_rank: int, nbytes: int) -> contextlib.AbstractContextManager[np.ndarray]:
+        """The bytes `handle` names, sent by learner rank `source_rank`, readable inside the context."""
+
+    def release(self) -> None:
+        """The version was committed: its buffers may be reused."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free every buffer for good."""
+
+
+class _BufferPool(Transport):
     whole_buckets = False  # each rank's part of a bucket travels in a buffer of its own
 
     def __init__(self) -> None:
         self._buffers: dict[object, np.ndarray] = {}
-
-    def select(self, engine_indexes: list[int]) -> None:
-        return None
 
     def allocate(self, nbytes: int, bucket: int, version: int) -> np.ndarray:
         buffer = self._buffers.get(bucket)
@@ -161,19 +208,16 @@ class RayTransport(_BufferPool):
 
         yield ray.get(handle[0])  # zero-copy, read-only view of the object
 
-    def release(self) -> None:
-        return None
 
-
-class SharedMemoryTransport:
+class SharedMemoryTransport(Transport):
     """Segments live for the whole run, one per bucket and version parity. Both parities of a bucket are created
     the first time the bucket is allocated and faulted in (`populate`) everywhere: by the rank that created the
     segment at once, by the other sender ranks when the version is released, and by the receiver, which maps the
     other parity as soon as it first sees a bucket's segment; every mapping stays open until close(). A fresh
     segment otherwise costs a page fault per 4 KiB written (the kernel allocates, zeroes and maps each page) and
-    one per 64 KiB read, and since consecutive versions alternate parities, the first two syncs of a run each paid
-    that once: with SmolLM2-135M's 0.54 GB, 131k faults and 0.5-0.7 s a sync against 0.1 s once mapped. Now the
-    first sync, the start-up rehearsal in a run, sets both sets up, and every later one takes no page fault."""
+    one per 64 KiB read, and since consecutive versions alternate parities, the first two syncs of a run would each
+    pay that once (several times a mapped sync's cost: docs/benchmarks.md). Instead the first sync, the start-up
+    rehearsal in a run, sets both sets up, and every later one takes no page fault."""
 
     name = "shm"
     stable_receive_buffers = True
@@ -191,8 +235,10 @@ class SharedMemoryTransport:
     def buffer_prefix(self) -> str:
         return self._prefix
 
-    def share_buffers(self, prefix: str) -> None:
+    def share_buffers(self, prefix: str | None) -> None:
         """Write into the segments named after `prefix` (learner rank 0's `buffer_prefix()`)."""
+        if prefix is None:
+            return
         if self._segments:
             raise RuntimeError("shm weight transport: share_buffers() after the first transfer")
         self._prefix, self._owner = prefix, prefix == self._prefix
@@ -258,9 +304,6 @@ class SharedMemoryTransport:
                                    f"within {timeout_s:.0f} s (the rank creating it stalled?)")
             time.sleep(0.001)
 
-    def select(self, engine_indexes: list[int]) -> None:
-        return None
-
     def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
         return self._by_address[buffer.ctypes.data].name, _nothing
 
@@ -292,7 +335,7 @@ class SharedMemoryTransport:
         """The version is done; its segments are reused by the one after next (close() frees them). Segments
         another rank created are faulted in now, when their creator has surely finished allocating them: done
         while it allocates, every 4 KiB page would be faulted separately, and each rank would take as long as
-        the creator (2 x 2 GB, two ranks: 5-6 s each against 0.3 s)."""
+        the creator (docs/benchmarks.md)."""
         for segment in self._unpopulated:
             populate(segment, created=False)
         self._unpopulated.clear()
@@ -325,7 +368,7 @@ def _other_parity(name: str) -> str:
     return f"{stem}-{1 - int(parity)}"
 
 
-class AutoTransport:
+class AutoTransport(Transport):
     """`shm` or `ray` per pair. A learner rank's handle for a part carries what each kind of receiver needs (the
     segment name, the object reference); each engine reads it the way its route from that rank says."""
 
@@ -346,14 +389,12 @@ class AutoTransport:
             self._shm = SharedMemoryTransport()
         self._routes, self.whole_buckets = list(routes), whole_buckets
 
-    def buffer_prefix(self) -> str:
-        return self._shm.buffer_prefix()
+    def buffer_prefix(self) -> str | None:
+        return self._shm.buffer_prefix() if self.whole_buckets else None
 
-    def share_buffers(self, prefix: str) -> None:
-        self._shm.share_buffers(prefix)
-
-    def select(self, engine_indexes: list[int]) -> None:
-        return None
+    def share_buffers(self, prefix: str | None) -> None:
+        if self.whole_buckets:
+            self._shm.share_buffers(prefix)
 
     def allocate(self, nbytes: int, bucket: int, version: int) -> np.ndarray:
         if not self._routes:
@@ -433,11 +474,8 @@ class GlooTransport(_BufferPool):
         self.group.recv([buffer], source_rank, 0).wait()
         yield buffer.numpy()
 
-    def release(self) -> None:
-        return None
 
-
-def make_transport(name: str):
+def make_transport(name: str) -> Transport:
     if name == "auto":
         return AutoTransport()
     if name == "ray":

@@ -81,7 +81,8 @@ def test_a_killed_rollout_engine_is_replaced_and_only_its_prompts_are_generated_
     place with the current weights, and every prompt comes back exactly once."""
     import ray
 
-    from rlpipe.actors.groups import Roles, start_ray
+    from rlpipe.actors.cluster import start_ray
+    from rlpipe.actors.roles import Roles
 
     start_ray(load_config(None, ["ray.num_cpus=4"]))
     cfg = load_config(None, [
@@ -136,7 +137,7 @@ def test_a_killed_rollout_engine_is_replaced_and_only_its_prompts_are_generated_
         _engine_matches_learner(roles, 0)
 
         # A fourth death is one more than rollout.max_restarts: the step stops, naming the limit.
-        from rlpipe.actors.groups import WorkerLost
+        from rlpipe.actors.calls import WorkerLost
 
         pid = _pid(roles.engines[1])
         generation = roles.start_generation(_prompts(400), GROUP_SIZE)

@@ -146,7 +146,7 @@ def test_qwen3_moe_from_jsonl(tmp_path, tiny_qwen3_moe, ray_cluster):
 def test_local_cluster_is_bound_to_loopback(ray_cluster):
     import ray
 
-    from rlpipe.actors.groups import start_ray
+    from rlpipe.actors.cluster import start_ray
 
     from ray._raylet import AuthenticationMode, get_authentication_mode
 
@@ -185,7 +185,8 @@ def test_llama_from_reasoning_gym(tmp_path, tiny_llama, ray_cluster, twin_python
 
 
 def test_roles_that_do_not_fit_the_cluster_fail_fast(tiny_qwen3, ray_cluster):
-    from rlpipe.actors.groups import Roles, start_ray
+    from rlpipe.actors.cluster import start_ray
+    from rlpipe.actors.roles import Roles
     from rlpipe.config import ConfigError
 
     start_ray(load_config(None, ["ray.num_cpus=6"]))
@@ -199,7 +200,9 @@ def test_a_dead_learner_rank_fails_the_step_at_once(tiny_qwen3, ray_cluster):
 
     import ray
 
-    from rlpipe.actors.groups import Roles, WorkerLost, start_ray
+    from rlpipe.actors.calls import WorkerLost
+    from rlpipe.actors.cluster import start_ray
+    from rlpipe.actors.roles import Roles
     from rlpipe.types import TrainBatch
 
     start_ray(load_config(None, ["ray.num_cpus=6"]))

@@ -58,7 +58,7 @@ def _perturb(learner: Learner, seed: int) -> None:
 
 def _send(engine, learner, plan, version, corrupt_bucket=None):
     transport = make_transport("shm")
-    engine.begin_sync(plan, version)
+    engine.sync.begin(plan, version)
     try:
         for part in stream_parts(plan, 0, learner.local_weights(), transport, version):
             if part.bucket == corrupt_bucket:
@@ -67,7 +67,7 @@ def _send(engine, learner, plan, version, corrupt_bucket=None):
                 segment = shared_memory.SharedMemory(name=part.handle)
                 segment.buf[part.nbytes // 2] ^= 0xFF  # a fault in transit, after the checksum was taken
                 segment.close()
-            engine.receive_part(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
+            engine.sync.receive(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
             part.deliver()
     finally:
         transport.close()
@@ -84,7 +84,7 @@ def test_after_a_sync_the_engine_gives_the_learners_logprobs(setup):
     assert _max_gap(engine.sequence_logprobs(PROBE), expected) > 1e-2  # the engine still has the old weights
     version = engine.policy_version + 1
     _send(engine, learner, plan, version)
-    result = engine.commit(version, PROBE, expected)
+    result = engine.sync.commit(version, PROBE, expected)
     assert result["probe_max_abs"] < 1e-5
     assert _max_gap(engine.sequence_logprobs(PROBE), expected) < 1e-5
     assert engine.policy_version == version and result["bytes"] == plan.nbytes
@@ -97,12 +97,12 @@ def test_a_corrupt_bucket_is_detected_and_the_engine_keeps_its_version(setup):
     with pytest.raises(SyncError, match=rf"v{version + 1}: bucket 2 from learner rank 0 is corrupt"):
         _send(engine, learner, plan, version + 1, corrupt_bucket=2)
     with pytest.raises(SyncError, match="nothing received"):
-        engine.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
+        engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
     assert engine.policy_version == version
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
     # The next clean sync goes through.
     _send(engine, learner, plan, version + 1)
-    assert engine.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+    assert engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
 
 
 def test_a_failed_probe_rolls_the_engine_back(setup):
@@ -112,7 +112,7 @@ def test_a_failed_probe_rolls_the_engine_back(setup):
     _send(engine, learner, plan, version + 1)
     wrong = [value + 0.5 for value in learner.sequence_logprobs(PROBE)]  # as if the engine loaded something else
     with pytest.raises(SyncError, match=rf"differ from the learner's by .* rolled back to version {version}"):
-        engine.commit(version + 1, PROBE, wrong)
+        engine.sync.commit(version + 1, PROBE, wrong)
     assert engine.policy_version == version
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
 
@@ -124,9 +124,9 @@ def test_a_write_that_breaks_off_is_rolled_back(setup):
     _send(engine, learner, plan, version + 1)
     # The last tensor the loader meets has a shape the engine cannot take: everything before it was written.
     last = list(plan.shapes)[-1]
-    engine._staging.tensors[last] = torch.zeros(3)
+    engine.sync._staging.tensors[last] = torch.zeros(3)
     with pytest.raises(SyncError, match=rf"v{version + 1}: writing the weights failed .* rolled back to version {version}"):
-        engine.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
+        engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
     assert engine.policy_version == version
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
 
@@ -141,7 +141,7 @@ def test_an_engine_that_cannot_replay_a_sequence_checks_its_weights_by_decoding(
         reference = learner.probe_reference(PROBE, True)
         version = engine.policy_version + 1
         _send(engine, learner, plan, version)
-        result = engine.commit(version, PROBE, reference)
+        result = engine.sync.commit(version, PROBE, reference)
         assert result["probe_max_abs"] < 1e-5 and engine.policy_version == version
         assert result["probe"] == reference.sequence_logprobs
         assert engine.decoded_probe(PROBE).tokens == reference.tokens  # the same weights decode the same tokens
@@ -150,7 +150,7 @@ def test_an_engine_that_cannot_replay_a_sequence_checks_its_weights_by_decoding(
         _perturb(learner, 41)
         _send(engine, learner, plan, version + 1)
         with pytest.raises(SyncError, match=rf"differ from the learner's .* rolled back to version {version}"):
-            engine.commit(version + 1, PROBE, stale)
+            engine.sync.commit(version + 1, PROBE, stale)
         assert engine.policy_version == version
     finally:
         engine.probe_by_decoding = False
@@ -192,7 +192,7 @@ def test_the_engine_writes_as_configured(setup):
     _perturb(learner, 20)
     version = engine.policy_version + 1
     _send(engine, learner, plan, version)
-    assert engine.commit(version, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+    assert engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
     kept = _kept_linear_weights(engine)
     assert bool(kept) == (engine.cfg.model_impl == "vllm")  # rlpipe's model has no vLLM linear layers
     if kept:  # vLLM's reload packs each weight and drops it; an in-place write keeps it to write into
@@ -205,7 +205,7 @@ def test_the_learners_probe_may_arrive_while_the_engine_writes(setup):
     before, version = engine.sequence_logprobs(PROBE), engine.policy_version
     _perturb(learner, 30)
     _send(engine, learner, plan, version + 1)
-    assert engine.commit(version + 1, PROBE, lambda: learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+    assert engine.sync.commit(version + 1, PROBE, lambda: learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
 
     def lost():
         raise RuntimeError("learner rank 0 died")
@@ -213,7 +213,7 @@ def test_the_learners_probe_may_arrive_while_the_engine_writes(setup):
     _perturb(learner, 31)
     _send(engine, learner, plan, version + 2)
     with pytest.raises(SyncError, match=rf"probe logprobs did not arrive .*died.* rolled back to version {version + 1}"):
-        engine.commit(version + 2, PROBE, lost)
+        engine.sync.commit(version + 2, PROBE, lost)
     assert engine.policy_version == version + 1
     assert _max_gap(engine.sequence_logprobs(PROBE), before) > 1e-2  # version + 1, not the one before
 
@@ -241,11 +241,11 @@ if __name__ == "__main__":
     expected = learner.sequence_logprobs(probe)
     before = max(abs(a - b) for a, b in zip(engine.sequence_logprobs(probe)[1:], expected[1:]))
     transport = make_transport("shm")
-    engine.begin_sync(plan, 1)
+    engine.sync.begin(plan, 1)
     for part in stream_parts(plan, 0, learner.local_weights(), transport, 1):
-        engine.receive_part(1, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
+        engine.sync.receive(1, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
         part.deliver()
-    after = engine.commit(1, probe, expected)["probe_max_abs"]
+    after = engine.sync.commit(1, probe, expected)["probe_max_abs"]
     transport.close()
     engine.close()
     print("RESULT " + json.dumps({"tp": layout.tensor_parallel, "planned": sorted(plan.engine_params() - set(params)),
@@ -320,7 +320,7 @@ def test_after_a_sync_a_cached_prompt_runs_on_the_new_weights(setup):
     _perturb(learner, 11)
     version = engine.policy_version + 1
     _send(engine, learner, plan, version)
-    engine.commit(version, PROBE, learner.sequence_logprobs(PROBE))
+    engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE))
     groups = []
     computed = _computed_tokens(engine, lambda: groups.extend(engine.generate([prompt], 1, temperature=1.0, max_tokens=8)))
     assert computed >= len(prompt.token_ids)  # the cache was dropped: the prompt ran again
@@ -332,7 +332,7 @@ def test_after_a_sync_a_cached_prompt_runs_on_the_new_weights(setup):
 def test_versions_only_go_up(setup):
     engine, _, plan = setup
     with pytest.raises(SyncError, match="is not newer"):
-        engine.begin_sync(plan, engine.policy_version)
+        engine.sync.begin(plan, engine.policy_version)
 
 
 @pytest.mark.parametrize("policy", ["finish", "abort"])
@@ -355,7 +355,7 @@ def test_a_sync_during_generation_follows_the_policy(setup, policy):
     while not engine._generating:
         time.sleep(0.01)
     time.sleep(0.5)  # generation is under way
-    result = engine.commit(version, PROBE, learner.sequence_logprobs(PROBE))
+    result = engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE))
     committed_at = time.monotonic()
     worker.join()
     assert result["probe_max_abs"] < 1e-5 and engine.policy_version == version

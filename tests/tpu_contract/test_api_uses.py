@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Uses the checks find missing on this platform, each on a path vLLM for TorchTPU never takes.
 NOT_ON_THIS_PLATFORM = {
-    "TPUWorker.reload_weights": "rlpipe/rollout.py's reload on other platforms' workers: `rlpipe_load_weights` "
+    "TPUWorker.reload_weights": "rlpipe/vllm_worker.py's reload on other platforms' workers: `rlpipe_load_weights` "
     "returns through `_reload_on_torchtpu` (the runner's reload) first on vLLM for TorchTPU",
 }
 
@@ -34,7 +34,7 @@ def worker_class(tmp_path_factory, tpu_device_name) -> str:
 
 
 def test_every_use_of_the_tpu_packages_holds_against_the_installed_ones(worker_class):
-    uses = collect(ROOT, {"WeightReceiver": worker_class})
+    uses = collect(ROOT, {"WeightWriter": worker_class})
     failures = {name: why for name, use in uses.items() if (why := check(use))}
     expected = {f"{worker_class.rpartition('.')[0]}.{name}" for name in NOT_ON_THIS_PLATFORM}
     assert set(failures) == expected, failures

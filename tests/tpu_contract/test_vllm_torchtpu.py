@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from rlpipe.rollout import TORCHTPU_TRANSPOSED_MARK, WeightReceiver, vllm_platform
+from rlpipe.vllm_worker import TORCHTPU_TRANSPOSED_MARK, WeightWriter, vllm_platform
 
 
 def test_the_out_of_tree_tpu_platform_is_recognised():
@@ -28,7 +28,7 @@ def test_the_worker_extension_fits_the_tpu_worker_and_reaches_the_runners_reload
     from vllm_torchtpu.worker.tpu_worker import TPUWorker
 
     # vLLM appends the extension to the worker's bases and refuses a name both define.
-    ours = {name for name in vars(WeightReceiver) if not name.startswith("__")}
+    ours = {name for name in vars(WeightWriter) if not name.startswith("__")}
     assert not ours & set(dir(TPUWorker))
     assert not hasattr(TPUWorker, "reload_weights")  # hence the runner's, reached through `self.model_runner`
     parameters = inspect.signature(TPUModelRunner.reload_weights).parameters
@@ -125,7 +125,7 @@ def test_a_weight_update_lands_transposed_in_the_tpu_linear_layers(tmp_path, kin
 
     worker = types.SimpleNamespace(model_runner=_runner(model, config))
     with set_current_vllm_config(config):
-        assert WeightReceiver._reload_on_torchtpu(worker, list(second.items())) == len(second)
+        assert WeightWriter._reload_on_torchtpu(worker, list(second.items())) == len(second)
     for index, decoder in enumerate(model.model.layers):
         for name, value in _expected(second, f"model.layers.{index}").items():
             torch.testing.assert_close(decoder.get_submodule(name).weight, value, rtol=0, atol=0), name

@@ -31,12 +31,12 @@ class ReachedRay(AssertionError):
 
 @pytest.fixture(autouse=True)
 def tripwire(monkeypatch):
-    import rlpipe.actors.groups
+    import rlpipe.actors.cluster
 
     def start_ray(cfg):
         raise ReachedRay(f"start_ray reached with run dir {cfg.run_dir}")
 
-    monkeypatch.setattr(rlpipe.actors.groups, "start_ray", start_ray)
+    monkeypatch.setattr(rlpipe.actors.cluster, "start_ray", start_ray)
 
 
 @dataclass

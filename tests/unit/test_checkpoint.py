@@ -340,7 +340,7 @@ def test_a_disk_full_at_any_point_of_a_save_keeps_nothing_of_it_and_names_the_ca
 def test_a_worker_lost_during_a_save_is_raised_as_it_is_after_the_same_clean_up(tiny_qwen3, tmp_path):
     """A learner rank dying while it writes is the run's failure, not the save's: `--auto-resume` must see it as a
     lost worker (a CheckpointError would stop the run for good), and the half-written save must still be gone."""
-    from rlpipe.actors.groups import WorkerLost
+    from rlpipe.actors.calls import WorkerLost
 
     learner = Learner.from_config(tiny_qwen3, load_config(None, [f"model.path={tiny_qwen3}"]))
     run_dir = tmp_path / "run"

@@ -227,7 +227,7 @@ def test_an_auto_resumed_run_waits_for_a_lost_host_but_a_new_run_that_cannot_be_
     """A placement timeout at a run's start is the configuration's fault (exit 2). After a lost worker, the same
     timeout most likely means the lost host is not back yet: auto-resume tries again, within train.max_auto_resumes."""
     import rlpipe.controller
-    from rlpipe.actors.groups import WorkerLost
+    from rlpipe.actors.calls import WorkerLost
     from rlpipe.actors.placement import PlacementTimeout
     from rlpipe.cli import train_with_restarts
     from rlpipe.config import load_config

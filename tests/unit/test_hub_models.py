@@ -52,12 +52,12 @@ def hub_cache(tmp_path, tiny_qwen3, monkeypatch) -> Path:
 @pytest.fixture(autouse=True)
 def tripwire(monkeypatch):
     """A run that gets through every check stops here instead of starting Ray."""
-    import rlpipe.actors.groups
+    import rlpipe.actors.cluster
 
     def start_ray(cfg):
         raise AssertionError("start_ray reached")
 
-    monkeypatch.setattr(rlpipe.actors.groups, "start_ray", start_ray)
+    monkeypatch.setattr(rlpipe.actors.cluster, "start_ray", start_ray)
 
 
 def test_what_reads_as_a_hub_id():

@@ -303,7 +303,7 @@ def test_what_crosses_to_and_from_a_learner_names_no_torch_object(tiny_qwen3):
     import pickle
 
     from rlpipe.weightsync import plan_sync
-    from rlpipe.weightsync.plan import EngineLayout
+    from rlpipe.weightsync.layout import EngineLayout
     from rlpipe.models import read_hf_config
 
     assert _torch_globals(torch.ones(2)) and _torch_globals(torch.float32)  # the check sees torch objects

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-import rlpipe.actors.groups
+import rlpipe.actors.cluster
 from rlpipe.config import load_config
 
 
@@ -21,12 +21,12 @@ def test_the_local_cluster_binds_loopback_and_leaves_token_authentication_to_ray
     else:
         monkeypatch.setenv("RAY_AUTH_MODE", auth_mode)
     monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
-    monkeypatch.setattr(rlpipe.actors.groups.ray_constants, "ENABLE_RAY_CLUSTER", rlpipe.actors.groups.ray_constants.ENABLE_RAY_CLUSTER)
+    monkeypatch.setattr(rlpipe.actors.cluster.ray_constants, "ENABLE_RAY_CLUSTER", rlpipe.actors.cluster.ray_constants.ENABLE_RAY_CLUSTER)
     calls = []
-    monkeypatch.setattr(rlpipe.actors.groups.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(rlpipe.actors.groups.ray, "init", lambda **kwargs: calls.append((kwargs, os.environ.get("RAY_AUTH_MODE"))))
+    monkeypatch.setattr(rlpipe.actors.cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(rlpipe.actors.cluster.ray, "init", lambda **kwargs: calls.append((kwargs, os.environ.get("RAY_AUTH_MODE"))))
     with caplog.at_level(logging.WARNING, logger="rlpipe"):
-        rlpipe.actors.groups.start_ray(load_config(None, ["ray.num_cpus=2"]))
+        rlpipe.actors.cluster.start_ray(load_config(None, ["ray.num_cpus=2"]))
     [(kwargs, seen_mode)] = calls
     assert seen_mode == auth_mode
     assert kwargs["address"] == "local" and kwargs["_node_ip_address"] == kwargs["dashboard_host"] == "127.0.0.1"

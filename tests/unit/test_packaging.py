@@ -81,7 +81,7 @@ CHECK = """
 import importlib.util, json
 from rlpipe.rewards import load_reward
 print(json.dumps({
-    "parts": {name: importlib.util.find_spec(name).origin for name in ("rlpipe.actors.groups", "rlpipe.rewards.math",
+    "parts": {name: importlib.util.find_spec(name).origin for name in ("rlpipe.actors.roles", "rlpipe.rewards.math",
                                                                         "rlpipe.bench.learner")},
     "builtin": load_reward("numeric_answer").__module__,
 }))

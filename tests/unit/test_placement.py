@@ -14,14 +14,14 @@ from ray.util.placement_group import PlacementGroup
 from rlpipe.actors.placement import (
     SLICE_NAME_LABEL,
     WORKER_ID_LABEL,
-    RoleGroup,
+    PlacedRole,
     Slot,
     check_slice_counts,
     cpu_bundles,
     fallback_slice_bundles,
     slice_slots,
 )
-from rlpipe.actors.groups import KEEP_FREED_MEMORY, compute_env
+from rlpipe.actors.cluster import KEEP_FREED_MEMORY, compute_env
 from rlpipe.config import ConfigError, RolePlacement
 from rlpipe.device import tpu_slice
 
@@ -143,7 +143,7 @@ def test_cpu_bundles_and_actor_options():
     spec = RolePlacement(resources={"learner_host": 1}, strategy="SPREAD")
     assert cpu_bundles(spec, 2) == [{"CPU": 1.0, "learner_host": 1.0}] * 2
     assert cpu_bundles(spec, 1, gpus=1) == [{"CPU": 1.0, "GPU": 1.0, "learner_host": 1.0}]  # learner.device: cuda
-    group = RoleGroup("learner", PlacementGroup.empty(), [Slot(0), Slot(1, {"TPU_VISIBLE_CHIPS": "3"}, tpu_chips=1)])
+    group = PlacedRole("learner", PlacementGroup.empty(), [Slot(0), Slot(1, {"TPU_VISIBLE_CHIPS": "3"}, tpu_chips=1)])
     cpu = group.options(0, {"OMP_NUM_THREADS": "2"})
     assert cpu["num_cpus"] == 1 and cpu["scheduling_strategy"].placement_group_bundle_index == 0
     assert cpu["runtime_env"] == {"env_vars": {"OMP_NUM_THREADS": "2"}}
@@ -223,30 +223,30 @@ class _Group:
 
 @pytest.mark.parametrize("placed", [True, False])
 def test_a_lost_hosts_engine_is_replaced_once_it_is_declared_dead_and_there_is_room(monkeypatch, placed):
-    """Roles._wait_for_room waits while the engine is only unavailable (its host not yet declared dead), then for
-    the rollout placement group to be placed again; without room it stops the run in one line."""
+    """EnginePool._wait_for_room waits while the engine is only unavailable (its host not yet declared dead), then
+    for the rollout placement group to be placed again; without room it stops the run in one line."""
     import ray
 
-    from rlpipe.actors.groups import Roles, WorkerLost
+    from rlpipe.actors.calls import WorkerLost
+    from rlpipe.actors.engine_pool import EnginePool
     from rlpipe.config import load_config
 
     def get(answer, timeout=None):
         raise answer
 
     monkeypatch.setattr(ray, "get", get)
-    monkeypatch.setattr("rlpipe.actors.groups.time.sleep", lambda seconds: None)
-    roles = Roles.__new__(Roles)
-    roles.cfg = load_config(None, ["placement.rollout.resources={rollout_slot: 1}", "ray.placement_timeout_s=30"])
-    roles.engine_placement = RoleGroup("rollout", _Group(placed), [Slot(0)])
+    monkeypatch.setattr("rlpipe.actors.engine_pool.time.sleep", lambda seconds: None)
+    cfg = load_config(None, ["placement.rollout.resources={rollout_slot: 1}", "ray.placement_timeout_s=30"])
+    pool = EnginePool(cfg, PlacedRole("rollout", _Group(placed), [Slot(0)]), "model", None, note=print)
     engine = _Engine(unavailable=3)
     if placed:
-        roles._wait_for_room(0, engine)
+        pool._wait_for_room(0, engine)
     else:
         with pytest.raises(WorkerLost) as lost:
-            roles._wait_for_room(0, engine)
+            pool._wait_for_room(0, engine)
         assert str(lost.value) == (
             "rollout engine 0 lost its host and no live node has room for it (placement.rollout.resources "
             "{'rollout_slot': 1}) within 30 s (ray.placement_timeout_s)"
         )
     assert engine.answers == []  # asked until it was declared dead
-    assert 0 < roles.engine_placement.group.waited <= 30
+    assert 0 < pool.placement.group.waited <= 30

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from rlpipe.config import ConfigError
-from rlpipe.metrics import describe_routes
 from rlpipe.weightsync import Staging, make_transport, plan_routes, plan_sync, stream_parts
 from tests.unit.test_weightsync import _full_tensors, _hf_shapes, _layout, _local_shards
 
@@ -24,9 +23,9 @@ def test_auto_picks_shared_memory_within_a_host_and_the_object_store_across():
     apart = plan_routes("auto", ["10.0.0.1"], ["10.0.0.2"])
     assert apart.pairs == (("ray",),) and not apart.whole_buckets
     # The start-up line's words for them.
-    assert describe_routes(one_host) == "auto: shared memory" and describe_routes(apart) == "auto: object store"
-    assert describe_routes(routes) == "auto: shared memory for 2 pairs, object store for 4 pairs"
-    assert describe_routes(plan_routes("gloo", ["a"], ["b"])) == "gloo"
+    assert one_host.in_words() == "auto: shared memory" and apart.in_words() == "auto: object store"
+    assert routes.in_words() == "auto: shared memory for 2 pairs, object store for 4 pairs"
+    assert plan_routes("gloo", ["a"], ["b"]).in_words() == "gloo"
 
 
 def test_routes_know_whether_a_learner_rank_shares_a_host_with_an_engine_whatever_the_transport():

@@ -18,7 +18,6 @@ from rlpipe.weightsync import (
     Staging,
     SyncError,
     checksum,
-    engine_tensors,
     make_transport,
     pack_part,
     plan_sync,
@@ -26,6 +25,7 @@ from rlpipe.weightsync import (
     stream_parts,
 )
 from tests.conftest import MACHINE_WIDE
+from tests.unit.engine_tensors import engine_tensors
 
 HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 64, 4, 16, 96, 100
 
@@ -51,6 +51,8 @@ def _hf_shapes(kv_heads: int, tied: bool = False) -> dict[str, tuple[int, ...]]:
 
 def _layout(tp: int, kv_heads: int, dtype: str = "float32", tied: bool = False) -> EngineLayout:
     config = {
+        "model_type": "llama",
+        "num_hidden_layers": 1,
         "num_attention_heads": HEADS,
         "num_key_value_heads": kv_heads,
         "hidden_size": HIDDEN,
@@ -633,6 +635,7 @@ def _moe_shapes() -> dict[str, tuple[int, ...]]:
 def _moe_layout(tp: int, engine_params=(), dtype: str = "float32") -> EngineLayout:
     config = {
         "model_type": "qwen3_moe",
+        "num_hidden_layers": 1,
         "num_attention_heads": HEADS,
         "num_key_value_heads": 2,
         "hidden_size": HIDDEN,

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlpipe.models.registry import model_config
+
 # vLLM pads the vocabulary of its embedding and output layers to a multiple of this before splitting it.
 VOCAB_PADDING = 64
 
@@ -98,12 +100,13 @@ class EngineLayout:
     def from_hf_config(
         cls, hf_config: dict, tensor_parallel: int, dtype: str, fused=None, engine_params: Sequence[str] = ()
     ) -> EngineLayout:
-        """The layout for a Hugging Face config; `fused` and `engine_params` are what the engine's model reports
+        """The layout for a Hugging Face config (read by rlpipe's one parser, `rlpipe.models.model_config`, so the
+        learner and the plan agree on every default); `fused` and `engine_params` are what the engine's model reports
         (its packed modules and parameter names), when known."""
-        heads = hf_config["num_attention_heads"]
+        arch = model_config(hf_config)
         extra = {} if fused is None else {"fused": {k: tuple(v) for k, v in fused.items()}}
-        if hf_config.get("model_type") == "qwen3_moe":
-            extra["moe_intermediate_size"] = hf_config.get("moe_intermediate_size") or 768  # HF's default
+        if arch.num_experts:
+            extra["moe_intermediate_size"] = arch.moe_intermediate_size
             found = [name.partition(".mlp.experts.")[2] for name in engine_params if ".mlp.experts." in name]
             w13 = next((name for name in found if name.endswith("w13_weight")), None)
             w2 = next((name for name in found if name.endswith("w2_weight")), None)
@@ -114,12 +117,12 @@ class EngineLayout:
         return cls(
             tensor_parallel=tensor_parallel,
             dtype=dtype,
-            num_heads=heads,
-            num_kv_heads=hf_config.get("num_key_value_heads") or heads,
-            head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
-            intermediate_size=hf_config["intermediate_size"],
-            vocab_size=hf_config["vocab_size"],
-            tied_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            intermediate_size=arch.intermediate_size,
+            vocab_size=arch.vocab_size,
+            tied_embeddings=arch.tie_word_embeddings,
             **extra,
         )
 
@@ -276,45 +279,3 @@ def _expert_destinations(prefix: str, leaf: str, engine: EngineLayout) -> list[D
         else:  # down_proj [E, H, I]: row-parallel, the intermediate (input) dim is split
             dests.append(Destination(rank, prefix + w2, 2, rank * rows, (rank + 1) * rows, 0, rows))
     return dests
-
-
-def engine_tensors(
-    plan: SyncPlan, tensors: Mapping[str, torch.Tensor], tp_rank: int | None = None
-) -> dict[str, torch.Tensor]:
-    """The engine's own parameters (fused, tensor-parallel sliced) built from Hugging Face tensors by the plan.
-
-    With `tp_rank`, that rank's local parameters. Without, every split parameter as one global array whose blocks
-    along the split dim are the ranks' local parameters in rank order (replicated ones once): the layout of a
-    parameter sharded over T devices, which is how a JAX engine (vLLM on TPU) holds it. Vocabulary padding rows
-    are zero."""
-    tp = 1 + max(dest.tp_rank for dests in plan.destinations.values() for dest in dests)
-    shapes: dict[str, list[int]] = {}
-    split_dim: dict[str, int | None] = {}
-    extent: dict[str, int] = {}  # a split parameter's local size along its split dim
-    for name, dests in plan.destinations.items():
-        for dest in dests:
-            shapes.setdefault(dest.param, list(plan.shapes[name]) or [1])
-            split_dim[dest.param] = None if dest.replicated else dest.dim
-            if not dest.replicated:
-                extent[dest.param] = max(extent.get(dest.param, 0), dest.dst_stop)
-    for param, size in extent.items():
-        shapes[param][split_dim[param]] = size
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        if name in shapes and name in plan.shapes:  # vLLM pads the vocabulary before splitting it
-            shapes[name][0] = math.ceil(plan.shapes[name][0] / VOCAB_PADDING) * VOCAB_PADDING // tp
-    ranks = range(tp) if tp_rank is None else [tp_rank]
-    local = {(rank, param): torch.zeros(shape, dtype=plan.torch_dtype) for param, shape in shapes.items() for rank in ranks}
-    for name, dests in plan.destinations.items():
-        source = tensors[name].reshape(shapes[dests[0].param]) if not plan.shapes[name] else tensors[name]
-        for dest in dests:
-            if dest.tp_rank in ranks:
-                rows = dest.dst_stop - dest.dst_start
-                local[(dest.tp_rank, dest.param)].narrow(dest.dim, dest.dst_start, rows).copy_(
-                    source.narrow(dest.dim, dest.src_start, dest.src_stop - dest.src_start)
-                )
-    if tp_rank is not None:
-        return {param: local[(tp_rank, param)] for param in shapes}
-    return {
-        param: local[(0, param)] if split_dim[param] is None else torch.cat([local[(r, param)] for r in ranks], split_dim[param])
-        for param in shapes
-    }

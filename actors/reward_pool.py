@@ -1,0 +1,56 @@
+"""The reward workers as a pool: a step's groups split over them, scored in parallel, joined back in order."""
+
+from __future__ import annotations
+
+import ray
+
+from rlpipe.actors.engine_pool import split
+from rlpipe.rewards import trainer_state as start_state
+from rlpipe.types import Group
+
+
+class RewardPool:
+    """`workers`: the reward actors; `max_tokens` and `max_restarts` are rollout.max_tokens and
+    reward.max_restarts (a worker that dies is restarted by Ray and its call run again, at most that often)."""
+
+    def __init__(self, workers: list, max_tokens: int, max_restarts: int):
+        self.workers, self.max_tokens, self.max_restarts = workers, max_tokens, max_restarts
+
+    def score(self, groups: list[Group], trainer_state: dict | None = None) -> tuple[dict[str, int], dict[str, str]]:
+        """Fill each group's rewards; returns failures per reward function and the first error of each.
+        `trainer_state`: what reward functions get as `trainer_state` (default: a run's start)."""
+        state = dict(trainer_state or start_state())
+        shares = [s for s in split(groups, len(self.workers)) if s]
+        futures = []
+        for worker, share in zip(self.workers, shares):
+            samples = [(g, c) for g in share for c in g.completions]
+            columns = {key: [g.prompt.columns[key] for g, _ in samples] for key in share[0].prompt.columns}
+            columns.update(
+                completion_tokens=[len(c.token_ids) for _, c in samples],
+                finish_reason=[c.finish_reason for _, c in samples],
+                max_tokens=[self.max_tokens] * len(samples),
+            )
+            prompts, texts = [g.prompt.for_rewards for g, _ in samples], [c.text for _, c in samples]
+            ids, sizes = [c.token_ids for _, c in samples], [len(g.completions) for g in share]
+            futures.append(worker.score.remote(prompts, texts, columns, sizes, ids, state))
+        failures: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        try:
+            results = ray.get(futures)
+        except ray.exceptions.RayActorError as err:
+            raise RuntimeError(
+                f"a reward worker died more than reward.max_restarts={self.max_restarts} times while "
+                f"scoring ({str(err).splitlines()[0]})"
+            ) from None
+        for share, result in zip(shares, results):
+            start = 0
+            for group in share:
+                window = slice(start, start + len(group.completions))
+                group.rewards = result.totals[window]
+                group.reward_parts = {name: values[window] for name, values in result.per_function.items()}
+                start = window.stop
+            for name, count in result.failures.items():
+                failures[name] = failures.get(name, 0) + count
+            for name, message in result.first_errors.items():
+                errors.setdefault(name, message)
+        return failures, errors

@@ -1,0 +1,238 @@
+"""A run's roles as Ray actors, started together and torn down together.
+
+Generation goes to the engine pool (actors/engine_pool.py), scoring to the reward pool (actors/reward_pool.py),
+training, checkpoints and export to the learner ranks; the weight sync (actors/sync_channel.py) owns everything
+between the learner and the engines and admits any engine the pool starts again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, replace
+
+import ray
+
+from rlpipe.actors.calls import WorkerLost, get_all
+from rlpipe.actors.cluster import compute_env
+from rlpipe.actors.engine_pool import EnginePool, Generation
+from rlpipe.actors.learner import LearnerActor
+from rlpipe.actors.placement import PlacedRole, place_role
+from rlpipe.actors.reward import RewardActor
+from rlpipe.actors.reward_pool import RewardPool
+from rlpipe.actors.sync_channel import SyncChannel
+from rlpipe.config import Config, first_line
+from rlpipe.device import learner_env, learner_processes
+from rlpipe.environments import check_cluster_resources
+from rlpipe.learner import combine_rank_metrics
+from rlpipe.logs import LogSetup
+from rlpipe.types import Group, Prompt, TrainBatch
+
+
+class Roles:
+    """The learner ranks, the engine pool, the reward pool and the weight sync between learner and engines."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        tokenizer_path: str | None = None,
+        resume: dict | None = None,
+        note: Callable[[str], None] = print,
+        reward_columns: list[str] | None = None,
+        log: LogSetup | None = None,
+    ):
+        """`resume`: {"learner": directory of a checkpoint's learner state, "rng": each rank's RNG state or None}.
+        `note`: where to report events worth a line in the run's log (an engine restarted).
+        `reward_columns`: the dataset's columns every scored batch carries, checked against the reward functions'
+        signatures when the reward workers start (None: not known here, see RewardRunner).
+        `log`: how the actors log (rlpipe/logs.py), each tagged with its role and index; None leaves their logging
+        as the libraries set it."""
+        self.cfg, self.note, self.log = cfg, note, log
+        # An actor that cannot be placed waits forever; say so instead of hanging.
+        check_cluster_resources(cfg, ray.cluster_resources())
+        self.placements: list[PlacedRole] = []
+        self.learners: list = []
+        self.rewarders: list = []
+        self.pool: EnginePool | None = None
+        self.sync: SyncChannel | None = None
+        try:
+            self._start(model_path, tokenizer_path, resume, reward_columns)
+        except BaseException:  # release what did start: placement groups would otherwise hold the cluster
+            self.shutdown()
+            raise
+
+    def _start(self, model_path: str, tokenizer_path: str | None, resume: dict | None, columns: list[str] | None):
+        cfg = self.cfg
+        ranks = learner_processes(cfg.learner.device, cfg.learner.ranks)
+        learners = self._place("learner", ranks, gpus_per_actor=1 if cfg.learner.device == "cuda" else 0,
+                               learner_device=cfg.learner.device)
+        engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
+        rewarders = self._place("reward", cfg.reward.num_workers)
+        self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log)
+        self.sync = SyncChannel(cfg, learners.hosts(), self.pool, self.note)  # before any actor starts
+        env = compute_env() | learner_env(cfg.learner.device, cfg.learner.ranks)
+        self.learners = [
+            LearnerActor.options(**learners.options(rank, env)).remote(
+                model_path, cfg, rank, ranks, self._log_setup("learner", rank)
+            )
+            for rank in range(ranks)
+        ]
+        self.pool.start()
+        specs = [asdict(spec) for spec in cfg.reward.functions]
+        # Reward actors hold no state a step needs, so Ray restarts a dead one and re-runs its call there: the share
+        # it was scoring is scored once, by the new process (tests/integration/test_grpo_e2e.py kills one).
+        restarts = cfg.reward.max_restarts
+        self.rewarders = [
+            RewardActor.options(**rewarders.options(index), max_restarts=restarts, max_task_retries=restarts).remote(
+                specs, cfg.reward.timeout_s, columns, self._log_setup("reward", index)
+            )
+            for index in range(cfg.reward.num_workers)
+        ]
+        self.rewards = RewardPool(self.rewarders, cfg.rollout.max_tokens, restarts)
+        # Surface a bad model folder or reward path now rather than at the first step.
+        get_all(
+            [learner.policy_version.remote() for learner in self.learners]
+            + [e.policy_version.remote() for e in self.pool.engines]
+            + [r.names.remote() for r in self.rewarders]
+        )
+        address, port = ray.get(self.learners[0].rendezvous_address.remote())
+        get_all([learner.join_group.remote(address, port) for learner in self.learners])
+        version = 0
+        if resume is not None:
+            rngs = resume["rng"] if len(resume["rng"] or []) == ranks else [None] * ranks  # other M: fresh RNG
+            version = get_all(
+                [learner.load_checkpoint.remote(resume["learner"], rng) for learner, rng in zip(self.learners, rngs)]
+            )[0]
+        self.sync.open(self.learners, version)
+
+    def _log_setup(self, role: str, index: int) -> LogSetup | None:
+        return None if self.log is None else replace(self.log, who=f"{role}-{index}")
+
+    def _place(
+        self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0, learner_device: str | None = None
+    ) -> PlacedRole:
+        placed = place_role(
+            role, getattr(self.cfg.placement, role), actors, self.cfg.ray.placement_timeout_s, chips_per_actor,
+            gpus_per_actor, learner_device,
+        )
+        self.placements.append(placed)
+        return placed
+
+    # ------------------------------------------------------------------ what the GRPO loop reads
+
+    @property
+    def engines(self) -> list:
+        return self.pool.engines
+
+    @property
+    def engine_restarts(self) -> list[int]:
+        return self.pool.restarts
+
+    @property
+    def policy_version(self) -> int:
+        return self.sync.version
+
+    @property
+    def probe_tokens(self) -> list[int]:
+        return self.sync.probe_tokens
+
+    @property
+    def routes(self):
+        return self.sync.routes
+
+    @property
+    def rehearsal(self) -> dict[str, float]:
+        """The start-up rehearsal's metrics (SyncChannel._rehearse)."""
+        return self.sync.rehearsal
+
+    def where(self) -> dict[str, list[str]]:
+        """The node id each actor runs on, as the actor itself reports it, per role in rank order."""
+        def node_of(_actor) -> str:  # runs inside the actor
+            return ray.get_runtime_context().get_node_id()
+
+        return self._ask_every_actor(node_of)
+
+    @staticmethod
+    def hosts(placement: dict[str, list[str]]) -> dict[str, list[str]]:
+        """The node addresses of `placement` (node ids per role, from `where`)."""
+        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        return {role: [addresses.get(node, node) for node in nodes] for role, nodes in placement.items()}
+
+    def interpreters(self) -> dict[str, list[str]]:
+        """The Python interpreter each actor runs under, as the actor itself reports it, per role in rank order."""
+        def executable(_actor) -> str:  # runs inside the actor
+            import sys
+
+            return sys.executable
+
+        return self._ask_every_actor(executable)
+
+    def _ask_every_actor(self, question) -> dict[str, list]:
+        roles = {"learner": self.learners, "rollout": self.pool.engines, "reward": self.rewarders}
+        return {role: get_all([h.__ray_call__.remote(question) for h in handles]) for role, handles in roles.items()}
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[Group]:
+        return self.finish_generation(self.start_generation(prompts, n, **sampling))
+
+    def start_generation(self, prompts: list[Prompt], n: int, **sampling) -> Generation:
+        """Send the prompts to the engines and return at once (asynchronous mode keeps the engines generating the
+        next step while the learner trains)."""
+        return self.pool.start_generation(prompts, n, **sampling)
+
+    def finish_generation(self, generation: Generation) -> list[Group]:
+        """Collect the completions. An engine that died (killed, out of memory) is replaced and given the current
+        weights, and only the prompts it held are generated again, so every prompt comes back exactly once. A prompt
+        whose requests a weight sync aborted comes back empty; it is sampled again too, by the new policy."""
+        completions, replaced = self.pool.collect(generation)
+        for index in replaced:
+            self.sync.admit(index)
+        retry = [index for index, group in enumerate(completions) if not group]
+        if retry:
+            again = self.generate([generation.prompts[i] for i in retry], generation.n, **generation.sampling)
+            for index, group in zip(retry, again):
+                completions[index] = group.completions
+        return [Group(prompt, group) for prompt, group in zip(generation.prompts, completions)]
+
+    def seed(self, step: int) -> None:
+        """Seed every engine's sampling for this step (see RolloutEngine.seed); an engine that died since the last
+        step is replaced, brought to the current weights, then seeded."""
+        for index in self.pool.seed(step):
+            self.sync.admit(index)
+            self.pool.seed_engine(index, step)
+
+    # ------------------------------------------------------------------ rewards, training, the sync
+
+    def score(self, groups: list[Group], trainer_state: dict | None = None) -> tuple[dict[str, int], dict[str, str]]:
+        return self.rewards.score(groups, trainer_state)
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
+        try:
+            return combine_rank_metrics(get_all([learner.train_step.remote(batch_ref) for learner in self.learners]))
+        except ray.exceptions.RayActorError as err:  # the other ranks cannot go on without it: the step stops
+            raise WorkerLost(f"a learner rank died during a training step ({first_line(err)})") from err
+
+    def sync_weights(self, probe: Group) -> dict[str, float]:
+        """The learner's weights to every engine as the next policy version, verified (SyncChannel.push)."""
+        return self.sync.push(probe)
+
+    def export(self, out_dir: str) -> str:
+        return get_all([learner.export.remote(out_dir) for learner in self.learners])[0]
+
+    def save_checkpoint(self, directory: str) -> list[str]:
+        """Every learner rank writes its part of the learner state (in parallel); returns their RNG states."""
+        try:
+            return get_all([learner.save_checkpoint.remote(directory) for learner in self.learners])
+        except ray.exceptions.RayActorError as err:  # the save is abandoned; a restart from the last one may go on
+            raise WorkerLost(f"a learner rank died while writing a checkpoint ({first_line(err)})") from err
+
+    def shutdown(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+        engines = self.pool.engines if self.pool is not None else []
+        for handle in [*self.learners, *engines, *self.rewarders]:
+            ray.kill(handle)
+        for placed in self.placements:
+            placed.remove()

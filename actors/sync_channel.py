@@ -1,0 +1,236 @@
+"""The driver's side of the weight sync, its one owner: the plan, the routes, the transport's set-up (shared buffers,
+its process group), the start-up rehearsal, when the learner computes the probe, the transfer of each version with
+its retries, and admitting an engine the pool started again.
+
+One version's path: the driver asks every engine to `begin_sync`; every learner rank streams its shards, bucket by
+bucket, through its transport and tells each engine about each part (`receive_part`, checked on arrival); the
+learner ranks compute their answer to the probe; each engine `commit`s (writes, probes, keeps or rolls back); the
+learner ranks release the version's buffers. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import ray
+
+from rlpipe.actors.calls import WorkerLost, get_all
+from rlpipe.actors.engine_pool import EnginePool
+from rlpipe.config import Config, ConfigError, first_line
+from rlpipe.types import Group
+from rlpipe.weightsync import DECODE_TOKENS, SyncError, SyncPlan, plan_routes, plan_sync
+
+
+class SyncChannel:
+    """Made when the roles are placed, before any actor starts (a route the cluster cannot take fails there);
+    `open` sets it up once the learner ranks and the engines run. `version` is the policy version every engine
+    serves."""
+
+    def __init__(self, cfg: Config, learner_hosts: list[str], pool: EnginePool, note: Callable[[str], None]):
+        self.cfg, self.pool, self.note = cfg, pool, note
+        self.learner_hosts = learner_hosts
+        self.routes = plan_routes(cfg.sync.transport, learner_hosts, pool.hosts())
+        self.learners: list = []
+        self.version = 0
+        self.probe_tokens: list[int] = []
+        self.rehearsal: dict[str, float] = {}
+
+    def open(self, learners: list, version: int) -> dict[str, float]:
+        """Set the channel up between `learners` (the ranks, in order) and the pool's engines, the learner holding
+        `version`, and send that version through it once (see `_rehearse`); returns the rehearsal's metrics."""
+        self.learners, self.version = learners, version
+        # Engines that cannot replay a sequence check each sync by decoding (rlpipe/weightsync/probe.py).
+        self.probe_by_decoding = ray.get(self.pool.engines[0].probe_by_decoding.remote())
+        plan = self._plan()
+        self.plan = ray.put(plan)
+        self._set_routes()
+        self._share_buffers()
+        self._connect()
+        vocab = plan.shapes["model.embed_tokens.weight"][0]
+        self.probe_tokens = [(index * 7919) % vocab for index in range(1, 33)]  # any fixed sequence serves
+        self.rehearsal = self._rehearse()
+        return self.rehearsal
+
+    def _plan(self) -> SyncPlan:
+        """The transfer plan, computed once; checked against every engine's parameters so that a layout the
+        engine does not expect fails here, before any weight is written."""
+        shapes = ray.get(self.learners[0].weight_shapes.remote())
+        layouts = get_all([engine.layout.remote() for engine in self.pool.engines])
+        plan = plan_sync(shapes, len(self.learners), layouts[0][0], int(self.cfg.sync.bucket_mb * 2**20))
+        for index, (layout, params) in enumerate(layouts):
+            unknown = sorted(plan.engine_params() - set(params))
+            if layout != layouts[0][0] or unknown:
+                raise SyncError(
+                    f"rollout engine {index} does not have the layout the sync plan expects "
+                    f"(unknown parameters: {unknown[:3]}{'...' if len(unknown) > 3 else ''})"
+                )
+        return plan
+
+    # ------------------------------------------------------------------ the transport's set-up
+
+    def _set_routes(self, engines: list[int] | None = None) -> None:
+        """Tell each side of every pair its route; `engines`: only these engines (the learner ranks' routes did not
+        change)."""
+        whole = self.routes.whole_buckets
+        calls = [] if engines is not None else [
+            learner.set_sync_routes.remote(self.routes.to_engines(rank), whole)
+            for rank, learner in enumerate(self.learners)
+        ]
+        indexes = range(len(self.pool.engines)) if engines is None else engines
+        calls += [self.pool.engines[index].set_sync_routes.remote(self.routes.from_ranks(index), whole)
+                  for index in indexes]
+        get_all(calls)
+
+    def _share_buffers(self) -> None:
+        """Every learner rank writes into the buffers rank 0 names, where the transport shares them (shared memory
+        with every pair on one host)."""
+        prefix = ray.get(self.learners[0].sync_buffer_prefix.remote())
+        get_all([learner.share_sync_buffers.remote(prefix) for learner in self.learners])
+
+    def _connect(self) -> None:
+        """The transport's own process group, where it has one (gloo): learner ranks, then engines. Formed again, by
+        everyone, when an engine is replaced (a gloo group cannot take in a new member)."""
+        ranks = len(self.learners)
+        address, port = ray.get(self.learners[0].rendezvous_address.remote())
+        world = ranks + len(self.pool.engines)
+        get_all(
+            [learner.connect_sync_group.remote(address, port, world) for learner in self.learners]
+            + [
+                engine.connect_sync_group.remote(address, port, ranks + index, ranks, world)
+                for index, engine in enumerate(self.pool.engines)
+            ]
+        )
+
+    def _join(self, index: int) -> None:
+        """Engine `index` was started again (maybe on another host, its old one lost): its routes, and everyone's
+        when they changed, and the transport's group formed anew."""
+        previous = self.routes
+        try:
+            self.routes = plan_routes(self.cfg.sync.transport, self.learner_hosts, self.pool.hosts())
+        except ConfigError as err:  # a forced shm, and the engine had to move to another host
+            raise WorkerLost(f"rollout engine {index} was restarted on another host: {err}") from None
+        if self.routes == previous:
+            self._set_routes(engines=[index])
+        else:
+            self.note(f"weight sync routes changed: {self.routes.counts()}")
+            self._set_routes()
+            self._share_buffers()
+        self._connect()
+
+    def admit(self, index: int) -> None:
+        """Bring engine `index`, just started again by the pool, into the channel and to the version every engine
+        serves: the learner still holds exactly those weights whenever this runs (between a sync and the next
+        training step)."""
+        self._join(index)
+        if self.version > 0:  # version 0 is what the new engine loaded from the model folder
+            self._transfer(self.version, self.probe_tokens, engines=[index])
+
+    # ------------------------------------------------------------------ versions
+
+    def _rehearse(self) -> dict[str, float]:
+        """Send the starting weights through the whole channel once — transfer, write, probe — before training:
+        a transport or layout that does not work fails here rather than after the first training step, the first
+        sync does not pay for first-touch buffers, and the engines keep what arrived as their rollback copy.
+        The engines already hold these weights, so the policy version stays 0; a resumed run's engines do not, so
+        there the transfer is a real one, of the checkpoint's version."""
+        if self.version:  # resumed: the engines must take the checkpoint's weights, as that version
+            metrics, _ = self._transfer(self.version, self.probe_tokens)
+        else:
+            metrics, _ = self._transfer(1, self.probe_tokens, rehearsal=True)
+        return metrics
+
+    def push(self, probe: Group) -> dict[str, float]:
+        """Push the learner's weights to every engine as the next policy version, verified.
+
+        Each learner rank streams its own shards, bucket by bucket; each engine checks every bucket's checksum,
+        then writes the version and replays one sampled sequence, which must give the learner's logprobs
+        (`sync/probe_max_abs`) or the engine rolls back and the step fails. `sync/policy_shift` shows how far the
+        logprobs moved from those the engine reported when it sampled, so a sync that silently did nothing
+        cannot pass unnoticed.
+        """
+        version = self.version + 1
+        completion = probe.completions[0]
+        metrics, results = self._transfer(version, probe.prompt.token_ids + completion.token_ids)
+        self.version = version
+        start = len(probe.prompt.token_ids)
+        metrics["sync/policy_shift"] = max(
+            (abs(a - b) for a, b in zip(results[0]["probe"][start:], completion.logprobs)), default=0.0
+        )
+        return metrics
+
+    def _transfer(self, version: int, probe_tokens: list[int], rehearsal: bool = False, engines: list[int] | None = None):
+        """Stream the learner's weights to the engines (all, or those indexed by `engines`) as `version`, then write
+        and check them there. An engine that dies on the way is replaced and the transfer repeated for the engines
+        that have not committed the version; the others keep it."""
+        # The learner's probe logprobs (all ranks compute them: the model is sharded). Where no engine shares a host
+        # with a learner rank they are computed during the first attempt, while the engines write; on a shared host
+        # the two would compete for its cores, which costs more than one after the other (docs/benchmarks.md), so
+        # they come first.
+        if self.probe_by_decoding:  # the continuation must fit in the engine's context
+            probe_tokens = probe_tokens[: self.cfg.rollout.max_model_len - DECODE_TOKENS]
+        expected = None
+        if self.routes.shared_host:
+            expected = get_all([learner.probe_reference.remote(probe_tokens, self.probe_by_decoding)
+                                for learner in self.learners])[0]
+        targets = list(range(len(self.pool.engines))) if engines is None else list(engines)
+        while True:
+            try:
+                metrics, results, expected = self._transfer_to(version, probe_tokens, expected, rehearsal, targets)
+                return metrics, results
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:  # the latter: a learner's send
+                dead = self.pool.dead(targets)
+                if not dead:
+                    if self._learners_alive():
+                        raise
+                    raise WorkerLost(f"a learner rank died during a weight sync ({first_line(err)})") from err
+                for index in dead:
+                    if self.pool.replace(index, self.pool.engines[index], err):
+                        self._join(index)  # the repeated transfer brings it to `version`
+                if not rehearsal:
+                    held = get_all([self.pool.engines[index].held_version.remote() for index in targets])
+                    targets = [index for index, version_held in zip(targets, held) if version_held < version]
+
+    def _learners_alive(self) -> bool:
+        try:
+            ray.get([learner.policy_version.remote() for learner in self.learners], timeout=60)
+        except ray.exceptions.RayActorError:
+            return False
+        return True
+
+    def _transfer_to(self, version, probe_tokens, expected, rehearsal, targets: list[int]):
+        """One attempt of `_transfer`; returns its metrics, the engines' results and the learner's probe logprobs.
+        Without `expected` the learner ranks compute them after sending, and the engines wait for them only to check
+        their own replay of the probe."""
+        handles = [self.pool.engines[index] for index in targets]
+        get_all([engine.begin_sync.remote(self.plan, version) for engine in handles])
+        started = time.perf_counter()
+        try:
+            sends = [learner.send_weights.remote(self.plan, version, handles, targets) for learner in self.learners]
+            probes = None if expected else [
+                learner.probe_reference.remote(probe_tokens, self.probe_by_decoding) for learner in self.learners
+            ]
+            sent = get_all(sends)
+            transfer_s = time.perf_counter() - started
+            reference = expected or [probes[0]]
+            results = get_all([engine.commit.remote(version, probe_tokens, reference, rehearsal) for engine in handles])
+            expected = expected or get_all(probes)[0]
+        finally:
+            get_all([learner.release_weights.remote() for learner in self.learners])
+        metrics = {
+            **self.routes.counts(),
+            "sync/probe_max_abs": max(result["probe_max_abs"] for result in results),
+            "sync/probe_mean_abs": max(result["probe_mean_abs"] for result in results),
+            "sync/bytes": float(sum(sent)),
+            "sync/transfer_s": transfer_s,
+            "sync/write_s": max(result["write_s"] for result in results),
+        }
+        return metrics, results, expected
+
+    def close(self) -> None:
+        """Free the transport's buffers on the learner ranks (shared-memory segments are unlinked now rather than
+        left to the resource tracker of a killed process)."""
+        try:
+            ray.get([learner.close_sync.remote() for learner in self.learners], timeout=30)
+        except Exception:  # a dead or stuck learner must not keep the others alive
+            pass

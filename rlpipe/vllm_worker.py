@@ -1,0 +1,199 @@
+"""The vLLM side of a weight write: the worker extension rlpipe mixes into every vLLM worker of an engine, and the
+bytes a version travels in from the engine to workers in child processes. Runs inside vLLM's workers."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save as save_safetensors_bytes
+
+from rlpipe.weightsync import SyncError
+
+
+def encode_weights(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Weights as safetensors bytes: they cross process boundaries (Ray, vLLM's RPC) without pickle."""
+    return save_safetensors_bytes({name: t.detach().contiguous() for name, t in tensors.items()})
+
+
+def decode_weights(payload: bytes) -> dict[str, torch.Tensor]:
+    return load_safetensors_bytes(payload)
+
+
+class WeightWriter:
+    """vLLM's worker extension: mixed into every vLLM worker of an engine and reached through `collective_rpc`, it
+    writes a version of the weights into the worker's model."""
+
+    def rlpipe_load_weights(self, weights: bytes | list[tuple[str, torch.Tensor]], in_place: bool = False) -> int:
+        """Apply a complete set of weights. `in_place` (sync.engine_write) writes into the tensors the engine
+        computes with, where its layers allow (`_writes_in_place`); otherwise vLLM's in-place reload builds each
+        layer anew."""
+        if isinstance(weights, bytes):  # from a child-process engine, where tensors do not cross the RPC
+            weights = list(decode_weights(weights).items())
+        if vllm_platform() == "torchtpu":
+            return self._reload_on_torchtpu(weights)
+        if in_place and self._writes_in_place():
+            self._write_in_place(weights)
+            return len(weights)
+        # In-place reload keeps vLLM's own loaders in charge of fusing (qkv, gate/up), tensor-parallel slicing
+        # and CPU repacking.
+        try:
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        except Exception:
+            self._abandon_partial_reload()
+            raise
+        self._refresh_tied_output_layer()
+        self._prepack_reloaded_experts({name for name, _ in weights})
+        return len(weights)
+
+    def _writes_in_place(self) -> bool:
+        """Whether every layer that prepares its weights after loading is an unquantized linear or embedding layer on
+        CPU, whose preparation rlpipe can redo itself (`_write_in_place`). Quantized and MoE layers prepare theirs
+        in ways only vLLM's reload redoes."""
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
+        plain = (type(None), UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+        return all(isinstance(getattr(m, "quant_method", None), plain) for m in self.model_runner.get_model().modules())
+
+    def _write_in_place(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy the weights into the layers' own tensors, then redo vLLM's CPU GEMM dispatch for each linear layer.
+
+        vLLM on CPU packs each linear layer's weight into a oneDNN (or similar) GEMM object after loading and drops
+        the plain weight; its reload therefore rebuilds every layer on fresh memory, loads, packs and copies back.
+        Here each such layer gets its plain weight back once (from vLLM's own reload metadata) and keeps it, so a
+        write is one copy into memory already in place plus one packing per layer, at the cost of a second copy of
+        the linear weights in memory. The packed kernels themselves stay vLLM's: on the plain weights the matmuls
+        run 1.4-1.7x slower and generation 1.6x slower (docs/benchmarks.md)."""
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+
+        model = self.model_runner.get_model()
+        packed = [module for module in model.modules() if _packs_its_gemm(module)]
+        for layer in packed:
+            if layer.weight.numel() == 0:  # dropped after packing: the layer's parameters as loading made them
+                info = get_layerwise_info(layer)
+                restore_layer_on_meta(layer, info)
+                materialize_layer(layer, info)
+                for param in layer.parameters(recurse=False):  # a reload leaves its buffering loaders on them
+                    if hasattr(param, "weight_loader"):
+                        param.weight_loader = inspect.unwrap(param.weight_loader, stop=_not_a_reload_buffer)
+        loaded = model.load_weights(weights) or set()
+        missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+        if missing:
+            raise SyncError(f"the weights leave {len(missing)} of the engine's parameters unwritten, e.g. {missing[0]}")
+        for layer in packed:
+            layer.cpu_linear = None  # the old packed copy is freed before the new one is made
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+    def rlpipe_seed(self, seed: int) -> None:
+        """Seed the worker's sampling: vLLM draws requests without their own seed from torch's global generator."""
+        torch.manual_seed(seed)
+
+    def _abandon_partial_reload(self) -> None:
+        """After a reload that raised, layers still hold buffered, unapplied weights, which the next reload would
+        replay (so a rollback would fail the same way). Drop them; vLLM's finalize then puts each such layer's
+        previous tensors back, as it does for a layer that received nothing."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, get_layerwise_info
+
+        model = self.model_runner.get_model()
+        for layer in model.modules():
+            info = get_layerwise_info(layer)
+            if info.can_load():
+                info.loaded_weights.clear()
+                info.load_numel = 0
+        finalize_layerwise_reload(model, self.vllm_config.model_config)
+
+    def _reload_on_torchtpu(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """vLLM on TorchTPU (vllm-torchtpu): its worker has no `reload_weights`, its model runner has vLLM's. Its
+        linear layers keep their weights transposed ([in, out]) after loading and mark themselves done
+        (`_tpu_weight_flipped`), so a reload would skip the transpose and copy [out, in] rows into the [in, out]
+        tensor (an error, or for a square weight a silent transpose). Clearing the mark lets the reload transpose the
+        new weights as the first load did, into the same tensors. Checked against the installed vllm-torchtpu on
+        CPU (tests/tpu_contract); not yet run on TPU hardware."""
+        model = self.model_runner.get_model()
+        for module in model.modules():
+            if getattr(module, TORCHTPU_TRANSPOSED_MARK, False):
+                delattr(module, TORCHTPU_TRANSPOSED_MARK)
+        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        return len(weights)
+
+    def rlpipe_layout(self) -> tuple[dict[str, list[str]], list[str]]:
+        """The modules this engine's model fuses and its parameter names, for checking the sync plan."""
+        model = self.model_runner.get_model()
+        fused = {key: list(parts) for key, parts in getattr(model, "packed_modules_mapping", {}).items()}
+        return fused, [name for name, _ in model.named_parameters()]
+
+    def _prepack_reloaded_experts(self, names: set[str]) -> None:
+        """Redo the CPU MoE kernel's weight prepacking for the expert layers this reload wrote.
+
+        vLLM 0.32's unquantized MoE method, on a weight update (its kernel already built), re-runs only its generic
+        weight shuffle and skips the experts' own `process_weights_after_loading`, which on CPU packs w13/w2 into
+        the grouped-GEMM layout the kernel reads. Without this the CPU kernel reads the freshly loaded plain
+        weights as if packed and the engine's log-probs drift far from the learner's (0.8 nats on the tiny test
+        model). Only layers that received weights are packed, so none is packed twice.
+        """
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        written = {name.partition(".mlp.experts.")[0] for name in names if ".mlp.experts." in name}
+        if not written:
+            return
+        for module_name, module in self.model_runner.get_model().named_modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is None or not hasattr(module, "w13_weight"):
+                continue
+            if module_name.partition(".mlp.experts")[0] in written:
+                kernel.fused_experts.process_weights_after_loading(module)
+
+    def _refresh_tied_output_layer(self) -> None:
+        """Re-derive a tied lm_head from the reloaded embedding.
+
+        The in-place reload only processes layers that received weights; a tied lm_head receives none,
+        so on CPU its pre-packed GEMM copy would keep serving the old embedding.
+        """
+        model = self.model_runner.get_model()
+        if not getattr(model.config, "tie_word_embeddings", False) or not hasattr(getattr(model, "lm_head", None), "quant_method"):
+            return  # untied, or rlpipe's model, whose output projection reads the embedding itself
+        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def _packs_its_gemm(module: torch.nn.Module) -> bool:
+    """A layer whose matmul runs on a packed copy of its weight (vLLM on CPU): unquantized linear layers and the
+    output head. The input embedding also gets a packed copy, which its lookups never use."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if not hasattr(module, "cpu_linear") or getattr(module, "_cpu_skip_gemm_dispatch", False):
+        return False
+    plain_linear = isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
+    return plain_linear or isinstance(module, ParallelLMHead)
+
+
+def _not_a_reload_buffer(loader) -> bool:
+    """vLLM's layerwise reload wraps each parameter's own loader in one that buffers the tensors it is given."""
+    return getattr(loader, "__name__", "") != "online_process_loader"
+
+
+# vllm-torchtpu's mark on a linear layer whose weight it has transposed for the TPU matmul.
+TORCHTPU_TRANSPOSED_MARK = "_tpu_weight_flipped"
+
+
+def vllm_platform() -> str:
+    """The vLLM platform of this process as rlpipe tells them apart: "torchtpu" for vLLM on TorchTPU (vllm-torchtpu,
+    an out-of-tree platform whose `is_tpu()` is False), "tpu-inference" for vLLM's own JAX TPU platform, else the
+    platform's device type ("cpu", "cuda")."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_out_of_tree() and current_platform.device_type == "tpu":
+        return "torchtpu"
+    if current_platform.is_tpu():
+        return "tpu-inference"
+    return current_platform.device_type

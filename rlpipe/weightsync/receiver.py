@@ -1,0 +1,173 @@
+"""An engine's end of the weight-sync channel: begin a version, receive its parts, commit it (write, probe, keep it or
+roll back). Nothing here knows vLLM: the engine hands in how it writes a version, how it answers the probe and how it
+pauses generation, so the same receiver serves every engine and the sync benchmark."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import ContextManager
+
+import torch
+
+from rlpipe.weightsync.errors import SyncError
+from rlpipe.weightsync.layout import SyncPlan
+from rlpipe.weightsync.probe import DecodedProbe, probe_gaps
+from rlpipe.weightsync.staging import Staging
+from rlpipe.weightsync.transport import Transport
+
+Weights = dict[str, torch.Tensor]
+ProbeResult = list[float] | DecodedProbe
+
+
+@contextlib.contextmanager
+def _not_paused() -> Iterator[None]:
+    yield
+
+
+class WeightReceiver:
+    """Receives versions of the learner's weights for one engine and applies each only whole and checked.
+
+    `write(weights)` puts a complete version into the engine (a write that raises may have written some layers:
+    the previous version is written back). `probe(tokens)` is the engine's answer to the probe with the weights just
+    written: its log-probs of `tokens` (position 0 gets 0.0), or a greedy continuation (`DecodedProbe`) where the
+    engine cannot replay a sequence. `initial_weights()` loads version 0, what the engine started with, for rolling
+    the first version back. `paused()` is a context during which the engine generates nothing: the write, the
+    probe and a rollback run inside it. The probe passes when the gap to the learner's, its maximum over tokens
+    (`exact`) or its mean, is at most `tolerance`. Without `keep_previous` no copy is kept to roll back to, and a
+    version that fails its check leaves the engine refusing to generate (`unusable`)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        write: Callable[[Weights], None],
+        probe: Callable[[list[int]], ProbeResult],
+        initial_weights: Callable[[], Weights],
+        tolerance: float,
+        exact: bool,
+        keep_previous: bool = True,
+        paused: Callable[[], ContextManager] = _not_paused,
+    ):
+        self.transport = transport
+        self._write, self._probe, self._initial_weights, self._paused = write, probe, initial_weights, paused
+        self.tolerance, self.exact, self.keep_previous = tolerance, exact, keep_previous
+        self.policy_version = 0
+        self.unusable: str | None = None  # why the engine must not generate: a failed version and nothing to go back to
+        self._staging: Staging | None = None
+        # The served version's tensors, for rolling back (they may be views of transport buffers), the memory its
+        # staging owns, and owned memory free for the next staging to write into.
+        self._current_weights: Weights | None = None
+        self._current_owned: Weights = {}
+        self._spare_owned: Weights = {}
+
+    def begin(self, plan: SyncPlan, version: int) -> None:
+        """Start receiving `version`; an unfinished earlier staging is dropped."""
+        if version <= self.policy_version:
+            raise SyncError(f"weight version {version} is not newer than the engine's {self.policy_version}")
+        if self._staging is not None:  # an abandoned version: its memory is free again
+            self._spare_owned, self._staging = self._staging.owned, None
+        self._staging = Staging(plan, version, reuse=self._spare_owned,
+                                adopt_buffers=self.transport.stable_receive_buffers,
+                                whole_buckets=self.transport.whole_buckets)
+        self._spare_owned = {}
+
+    def receive(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:
+        """Take learner rank `rank`'s part of `bucket` from the transport and check it; returns its size."""
+        staging = self._staging
+        if staging is None or staging.version != version:
+            raise SyncError(f"weight sync v{version}: a bucket arrived before begin_sync")
+        with self.transport.receive(handle, rank, nbytes) as buffer:
+            try:
+                staging.add(bucket, rank, buffer, digest)
+            except SyncError:
+                self._staging = None  # a corrupt version is never applied, not even partly
+                self._spare_owned = staging.owned
+                raise
+        return nbytes
+
+    def commit(
+        self,
+        version: int,
+        probe_tokens: list[int],
+        expected: ProbeResult | Callable[[], ProbeResult],
+        rehearsal: bool = False,
+    ) -> dict:
+        """Apply a fully received version: pause generation, write, check the probe, resume.
+
+        `expected` is the learner's answer to the probe, or a function that waits for it (the learner may compute it
+        while the engine writes). A failed write or check writes the previous version back (or, without
+        `keep_previous`, leaves the engine unusable); either way the engine never serves a mix of two versions. A
+        `rehearsal` carries the weights the engine already serves (the channel's start-up check): written and checked
+        the same way, but the policy version stays."""
+        staging, self._staging = self._staging, None
+        if staging is None or staging.version != version:
+            raise SyncError(f"weight sync v{version}: nothing received for this version (a bucket failed?)")
+        weights = staging.complete()
+        with self._paused():
+            started = time.perf_counter()
+            probe, gap_max, gap_mean, failure = [], float("nan"), float("nan"), None
+            try:
+                self._write(weights)
+                measured = self._probe(probe_tokens)
+            except Exception as err:  # a write that broke off may have left some layers new and some old
+                failure = f"writing the weights failed ({type(err).__name__}: {err})"
+            write_s = time.perf_counter() - started
+            if failure is None:
+                try:
+                    reference = expected() if callable(expected) else expected
+                except Exception as err:  # the new weights cannot be checked, so they are not served
+                    failure = f"the learner's probe logprobs did not arrive ({type(err).__name__}: {err})"
+                else:
+                    gaps, probe = probe_gaps(measured, reference)
+                    gaps = gaps or [0.0]
+                    gap_max, gap_mean = max(gaps), sum(gaps) / len(gaps)
+            gap, statistic = (gap_max, "max") if self.exact else (gap_mean, "mean")
+            if failure or not gap <= self.tolerance:  # `not <=` also catches NaN
+                self._spare_owned = staging.owned
+                message = f"weight sync v{version}: " + (
+                    failure
+                    if failure
+                    else f"after writing, the engine's probe logprobs differ from the learner's by {gap:.3g} "
+                    f"({statistic} over tokens) > sync.probe_tolerance {self.tolerance:g}"
+                )
+                if not self.keep_previous:
+                    self.unusable = message + "; no previous weights were kept (sync.keep_previous: false)"
+                    raise SyncError(self.unusable)
+                self._write(self._previous_weights())
+                raise SyncError(message + f"; the engine rolled back to version {self.policy_version}")
+            self._keep(weights, staging, rehearsal)
+            if not rehearsal:
+                self.policy_version = version
+            self.unusable = None
+            return {
+                "probe_max_abs": gap_max,
+                "probe_mean_abs": gap_mean,
+                "write_s": write_s,
+                "bytes": staging.bytes_received,
+                "probe": probe,
+            }
+
+    def _keep(self, weights: Weights, staging: Staging, rehearsal: bool) -> None:
+        """Keep what a rollback needs of the version now served, and recycle the memory it no longer needs."""
+        if not self.keep_previous:
+            self._spare_owned = staging.owned
+        elif rehearsal:
+            # The weights served now, kept for rolling back. Copied: adopted tensors view transport buffers that the
+            # next version may write.
+            self._spare_owned = staging.owned
+            self._current_owned = {name: torch.empty_like(t).copy_(t) for name, t in weights.items()}
+            self._current_weights = dict(self._current_owned)
+        else:  # the replaced version's memory receives the one after this
+            self._spare_owned, self._current_owned = self._current_owned, staging.owned
+            self._current_weights = weights
+
+    def _previous_weights(self) -> Weights:
+        if self._current_weights is None:  # version 0: what the engine loaded
+            self._current_weights = self._initial_weights()
+        return self._current_weights
+
+    def close(self) -> None:
+        """Free the transport's buffers."""
+        self.transport.close()
