@@ -131,7 +131,8 @@ class EnginePool:
     def seed(self, step: int) -> list[int]:
         """Seed every engine's sampling for this step (see RolloutEngine.seed); returns the engines that had died
         and were started again, which the caller admits to the weight sync and then seeds (`seed_engine`)."""
-        calls = [(index, engine, engine.seed.remote(self._seed(step, index))) for index, engine in enumerate(self.engines)]
+        calls = [(index, engine, engine.seed.remote(self._seed(step, index)))
+                 for index, engine in enumerate(self.engines)]
         replaced = []
         for index, engine, call in calls:
             try:

@@ -59,10 +59,10 @@ class LearnerActor:
         address = ray.util.get_node_ip_address()
         return address, find_free_port(address)
 
-    def join_group(self, master_addr: str, master_port: int) -> None:
+    def join_process_group(self, master_addr: str, master_port: int) -> None:
         self.learner.join_group(master_addr, master_port)
 
-    def connect_sync_group(self, address: str, port: int, world: int) -> None:
+    def join_sync_process_group(self, address: str, port: int, world: int) -> None:
         learners = learner_processes(self.cfg.learner.device, self.cfg.learner.ranks)
         self.transport.connect(address, port, self.learner.rank, learners, world, self.cfg.sync.timeout_s)
 

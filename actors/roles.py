@@ -54,6 +54,7 @@ class Roles:
         self.learners: list = []
         self.rewarders: list = []
         self.pool: EnginePool | None = None
+        self.rewards: RewardPool | None = None
         self.sync: SyncChannel | None = None
         try:
             self._start(model_path, tokenizer_path, resume, reward_columns)
@@ -96,7 +97,7 @@ class Roles:
             + [r.names.remote() for r in self.rewarders]
         )
         address, port = ray.get(self.learners[0].rendezvous_address.remote())
-        get_all([learner.join_group.remote(address, port) for learner in self.learners])
+        get_all([learner.join_process_group.remote(address, port) for learner in self.learners])
         version = 0
         if resume is not None:
             rngs = resume["rng"] if len(resume["rng"] or []) == ranks else [None] * ranks  # other M: fresh RNG

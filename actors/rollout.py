@@ -6,6 +6,7 @@ arrive while the engine generates, and a sync requested mid-generation is handle
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import ray
@@ -66,7 +67,7 @@ class RolloutActor:
     # side (actors/sync_channel.py) and, for each part, by the learner ranks.
 
     @ray.method(concurrency_group="sync")
-    def connect_sync_group(self, address: str, port: int, rank: int, learner_ranks: int, world: int) -> None:
+    def join_sync_process_group(self, address: str, port: int, rank: int, learner_ranks: int, world: int) -> None:
         self.engine.sync.transport.connect(address, port, rank, learner_ranks, world, self.engine.sync_cfg.timeout_s)
 
     @ray.method(concurrency_group="sync")
@@ -87,7 +88,5 @@ class RolloutActor:
         """`expected`: the learner's probe reference, or a one-item list of the ObjectRef it will arrive in (a list,
         so that Ray hands the reference over instead of waiting for it before the write starts)."""
         if isinstance(expected, list) and len(expected) == 1 and isinstance(expected[0], ray.ObjectRef):
-            pending = expected[0]
-            timeout_s = self.engine.sync_cfg.timeout_s
-            return self.engine.sync.commit(version, probe_tokens, lambda: ray.get(pending, timeout=timeout_s), rehearsal)
+            expected = functools.partial(ray.get, expected[0], timeout=self.engine.sync_cfg.timeout_s)
         return self.engine.sync.commit(version, probe_tokens, expected, rehearsal)

@@ -33,6 +33,8 @@ class SyncChannel:
         self.routes = plan_routes(cfg.sync.transport, learner_hosts, pool.hosts())
         self.learners: list = []
         self.version = 0
+        self.plan = None  # the SyncPlan, in the object store (every send and begin_sync reads it)
+        self.probe_by_decoding = False
         self.probe_tokens: list[int] = []
         self.rehearsal: dict[str, float] = {}
 
@@ -95,9 +97,9 @@ class SyncChannel:
         address, port = ray.get(self.learners[0].rendezvous_address.remote())
         world = ranks + len(self.pool.engines)
         get_all(
-            [learner.connect_sync_group.remote(address, port, world) for learner in self.learners]
+            [learner.join_sync_process_group.remote(address, port, world) for learner in self.learners]
             + [
-                engine.connect_sync_group.remote(address, port, ranks + index, ranks, world)
+                engine.join_sync_process_group.remote(address, port, ranks + index, ranks, world)
                 for index, engine in enumerate(self.pool.engines)
             ]
         )

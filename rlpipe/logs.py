@@ -65,22 +65,22 @@ KNOWN_HARMLESS: list[tuple[str, str]] = [
     ("vllm.platforms.cpu", "Reset SSM cache type to float32 for accelerated GDN mamba backend"),
     # Performance advice (preload tcmalloc / Intel OpenMP), printed by every CPU engine; kept in the log file.
     ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD. For best performance"),
-    # rlpipe gives the computing actors OMP_NUM_THREADS on purpose (actors/groups.py compute_env: the roles take
+    # rlpipe gives the computing actors OMP_NUM_THREADS on purpose (actors/cluster.py compute_env: the roles take
     # turns, so each may use every core while it runs).
     ("vllm.utils.torch_utils", "OMP_NUM_THREADS=%s is set; leaving Torch threads at"),
     # vLLM's CPU worker binds its threads and then refuses torch.set_num_threads — including vLLM's own later calls
     # (its renderer warm-up, its serving thread setting), which is what prints this; the binding stays as it is.
     ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding"),
-    # rlpipe's local cluster relies on Ray's default token authentication (docs/rewards.md, actors/groups.py
+    # rlpipe's local cluster relies on Ray's default token authentication (docs/rewards.md, actors/cluster.py
     # start_ray); the opposite warning, that authentication is off, is not in this list.
     ("ray._private.authentication.authentication_token_setup", "Token authentication is enabled for this Ray cluster"),
 ]
 
-# vLLM's in-place weight reload (the weight sync's write, rlpipe/rollout.py WeightReceiver) warns for every layer that
+# vLLM's in-place weight reload (the weight sync's write, rlpipe/vllm_worker.py WeightWriter) warns for every layer that
 # received no weight although it has tensors: there vLLM puts the layer's current tensors back. Two layer kinds never
 # receive any in rlpipe's updates, by design: a rotary embedding, whose cos/sin cache is computed from the config and
 # is in no checkpoint; and the output layer of a model that ties it to the embeddings — the update carries the
-# embedding, and WeightReceiver._refresh_tied_output_layer re-derives the output layer from it right after the reload.
+# embedding, and WeightWriter._refresh_tied_output_layer re-derives the output layer from it right after the reload.
 # Any other layer named here would be one the update missed: that warning stays (and the sync's probe, which replays a
 # sequence and compares it with the learner, fails the step).
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"

@@ -9,7 +9,8 @@ tensors, and its part is those spans.
 The checksum is the sum of the part's 64-bit words (the tail zero-padded) modulo 2^64, mixed with the length —
 taken over the rank's spans in place when ranks share a buffer: it reads memory at bandwidth speed (crc32 runs at a
 fraction of memcpy's speed and would dominate the transfer: docs/benchmarks.md), and any changed word, truncation or
-zeroed span changes it. It guards against transport faults, not tampering. The sender takes it while copying (`native.py`).
+zeroed span changes it. It guards against transport faults, not tampering. The sender takes it while copying
+(`native.py`).
 """
 
 from __future__ import annotations

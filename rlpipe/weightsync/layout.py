@@ -173,25 +173,25 @@ def plan_sync(
     oversized = [name for name in shapes if sizes[name] > bucket_bytes]
     order = fitting[: len(fitting) // 2] + oversized + fitting[len(fitting) // 2 :]
     end_budget = max(1, bucket_bytes // 4)
-    groups: list[list[str]] = [[]]
-    group_bytes = 0
+    bucket_names: list[list[str]] = [[]]
+    filled = 0
     for name in order:
-        if groups[-1] and group_bytes + sizes[name] > (end_budget if len(groups) == 1 else bucket_bytes):
-            groups.append([])
-            group_bytes = 0
-        groups[-1].append(name)
-        group_bytes += sizes[name]
+        if bucket_names[-1] and filled + sizes[name] > (end_budget if len(bucket_names) == 1 else bucket_bytes):
+            bucket_names.append([])
+            filled = 0
+        bucket_names[-1].append(name)
+        filled += sizes[name]
     tail: list[str] = []
-    if sum(sizes[name] for name in groups[-1]) > end_budget:  # a long last group gives up a short end of its own
+    if sum(sizes[name] for name in bucket_names[-1]) > end_budget:  # a long last bucket gives up a short end of its own
         tail_bytes = 0
-        while len(groups[-1]) > 1 and tail_bytes + sizes[groups[-1][-1]] <= end_budget:
-            tail.insert(0, groups[-1].pop())
+        while len(bucket_names[-1]) > 1 and tail_bytes + sizes[bucket_names[-1][-1]] <= end_budget:
+            tail.insert(0, bucket_names[-1].pop())
             tail_bytes += sizes[tail[0]]
     if tail:
-        groups.append(tail)
+        bucket_names.append(tail)
 
     buckets = []
-    for index, names in enumerate(groups):
+    for index, names in enumerate(bucket_names):
         tensor_offsets = [0]
         for name in names:
             tensor_offsets.append(tensor_offsets[-1] + math.prod(shapes[name]) * itemsize)

@@ -30,7 +30,9 @@ def decoded_gaps(engine: DecodedProbe, learner: DecodedProbe) -> list[float]:
     return [abs(a - b) for a, b in zip(engine.logprobs[:compared], learner.logprobs[:compared])]
 
 
-def probe_gaps(engine: list[float] | DecodedProbe, learner: list[float] | DecodedProbe) -> tuple[list[float], list[float]]:
+def probe_gaps(
+    engine: list[float] | DecodedProbe, learner: list[float] | DecodedProbe
+) -> tuple[list[float], list[float]]:
     """|engine - learner| per compared token, and the probe sequence's log-probs under the new weights: the engine's
     own where it replays the sequence, the learner's where it decodes (it returns none of its own)."""
     if isinstance(engine, DecodedProbe):
