@@ -90,7 +90,17 @@ def collect(root: Path, extensions: dict[str, str], folders=("rlpipe", "actors")
     """`extensions`: rlpipe class name -> dotted name of the worker class vLLM mixes it into."""
     uses: dict[str, Use] = {}
     worker = next(iter(extensions.values()), None)
-    for path in sorted(p for folder in folders for p in (root / folder).rglob("*.py")):
+    paths = sorted(p for folder in folders for p in (root / folder).rglob("*.py"))
+    # The extension's own methods, wherever it is defined: `collective_rpc` names them from other modules too.
+    own_methods = {
+        item.name
+        for path in paths
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ClassDef) and node.name in extensions
+        for item in node.body
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    for path in paths:
         source = path.read_text()
         if not any(package in source for package in (*PACKAGES, "torch.tpu")):
             continue
@@ -102,11 +112,9 @@ def collect(root: Path, extensions: dict[str, str], folders=("rlpipe", "actors")
         def add(name: str, line: int, on_instance: bool = False) -> Use:
             return uses.setdefault(name, Use(name, f"{where}:{line}", on_instance))
 
-        own_methods = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and node.name in extensions:
                 own = {item.name for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
-                own_methods |= own
                 for inner_node in ast.walk(node):
                     if (isinstance(inner_node, ast.Attribute) and id(inner_node) not in inner
                             and isinstance(inner_node.ctx, ast.Load)):
