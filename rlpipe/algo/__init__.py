@@ -24,7 +24,7 @@ from rlpipe.algo.objective import (
     build_objective,
     loss_defaults,
 )
-from rlpipe.types import ModelOutputs
+from rlpipe.types import LossInputs, LossStats, ModelOutputs
 
 __all__ = [
     "group_advantages",
@@ -45,6 +45,8 @@ __all__ = [
     "MaskedImportance",
     "TruncatedImportance",
     "RouterBalance",
+    "LossInputs",
+    "LossStats",
     "ModelOutputs",
     "Objective",
     "build_objective",
