@@ -4,7 +4,6 @@ from rlpipe.algo.advantages import group_advantages, uniform_groups
 from rlpipe.algo.losses import (
     aggregate,
     kl_penalty,
-    logprob_gap,
     masked_importance_weights,
     policy_loss,
     sequence_policy_loss,
@@ -34,7 +33,6 @@ __all__ = [
     "kl_penalty",
     "aggregate",
     "truncated_importance_weights",
-    "logprob_gap",
     "masked_importance_weights",
     "POLICY_LOSSES",
     "GRPOLoss",

@@ -135,6 +135,26 @@ def test_corrections_weigh_tokens_and_terms_add():
     assert float(stats.kl) == pytest.approx(3.0)
 
 
+def test_the_gap_to_the_rollout_engine_is_summed_over_trained_tokens():
+    """The learner-vs-engine diagnostics: |old - rollout| summed and its maximum, and the k3 estimate of
+    KL(rollout || learner) summed (the engine sampled the tokens)."""
+    old = torch.tensor([[0.0, -1.0, -2.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
+    rollout = torch.tensor([[0.0, -1.5, -1.0], [-0.5, 9.0, 9.0]], dtype=torch.float64)  # 9.0: masked garbage
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    inputs = _micro(mask=mask, old_logprobs=old, rollout_logprobs=rollout, advantages=torch.zeros(2))
+    # d = old - rollout over trained tokens: [0, 0.5, -1, 0]; per token exp(d) - d - 1:
+    # d=0.5 -> 1.6487213 - 1.5 = 0.1487213; d=-1 -> exp(-1) = 0.3678794; d=0 -> 0
+    _, stats = Objective(GRPOLoss())(_outputs(old.clone()), inputs)
+    assert float(stats.tokens) == 4
+    assert float(stats.gap_abs) == pytest.approx(1.5)
+    assert float(stats.gap_max) == pytest.approx(1.0)
+    assert float(stats.gap_kl) == pytest.approx(0.1487213 + 0.3678794, abs=1e-7)
+    nothing = _micro(mask=torch.zeros(1, 2, dtype=torch.bool), old_logprobs=torch.ones(1, 2, dtype=torch.float64),
+                     rollout_logprobs=-torch.ones(1, 2, dtype=torch.float64), advantages=torch.zeros(1))
+    _, stats = Objective(GRPOLoss())(_outputs(torch.ones(1, 2, dtype=torch.float64)), nothing)
+    assert (float(stats.gap_abs), float(stats.gap_max), float(stats.gap_kl)) == (0.0, 0.0, 0.0)
+
+
 def test_the_config_selects_the_loss_and_its_own_defaults():
     def objective(*overrides):
         cfg = load_config(None, list(overrides))
