@@ -30,8 +30,6 @@ from rlpipe.parallel.strategy import choose_strategy
 from rlpipe.types import LossInputs, TrainBatch
 from rlpipe.weightsync.probe import DecodedProbe
 
-__all__ = ["TrainEngine", "lr_factor", "token_logprobs"]  # token_logprobs: rlpipe/forward.py's, for older imports
-
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
     """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""

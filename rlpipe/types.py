@@ -178,7 +178,7 @@ class LossStats:
     gap_abs: torch.Tensor  # |old - rollout| log-prob: the learner's numbers against the rollout engine's
     gap_max: torch.Tensor  # the largest of those
     gap_kl: torch.Tensor  # k3 estimate of KL(rollout || learner) on the rollout's samples
-    clip_fraction: torch.Tensor | None = None  # tokens whose clipped branch is the minimum (the policy loss's)
+    clip_fraction: torch.Tensor | None = None  # tokens the policy loss clipped (set once it has run)
     kl: torch.Tensor | None = None  # KL(policy || reference), the KL term's estimator
     mis_dropped: torch.Tensor | None = None  # tokens masked importance sampling left out
     router_tokens: torch.Tensor | None = None  # [MoE layers, experts]: routed copies of the trained tokens
