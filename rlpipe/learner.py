@@ -14,8 +14,8 @@ from rlpipe.config import Config
 from rlpipe.models import read_hf_config
 from rlpipe.models.moe import balance_loss_from_sums
 from rlpipe.models.registry import model_config
-from rlpipe.train_engine import TrainEngine, accumulate
-from rlpipe.types import TrainBatch
+from rlpipe.train_engine import TrainEngine
+from rlpipe.types import LossInputs, TrainBatch
 from rlpipe.weightsync.probe import DECODE_TOKENS, DecodedProbe
 
 
@@ -35,7 +35,7 @@ class Learner:
         moe = None
         if config.moe_layers:
             coef = algo.router_aux_loss_coef if algo.router_aux_loss_coef is not None else config.router_aux_loss_coef
-            moe = (config.experts_per_token, config.moe_layers, coef)
+            moe = (config.experts_per_token, coef)
         self.objective = build_objective(algo, max_tokens=max_tokens, moe=moe)
         self.engine = TrainEngine(
             model_path, model, learner, train, loss=self.objective,
@@ -89,35 +89,38 @@ class Learner:
         rows = first + torch.nonzero(batch.advantages[first:last]).flatten()
         return batch.take(rows) if len(rows) else None
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One GRPO update on a step's samples: a mini-batch per optimizer step. Returns this rank's sums;
-        `combine_rank_metrics` turns every rank's sums into the step's metrics."""
+    def train_step(self, batch: TrainBatch) -> dict[str, float | list]:
+        """One GRPO update on a step's samples: a mini-batch per optimizer step. Returns this rank's sums (floats,
+        and nested lists of them for the router's per-expert counts); `combine_rank_metrics` turns every rank's
+        sums into the step's metrics."""
         engine = self.engine
         engine.ready()
         # With one optimizer step per batch the policy cannot move before every token has been seen, so the "old"
         # log-probs are the training forward's own (detached) and a separate pass is waste.
         several_steps = self.optimizer_steps_per_batch > 1
-        mini_batches = []
+        mini_batches: list[tuple[TrainBatch | None, LossInputs | None]] = []
         for first, last in self._mini_batches(len(batch)):
             rows = self._rows_to_run(batch, first, last)
-            # The loss's denominators count the rows left out as well.
-            totals = {
-                "total_tokens": batch.completion_mask[first:last].sum().float(),
-                "total_seqs": torch.tensor(float(last - first)),
-            }
-            fields = {} if rows is None else {"advantages": rows.advantages, "rollout_logprobs": rows.rollout_logprobs}
-            mini_batches.append((rows, fields, totals))
+            inputs = None if rows is None else LossInputs(
+                mask=rows.completion_mask,
+                advantages=rows.advantages,
+                rollout_logprobs=rows.rollout_logprobs,
+                # The loss's denominators count the rows left out as well.
+                total_tokens=batch.completion_mask[first:last].sum().float(),
+                total_seqs=torch.tensor(float(last - first)),
+            )
+            mini_batches.append((rows, inputs))
         # All before the first update: "old" is the policy that generated the step.
-        compared = {"old_logprobs": self.model} if several_steps else {}
+        running = [(rows, inputs) for rows, inputs in mini_batches if rows is not None]
+        if several_steps:
+            for rows, inputs in running:
+                inputs.old_logprobs = engine.logprobs(rows, self.model)
         if self.reference is not None:
-            compared["ref_logprobs"] = self.reference
-        for name, model in compared.items():
-            for rows, fields, _ in mini_batches:
-                if rows is not None:
-                    fields[name] = engine.logprobs(rows, model)
-        sums: dict[str, float] = defaultdict(float)
-        for rows, fields, totals in mini_batches:
-            out = engine.optimizer_step(rows, fields, totals)
+            for rows, inputs in running:
+                inputs.ref_logprobs = engine.logprobs(rows, self.reference)
+        sums: dict[str, float | list] = defaultdict(float)
+        for rows, inputs in mini_batches:
+            out = engine.optimizer_step(rows, inputs)
             for count in ("compiles", "graph_breaks"):  # running counts, not per-step amounts
                 if count in out:
                     sums[count] = out.pop(count)
@@ -154,7 +157,7 @@ class Learner:
         return self.engine.export(out_dir)
 
 
-def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+def combine_rank_metrics(per_rank: list[dict[str, float | list]]) -> dict[str, float]:
     """The step's metrics from every rank's sums (rank-local token sums add up; norms and lr are shared)."""
     total: dict[str, float] = defaultdict(float)
     for sums in per_rank:
@@ -189,22 +192,18 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return metrics
 
 
-def _router_metrics(total: dict[str, float], tokens: float) -> dict[str, float]:
-    """Expert load of a mixture-of-experts step from the routed copies per (layer, expert), summed over ranks:
+def _router_metrics(total: dict[str, float | list], tokens: float) -> dict[str, float]:
+    """Expert load of a mixture-of-experts step from the routed copies per (MoE layer, expert), summed over ranks:
     the least and most loaded expert as a multiple of the balanced share (1.0 each when balanced; 0 for an expert
     that got nothing), worst over layers, and the entropy of the load over experts as a fraction of its maximum
     (log of the expert count), averaged over layers; and the load-balancing loss of the whole step's completion
     tokens. Routing is dropless (no capacity), so no token is dropped."""
-    per_layer: dict[int, dict[int, float]] = defaultdict(dict)
-    for key, value in total.items():
-        if key.startswith("router_tokens."):
-            _, layer, expert = key.split(".")
-            per_layer[int(layer)][int(expert)] = value
-    if not per_layer:
+    if "router_tokens" not in total:  # a dense model
         return {}
+    per_layer = total["router_tokens"]
     shares, entropies = [], []
-    for counts in per_layer.values():
-        load = torch.tensor([counts[e] for e in sorted(counts)], dtype=torch.float64)
+    for counts in per_layer:
+        load = torch.tensor(counts, dtype=torch.float64)
         if load.sum() <= 0:
             continue
         shares.append(load / load.mean())
@@ -212,12 +211,28 @@ def _router_metrics(total: dict[str, float], tokens: float) -> dict[str, float]:
         entropies.append(float(-(p[p > 0] * p[p > 0].log()).sum() / math.log(len(load))))
     if not shares:
         return {}
-    experts = sorted(next(iter(per_layer.values())))
-    copies = torch.tensor([sum(counts[e] for counts in per_layer.values()) for e in experts])
-    probability = torch.tensor([total[f"router_probability.{e}"] for e in experts])
+    copies = torch.tensor([sum(layer[expert] for layer in per_layer) for expert in range(len(per_layer[0]))])
+    probability = torch.tensor(total["router_probability"])
     return {
         "moe/expert_load_min": float(min(share.min() for share in shares)),
         "moe/expert_load_max": float(max(share.max() for share in shares)),
         "moe/expert_load_entropy": sum(entropies) / len(entropies),
         "moe/aux_loss": float(balance_loss_from_sums(copies, probability, tokens * len(per_layer))),
     }
+
+
+def accumulate(sums: dict[str, float | list], values: dict[str, float | list]) -> None:
+    """Add into running sums (lists element by element); keys ending in `_max` keep the maximum."""
+    for key, value in values.items():
+        if key not in sums:
+            sums[key] = value
+        elif key.endswith("_max"):
+            sums[key] = max(sums[key], value)
+        else:
+            sums[key] = _added(sums[key], value)
+
+
+def _added(total: float | list, value: float | list) -> float | list:
+    if isinstance(value, list):
+        return [_added(a, b) for a, b in zip(total, value, strict=True)]
+    return total + value

@@ -1,12 +1,12 @@
 """Sequence packing: the real tokens of right-padded rows [B, T] as one row, a GRPO group's common prompt once.
 
-One set of rules (`_blocks`), two forms of the result:
+One set of rules (`_blocks`), two forms of the result, each with the learner's log-prob pass on it:
 - `pack`: exactly the real tokens, the attention layout as python `Segments`; for eager forwards, where every
-  batch may have shapes and a structure of its own.
+  batch may have shapes and a structure of its own (`packed_token_logprobs`).
 - `pack_static`: the same row padded to a chosen width, the layout as tensors only (`PackedLayout`), so a graph
   captured with static shapes (torch.compile fullgraph, dynamic=False) is specialised on (rows, T, width) alone and
   serves every batch of that shape whatever its lengths and groups; with widths taken from a few length buckets,
-  the compiles stay at the number of buckets. `packed_static_token_logprobs` is the learner's log-prob pass on it.
+  the compiles stay at the number of buckets (`packed_static_token_logprobs`).
 """
 
 from __future__ import annotations
@@ -65,6 +65,51 @@ def pack(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.T
                 block.append(len(continuation))
         segments.append(tuple(block))
     return torch.tensor([ids]), torch.tensor([positions]), tuple(segments), where
+
+
+def packed_token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    prompt_lengths: torch.Tensor | None = None,
+    scored: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    kernels: KernelsConfig | None = None,
+    router_logits: list[torch.Tensor] | None = None,
+):
+    """Log-prob of each token of the right-padded rows input_ids [B, T] given the ones before it (and with
+    `with_entropy` the policy's entropy there, detached), computed by an rlpipe model on the rows packed into one
+    (`pack`), so no padding token is computed: 0 at the first token of each row, at padding, and where `scored`
+    ([B, T] bool, e.g. the completion mask) is False; only the scored tokens go through the output projection. With
+    `prompt_lengths`, rows with the same prompt run it once (see `pack`). A `router_logits` list receives a
+    mixture-of-experts model's router logits, one [tokens, experts] tensor per MoE layer, over the real tokens in
+    row order."""
+    kernels = kernels or KernelsConfig()
+    ids, positions, segments, where = pack(input_ids, lengths, prompt_lengths)
+    hidden = model.hidden_states(ids.to(input_ids.device), positions.to(input_ids.device), segments, router_logits)[0]
+    # Token (r, t) is scored from the hidden state of token (r, t - 1); a sequence's first token has no prediction.
+    # On RL batches the prompt tokens are about half of all tokens, and their log-probs are never used, so they
+    # skip the projection.
+    wanted = where >= 0
+    wanted[:, 0] = False
+    if scored is not None:
+        wanted &= scored.cpu()
+    rows, columns = wanted.nonzero(as_tuple=True)
+    if len(rows) == 0:  # e.g. a padding pass of a sharded learner: still one row, so every rank runs the same ops
+        rows, columns = torch.tensor([0]), torch.tensor([max(1, int(lengths[0]) - 1)])
+    picked, entropy = linear_logprob(
+        hidden[where[rows, columns - 1].to(hidden.device)], model.output_embedding(), input_ids[rows, columns],
+        temperature, impl=kernels.logprob, chunk=kernels.logprob_chunk,
+    )
+    wanted = wanted.to(hidden.device)
+
+    def unpacked(values: torch.Tensor) -> torch.Tensor:
+        index = (rows.to(values.device), columns.to(values.device))
+        placed = values.new_zeros(input_ids.shape).index_put(index, values)
+        return torch.where(wanted, placed, 0.0)
+
+    return (unpacked(picked), unpacked(entropy)) if with_entropy else unpacked(picked)
 
 
 def packed_length(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor | None = None) -> int:
@@ -167,8 +212,7 @@ def packed_static_token_logprobs(
     """Log-prob of each token of the rows input_ids [B, T] given the ones before it (and with `with_entropy` the
     policy's entropy there, detached), computed on their packed row `layout` with shapes fixed by (B, T, W):
     0 at the first token of each row, at padding, and where `scored` ([B, T] bool) is False. What
-    `rlpipe.train_engine.token_logprobs` gives with lengths and prompt lengths, as pure tensor code (no
-    data-dependent shape), so a captured graph holds it. The output projection runs once per packed position (W of
+    `packed_token_logprobs` gives, as pure tensor code (no data-dependent shape), so a captured graph holds it. The output projection runs once per packed position (W of
     them, a shared prompt's tokens once for the group), and each row reads its tokens' values back by index.
     A `router_logits` list receives a mixture-of-experts model's router logits, one [W, experts] tensor per MoE
     layer, over the packed row as run (padding included); `layout.packed_mask(scored)` marks its completion tokens."""

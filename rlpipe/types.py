@@ -1,9 +1,10 @@
 """What flows between the roles: prompts → completions → scored groups → a padded train batch; and, inside the
-learner, what the model computed for the objective (`ModelOutputs`)."""
+learner, what the objective reads (`LossInputs`, `ModelOutputs`) and what it reports (`LossStats`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -120,6 +121,35 @@ def _train_batch_from_arrays(arrays: dict) -> TrainBatch:
 
 
 @dataclass
+class LossInputs:
+    """What the objective reads besides the model's outputs, for some rows of a mini-batch (all of them, or one
+    micro-batch's): per-token tensors [B, T] aligned with the rows' input_ids, per-row ones [B], and the mini-batch's
+    totals (0-d), so that losses summed over micro-batches are the mini-batch's loss."""
+
+    mask: torch.Tensor  # [B, T] bool: the tokens trained on
+    advantages: torch.Tensor  # [B]
+    rollout_logprobs: torch.Tensor  # [B, T]: the rollout engine's log-probs of the sampled tokens
+    total_tokens: torch.Tensor  # 0-d: the trained tokens of the whole mini-batch
+    total_seqs: torch.Tensor  # 0-d: the rows of the whole mini-batch
+    old_logprobs: torch.Tensor | None = None  # [B, T]: the policy before the step's first update, when it moves
+    # within a step (several optimizer steps); None: the training forward's own, detached
+    ref_logprobs: torch.Tensor | None = None  # [B, T]: a frozen reference model's (a KL term)
+
+    def map_rows(self, change: Callable[[torch.Tensor], torch.Tensor]) -> LossInputs:
+        """`change` applied to every per-row and per-token tensor (cut, pad); the totals stay as they are."""
+        return replace(self, **{name: change(value) for name, value in self._tensors() if value.dim() > 0})
+
+    def to(self, device: torch.device | str) -> LossInputs:
+        return replace(self, **{name: value.to(device) for name, value in self._tensors()})
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        return (value for _, value in self._tensors())
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None)
+
+
+@dataclass
 class ModelOutputs:
     """What the model computed for one micro-batch.
 
@@ -134,3 +164,22 @@ class ModelOutputs:
     entropy: torch.Tensor
     router_logits: list[torch.Tensor] = field(default_factory=list)
     router_mask: torch.Tensor | None = None
+
+
+@dataclass
+class LossStats:
+    """What the objective reports for one micro-batch, as sums over its trained tokens (detached tensors). They add
+    up over micro-batches, mini-batches and ranks, except `gap_max`, a maximum (the `_max` suffix says so);
+    `rlpipe.learner.combine_rank_metrics` turns them into the step's metrics. A field left None is not reported
+    (its term is not part of the objective)."""
+
+    tokens: torch.Tensor  # trained tokens
+    entropy: torch.Tensor  # the policy's entropy
+    gap_abs: torch.Tensor  # |old - rollout| log-prob: the learner's numbers against the rollout engine's
+    gap_max: torch.Tensor  # the largest of those
+    gap_kl: torch.Tensor  # k3 estimate of KL(rollout || learner) on the rollout's samples
+    clip_fraction: torch.Tensor | None = None  # tokens the policy loss clipped (set once it has run)
+    kl: torch.Tensor | None = None  # KL(policy || reference), the KL term's estimator
+    mis_dropped: torch.Tensor | None = None  # tokens masked importance sampling left out
+    router_tokens: torch.Tensor | None = None  # [MoE layers, experts]: routed copies of the trained tokens
+    router_probability: torch.Tensor | None = None  # [experts]: router probability, summed over layers

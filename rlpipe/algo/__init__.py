@@ -4,7 +4,6 @@ from rlpipe.algo.advantages import group_advantages, uniform_groups
 from rlpipe.algo.losses import (
     aggregate,
     kl_penalty,
-    logprob_gap,
     masked_importance_weights,
     policy_loss,
     sequence_policy_loss,
@@ -24,7 +23,7 @@ from rlpipe.algo.objective import (
     build_objective,
     loss_defaults,
 )
-from rlpipe.types import ModelOutputs
+from rlpipe.types import LossInputs, LossStats, ModelOutputs
 
 __all__ = [
     "group_advantages",
@@ -34,7 +33,6 @@ __all__ = [
     "kl_penalty",
     "aggregate",
     "truncated_importance_weights",
-    "logprob_gap",
     "masked_importance_weights",
     "POLICY_LOSSES",
     "GRPOLoss",
@@ -45,6 +43,8 @@ __all__ = [
     "MaskedImportance",
     "TruncatedImportance",
     "RouterBalance",
+    "LossInputs",
+    "LossStats",
     "ModelOutputs",
     "Objective",
     "build_objective",

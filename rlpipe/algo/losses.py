@@ -23,7 +23,6 @@ __all__ = [
     "kl_penalty",
     "aggregate",
     "truncated_importance_weights",
-    "logprob_gap",
     "masked_importance_weights",
 ]
 
@@ -332,35 +331,3 @@ def masked_importance_weights(
             log_ratio = per_sequence[:, None].expand_as(log_ratio)
         return (log_ratio.abs() <= limit).to(learner_logprobs.dtype)
 
-
-def logprob_gap(
-    learner_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor
-) -> dict[str, float]:
-    """Diagnostics for the learner-vs-rollout-engine numerical mismatch.
-
-    Args:
-        learner_logprobs: ``[B, T]`` logprobs under the learner.
-        rollout_logprobs: ``[B, T]`` logprobs reported by the rollout engine.
-        mask: ``[B, T]`` valid-token mask.
-
-    Returns:
-        Python floats over valid tokens (all 0.0 when none are valid):
-        ``mean_abs`` / ``max_abs`` of ``|learner - rollout|``, and ``kl``: mean k3
-        estimate of KL(rollout || learner). The tokens were sampled by the rollout
-        engine, so it plays the "policy" role of :func:`kl_penalty` and the learner
-        the "reference" role: per token ``exp(d) - d - 1`` with ``d = learner - rollout``.
-    """
-    valid = _bool_mask(mask, learner_logprobs)
-    with torch.no_grad():
-        diff = (learner_logprobs - rollout_logprobs).double()
-        zeros = torch.zeros_like(diff)
-        n = int(valid.sum().item())
-        if n == 0:
-            return {"mean_abs": 0.0, "max_abs": 0.0, "kl": 0.0}
-        abs_diff = torch.where(valid, diff.abs(), zeros)
-        k3 = kl_penalty(rollout_logprobs.double(), learner_logprobs.double(), "k3")
-        return {
-            "mean_abs": float(abs_diff.sum() / n),
-            "max_abs": float(abs_diff.max()),
-            "kl": float(torch.where(valid, k3, zeros).sum() / n),
-        }

@@ -1,12 +1,12 @@
 """Training objectives as small objects: a policy loss (GRPO, Dr. GRPO, DAPO, GSPO), importance corrections that
 weight its tokens (TIS, MIS) and terms added to it (KL to a reference model, the MoE router's balance loss).
 
-An `Objective` is what the train engine runs on every micro-batch: `objective(outputs, micro) -> (loss, stats)`.
-`outputs` is what the model computed (`ModelOutputs`); `micro` holds the micro-batch's tensors by name — `mask`
-([B, T], the tokens trained on), `advantages` [B], `rollout_logprobs` [B, T], optionally `old_logprobs` and
-`ref_logprobs` [B, T], and the mini-batch's `total_tokens` / `total_seqs`, so that losses summed over micro-batches
-are the mini-batch's loss. Stats are 0-d tensors summed over micro-batches and ranks (`*_max` ones take the
-maximum); `rlpipe.learner.combine_rank_metrics` turns them into the step's metrics.
+An `Objective` is what the train engine runs on every micro-batch: `objective(outputs, inputs) -> (loss, stats)`.
+`outputs` is what the model computed (`ModelOutputs`); `inputs` is the micro-batch's `LossInputs` — `mask` ([B, T],
+the tokens trained on), `advantages` [B], `rollout_logprobs` [B, T], optionally `old_logprobs` and `ref_logprobs`
+[B, T], and the mini-batch's `total_tokens` / `total_seqs`, so that losses summed over micro-batches are the
+mini-batch's loss. `stats` is a `LossStats` (rlpipe/types.py): sums over the micro-batch's trained tokens, which
+add up over micro-batches and ranks; a correction or term fills its own fields.
 
 Everything here is pure tensor code (no `.item()`, no data-dependent Python branch), so the same objective runs
 eagerly and inside the compiled step.
@@ -29,7 +29,7 @@ from rlpipe.algo.losses import (
     truncated_importance_weights,
 )
 from rlpipe.models.moe import expert_token_counts, load_balancing_loss, router_probability_sums
-from rlpipe.types import ModelOutputs
+from rlpipe.types import LossInputs, LossStats, ModelOutputs
 
 
 # ------------------------------------------------------------------ policy losses
@@ -47,16 +47,17 @@ class GRPOLoss:
     advantage_scale: ClassVar[str] = "group"
     drop_uniform_groups: ClassVar[bool] = False
 
-    def __call__(self, logprobs, old, advantages, mask, weights, micro) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, logprobs, old, advantages, mask, weights, inputs: LossInputs) -> tuple[Tensor, Tensor]:
+        """The loss and the share of trained tokens whose clipped branch is the minimum."""
         per_token, stats = policy_loss(
             logprobs, old, advantages, mask, clip_low=self.clip_low, clip_high=self.clip_high, token_weights=weights
         )
-        return self.aggregate(per_token, mask, micro), {"clip_fraction": stats["clip_fraction"]}
+        return self.aggregate(per_token, mask, inputs), stats["clip_fraction"]
 
-    def aggregate(self, per_token: Tensor, mask: Tensor, micro: dict) -> Tensor:
+    def aggregate(self, per_token: Tensor, mask: Tensor, inputs: LossInputs) -> Tensor:
         """Reduce a [B, T] per-token quantity as this loss reduces its own (additive terms use it too)."""
         return aggregate(
-            per_token, mask, self.aggregation, total_tokens=micro["total_tokens"], total_seqs=micro["total_seqs"],
+            per_token, mask, self.aggregation, total_tokens=inputs.total_tokens, total_seqs=inputs.total_seqs,
             max_tokens=self.max_tokens,
         )
 
@@ -94,19 +95,19 @@ class GSPOLoss:
     advantage_scale: ClassVar[str] = "group"
     drop_uniform_groups: ClassVar[bool] = False
 
-    def __call__(self, logprobs, old, advantages, mask, weights, micro) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, logprobs, old, advantages, mask, weights, inputs: LossInputs) -> tuple[Tensor, Tensor]:
         per_sequence, clipped = sequence_policy_loss(
             logprobs, old, advantages, mask, clip_low=self.clip_low, clip_high=self.clip_high, token_weights=weights
         )
-        loss = per_sequence.sum() / micro["total_seqs"].to(per_sequence.dtype).clamp_min(1.0)
+        loss = per_sequence.sum() / inputs.total_seqs.to(per_sequence.dtype).clamp_min(1.0)
         tokens = mask.sum(-1).to(per_sequence.dtype)
         # Share of tokens whose sequence was clipped, so it averages over tokens like the token-level losses'.
         fraction = (clipped.to(tokens.dtype) * tokens).sum() / tokens.sum().clamp_min(1.0)
-        return loss, {"clip_fraction": fraction}
+        return loss, fraction
 
-    def aggregate(self, per_token: Tensor, mask: Tensor, micro: dict) -> Tensor:
+    def aggregate(self, per_token: Tensor, mask: Tensor, inputs: LossInputs) -> Tensor:
         """Length-normalised per sequence, then the mean over sequences, as the ratio itself is."""
-        return aggregate(per_token, mask, "seq-mean-token-mean", total_seqs=micro["total_seqs"])
+        return aggregate(per_token, mask, "seq-mean-token-mean", total_seqs=inputs.total_seqs)
 
 
 POLICY_LOSSES = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss, "gspo": GSPOLoss}
@@ -121,8 +122,8 @@ class TruncatedImportance:
 
     cap: float
 
-    def __call__(self, old: Tensor, micro: dict, stats: dict) -> Tensor:
-        return truncated_importance_weights(old, micro["rollout_logprobs"], self.cap)
+    def __call__(self, old: Tensor, inputs: LossInputs, stats: LossStats) -> Tensor:
+        return truncated_importance_weights(old, inputs.rollout_logprobs, self.cap)
 
 
 @dataclass
@@ -132,10 +133,10 @@ class MaskedImportance:
     threshold: float
     level: str = "token"
 
-    def __call__(self, old: Tensor, micro: dict, stats: dict) -> Tensor:
-        mask = micro["mask"]
-        kept = masked_importance_weights(old, micro["rollout_logprobs"], mask, self.threshold, self.level)
-        stats["mis_dropped"] = torch.where(mask, 1 - kept, torch.zeros_like(kept)).sum()
+    def __call__(self, old: Tensor, inputs: LossInputs, stats: LossStats) -> Tensor:
+        mask = inputs.mask
+        kept = masked_importance_weights(old, inputs.rollout_logprobs, mask, self.threshold, self.level)
+        stats.mis_dropped = torch.where(mask, 1 - kept, torch.zeros_like(kept)).sum()
         return kept
 
 
@@ -151,11 +152,11 @@ class KLPenalty:
     every_row_counts: ClassVar[bool] = True  # a sample with advantage 0 still has a KL gradient
     needs_reference: ClassVar[bool] = True
 
-    def __call__(self, outputs: ModelOutputs, micro: dict, policy) -> tuple[Tensor, dict[str, Tensor]]:
-        mask = micro["mask"]
-        kl = kl_penalty(outputs.logprobs, micro["ref_logprobs"], self.estimator)
-        stats = {"kl": torch.where(mask, kl.detach(), torch.zeros_like(kl)).sum()}
-        return self.beta * policy.aggregate(kl, mask, micro), stats
+    def __call__(self, outputs: ModelOutputs, inputs: LossInputs, policy, stats: LossStats) -> Tensor:
+        mask = inputs.mask
+        kl = kl_penalty(outputs.logprobs, inputs.ref_logprobs, self.estimator)
+        stats.kl = torch.where(mask, kl.detach(), torch.zeros_like(kl)).sum()
+        return self.beta * policy.aggregate(kl, mask, inputs)
 
 
 @dataclass
@@ -167,7 +168,6 @@ class RouterBalance:
 
     coef: float
     experts_per_token: int
-    moe_layers: tuple[int, ...]
 
     @property
     def every_row_counts(self) -> bool:
@@ -175,18 +175,15 @@ class RouterBalance:
 
     needs_reference: ClassVar[bool] = False
 
-    def __call__(self, outputs: ModelOutputs, micro: dict, policy) -> tuple[Tensor, dict[str, Tensor]]:
-        token_mask, stats = outputs.router_mask, {}
-        probability = 0.0
-        for layer, logits in zip(self.moe_layers, outputs.router_logits):
-            counts = expert_token_counts(logits.detach(), self.experts_per_token, token_mask)
-            for expert in range(counts.shape[0]):
-                stats[f"router_tokens.{layer}.{expert}"] = counts[expert]
+    def __call__(self, outputs: ModelOutputs, inputs: LossInputs, policy, stats: LossStats) -> Tensor:
+        token_mask = outputs.router_mask
+        counts, probability = [], 0.0
+        for logits in outputs.router_logits:  # one per MoE layer, in layer order
+            counts.append(expert_token_counts(logits.detach(), self.experts_per_token, token_mask))
             probability = probability + router_probability_sums(logits.detach(), token_mask)
-        for expert in range(probability.shape[0]):
-            stats[f"router_probability.{expert}"] = probability[expert]
+        stats.router_tokens, stats.router_probability = torch.stack(counts), probability
         aux = load_balancing_loss(outputs.router_logits, self.experts_per_token, token_mask)
-        return self.coef * aux * token_mask.sum().float() / micro["total_tokens"], stats
+        return self.coef * aux * token_mask.sum().float() / inputs.total_tokens
 
 
 # ------------------------------------------------------------------ the objective
@@ -210,31 +207,29 @@ class Objective:
     def needs_reference(self) -> bool:
         return any(term.needs_reference for term in self.terms)
 
-    def __call__(self, outputs: ModelOutputs, micro: dict) -> tuple[Tensor, dict[str, Tensor]]:
-        mask, logprobs = micro["mask"], outputs.logprobs
+    def __call__(self, outputs: ModelOutputs, inputs: LossInputs) -> tuple[Tensor, LossStats]:
+        mask, logprobs = inputs.mask, outputs.logprobs
         # With one optimizer step per batch the policy has not moved yet: its own detached log-probs are "old".
-        old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
-        stats: dict[str, Tensor] = {}
+        old = inputs.old_logprobs if inputs.old_logprobs is not None else logprobs.detach()
+        zeros = torch.zeros_like(old)
+        rollout = inputs.rollout_logprobs
+        gap = torch.where(mask, (old - rollout).abs(), zeros)
+        stats = LossStats(
+            tokens=mask.sum().float(),
+            entropy=(outputs.entropy * mask).sum(),
+            gap_abs=gap.sum(),
+            gap_max=gap.max(),
+            # The rollout engine sampled the tokens, so it is the "policy" of the k3 estimator and the learner the
+            # reference: KL(rollout || learner).
+            gap_kl=torch.where(mask, kl_penalty(rollout, old, "k3"), zeros).sum(),
+        )
         weights = torch.ones_like(old)
         for correction in self.corrections:
-            weights = weights * correction(old, micro, stats)
-        loss, policy_stats = self.policy(logprobs, old, micro["advantages"], mask, weights, micro)
-        tokens = mask.sum().float()
-        zeros = torch.zeros_like(old)
-        rollout = micro["rollout_logprobs"]
-        gap = torch.where(mask, (old - rollout).abs(), zeros)
-        stats.update({
-            "tokens": tokens,
-            "clip_fraction": policy_stats["clip_fraction"] * tokens,
-            "entropy": (outputs.entropy * mask).sum(),
-            "gap_abs": gap.sum(),
-            "gap_max": gap.max(),
-            "gap_kl": torch.where(mask, kl_penalty(rollout, old, "k3"), zeros).sum(),  # as logprob_gap measures it
-        })
+            weights = weights * correction(old, inputs, stats)
+        loss, clip_fraction = self.policy(logprobs, old, inputs.advantages, mask, weights, inputs)
+        stats.clip_fraction = clip_fraction * stats.tokens
         for term in self.terms:
-            value, term_stats = term(outputs, micro, self.policy)
-            loss = loss + value
-            stats.update(term_stats)
+            loss = loss + term(outputs, inputs, self.policy, stats)
         return loss, stats
 
 
@@ -248,7 +243,7 @@ def loss_defaults(algo) -> tuple[str, bool]:
 
 def build_objective(algo, *, max_tokens: int, moe=None) -> Objective:
     """The objective an `algo` config section describes. `max_tokens` is the longest completion (Dr. GRPO's
-    normaliser); `moe` is (experts_per_token, moe_layers, coefficient) for a mixture-of-experts model, else None."""
+    normaliser); `moe` is (experts_per_token, coefficient) for a mixture-of-experts model, else None."""
     policy_class = POLICY_LOSSES[algo.loss]
     # Each loss takes the settings it has fields for; a null one leaves the loss's own default.
     settings = {"clip_low": algo.clip_low, "clip_high": algo.clip_high, "aggregation": algo.loss_agg,
@@ -264,6 +259,6 @@ def build_objective(algo, *, max_tokens: int, moe=None) -> Objective:
     if algo.kl_beta > 0:
         terms.append(KLPenalty(algo.kl_beta, algo.kl_estimator))
     if moe is not None:
-        experts_per_token, moe_layers, coef = moe
-        terms.append(RouterBalance(coef, experts_per_token, tuple(moe_layers)))
+        experts_per_token, coef = moe
+        terms.append(RouterBalance(coef, experts_per_token))
     return Objective(policy, corrections, terms)

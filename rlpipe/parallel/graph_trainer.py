@@ -35,14 +35,14 @@ alive at a time) and the gradients are summed before clipping and the update. `l
 micro-batch's loss so that the sum over micro-batches is the loss of the whole batch (for a token mean, divide by
 the token count of the whole batch, not the micro-batch's). The reported loss and stats are the sums over
 micro-batches (stats named `*_max` take the maximum instead), so scale the stats the same way if you want
-batch-level values. The number of micro-batches is part
-of the graph: a different count compiles a new graph.
+batch-level values. The number of micro-batches is part of the graph: a different count compiles a new graph.
 
 `compile=False` runs the very same function eagerly (`learner.graph: false`), giving the same numbers up to
 floating-point reassociation.
 
-On a lazy device (xla) nothing is handed to Dynamo: the same function runs on lazy XLA tensors, which record the
-whole step, and `rlpipe.device.step_boundary` turns the record into one XLA program (see rlpipe/device.py for why).
+On a lazy device (`lazy=True`: xla, `rlpipe.device.Backend.lazy`) nothing is handed to Dynamo: the same function
+runs on lazy XLA tensors, which record the whole step, and `rlpipe.device.step_boundary` turns the record into one
+XLA program (see rlpipe/device.py for why).
 The programs are cached by graph hash, so each bucket compiles once, as with Dynamo. There `compiles` counts XLA
 compilations and `graph_breaks` counts programs beyond the one per step — each a host sync inside the step that cut
 the record (an `.item()`, a data-dependent branch, an op XLA cannot lower) — and `xla_fallbacks` names the ops
@@ -52,16 +52,20 @@ that ran on the host.
 from __future__ import annotations
 
 import contextlib
-import time
+import dataclasses
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-Batch = dict[str, Tensor]
-LossFn = Callable[[nn.Module, Batch], tuple[Tensor, dict[str, Tensor]]]
+# A micro-batch is whatever the loss function takes (a dict of tensors, a dataclass of them). Its stats are named
+# tensors of any shape: a mapping of them, or a dataclass whose fields hold them (a field left None is not reported).
+Batch = Any
+Stats = Any
+LossFn = Callable[[nn.Module, Batch], tuple[Tensor, Stats]]
 
 # Guards clip_coef = max_norm / (norm + eps) against a zero norm, as torch.nn.utils.clip_grad_norm_ does.
 _CLIP_EPS = 1e-6
@@ -192,7 +196,9 @@ class GraphTrainStep:
     """Forward + loss + backward + global-norm clipping + AdamW of `model`, compiled as one graph per input shape.
 
     `loss_fn(model, batch) -> (loss, stats)` is pure tensor code (no `.item()`, no data-dependent Python
-    branches); `stats` are 0-d tensors, reported as floats. See the module docstring for micro-batch scaling.
+    branches); `stats` are named tensors (see `Stats`), reported as floats, or as nested lists for those of more
+    than 0 dimensions. See the module docstring for micro-batch scaling. `lazy`: the parameters live on a device
+    that records ops (xla), whose step runs as one program at `rlpipe.device.step_boundary` instead of compiling.
     With `fullgraph=False`, a graph break no longer raises: the step then runs as several graphs and the metrics
     show it. `compiles` counts graphs compiled by this trainer; `graph_breaks` counts the breaks Dynamo met while
     compiling them (read from its process-wide counters during this trainer's calls), so both stay flat once
@@ -213,6 +219,7 @@ class GraphTrainStep:
         backend: str = "inductor",
         buckets: Sequence[int],
         fullgraph: bool = True,
+        lazy: bool = False,
     ) -> None:
         if not buckets:
             raise ValueError("buckets must name at least one sequence length")
@@ -227,9 +234,8 @@ class GraphTrainStep:
             raise ValueError("the model has no trainable parameters (none requires grad)")
         self.optimizer = FunctionalAdamW(self.params, betas=betas, eps=eps, weight_decay=weight_decay)
         self.graph_breaks = 0
-        self.compile_seconds = 0.0
         self.device = self.params[0].device
-        self.lazy = self.device.type == "xla"
+        self.lazy = lazy
         self._xla_compiles = 0
         self.xla_fallbacks: dict[str, int] = {}
         if self.lazy:
@@ -262,6 +268,7 @@ class GraphTrainStep:
         total_stats: dict[str, Tensor] = {}
         for batch in micro_batches:
             loss, stats = self.loss_fn(self.model, batch)
+            stats = _named(stats)
             # allow_unused: eagerly, a parameter no token reached this time (an expert in the per-expert loop) has
             # no gradient; it gets zeros.
             micro_grads = torch.autograd.grad(loss, self.params, allow_unused=True)
@@ -295,24 +302,23 @@ class GraphTrainStep:
 
     @staticmethod
     def _reported(loss: Tensor, grad_norm: Tensor, stats: dict[str, Tensor]) -> Tensor:
-        """Every number the step reports in one tensor, so reading them is one host transfer."""
-        for name, value in stats.items():
+        """Every number the step reports in one flat tensor, so reading them is one host transfer."""
+        for name in stats:
             if name in _REPORTED_BY_STEP:
                 raise ValueError(f"loss_fn stat {name!r} collides with a metric the step reports itself")
-            if value.dim() != 0:
-                raise ValueError(f"loss_fn stat {name!r} has shape {tuple(value.shape)}; stats must be 0-d tensors")
         reported = [loss, grad_norm, *stats.values()]
         # Under SimpleFSDP the gradient norm is a DTensor holding per-rank partial results.
         reported = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in reported]
-        return torch.stack([value.float() for value in reported])
+        return torch.cat([value.float().reshape(-1) for value in reported])
 
-    def step(self, batch: Batch | list[Batch], lr: float | Tensor | None = None) -> dict[str, float]:
+    def step(self, batch: Batch | list[Batch], lr: float | Tensor | None = None) -> dict[str, float | list]:
         """One optimizer step over `batch` (or a list of micro-batches); returns loss, grad_norm, the stats,
-        `compiles` and `graph_breaks` as floats. `lr` defaults to the constructor's."""
+        `compiles` and `graph_breaks` as floats (a stat of more than 0 dimensions as nested lists of them). `lr`
+        defaults to the constructor's."""
         micro_batches = batch if isinstance(batch, list) else [batch]
         lr = self.lr if lr is None else lr
         lr_tensor = torch.as_tensor(lr, dtype=torch.float32, device=self.optimizer.step.device)
-        started, compiles_before, breaks_before = time.perf_counter(), self.compiles, _graph_break_count()
+        breaks_before = _graph_break_count()
         if self.lazy:
             from rlpipe.device import step_boundary, xla_counters
 
@@ -325,8 +331,6 @@ class GraphTrainStep:
             self.graph_breaks += max(0, spent.executions - 1)
             for op, count in spent.fallbacks:
                 self.xla_fallbacks[op] = self.xla_fallbacks.get(op, 0) + count
-            if spent.compiles:
-                self.compile_seconds += time.perf_counter() - started
         else:
             # Dynamo's settings for the captured step; an eager step leaves Dynamo alone (torch 2.9, which the xla
             # environment's eager reference runs on, has no trace_autograd_ops).
@@ -338,13 +342,22 @@ class GraphTrainStep:
             )
             with settings:
                 loss, grad_norm, stats = self._step_fn(micro_batches, lr_tensor)
-            if self.compiles > compiles_before:
-                # The first call of a new shape is dominated by compilation; keep it apart from step time.
-                self.compile_seconds += time.perf_counter() - started
             self.graph_breaks += _graph_break_count() - breaks_before
             values_tensor = self._reported(loss, grad_norm, stats)
-        values = values_tensor.tolist()
-        metrics = dict(zip(["loss", "grad_norm", *stats], values))
+        values = values_tensor.cpu()
+        metrics = {"loss": float(values[0]), "grad_norm": float(values[1])}
+        start = 2
+        for name, value in stats.items():
+            metrics[name] = values[start : start + value.numel()].reshape(value.shape).tolist()
+            start += value.numel()
         metrics["compiles"] = float(self.compiles)
         metrics["graph_breaks"] = float(self.graph_breaks)
         return metrics
+
+
+def _named(stats: Stats) -> dict[str, Tensor]:
+    """A loss function's stats by name: a mapping's items, or a dataclass's fields that hold a tensor."""
+    if isinstance(stats, Mapping):
+        return dict(stats)
+    named = {field.name: getattr(stats, field.name) for field in dataclasses.fields(stats)}
+    return {name: value for name, value in named.items() if value is not None}

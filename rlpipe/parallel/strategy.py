@@ -1,18 +1,24 @@
 """How a learner spreads its model over devices, one object per scheme, chosen once from the device table.
 
 A strategy knows where tensors live and how parameters are split; the train engine calls it at fixed points and
-never asks which one it has:
+never asks which one it has (what the device itself implies, such as static shapes on a lazy device, it reads from
+the backend table, rlpipe/device.py):
 - `join(address, port)`: form the process group, if the scheme has one (every rank at the same time);
 - `shard(model)`: split the model's parameters (the policy, and any frozen copy);
 - `shard_state(tensors)`: lay optimizer state out like the parameters it belongs to;
-- `place(tensors)`: a micro-batch's tensors on the device, split where the scheme splits rows;
+- `place(micro)`: a micro-batch (rlpipe/forward.py `MicroBatch`) on the device, split where the scheme splits rows;
 - `full_state_dict(model)` / `local_weights(model)`: whole tensors (a collective where sharded) or this rank's rows.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from rlpipe.forward import MicroBatch
 
 
 class Unsharded:
@@ -33,9 +39,9 @@ class Unsharded:
     def shard_state(self, tensors) -> None:
         pass
 
-    def place(self, tensors: dict) -> dict:
-        """Tensors (and objects of tensors with a `to`, such as a packed layout) moved to the device."""
-        return {key: value.to(self.device) if hasattr(value, "to") else value for key, value in tensors.items()}
+    def place(self, micro: MicroBatch) -> MicroBatch:
+        """The micro-batch moved to the device."""
+        return micro.to(self.device)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {name: value.cpu() for name, value in model.state_dict().items()}
@@ -104,9 +110,9 @@ class XlaSpmd(Unsharded):
 
         shard_dim0_spmd(list(tensors), self.mesh)
 
-    def place(self, tensors: dict) -> dict:
-        moved = super().place(tensors)
-        self.shard_state(value for value in moved.values() if isinstance(value, torch.Tensor))
+    def place(self, micro: MicroBatch) -> MicroBatch:
+        moved = super().place(micro)
+        self.shard_state(moved.tensors())
         return moved
 
 

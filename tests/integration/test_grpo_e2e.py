@@ -77,12 +77,15 @@ def _check_export(folder):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rlpipe.forward import logits_token_logprobs
     from rlpipe.train_engine import token_logprobs
     from rlpipe.models import load_model
 
     tokens = list(range(5, 30))
     ours = token_logprobs(load_model(folder), torch.tensor([tokens]))[0]
-    theirs = token_logprobs(lambda ids: AutoModelForCausalLM.from_pretrained(folder)(ids).logits, torch.tensor([tokens]))[0]
+    theirs = logits_token_logprobs(
+        lambda ids: AutoModelForCausalLM.from_pretrained(folder)(ids).logits, torch.tensor([tokens])
+    )[0]
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
     # vLLM pins the thread count of the process it runs in, so it gets a process of its own.
     script = (

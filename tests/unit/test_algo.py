@@ -15,7 +15,6 @@ from rlpipe.algo import (
     aggregate,
     group_advantages,
     kl_penalty,
-    logprob_gap,
     policy_loss,
     masked_importance_weights,
     truncated_importance_weights,
@@ -375,7 +374,7 @@ def test_aggregate_errors():
 
 
 # --------------------------------------------------------------------------- #
-# truncated_importance_weights / logprob_gap
+# truncated_importance_weights / masked_importance_weights
 # --------------------------------------------------------------------------- #
 
 
@@ -417,26 +416,3 @@ def test_masked_importance_weights_judge_whole_sequences_by_their_geometric_mean
     assert_close(kept, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     token_level = masked_importance_weights(learner, rollout, mask, threshold=2.0, level="token")
     assert_close(token_level[1, :2], [0.0, 1.0])
-
-
-def test_logprob_gap():
-    learner = t([[0.0, -1.0, -2.0], [-0.5, 0.0, 0.0]])
-    rollout = t([[0.0, -1.5, -1.0], [-0.5, 9.0, 9.0]])  # 9.0 = masked garbage
-    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
-    # d = learner - rollout over valid tokens: [0, 0.5, -1, 0]
-    # mean_abs = 1.5/4 = 0.375; max_abs = 1
-    # k3 of KL(rollout || learner) = exp(d) - d - 1:
-    #   d=0.5 -> 1.6487213 - 1.5 = 0.1487213; d=-1 -> exp(-1) = 0.3678794; d=0 -> 0
-    #   mean = (0.1487213 + 0.3678794)/4 = 0.1291502
-    gap = logprob_gap(learner, rollout, mask)
-    assert set(gap) == {"mean_abs", "max_abs", "kl"}
-    assert all(type(v) is float for v in gap.values())
-    assert gap["mean_abs"] == pytest.approx(0.375)
-    assert gap["max_abs"] == pytest.approx(1.0)
-    assert gap["kl"] == pytest.approx(0.1291502, abs=1e-7)
-
-
-def test_logprob_gap_no_valid_tokens():
-    x = t([[1.0, 2.0]])
-    gap = logprob_gap(x, -x, torch.zeros(1, 2, dtype=torch.bool))
-    assert gap == {"mean_abs": 0.0, "max_abs": 0.0, "kl": 0.0}

@@ -198,11 +198,23 @@ def test_micro_batches_sum_to_the_whole_batch(compile):
     assert_same_parameters(micro_model, reference_model)
 
 
-def test_step_rejects_stats_that_are_not_scalars():
+def test_step_reports_stats_of_any_shape_summed_over_micro_batches():
     def loss_with_vector_stat(model, batch):
-        loss, _ = next_token_loss(model, batch)
-        return loss, {"per_row": batch["loss_mask"].sum(-1)}
+        loss, stats = next_token_loss(model, batch)
+        return loss, {**stats, "per_row": batch["loss_mask"].sum(-1)}
 
     trainer = GraphTrainStep(tiny_model(), loss_with_vector_stat, **HYPERPARAMETERS, compile=False, buckets=BUCKETS)
-    with pytest.raises(ValueError, match="per_row"):
+    _, halves = _micro_batch_case()
+    metrics = trainer.step(halves, 1e-2)
+    assert metrics["per_row"] == (halves[0]["loss_mask"].sum(-1) + halves[1]["loss_mask"].sum(-1)).tolist()
+    assert metrics["tokens"] == sum(float(half["loss_mask"][:, 1:].sum()) for half in halves)
+
+
+def test_step_rejects_stats_named_like_its_own_metrics():
+    def loss_with_colliding_stat(model, batch):
+        loss, stats = next_token_loss(model, batch)
+        return loss, {**stats, "grad_norm": stats["tokens"]}
+
+    trainer = GraphTrainStep(tiny_model(), loss_with_colliding_stat, **HYPERPARAMETERS, compile=False, buckets=BUCKETS)
+    with pytest.raises(ValueError, match="grad_norm"):
         trainer.step(make_batch(seed=0, lengths=[4, 4], bucket=8), 1e-2)

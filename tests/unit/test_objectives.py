@@ -11,6 +11,7 @@ import torch
 from rlpipe.algo import DAPOLoss, DrGRPOLoss, GRPOLoss, GSPOLoss, KLPenalty, MaskedImportance, ModelOutputs
 from rlpipe.algo import Objective, TruncatedImportance, build_objective, loss_defaults
 from rlpipe.config import ConfigError, load_config
+from rlpipe.types import LossInputs
 
 # Two sequences: the first with 2 valid tokens, the second with 1 (its second position is padding).
 LOGPROBS = [[math.log(0.5), math.log(0.3)], [math.log(0.2), 0.0]]
@@ -19,7 +20,7 @@ MASK = [[True, True], [True, False]]
 ADVANTAGES = [1.0, -1.0]
 
 
-def _micro(**extra):
+def _micro(**extra) -> LossInputs:
     micro = {
         "mask": torch.tensor(MASK),
         "advantages": torch.tensor(ADVANTAGES, dtype=torch.float64),
@@ -29,7 +30,7 @@ def _micro(**extra):
         "total_seqs": torch.tensor(2.0),
     }
     micro.update(extra)
-    return micro
+    return LossInputs(**micro)
 
 
 def _outputs(logprobs=None):
@@ -77,10 +78,10 @@ def test_gspo_clips_the_length_normalised_sequence_ratio():
     tight = GSPOLoss(clip_low=0.1, clip_high=0.1)
     loss, stats = Objective(tight)(_outputs(), _micro())
     assert float(loss) == pytest.approx((-1.1 + 0.9) / 2)
-    assert float(stats["clip_fraction"]) == pytest.approx(3.0)  # both sequences' tokens (a sum over tokens)
+    assert float(stats.clip_fraction) == pytest.approx(3.0)  # both sequences' tokens (a sum over tokens)
     # clip 0.25: floor 0.75 and ceiling 1.25 hold both ratios.
     _, stats = Objective(GSPOLoss(clip_low=0.25, clip_high=0.25))(_outputs(), _micro())
-    assert float(stats["clip_fraction"]) == 0.0
+    assert float(stats.clip_fraction) == 0.0
 
 
 def test_gspo_gradient_equals_finite_differences_of_its_definition():
@@ -126,12 +127,32 @@ def test_corrections_weigh_tokens_and_terms_add():
     assert float(weighted) == pytest.approx(2 * plain)
     # MIS at threshold 2: a ratio of e is outside [1/2, 2] on every token, so all are dropped.
     _, stats = Objective(policy, [MaskedImportance(2.0)])(_outputs(), _micro(rollout_logprobs=rollout))
-    assert float(stats["mis_dropped"]) == 3
+    assert float(stats.mis_dropped) == 3
     # KL k1 to a reference one nat below the policy: +beta x 1 per token, token-mean.
     reference = torch.tensor(LOGPROBS, dtype=torch.float64) - 1.0
     with_kl, stats = Objective(policy, terms=[KLPenalty(0.1, "k1")])(_outputs(), _micro(ref_logprobs=reference))
     assert float(with_kl) == pytest.approx(plain + 0.1)
-    assert float(stats["kl"]) == pytest.approx(3.0)
+    assert float(stats.kl) == pytest.approx(3.0)
+
+
+def test_the_gap_to_the_rollout_engine_is_summed_over_trained_tokens():
+    """The learner-vs-engine diagnostics: |old - rollout| summed and its maximum, and the k3 estimate of
+    KL(rollout || learner) summed (the engine sampled the tokens)."""
+    old = torch.tensor([[0.0, -1.0, -2.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
+    rollout = torch.tensor([[0.0, -1.5, -1.0], [-0.5, 9.0, 9.0]], dtype=torch.float64)  # 9.0: masked garbage
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    inputs = _micro(mask=mask, old_logprobs=old, rollout_logprobs=rollout, advantages=torch.zeros(2))
+    # d = old - rollout over trained tokens: [0, 0.5, -1, 0]; per token exp(d) - d - 1:
+    # d=0.5 -> 1.6487213 - 1.5 = 0.1487213; d=-1 -> exp(-1) = 0.3678794; d=0 -> 0
+    _, stats = Objective(GRPOLoss())(_outputs(old.clone()), inputs)
+    assert float(stats.tokens) == 4
+    assert float(stats.gap_abs) == pytest.approx(1.5)
+    assert float(stats.gap_max) == pytest.approx(1.0)
+    assert float(stats.gap_kl) == pytest.approx(0.1487213 + 0.3678794, abs=1e-7)
+    nothing = _micro(mask=torch.zeros(1, 2, dtype=torch.bool), old_logprobs=torch.ones(1, 2, dtype=torch.float64),
+                     rollout_logprobs=-torch.ones(1, 2, dtype=torch.float64), advantages=torch.zeros(1))
+    _, stats = Objective(GRPOLoss())(_outputs(torch.ones(1, 2, dtype=torch.float64)), nothing)
+    assert (float(stats.gap_abs), float(stats.gap_max), float(stats.gap_kl)) == (0.0, 0.0, 0.0)
 
 
 def test_the_config_selects_the_loss_and_its_own_defaults():

@@ -110,7 +110,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(window, recompute, 
 
 
 def test_only_the_scored_tokens_go_through_the_output_projection(monkeypatch):
-    import rlpipe.train_engine
+    import rlpipe.packing
 
     model, batch = _model(), _batch()
     rows = []
@@ -120,7 +120,7 @@ def test_only_the_scored_tokens_go_through_the_output_projection(monkeypatch):
         return linear_logprob(hidden, *args, **kwargs)
 
     padded = token_logprobs(model, batch.input_ids)
-    monkeypatch.setattr(rlpipe.train_engine, "linear_logprob", counting)
+    monkeypatch.setattr(rlpipe.packing, "linear_logprob", counting)
     scored = token_logprobs(model, batch.input_ids, lengths=batch.lengths, scored=batch.completion_mask)
     mask = batch.completion_mask
     assert rows == [int(mask.sum())]  # the completion tokens, not the prompts, not the padding
