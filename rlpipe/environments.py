@@ -87,8 +87,8 @@ def probe_device(python: str, kind: str, ranks: int, timeout_s: float) -> str | 
 
 
 def __getattr__(name: str) -> Any:
-    """actors_needed and check_cluster_resources are start-up checks, in rlpipe.preflight now; actors/groups.py
-    imports them from here until it names their new home."""
+    """actors_needed and check_cluster_resources are start-up checks, in rlpipe.preflight now; actors/ imports them
+    from here until it names their new home."""
     if name in ("actors_needed", "check_cluster_resources"):
         from rlpipe import preflight
 

@@ -4,9 +4,9 @@ The recipe's own keys are checked when the config loads (each section beside its
 These check what the keys point at: the roles' Python environments, the learner's device, the model folder and its
 tokenizer, the reward functions against the dataset's columns, the prompts, the checkpoint to resume, the cluster's
 address, resources and ports. Each is a `check_<what>` that raises a one-line ConfigError naming the key to change
-(check_resume: a CheckpointError naming the checkpoint, as every checkpoint error does); controller.prepare calls
-them in one sequence, submit.py checks a cluster's resources, and the engine pool checks those of the cluster it
-joins.
+(check_reward_functions: the reward registry's RewardConfigError naming the function; check_resume: a
+CheckpointError naming the checkpoint). controller.prepare calls them in one sequence; submit.py checks the
+resources of the cluster it submits to, and actors/ those of the cluster the roles start on.
 """
 
 from __future__ import annotations
