@@ -6,29 +6,26 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
-from rlpipe import checkpoint
-from rlpipe.checkpoint import CheckpointError
+from rlpipe import checkpoint, preflight
 from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
-from rlpipe.config import Config, ConfigError, one_line
+from rlpipe.config import Config, ConfigError
 from rlpipe.data import PromptSet, Sampler, load_rows, reward_columns
-from rlpipe.environments import check_learner_device, check_role_environments
 from rlpipe.logs import LOG_FILE, LogSetup, driver_logging
 from rlpipe.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
 from rlpipe.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, TrainBatch
-from rlpipe.rewards import FailureWatch, RewardRunner, TrainerState, trainer_state
+from rlpipe.rewards import FailureWatch, TrainerState, trainer_state
 
 
 def train(cfg: Config, resume: str | None = None) -> dict:
@@ -200,43 +197,26 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, samp
 
 def prepare(cfg: Config, resume: str | None = None) -> Run:
     """Check every input (model, tokenizer, rewards, data, the checkpoint to resume) before a run directory or a
-    cluster exists."""
+    cluster exists: the start-up checks of rlpipe/preflight.py in order, with the trackers' and the data's own."""
     check_trackers_installed(cfg.metrics)
-    interpreters = check_role_environments(cfg)
+    interpreters = preflight.check_role_environments(cfg)
     if not cfg.ray.address:  # the run's own cluster is this machine; a cluster's resources are checked on joining
-        check_learner_device(cfg, interpreters.get("learner"))
+        preflight.check_learner_device(cfg, interpreters.get("learner"))
     model_path = resolve_model_path(cfg.model.path)
-    weight_shapes = check_model(model_path)
-    tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-    tokenizer_path = resolve_model_path(cfg.model.tokenizer, tokenizer_key) if cfg.model.tokenizer else None
-    tokenizer = load_tokenizer(tokenizer_path or model_path, tokenizer_key)
+    weight_shapes = preflight.check_model(model_path)
+    tokenizer_path, tokenizer = preflight.check_tokenizer(cfg.model, model_path)
     train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
     columns = reward_columns(train_rows, cfg.data.prompt_field)
-    RewardRunner([asdict(f) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s, columns=columns)
-    check_prompts_per_step(cfg, len(train_rows))
+    preflight.check_reward_functions(cfg.reward, columns)
+    preflight.check_prompts_per_step(cfg, len(train_rows))
     train_set = PromptSet(train_rows, tokenizer, cfg.data)
     eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows))
-    train_set.prompts(range(len(train_set)))  # rejects over-long prompts up front
-    eval_set.prompts(range(len(eval_set)))
+    preflight.check_prompts(train_set, eval_set)
     sampler = Sampler(len(train_set), cfg.run.seed)
-    state = None
-    if resume is not None:
-        source = checkpoint.resolve(cfg.run_dir if resume == "latest" else resume)
-        state = checkpoint.read_trainer_state(source)
-        checkpoint.check_fits(source, weight_shapes, f"model.path {cfg.model.path}")
-        newer = [p.name for p in checkpoint.list_checkpoints(cfg.run_dir) if p.name > checkpoint.step_name(state["step"])]
-        if newer:  # continuing would have to overwrite them
-            raise CheckpointError(
-                f"checkpoint {source}: {cfg.run_dir} already has later checkpoints ({', '.join(newer)}); resume from "
-                f"the latest, or set another run.name to branch off from this one"
-            )
-        try:
-            sampler.load_state_dict(state["sampler"])
-        except ValueError as err:  # another dataset, or another run.seed
-            raise CheckpointError(f"checkpoint {source}: {err}") from None
-    check_ray_address(cfg.ray.address)
+    source, state = preflight.check_resume(cfg, resume, weight_shapes, sampler) if resume is not None else (None, None)
+    preflight.check_ray_address(cfg.ray.address)
     if cfg.ray.dashboard and not cfg.ray.address:
-        check_port_free("ray.dashboard_port", "127.0.0.1", cfg.ray.dashboard_port)
+        preflight.check_port_free("ray.dashboard_port", "127.0.0.1", cfg.ray.dashboard_port)
     created_dir = not cfg.run_dir.exists()
     run_dir = prepare_run_dir(cfg, resuming=state is not None)
     log = MetricsLogger(run_dir, cfg.train.steps, open_trackers(cfg, run_dir))
@@ -307,66 +287,6 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
         raise ConfigError(f"run.output_dir: cannot create {run_dir}: {err.strerror}") from None
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return run_dir
-
-
-def check_model(path: str) -> dict[str, tuple[int, ...]]:
-    """The shape of every weight of the model, once its config.json is known to describe a supported model and its
-    safetensors (the only weights the learner and the engines load) to be complete and to match it."""
-    from rlpipe.models import ModelConfig, read_hf_config
-    from rlpipe.models.hf import check_weights
-
-    try:
-        ModelConfig.from_hf(read_hf_config(path))
-        return check_weights(path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"model.path: {err}") from None
-
-
-def check_prompts_per_step(cfg: Config, train_prompts: int) -> None:
-    """A step draws distinct prompts: more than the training set holds would repeat some within the step."""
-    if cfg.train.prompts_per_step > train_prompts:
-        where = f"data.path {cfg.data.path}" if cfg.data.source == "file" else f"data.source {cfg.data.source}"
-        raise ConfigError(
-            f"train.prompts_per_step: {cfg.train.prompts_per_step} is more than the training set's {train_prompts} "
-            f"prompts ({where})"
-        )
-
-
-def load_tokenizer(path: str, key: str = "model.path"):
-    from transformers import AutoTokenizer
-
-    if not Path(path).is_dir():
-        raise ConfigError(f"{key}: {path} is not a folder")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as err:  # transformers raises several types, with multi-line messages, for a folder it cannot use
-        raise ConfigError(f"{key}: cannot load a tokenizer from {path}: {one_line(err)}") from None
-
-
-def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
-    """A cluster named by ray.address must answer before a run directory exists: ray.init keeps retrying an
-    address where nothing listens (still waiting, with warnings, after two minutes for 127.0.0.1:1)."""
-    if not address or address in ("auto", "local"):
-        return
-    host, sep, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
-    if not sep or not port.isdigit():
-        return  # not host:port; ray.init reports it
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except (OSError, OverflowError) as err:
-        reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
-        raise ConfigError(f"ray.address: cannot reach {address}: {reason}") from None
-
-
-def check_port_free(key: str, host: str, port: int) -> None:
-    """A port the local cluster is told to listen on must be free: Ray would otherwise start without the service,
-    or stop with a long report, after the run directory exists."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to use
-        try:
-            probe.bind((host, port))
-        except OSError as err:
-            raise ConfigError(f"{key}: {host}:{port} is in use or not available ({err.strerror}); choose another port") from None
 
 
 class Clock:

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import yaml
 
 from rlpipe.config import load_config
-from rlpipe.environments import check_cluster_resources
+from rlpipe.preflight import check_cluster_resources
 
 # Never uploaded: the cluster has its own environment, and checkpoints or weights would dwarf the code.
 DEFAULT_EXCLUDES = [

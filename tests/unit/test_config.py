@@ -359,7 +359,7 @@ def test_a_device_is_asked_of_the_learners_own_environment(twin_python, monkeypa
     import torch
 
     from rlpipe.device import device_unavailable
-    from rlpipe.environments import check_learner_device
+    from rlpipe.preflight import check_learner_device
 
     assert device_unavailable("cpu") is None
     assert device_unavailable("xla").startswith("cannot import torch_xla")
@@ -376,7 +376,7 @@ def test_a_device_is_asked_of_the_learners_own_environment(twin_python, monkeypa
 
 
 def test_the_clusters_resources_must_hold_the_roles():
-    from rlpipe.environments import actors_needed, check_cluster_resources
+    from rlpipe.preflight import actors_needed, check_cluster_resources
 
     cfg = load_config(None, ["learner.ranks=2"])
     assert actors_needed(cfg) == 4  # two learner ranks, one engine, one reward worker

@@ -1,0 +1,65 @@
+"""The `algo` section: the policy loss, its advantages and clipping, the KL term, importance-sampling corrections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlpipe.config.errors import require
+from rlpipe.config.keys import key
+
+
+@dataclass
+class AlgoConfig:
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = key(
+        "grpo",
+        "policy loss: grpo (token-level clipped surrogate), dr_grpo (no std scaling, token sums over a constant), "
+        "dapo (clip-higher, token mean, uniform groups dropped), gspo (sequence-level ratio and clipping)",
+    )
+    advantage_scale: Literal["group", "batch", "none"] | None = key(
+        None, "divide advantages by the group's std, the batch's std, or nothing (null: the loss's own: none for "
+        "dr_grpo, group for the others)"
+    )
+    clip_low: float | None = key(
+        None, "clip epsilon below 1 (null: the loss's own: 0.2; gspo 3e-4)"
+    )
+    clip_high: float | None = key(
+        None, "clip epsilon above 1, clip-higher when above clip_low (null: the loss's own: 0.28; dr_grpo 0.2; "
+        "gspo 4e-4)"
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = key(
+        None, "how grpo averages per-token losses (null: token-mean); the other losses fix their own"
+    )
+    kl_beta: float = key(0.0, "weight of the KL penalty to a frozen reference model (0: no reference model)")
+    kl_estimator: Literal["k1", "k2", "k3"] = key("k3", "KL estimator")
+    tis_cap: float | None = key(2.0, "cap of the truncated importance weight learner/rollout (null: off)")
+    mis_threshold: float | None = key(
+        None, "masked importance sampling: drop tokens whose learner/rollout ratio is outside [1/t, t] (null: off)"
+    )
+    mis_level: Literal["token", "sequence"] = key(
+        "token", "what MIS drops: single tokens, or whole sequences by their geometric-mean ratio"
+    )
+    drop_uniform_groups: bool | None = key(
+        None, "skip groups whose rewards are all equal (no signal) (null: the loss's own: true for dapo)"
+    )
+    router_aux_loss_coef: float | None = key(
+        None,
+        "mixture-of-experts models: weight of the router's load-balancing loss added to the policy loss "
+        "(null: the model config's router_aux_loss_coef when its output_router_logits is true, as transformers "
+        "trains, else 0)",
+    )
+
+    def check(self) -> None:
+        require(self.clip_low is None or 0 <= self.clip_low <= 1, "algo.clip_low: must be in [0, 1] or null")
+        require(self.clip_high is None or self.clip_high >= 0, "algo.clip_high: must be >= 0 or null")
+        require(
+            self.loss_agg is None or self.loss == "grpo",
+            f"algo.loss_agg: only grpo takes an aggregation; {self.loss} fixes its own (set it to null)",
+        )
+        require(self.kl_beta >= 0, "algo.kl_beta: must be >= 0")
+        require(
+            self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
+            "algo.router_aux_loss_coef: must be >= 0 or null",
+        )
+        require(self.tis_cap is None or self.tis_cap > 0, "algo.tis_cap: must be > 0 or null")
+        require(self.mis_threshold is None or self.mis_threshold > 1, "algo.mis_threshold: must be > 1 or null")

@@ -1,0 +1,47 @@
+"""The `model` section: the model folder, its tokenizer, the learner's dtype, and the kernels both sides run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlpipe.config.errors import require
+from rlpipe.config.keys import key
+
+
+@dataclass
+class KernelsConfig:
+    logprob: Literal["chunked", "reference", "pallas"] = key(
+        "chunked",
+        "log-probs through the output projection: chunked (over the vocabulary; never [tokens x vocab] logits), "
+        "reference (whole logits), pallas (the Pallas kernel; interpreted off TPU, slow)",
+    )
+    logprob_chunk: int = key(8192, "vocabulary entries per chunk of the chunked log-prob path")
+    rmsnorm: Literal["torch", "pallas"] = key("torch", "RMSNorm: torch ops, or the Pallas kernel (interpreted off TPU)")
+    attention: Literal["torch", "pallas"] = key(
+        "torch",
+        "causal GQA attention: torch's scaled_dot_product_attention, or the Pallas flash kernel (interpreted off TPU)",
+    )
+    experts: Literal["torch", "pallas", "loop"] = key(
+        "torch",
+        "mixture-of-experts layers: tokens sorted by expert, one grouped matmul per projection with the torch "
+        "reference or the Pallas kernel (interpreted off TPU); loop: one slice per expert (transformers' way, eager "
+        "only)",
+    )
+
+    def check(self) -> None:
+        require(self.logprob_chunk >= 1, "model.kernels.logprob_chunk: must be >= 1")
+
+
+@dataclass
+class ModelConfig:
+    path: str = key(
+        "builtin:smollm2-135m-instruct",
+        "Hugging Face folder (config.json + safetensors + tokenizer), or builtin:smollm2-135m-instruct",
+    )
+    tokenizer: str | None = key(None, "tokenizer folder when it is not inside model.path")
+    dtype: Literal["float32", "bfloat16"] = key("float32", "learner parameter and compute dtype")
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+    def check(self) -> None:
+        self.kernels.check()

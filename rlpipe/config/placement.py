@@ -1,0 +1,48 @@
+"""The `placement` section: where each role's actors run (resources, strategy, TPU slice, Python environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlpipe.config.errors import require
+from rlpipe.config.keys import key
+
+
+@dataclass
+class RolePlacement:
+    resources: dict = key({}, "Ray resources each actor of this role needs besides its CPU, e.g. {learner_host: 1}")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = key(
+        "PACK", "placement-group strategy for this role's actors"
+    )
+    tpu: str | None = key(None, "TPU slice this role runs on, as its pod type (e.g. v6e-8); null: no TPU")
+    topology: str | None = key(None, "topology of that slice (e.g. 2x4); null: the pod type's usual topology")
+    python: str | None = key(
+        None,
+        "Python interpreter, or virtual environment folder, this role's actors run under (Ray's runtime_env "
+        "py_executable; same Python minor and Ray versions as the driver); null: the driver's",
+    )
+
+    def check(self, where: str) -> None:
+        """`where`: this role's section, e.g. placement.learner."""
+        require(
+            all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in self.resources.values()),
+            f"{where}.resources: every amount must be a number >= 0, got {self.resources}",
+        )
+        require(
+            self.topology is None or self.tpu is not None, f"{where}.topology: set {where}.tpu (the pod type) as well"
+        )
+
+
+@dataclass
+class PlacementConfig:
+    """Where each role's actors run: one placement group per role, one bundle per actor (per TPU host on a slice)."""
+
+    learner: RolePlacement = field(default_factory=RolePlacement)
+    rollout: RolePlacement = field(default_factory=RolePlacement)
+    reward: RolePlacement = field(default_factory=lambda: RolePlacement(strategy="SPREAD"))
+
+    def check(self) -> None:
+        require(self.reward.tpu is None, "placement.reward.tpu: reward workers run on CPUs; set it to null")
+        for role in ("learner", "rollout", "reward"):
+            getattr(self, role).check(f"placement.{role}")

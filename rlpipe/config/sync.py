@@ -1,0 +1,54 @@
+"""The `sync` section: how weights reach the engines after each update, and how each version is checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlpipe.config.errors import require
+from rlpipe.config.keys import key
+
+
+@dataclass
+class SyncConfig:
+    transport: Literal["auto", "ray", "shm", "gloo"] = key(
+        "auto",
+        "weight transport: auto (per learner-rank/engine pair: shm on one host, ray across hosts), ray (object "
+        "store), shm (shared memory; every pair on one host), gloo (torch.distributed)",
+    )
+    bucket_mb: float = key(64.0, "weights travel in buckets of about this many MiB, packed two buckets ahead")
+    probe_tolerance: float | None = key(
+        None,
+        "allowed |engine - learner| logprob on the probe after a sync, else it is rolled back: the max over tokens "
+        "for a float32 rollout, the mean for bf16 (its kernels differ from the float32 learner on every token); "
+        "null: 1e-4 (float32) or 0.5 (bf16)",
+    )
+    probe: Literal["auto", "replay", "decode"] = key(
+        "auto",
+        "how each engine's log-probs are checked after a sync: replay (its log-probs of the probe sequence), decode "
+        "(engine and learner each continue the sequence greedily), auto: replay, or decode on vLLM for TorchTPU, "
+        "which returns no log-probs of a given sequence",
+    )
+    on_generation: Literal["finish", "abort"] = key(
+        "finish", "a sync arriving mid-generation waits for in-flight requests (finish) or aborts them (abort)"
+    )
+    keep_previous: bool = key(
+        True, "engines keep the previous version's weights (one extra copy) so a failed check rolls back"
+    )
+    timeout_s: float = key(300.0, "a transfer waiting longer than this fails the sync")
+    engine_write: Literal["in_place", "reload"] = key(
+        "in_place",
+        "how a CPU engine applies a version: in_place (copy into the weights it keeps beside its packed GEMM copies, "
+        "then repack; one more copy of the linear weights in memory) or reload (vLLM rebuilds every layer); "
+        "quantized, MoE and TPU engines always reload",
+    )
+
+    def probe_tolerance_for(self, rollout_dtype: str) -> float:
+        if self.probe_tolerance is not None:
+            return self.probe_tolerance
+        return 1e-4 if rollout_dtype == "float32" else 0.5
+
+    def check(self) -> None:
+        require(self.bucket_mb > 0, "sync.bucket_mb: must be > 0")
+        require(self.probe_tolerance is None or self.probe_tolerance > 0, "sync.probe_tolerance: must be > 0 or null")
+        require(self.timeout_s > 0, "sync.timeout_s: must be > 0")

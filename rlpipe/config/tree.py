@@ -1,0 +1,133 @@
+"""The whole config tree: one section per component, and the checks that read keys of two sections (each section's
+own checks stand under its definition)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlpipe.config.algo import AlgoConfig
+from rlpipe.config.data import DataConfig
+from rlpipe.config.errors import require
+from rlpipe.config.learner import LearnerConfig
+from rlpipe.config.metrics import MetricsConfig
+from rlpipe.config.model import ModelConfig
+from rlpipe.config.placement import PlacementConfig
+from rlpipe.config.ray import RayConfig
+from rlpipe.config.reward import RewardConfig
+from rlpipe.config.rollout import RolloutConfig, torchtpu_refusal
+from rlpipe.config.run import RunConfig
+from rlpipe.config.sync import SyncConfig
+from rlpipe.config.train import TrainConfig
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.train.prompts_per_step * self.rollout.group_size
+
+    @property
+    def samples_per_mini_batch(self) -> int:
+        """Samples per optimizer step: train.mini_batch_size, or the whole step's samples."""
+        return self.train.mini_batch_size or self.samples_per_step
+
+    @property
+    def longest_sequence(self) -> int:
+        """The most tokens one sample can hold: its prompt and its completion."""
+        return self.data.max_prompt_tokens + self.rollout.max_tokens
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check(self) -> None:
+        """Raise a one-line ConfigError naming the key to change: each section's own checks, in the tree's order,
+        then the combinations of keys from two sections (which may rely on every section being valid)."""
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).check()
+        self._check_asynchronous_mode()
+        self._check_sequence_lengths()
+        self._check_batches()
+        self._check_engines_on_tpu()
+        self._check_learner_step()
+
+    def _check_asynchronous_mode(self) -> None:
+        require(
+            self.train.max_staleness == 0 or self.algo.tis_cap is not None or self.algo.mis_threshold is not None,
+            "algo.tis_cap: asynchronous mode (train.max_staleness > 0) trains on samples of older policies and needs "
+            "an importance correction against their log-probs: set algo.tis_cap or algo.mis_threshold",
+        )
+
+    def _check_sequence_lengths(self) -> None:
+        require(
+            self.longest_sequence <= self.rollout.max_model_len,
+            f"rollout.max_model_len: {self.rollout.max_model_len} is shorter than data.max_prompt_tokens "
+            f"+ rollout.max_tokens = {self.longest_sequence}",
+        )
+
+    def _check_batches(self) -> None:
+        mini = self.samples_per_mini_batch
+        require(
+            self.samples_per_step % mini == 0,
+            f"train.mini_batch_size: {mini} does not divide the step's {self.samples_per_step} samples "
+            f"(prompts_per_step x group_size)",
+        )
+        require(
+            mini % self.train.micro_batch_size == 0,
+            f"train.micro_batch_size: {self.train.micro_batch_size} does not divide the mini-batch of {mini} samples",
+        )
+
+    def _check_engines_on_tpu(self) -> None:
+        if self.placement.rollout.tpu is not None:  # the engines run vLLM on TorchTPU
+            refused = torchtpu_refusal(self.rollout, self.sync)
+            require(refused is None, f"{refused} (placement.rollout.tpu is set)")
+
+    def _check_learner_step(self) -> None:
+        """The learner's step as learner.graph, learner.packing and learner.device shape it, against the batches and
+        sequences it will be given and the model's kernels."""
+        learner, longest, micro = self.learner, self.longest_sequence, self.train.micro_batch_size
+        require(
+            not learner.graph or max(learner.length_buckets, default=0) >= longest,
+            "learner.length_buckets: the largest bucket must hold data.max_prompt_tokens + rollout.max_tokens = "
+            f"{longest}",
+        )
+        packed = learner.packed_buckets
+        require(
+            not (learner.graph and learner.packing and packed) or max(packed) >= micro * longest,
+            "learner.packed_buckets: the largest bucket must hold a micro-batch packed end to end, "
+            f"train.micro_batch_size x (data.max_prompt_tokens + rollout.max_tokens) = {micro * longest}",
+        )
+        require(
+            learner.device != "xla" or learner.param_dtype in (None, self.model.dtype),
+            "learner.param_dtype: on xla the learner computes in model.dtype (mixed precision there is not built)",
+        )
+        rows_per_rank = -(-self.samples_per_mini_batch // learner.ranks)  # a rank's share of a mini-batch, rounded up
+        require(
+            not (learner.graph and learner.activation_checkpointing) or micro >= rows_per_rank,
+            f"learner.activation_checkpointing with learner.graph needs one micro-batch per rank and optimizer step "
+            f"(torch.compile recomputes layers for only one backward per graph): set train.micro_batch_size >= "
+            f"{rows_per_rank} (the mini-batch's rows per learner.ranks), or learner.graph=false",
+        )
+        require(
+            not (learner.graph and self.model.kernels.experts == "loop"),
+            "model.kernels.experts: 'loop' has shapes that depend on the routing and runs eagerly only; "
+            "use torch or pallas with learner.graph=true",
+        )
