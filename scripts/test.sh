@@ -6,10 +6,10 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-# The three environments are independent (own folders; the two Python 3.11 ones build no package from source, so
-# they never write the same entry of pip's wheel cache), and each pip process works on one core while it also waits
-# on downloads: .venv-xla and .venv-tpu build in the background while .venv builds. Each background build runs in
-# its own process group, stopped if this script ends before it does; the suite starts once all are ready.
+# The three environments are independent: own folders, and only .venv builds packages from source, so no two
+# builds write one entry of pip's wheel cache (its HTTP cache writes atomically). A pip process works on one core
+# and waits on downloads much of the time, so .venv-xla and .venv-tpu build in the background while .venv builds,
+# each in its own process group, stopped if this script ends before it does; the suite starts once all are ready.
 background=()
 trap 'for group in "${background[@]}"; do kill -- "-$group" 2>/dev/null || true; done' EXIT
 if [ "${RLPIPE_XLA:-1}" != 0 ]; then
