@@ -9,7 +9,7 @@ import ray
 from ray._private import ray_constants
 
 from rlpipe.config import Config
-from rlpipe.environments import actors_needed
+from rlpipe.preflight import actors_needed
 
 # glibc serves large blocks by mmap and gives freed memory back to the kernel, so every training step and every
 # weight write would fault its memory in again, zeroed by the kernel (docs/benchmarks.md has the cost). The

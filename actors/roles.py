@@ -22,7 +22,7 @@ from rlpipe.actors.reward_pool import RewardPool
 from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import Config, first_line
 from rlpipe.device import learner_env, learner_processes
-from rlpipe.environments import check_cluster_resources
+from rlpipe.preflight import check_cluster_resources
 from rlpipe.learner import combine_rank_metrics
 from rlpipe.logs import LogSetup
 from rlpipe.types import Group, Prompt, TrainBatch

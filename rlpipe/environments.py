@@ -84,13 +84,3 @@ def probe_device(python: str, kind: str, ranks: int, timeout_s: float) -> str | 
     """Why `python` cannot train on a learner device of `kind` (None: it can), asked with the environment a learner
     actor of `ranks` gets."""
     return ask_interpreter(python, _DEVICE_QUESTION, [kind], timeout_s, {**os.environ, **learner_env(kind, ranks)})
-
-
-def __getattr__(name: str) -> Any:
-    """actors_needed and check_cluster_resources are start-up checks, in rlpipe.preflight now; actors/ imports them
-    from here until it names their new home."""
-    if name in ("actors_needed", "check_cluster_resources"):
-        from rlpipe import preflight
-
-        return getattr(preflight, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
