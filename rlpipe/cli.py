@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
         if args.command == "plan":
-            from rlpipe.plan import format_plan, plan
+            from rlpipe.memory_plan import format_plan, plan
 
             result = plan(cfg)
             print(format_plan(result))

@@ -13,7 +13,7 @@ from rlpipe.algo import build_objective
 from rlpipe.config import Config
 from rlpipe.models import read_hf_config
 from rlpipe.models.moe import balance_loss_from_sums
-from rlpipe.models.registry import model_config
+from rlpipe.models.registry import model_architecture
 from rlpipe.train_engine import TrainEngine
 from rlpipe.types import LossInputs, TrainBatch
 from rlpipe.weightsync.probe import DECODE_TOKENS, DecodedProbe
@@ -31,7 +31,7 @@ class Learner:
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.optimizer_steps_per_batch = samples_per_step // (train.mini_batch_size or samples_per_step)
-        config = model_config(read_hf_config(model_path))
+        config = model_architecture(read_hf_config(model_path))
         moe = None
         if config.moe_layers:
             coef = algo.router_aux_loss_coef if algo.router_aux_loss_coef is not None else config.router_aux_loss_coef

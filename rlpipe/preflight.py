@@ -162,7 +162,7 @@ def check_port_free(key: str, host: str, port: int) -> None:
 def check_model(path: str) -> dict[str, tuple[int, ...]]:
     """The shape of every weight of the model, once its config.json is known to describe a supported model and its
     safetensors (the only weights the learner and the engines load) to be complete and to match it."""
-    from rlpipe.models import ModelConfig as ModelArchitecture, read_hf_config
+    from rlpipe.models import ModelArchitecture, read_hf_config
     from rlpipe.models.hf import check_weights
 
     try:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from rlpipe.models.llama import CausalLM, ModelConfig
+from rlpipe.models.llama import CausalLM, ModelArchitecture
 from rlpipe.models.moe import stack_expert_weights
 from rlpipe.models.registry import model_type_of
 
@@ -47,7 +47,7 @@ class RlpipeForCausalLM(CausalLM):
         from vllm.model_executor.layers.attention import Attention
 
         hf_config = vllm_config.model_config.hf_config.to_dict()
-        super().__init__(ModelConfig.from_hf({**hf_config, "model_type": model_type_of(hf_config)}))
+        super().__init__(ModelArchitecture.from_hf({**hf_config, "model_type": model_type_of(hf_config)}))
         self.use_kernels(**hf_config.get(KERNELS_KEY, {}))  # attention stays vLLM's (the paged KV cache)
         for index, layer in enumerate(self.model.layers):
             attention = layer.self_attn

@@ -8,12 +8,12 @@ from rlpipe.models.hf import (
     save_model,
     save_state_dict,
 )
-from rlpipe.models.llama import CausalLM, ModelConfig
+from rlpipe.models.llama import CausalLM, ModelArchitecture
 from rlpipe.models.registry import build_model
 
 __all__ = [
     "CausalLM",
-    "ModelConfig",
+    "ModelArchitecture",
     "build_model",
     "load_model",
     "load_model_weights",

@@ -56,7 +56,7 @@ _REQUIRED_ROPE_KEYS = {
 
 
 @dataclass
-class ModelConfig:
+class ModelArchitecture:
     """Architecture of one Llama-family model; `from_hf` reads it from a Hugging Face config.json dict."""
 
     vocab_size: int
@@ -142,7 +142,7 @@ class ModelConfig:
         return tuple(index for index in range(self.num_layers) if self.is_moe_layer(index))
 
     @classmethod
-    def from_hf(cls, hf_config: dict) -> ModelConfig:
+    def from_hf(cls, hf_config: dict) -> ModelArchitecture:
         """Read a Hugging Face config.json dict, in the transformers 5 layout (`rope_parameters`) or the older
         one (top-level `rope_theta` + `rope_scaling`)."""
         model_type = hf_config.get("model_type")
@@ -268,7 +268,7 @@ def _attention_windows(hf_config: dict, model_type: str, num_layers: int) -> tup
     return None, (FULL_ATTENTION,) * num_layers
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+def rope_inverse_frequencies(config: ModelArchitecture) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2] in fp32 on CPU, attention_scaling for cos/sin), computed with the same float
     operations in the same order as transformers so the tables agree bit for bit."""
     dim = config.head_dim
@@ -360,7 +360,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelArchitecture) -> None:
         super().__init__()
         # A plain attribute, not a buffer: `.to(dtype)`, `to_empty()` and meta-device construction must never
         # touch it, since it has to stay the fp32 values HF computes on CPU.
@@ -383,7 +383,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, sliding_window: int | None) -> None:
+    def __init__(self, config: ModelArchitecture, sliding_window: int | None) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.sliding_window = sliding_window
@@ -440,7 +440,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelArchitecture) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
@@ -451,7 +451,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelArchitecture, layer_index: int) -> None:
         super().__init__()
         is_sliding = config.layer_types[layer_index] == SLIDING_ATTENTION
         self.self_attn = Attention(config, config.sliding_window if is_sliding else None)
@@ -490,7 +490,7 @@ class DecoderStack(nn.Module):
     # gathered layer weight is kept from forward to backward.
     activation_checkpointing = False
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelArchitecture) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_layers))
@@ -544,7 +544,7 @@ class CausalLM(nn.Module):
     sequences back to back, laid out as `segments` describe (python `Segments`, or a `PackedLayout` of tensors,
     rlpipe/packing.py), with position ids restarting at each."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelArchitecture) -> None:
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)

@@ -3,11 +3,11 @@
 from collections.abc import Callable
 
 from rlpipe.models.llama import MODEL_TYPES as LLAMA_FAMILY_TYPES
-from rlpipe.models.llama import CausalLM, ModelConfig
+from rlpipe.models.llama import CausalLM, ModelArchitecture
 
 
 def _build_llama_family(hf_config: dict) -> CausalLM:
-    return CausalLM(ModelConfig.from_hf(hf_config))
+    return CausalLM(ModelArchitecture.from_hf(hf_config))
 
 
 MODEL_BUILDERS: dict[str, Callable[[dict], CausalLM]] = {
@@ -33,10 +33,10 @@ def model_type_of(hf_config: dict) -> str | None:
     return None
 
 
-def model_config(hf_config: dict) -> ModelConfig:
+def model_architecture(hf_config: dict) -> ModelArchitecture:
     """The model's shapes and settings as rlpipe reads a Hugging Face config.json dict (no weights)."""
     model_type = _checked_model_type(hf_config)
-    return ModelConfig.from_hf({**hf_config, "model_type": model_type})
+    return ModelArchitecture.from_hf({**hf_config, "model_type": model_type})
 
 
 def _checked_model_type(hf_config: dict) -> str:

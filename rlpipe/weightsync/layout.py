@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlpipe.models.registry import model_config
+from rlpipe.models.registry import model_architecture
 
 # vLLM pads the vocabulary of its embedding and output layers to a multiple of this before splitting it.
 VOCAB_PADDING = 64
@@ -100,10 +100,10 @@ class EngineLayout:
     def from_hf_config(
         cls, hf_config: dict, tensor_parallel: int, dtype: str, fused=None, engine_params: Sequence[str] = ()
     ) -> EngineLayout:
-        """The layout for a Hugging Face config (read by rlpipe's one parser, `rlpipe.models.model_config`, so the
-        learner and the plan agree on every default); `fused` and `engine_params` are what the engine's model reports
-        (its packed modules and parameter names), when known."""
-        arch = model_config(hf_config)
+        """The layout for a Hugging Face config, read by rlpipe's one parser (`model_architecture`), so the learner
+        and the plan agree on every default; `fused` and `engine_params` are what the engine's model reports (its
+        packed modules and parameter names), when known."""
+        arch = model_architecture(hf_config)
         extra = {} if fused is None else {"fused": {k: tuple(v) for k, v in fused.items()}}
         if arch.num_experts:
             extra["moe_intermediate_size"] = arch.moe_intermediate_size

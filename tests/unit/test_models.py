@@ -20,7 +20,7 @@ from transformers import (
 )
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from rlpipe.models import CausalLM, ModelConfig, build_model, load_model, load_state_dict, read_hf_config, save_model
+from rlpipe.models import CausalLM, ModelArchitecture, build_model, load_model, load_state_dict, read_hf_config, save_model
 from rlpipe.models.hf import check_weights
 from rlpipe.models.moe import load_balancing_loss, split_expert_weights, stack_expert_weights
 
@@ -261,7 +261,7 @@ def test_stacking_experts_round_trips_and_leaves_incomplete_layers_named():
 def test_bad_moe_settings_are_named(overrides, named):
     hf_config = {"model_type": "qwen3_moe", **TINY, "num_experts": 4, "num_experts_per_tok": 2, **overrides}
     with pytest.raises(ValueError, match=named):
-        ModelConfig.from_hf(hf_config)
+        ModelArchitecture.from_hf(hf_config)
 
 
 def test_bfloat16_logits_match_transformers_sdpa(checkpoints):
@@ -438,7 +438,7 @@ def test_architectures_stand_in_for_a_missing_model_type(checkpoints):
     _, folder = checkpoints("qwen3-tied")
     config = read_hf_config(folder)
     del config["model_type"]
-    assert build_model(config).config == ModelConfig.from_hf(read_hf_config(folder))
+    assert build_model(config).config == ModelArchitecture.from_hf(read_hf_config(folder))
 
 
 @pytest.mark.parametrize(
@@ -453,7 +453,7 @@ def test_architectures_stand_in_for_a_missing_model_type(checkpoints):
 def test_unsupported_settings_are_named(overrides, named):
     hf_config = {"model_type": "llama", **TINY, **overrides}
     with pytest.raises(ValueError, match=named):
-        ModelConfig.from_hf(hf_config)
+        ModelArchitecture.from_hf(hf_config)
 
 
 @pytest.mark.parametrize(
@@ -476,11 +476,11 @@ def test_unsupported_settings_are_named(overrides, named):
 )
 def test_legacy_rope_layout_reads_as_transformers_5_rewrites_it(legacy):
     """config.json files written before transformers 5 carry `rope_theta` + `rope_scaling`; transformers 5 turns
-    them into `rope_parameters`. Both files must give the same ModelConfig."""
+    them into `rope_parameters`. Both files must give the same ModelArchitecture."""
     legacy_config = {"model_type": "llama", **TINY, **legacy}
     rewritten = LlamaConfig(**legacy_config).to_dict()
     assert "rope_parameters" in rewritten and "rope_theta" not in rewritten
-    assert ModelConfig.from_hf(legacy_config) == ModelConfig.from_hf(rewritten)
+    assert ModelArchitecture.from_hf(legacy_config) == ModelArchitecture.from_hf(rewritten)
 
 
 def test_fresh_model_builds_and_runs():

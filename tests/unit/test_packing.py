@@ -13,7 +13,7 @@ from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.packing import pack, packed_length
 from rlpipe.parallel.graph_trainer import bucket_length
 from rlpipe.train_engine import token_logprobs
-from rlpipe.models import CausalLM, ModelConfig
+from rlpipe.models import CausalLM, ModelArchitecture
 from rlpipe.models.llama import FULL_ATTENTION, SLIDING_ATTENTION
 from rlpipe.types import TrainBatch
 
@@ -53,7 +53,7 @@ def _prompt_lengths(batch: TrainBatch) -> torch.Tensor:
 def _model(sliding_window: int | None = None) -> CausalLM:
     torch.manual_seed(0)
     layer_types = (SLIDING_ATTENTION, FULL_ATTENTION) if sliding_window else ()
-    config = ModelConfig(
+    config = ModelArchitecture(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
         qk_norm=True, sliding_window=sliding_window, layer_types=layer_types, initializer_range=0.1,
     )

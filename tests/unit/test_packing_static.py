@@ -9,7 +9,7 @@ import torch
 
 from rlpipe.config import KernelsConfig
 from rlpipe.kernels.attention import document_attention_mask
-from rlpipe.models import CausalLM, ModelConfig, load_model
+from rlpipe.models import CausalLM, ModelArchitecture, load_model
 from rlpipe.models.llama import FULL_ATTENTION, SLIDING_ATTENTION
 from rlpipe.packing import PADDING_DOCUMENT, pack, pack_static, packed_length, packed_static_token_logprobs
 
@@ -58,7 +58,7 @@ def _padded_token_logprobs(model, input_ids, router_logits=None):
 
 def _sliding_window_model() -> CausalLM:
     torch.manual_seed(0)
-    config = ModelConfig(
+    config = ModelArchitecture(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
         qk_norm=True, sliding_window=3, layer_types=(SLIDING_ATTENTION, FULL_ATTENTION), initializer_range=0.1,
     )

@@ -8,10 +8,10 @@ import pytest
 from rlpipe.cli import main
 from rlpipe.config import ConfigError, load_config
 from rlpipe.device import tpu_slice
-from rlpipe.models.registry import model_config
-from rlpipe.plan import (
+from rlpipe.models.registry import model_architecture
+from rlpipe.memory_plan import (
     GIB,
-    Architecture,
+    ModelSize,
     kv_heads_per_chip,
     load_architecture,
     plan,
@@ -164,7 +164,7 @@ def test_shipped_architectures_match_published_sizes(name, total, non_embedding,
 
 
 def test_moe_counts_router_and_every_expert():
-    arch = Architecture.from_hf(
+    arch = ModelSize.from_hf(
         {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
     )
     attention = (16 * 32) + 2 * (16 * 16) + (32 * 16) + 2 * 8  # + q/k norm (Qwen3)
@@ -178,7 +178,7 @@ def test_architecture_is_read_as_the_model_classes_read_it(tmp_path):
     """rlpipe/models parses config.json for the plan too: Qwen3's default head_dim (128, not hidden / heads), and a
     model type rlpipe does not build is a config error."""
     qwen3 = {**{key: value for key, value in TINY.items() if key != "head_dim"}, "model_type": "qwen3"}
-    assert Architecture.from_hf(qwen3).head_dim == model_config(qwen3).head_dim == 128
+    assert ModelSize.from_hf(qwen3).head_dim == model_architecture(qwen3).head_dim == 128
     folder = tmp_path / "mixtral"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**TINY, "model_type": "mixtral"}))

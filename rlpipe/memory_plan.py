@@ -73,7 +73,7 @@ from pathlib import Path
 
 from rlpipe.config import Config, ConfigError, recipes_dir
 from rlpipe.device import TpuSlice, tpu_slice
-from rlpipe.models.registry import model_config, model_type_of
+from rlpipe.models.registry import model_architecture, model_type_of
 
 GIB = 2**30
 USABLE_FRACTION = 0.9
@@ -86,7 +86,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
-class Architecture:
+class ModelSize:
     """What the arithmetic needs from a Hugging Face config.json of a model rlpipe builds (rlpipe/models)."""
 
     name: str
@@ -110,9 +110,9 @@ class Architecture:
     max_position_embeddings: int | None = None
 
     @classmethod
-    def from_hf(cls, hf: dict, name: str = "model") -> Architecture:
+    def from_hf(cls, hf: dict, name: str = "model") -> ModelSize:
         """The shapes rlpipe's model classes read from `hf` (rlpipe/models parses it, families' defaults included)."""
-        config = model_config(hf)
+        config = model_architecture(hf)
         return cls(
             name=name,
             model_type=model_type_of(hf),
@@ -257,11 +257,11 @@ def architecture_source(model_path: str) -> Path:
     )
 
 
-def load_architecture(model_path: str) -> tuple[Architecture, Path]:
+def load_architecture(model_path: str) -> tuple[ModelSize, Path]:
     source = architecture_source(model_path)
     try:
         hf = json.loads(source.read_text())
-        return Architecture.from_hf(hf, name=source.parent.name if source.name == "config.json" else source.stem), source
+        return ModelSize.from_hf(hf, name=source.parent.name if source.name == "config.json" else source.stem), source
     except (ValueError, TypeError) as err:
         raise ConfigError(f"model.path: {source}: {err}") from None
 
@@ -314,7 +314,7 @@ class SidePlan:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    model: Architecture
+    model: ModelSize
     source: Path
     learner: SidePlan
     rollout: SidePlan
@@ -353,7 +353,7 @@ def learner_sequence(cfg: Config) -> tuple[int, int]:
     return min(cfg.train.micro_batch_size, math.ceil(mini / cfg.learner.ranks)), longest
 
 
-def plan(cfg: Config, arch: Architecture | None = None) -> MemoryPlan:
+def plan(cfg: Config, arch: ModelSize | None = None) -> MemoryPlan:
     """The per-chip memory plan of a resolved config (its model read by `load_architecture` unless given)."""
     source = Path("<given>")
     if arch is None:
