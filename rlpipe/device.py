@@ -1,4 +1,5 @@
-"""The backend table: for each device kind, its torch device, collective backend, compile backend and rollout engine.
+"""The backend table: for each device kind, its torch device, collective backend, compile backend, sharding scheme
+and whether it runs a step lazily, as one recorded program.
 
 The xla row is PyTorch/XLA (torch_xla 2.9, which needs torch 2.9.0 exactly, so it lives in its own environment:
 scripts/test-xla.sh). torch_xla is imported only when an xla device is asked for. On xla the learner's step is not
@@ -74,7 +75,7 @@ def learner_env(kind: str, ranks: int) -> dict[str, str]:
 
 def device_unavailable(kind: str) -> str | None:
     """Why this process cannot train on a `kind` device, in a few words; None when it can. Asked in the
-    learner's own environment before a run starts (rlpipe/environments.py)."""
+    learner's own environment before a run starts (rlpipe/preflight.py)."""
     if kind == "cuda" and not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA GPU"
     if kind == "xla":
