@@ -213,7 +213,7 @@ def _time_rank(
 
     config = _bench_config(model_path, shape, ranks, graph, device, experts=experts, share_prompts=share_prompts)
     learner = Learner.from_config(model_path, config, rank, ranks)
-    learner.join_group("127.0.0.1", port)
+    learner.join_process_group("127.0.0.1", port)
     on_gpu = learner.engine.device if learner.engine.device.type == "cuda" else None
     if on_gpu is not None:
         torch.cuda.reset_peak_memory_stats(on_gpu)

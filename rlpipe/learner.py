@@ -73,9 +73,9 @@ class Learner:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def join_group(self, master_addr: str, master_port: int) -> None:
+    def join_process_group(self, master_addr: str, master_port: int) -> None:
         """Form the torch.distributed group (when sharded) and shard the models; every rank calls this at once."""
-        self.engine.join_group(master_addr, master_port)
+        self.engine.join_process_group(master_addr, master_port)
 
     def _mini_batches(self, size: int) -> list[tuple[int, int]]:
         bounds = torch.arange(size).tensor_split(self.optimizer_steps_per_batch)

@@ -45,7 +45,7 @@ class TrainEngine:
     """One rank of the learner: `model`, `learner` and `train` are those config sections; `loss` the objective run
     on every micro-batch; `total_steps` the optimizer steps the schedule spans; `step_rows` the rows of the largest
     mini-batch; `temperature` the one the rollout engine sampled at (its log-probs are taken after it). Ranks of a
-    group of several call `join_group` together before training; a single process finishes its set-up itself."""
+    group of several call `join_process_group` together before training; a single process finishes its set-up itself."""
 
     def __init__(
         self, model_path: str, model, learner, train, *, loss, total_steps: int, step_rows: int | None = None,
@@ -94,12 +94,12 @@ class TrainEngine:
         self.frozen.append(copy)
         return copy
 
-    def join_group(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
+    def join_process_group(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
         """Form the process group (if the strategy has one), shard the models and build the step; every rank calls
         it at the same time. Without a group it only finishes the set-up."""
         if self.step_fn is not None:
             return
-        if self.strategy.needs_group:
+        if self.strategy.needs_process_group:
             from rlpipe.parallel.mesh import find_free_port
 
             self.strategy.join(master_addr, master_port if master_port is not None else find_free_port(master_addr))
@@ -128,8 +128,10 @@ class TrainEngine:
         """The step, finishing the set-up first where no group is needed (one process: it joins a group of one)."""
         if self.step_fn is None:
             if self.world_size > 1:
-                raise RuntimeError("a learner of several ranks must join its group first (join_group on every rank)")
-            self.join_group()
+                raise RuntimeError(
+                    "a learner of several ranks must join its group first (join_process_group on every rank)"
+                )
+            self.join_process_group()
         return self.step_fn
 
     # ------------------------------------------------------------------ forward

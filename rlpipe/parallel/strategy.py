@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class Unsharded:
     """One process, one device, whole parameters."""
 
-    needs_group = False
+    needs_process_group = False
     rank, world_size = 0, 1
 
     def __init__(self, device: torch.device):
@@ -55,7 +55,7 @@ class SimpleFSDP(Unsharded):
     use (rlpipe/parallel/simple_fsdp.py); also the way to compute in another dtype than the master weights' (one
     rank with mixed precision)."""
 
-    needs_group = True
+    needs_process_group = True
 
     def __init__(self, device, kind: str, rank: int, world_size: int, precision, timeout_s: float):
         super().__init__(device)

@@ -72,7 +72,7 @@ def test_bf16_mixed_precision_step_trains_float32_master_weights(tiny_qwen3):
     full = Learner.from_config(tiny_qwen3, _config(tiny_qwen3))
     mixed = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "model.dtype=float32", "learner.param_dtype=bfloat16"))
     try:
-        mixed.join_group("127.0.0.1", find_free_port())
+        mixed.join_process_group("127.0.0.1", find_free_port())
         batch = _batch(0)
         # Computed in bf16: its log-probs miss the float32 learner's by bf16 rounding, far above float32 noise.
         gap = float((mixed.engine.logprobs(batch) - full.engine.logprobs(batch)).abs().max())

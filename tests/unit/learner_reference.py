@@ -93,7 +93,7 @@ def _train(model_path: str, ranks: int, overrides: tuple[str, ...], rank: int = 
 
     torch.manual_seed(0)
     learner = Learner.from_config(model_path, config(model_path, ranks, overrides), rank, ranks)
-    learner.join_group("127.0.0.1", port)
+    learner.join_process_group("127.0.0.1", port)
     sums = [learner.train_step(batch) for batch in batches()]
     state = learner.full_state_dict()
     return state, sums

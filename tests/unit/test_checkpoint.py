@@ -190,7 +190,7 @@ def _train_two_ranks_and_save(rank, model_path, port, directory, errors):
     try:
         torch.set_num_threads(1)
         learner = Learner.from_config(model_path, _config(model_path, 2), rank, 2)
-        learner.join_group("127.0.0.1", port)
+        learner.join_process_group("127.0.0.1", port)
         for batch in _batches()[:2]:
             learner.train_step(batch)
         learner.save_checkpoint(directory)  # each rank writes its own rows

@@ -57,7 +57,7 @@ def _batches(zero_advantages: bool = False) -> list[TrainBatch]:
 def _rank(rank, world_size, model_path, port, graph, results, extra=(), zero_advantages=False):
     torch.set_num_threads(1)
     learner = Learner.from_config(model_path, _config(model_path, world_size, graph, *extra), rank, world_size)
-    learner.join_group("127.0.0.1", port)
+    learner.join_process_group("127.0.0.1", port)
     sums = [learner.train_step(batch) for batch in _batches(zero_advantages)]
     state = learner.full_state_dict()
     local = {k: v.detach().numpy().copy() for k, v in learner.local_weights().items()}
@@ -161,7 +161,7 @@ def _recompute_rank(rank, model_path, port_queue, results):
             "train.micro_batch_size=3",  # a rank's 3 rows in one pass, as the graph step with checkpointing needs
         )
         learner = Learner.from_config(model_path, cfg, rank, 2)
-        learner.join_group("127.0.0.1", port)
+        learner.join_process_group("127.0.0.1", port)
         sums = [learner.train_step(batch) for batch in _batches()]
         state = {k: v.detach().numpy().copy() for k, v in learner.full_state_dict().items()}
         out[current] = (sums, state, learner.model.model.activation_checkpointing)
