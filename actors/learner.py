@@ -60,7 +60,7 @@ class LearnerActor:
         return address, find_free_port(address)
 
     def join_process_group(self, master_addr: str, master_port: int) -> None:
-        self.learner.join_group(master_addr, master_port)
+        self.learner.join_process_group(master_addr, master_port)
 
     def join_sync_process_group(self, address: str, port: int, world: int) -> None:
         learners = learner_processes(self.cfg.learner.device, self.cfg.learner.ranks)
