@@ -70,7 +70,8 @@ class Roles:
         engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
         rewarders = self._place("reward", cfg.reward.num_workers)
         self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log)
-        self.sync = SyncChannel(cfg, learners.hosts(), self.pool, self.note)  # before any actor starts
+        # Before any actor starts: a route the cluster cannot take fails here.
+        self.sync = SyncChannel(cfg.sync, cfg.rollout.max_model_len, learners.hosts(), self.pool, self.note)
         env = compute_env() | learner_env(cfg.learner.device, cfg.learner.ranks)
         self.learners = [
             LearnerActor.options(**learners.options(rank, env)).remote(

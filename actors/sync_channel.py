@@ -17,20 +17,23 @@ import ray
 
 from rlpipe.actors.calls import WorkerLost, get_all
 from rlpipe.actors.engine_pool import EnginePool
-from rlpipe.config import Config, ConfigError, first_line
+from rlpipe.config import ConfigError, SyncConfig, first_line
 from rlpipe.types import Group
 from rlpipe.weightsync import DECODE_TOKENS, SyncError, SyncPlan, plan_routes, plan_sync
 
 
 class SyncChannel:
     """Made when the roles are placed, before any actor starts (a route the cluster cannot take fails there);
-    `open` sets it up once the learner ranks and the engines run. `version` is the policy version every engine
-    serves."""
+    `open` sets it up once the learner ranks and the engines run. `cfg` is the `sync` section; `max_model_len`
+    the engines' context (a decoded probe must fit in it). `version` is the policy version every engine serves."""
 
-    def __init__(self, cfg: Config, learner_hosts: list[str], pool: EnginePool, note: Callable[[str], None]):
-        self.cfg, self.pool, self.note = cfg, pool, note
+    def __init__(
+        self, cfg: SyncConfig, max_model_len: int, learner_hosts: list[str], pool: EnginePool,
+        note: Callable[[str], None],
+    ):
+        self.cfg, self.max_model_len, self.pool, self.note = cfg, max_model_len, pool, note
         self.learner_hosts = learner_hosts
-        self.routes = plan_routes(cfg.sync.transport, learner_hosts, pool.hosts())
+        self.routes = plan_routes(cfg.transport, learner_hosts, pool.hosts())
         self.learners: list = []
         self.version = 0
         self.plan = None  # the SyncPlan, in the object store (every send and begin_sync reads it)
@@ -59,7 +62,7 @@ class SyncChannel:
         engine does not expect fails here, before any weight is written."""
         shapes = ray.get(self.learners[0].weight_shapes.remote())
         layouts = get_all([engine.layout.remote() for engine in self.pool.engines])
-        plan = plan_sync(shapes, len(self.learners), layouts[0][0], int(self.cfg.sync.bucket_mb * 2**20))
+        plan = plan_sync(shapes, len(self.learners), layouts[0][0], int(self.cfg.bucket_mb * 2**20))
         for index, (layout, params) in enumerate(layouts):
             unknown = sorted(plan.engine_params() - set(params))
             if layout != layouts[0][0] or unknown:
@@ -109,7 +112,7 @@ class SyncChannel:
         when they changed, and the transport's group formed anew."""
         previous = self.routes
         try:
-            self.routes = plan_routes(self.cfg.sync.transport, self.learner_hosts, self.pool.hosts())
+            self.routes = plan_routes(self.cfg.transport, self.learner_hosts, self.pool.hosts())
         except ConfigError as err:  # a forced shm, and the engine had to move to another host
             raise WorkerLost(f"rollout engine {index} was restarted on another host: {err}") from None
         if self.routes == previous:
@@ -170,7 +173,7 @@ class SyncChannel:
         # the two would compete for its cores, which costs more than one after the other (docs/benchmarks.md), so
         # they come first.
         if self.probe_by_decoding:  # the continuation must fit in the engine's context
-            probe_tokens = probe_tokens[: self.cfg.rollout.max_model_len - DECODE_TOKENS]
+            probe_tokens = probe_tokens[: self.max_model_len - DECODE_TOKENS]
         expected = None
         if self.routes.shared_host:
             expected = get_all([learner.probe_reference.remote(probe_tokens, self.probe_by_decoding)
