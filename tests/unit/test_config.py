@@ -439,3 +439,17 @@ def test_chat_template_kwargs_need_a_template_and_leave_rlpipes_own_arguments():
         load_config(None, ["data.chat_template_kwargs={tokenize: true}"])
     with pytest.raises(ConfigError, match="data.eval_split: set data.eval_split or data.eval_path"):
         load_config(None, ["data.source=file", "data.path=x.jsonl", "data.eval_split=test", "data.eval_path=y.jsonl"])
+
+
+def test_each_prompt_source_carries_only_its_own_keys():
+    from dataclasses import fields
+
+    from rlpipe.config import FileSource, HumanEvalSource, ReasoningGymSource
+
+    gym = load_config(None, ["data.task=chain_sum", "data.size=10"]).data.prompt_source()
+    assert gym == ReasoningGymSource("chain_sum", {}, 10)
+    file = load_config(None, ["data.source=file", "data.path=rows.jsonl", "data.eval_split=test",
+                              "data.task=ignored"]).data.prompt_source()
+    assert file == FileSource("rows.jsonl", "train", None, "test", None)
+    assert {f.name for f in fields(FileSource)}.isdisjoint({"task", "task_args", "size"})
+    assert load_config(None, ["data.source=humaneval"]).data.prompt_source() == HumanEvalSource()
