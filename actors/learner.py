@@ -13,6 +13,7 @@ from rlpipe.config import Config
 from rlpipe.device import learner_processes
 from rlpipe.learner import Learner
 from rlpipe.logs import LogSetup, configure_worker
+from rlpipe.tpu_env import keep_only_given_tpu_env
 from rlpipe.types import TrainBatch
 from rlpipe.weightsync import SyncPlan, make_transport, stream_parts
 
@@ -43,6 +44,7 @@ def send_parts(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], transp
 @ray.remote
 class LearnerActor:
     def __init__(self, model_path: str, cfg: Config, rank: int, world_size: int, log: LogSetup | None = None):
+        keep_only_given_tpu_env()  # before TorchTPU or vLLM start a client on this process's chips
         if log is not None:
             configure_worker(log)
         # Ray caps an actor's threads at its logical CPU share; the learner should use the whole machine

@@ -3,9 +3,9 @@
 On CPU/GPU nodes a role's group has one bundle per actor — a CPU plus the role's custom resources — placed with
 the role's strategy, so `placement.learner.resources: {learner_host: 1}` puts every learner rank on nodes that
 advertise `learner_host`. A role with `placement.<role>.tpu` reserves a whole TPU slice instead (one bundle
-per host) and runs one actor per chip (learner ranks) or per `rollout.tensor_parallel` chips (engines), each
-with the TPU environment of its chips computed from the bundle order (rlpipe/device.py). Learner and rollout
-ask for separate slices, so they never share one.
+per host) and runs one actor per chip (TorchTPU learner ranks), per host (an xla learner, one SPMD process) or per
+`rollout.tensor_parallel` chips (engines), each with the TPU environment of its chips (rlpipe/tpu_env.py). Learner
+and rollout ask for a slice each, or share the chips of one TPU VM (`placement.<role>.chips`, rlpipe/tpu_layout.py).
 
 The TPU path follows Ray's documented slice API (`ray.util.tpu.SlicePlacementGroup`; on older Rays the
 `TPU-<pod type>-head` resource plus per-host bundles); it has not run on TPU hardware yet. The arithmetic —
@@ -14,6 +14,7 @@ which chip each actor drives and the environment it gets — is unit-tested agai
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +23,13 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpipe.config import ConfigError, RolePlacement
-from rlpipe.device import TPU_BASE_PORT, TpuSlice, torchtpu_process_env, tpu_process_env, tpu_slice
+from rlpipe.device import TpuSlice
 from rlpipe.environments import interpreter
+from rlpipe.tpu_env import engine_process_env, host_rank_order, torchtpu_process_env, tpu_chip_block_env
+from rlpipe.tpu_layout import SliceShare
 
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
-_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
 
 
 @dataclass
@@ -48,6 +50,7 @@ class PlacedRole:
     group: PlacementGroup
     slots: list[Slot]
     head_groups: list[PlacementGroup] = field(default_factory=list)  # slice reservations to release with it
+    share: SliceShare | None = None  # the TPU chips it runs on
     python: str | None = None  # the interpreter the role's actors run under (placement.<role>.python); None: Ray's
 
     def options(self, index: int, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -81,13 +84,14 @@ class PlacedRole:
 
 def place_role(
     role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int = 1, gpus_per_actor: int = 0,
-    learner_device: str | None = None,
+    learner_device: str | None = None, share: SliceShare | None = None, sharing: PlacedRole | None = None,
 ) -> PlacedRole:
     """Reserve the placement for `actors` actors of `role` (each with `gpus_per_actor` GPUs on GPU nodes), waiting
-    at most `timeout_s` for it. `learner_device`: the learner's `learner.device` (the learner role only), which on a
-    TPU slice decides the process contract its ranks get."""
-    if spec.tpu:
-        placed = _place_on_slice(role, spec, actors, timeout_s, chips_per_actor, learner_device)
+    at most `timeout_s` for it. On a TPU slice: `share`, the chips the role takes (rlpipe/tpu_layout.py), and
+    `sharing`, the other role's placement when both share one slice's chips; `learner_device`: the learner's
+    `learner.device` (the learner role only), which decides the process contract its ranks get."""
+    if share is not None:
+        placed = _place_on_slice(role, share, actors, timeout_s, chips_per_actor, learner_device, spec.python, sharing)
     else:
         bundles = cpu_bundles(spec, actors, gpus_per_actor)
         group = placement_group(bundles, strategy=spec.strategy, name=f"rlpipe-{role}")
@@ -121,59 +125,43 @@ def _wait(group: PlacementGroup, role: str, timeout_s: float, wanted: str) -> No
 # ------------------------------------------------------------------ TPU slices
 
 
-def check_slice_counts(role: str, tslice: TpuSlice, actors: int, chips_per_actor: int) -> None:
-    """One learner rank per chip; engines of `chips_per_actor` chips within one host, filling the slice."""
-    key = "learner.ranks" if role == "learner" else "rollout.num_engines x rollout.tensor_parallel"
-    if actors * chips_per_actor != tslice.chips:
-        raise ConfigError(
-            f"{key}: {actors * chips_per_actor} chips, but placement.{role}.tpu {tslice.pod_type} "
-            f"({tslice.topology}) has {tslice.chips}"
-        )
-    if tslice.chips_per_host % chips_per_actor or chips_per_actor not in _CHIP_BOUNDS:
-        raise ConfigError(
-            f"rollout.tensor_parallel: {chips_per_actor} chips per engine must divide the {tslice.chips_per_host} "
-            f"chips of one {tslice.pod_type} host (engines do not span hosts)"
-        )
-
-
 def slice_slots(
-    tslice: TpuSlice, bundle_nodes: dict[int, str], nodes: list[dict], chips_per_actor: int,
-    learner_device: str | None = None,
+    share: SliceShare, bundle_nodes: dict[int, str], nodes: list[dict], chips_per_actor: int,
+    learner_device: str | None = None, host_coords: dict[int, list[int] | None] | None = None,
+    session_id: str | None = None,
 ) -> list[Slot]:
-    """Every actor's slot on a reserved slice, in rank order: host by host (by TPU worker id where the nodes
-    carry it, else by bundle index), then chip by chip on each host.
+    """Every actor's slot on the chips `share` gives a role, in rank order: host by host, then chip by chip.
 
-    `bundle_nodes` maps bundle index to node id (`placement_group_table`); `nodes` is `ray.nodes()`.
-    `learner_device`: the slots are learner ranks, one per chip, of a job spanning the slice — TorchTPU's process
-    contract for `tpu`, libtpu's for others; None: rollout engines of `chips_per_actor` chips each.
+    Hosts are ordered as torch_tpu ranks them (by their chips' coordinates, `host_coords` per bundle) where those
+    are known, else by TPU worker id where the nodes carry it, else by bundle index. `bundle_nodes` maps bundle
+    index to node id (`placement_group_table`); `nodes` is `ray.nodes()`. `learner_device`: the slots are learner
+    processes — one per chip on `tpu` (TorchTPU's contract), one per host on `xla` (libtpu's, all the host's chips);
+    None: rollout engines of `chips_per_actor` chips each.
     """
+    tslice = share.tslice
     by_id = {node["NodeID"]: node for node in nodes}
     if len(bundle_nodes) != tslice.hosts:
         raise ValueError(f"{tslice.pod_type} has {tslice.hosts} hosts but the placement has {len(bundle_nodes)} bundles")
 
-    def host_order(bundle: int) -> tuple[int, int]:
+    def worker_order(bundle: int) -> tuple[int, int]:
         worker_id = by_id[bundle_nodes[bundle]].get("Labels", {}).get(WORKER_ID_LABEL)
         return (int(worker_id) if worker_id is not None else bundle, bundle)
 
-    bundles = sorted(bundle_nodes, key=host_order)
+    bundles = sorted(bundle_nodes, key=worker_order)
+    if host_coords is not None:
+        order = host_rank_order([host_coords.get(bundle) for bundle in bundles], tslice.topology)
+        bundles = bundles if order is None else [bundles[index] for index in order]
     addresses = [by_id[bundle_nodes[bundle]]["NodeManagerAddress"] for bundle in bundles]
+    topology = None if share.shared else tslice.topology
     slots = []
     for host, bundle in enumerate(bundles):
-        for first_chip in range(0, tslice.chips_per_host, chips_per_actor):
-            if learner_device == "tpu":
-                env = torchtpu_process_env(addresses, tslice.chips_per_host, host, first_chip, tslice.topology)
+        for first_chip in range(share.first_chip, share.first_chip + share.chips_per_host, chips_per_actor):
+            if learner_device == "tpu":  # the learner takes a host's first chips: LOCAL_RANK is the chip
+                env = torchtpu_process_env(addresses, share.chips_per_host, host, first_chip, topology, session_id)
             elif learner_device is not None:
-                env = tpu_process_env(
-                    addresses, tslice.chips_per_host_bounds, host, first_chip, topology=tslice.topology
-                )
+                env = tpu_chip_block_env(first_chip, chips_per_actor)
             else:  # an engine: a job of its own on a few chips of one host
-                env = {
-                    "TPU_VISIBLE_CHIPS": ",".join(str(c) for c in range(first_chip, first_chip + chips_per_actor)),
-                    "TPU_CHIPS_PER_PROCESS_BOUNDS": _CHIP_BOUNDS[chips_per_actor],
-                    "TPU_PROCESS_BOUNDS": "1,1,1",
-                    "TPU_PROCESS_PORT": str(TPU_BASE_PORT + first_chip),
-                    "RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS": "1",
-                }
+                env = engine_process_env(first_chip)
             slots.append(Slot(bundle, env, chips_per_actor))
     return slots
 
@@ -191,13 +179,24 @@ def fallback_slice_bundles(tslice: TpuSlice, head_node: dict) -> tuple[list[dict
 
 
 def _place_on_slice(
-    role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int, learner_device: str | None
+    role: str, share: SliceShare, actors: int, timeout_s: float, chips_per_actor: int, learner_device: str | None,
+    python: str | None, sharing: PlacedRole | None,
 ) -> PlacedRole:
-    try:
-        tslice = tpu_slice(spec.tpu, spec.topology)
-    except ValueError as err:
-        raise ConfigError(f"placement.{role}.tpu: {err}") from None
-    check_slice_counts(role, tslice, actors, chips_per_actor)
+    if actors * chips_per_actor != share.chips:  # rlpipe/tpu_layout.py's slice_problems stops such a run first
+        raise ConfigError(f"placement.{role}: {actors} actors of {chips_per_actor} chips on {share.chips} chips")
+    tslice = share.tslice
+    if sharing is not None:  # the other role reserved this one-host slice: take the rest of its chips
+        group, head_groups = sharing.group, []
+    else:
+        group, head_groups = _reserve_slice(role, tslice, timeout_s)
+    bundle_nodes = {int(k): v for k, v in placement_group_table(group)["bundles_to_node_id"].items()}
+    coords = _host_coords(group, bundle_nodes, python) if learner_device == "tpu" and tslice.hosts > 1 else None
+    slots = slice_slots(share, bundle_nodes, ray.nodes(), chips_per_actor, learner_device, coords, str(time.time_ns()))
+    return PlacedRole(role, group, slots, head_groups, share=share)
+
+
+def _reserve_slice(role: str, tslice: TpuSlice, timeout_s: float) -> tuple[PlacementGroup, list[PlacementGroup]]:
+    """A placement group of one bundle per host of a whole slice, and the head reservations to release with it."""
     wanted = f"a {tslice.pod_type} slice ({tslice.topology}: {tslice.hosts} host(s) x {tslice.chips_per_host} chips)"
     head_groups: list[PlacementGroup] = []
     try:
@@ -221,6 +220,27 @@ def _place_on_slice(
         )
         group, head_groups = reservation.placement_group, list(reservation.head_placement_groups)
     _wait(group, role, timeout_s, wanted)
-    bundle_nodes = {int(k): v for k, v in placement_group_table(group)["bundles_to_node_id"].items()}
-    slots = slice_slots(tslice, bundle_nodes, ray.nodes(), chips_per_actor, learner_device)
-    return PlacedRole(role, group, slots, head_groups)
+    return group, head_groups
+
+
+def local_chip_coords() -> list[int] | None:
+    """The physical coordinates of this host's first TPU chip, as torch_tpu's launch helper finds them (in a child
+    process, so this one never holds the chips); None without a TPU."""
+    from torch_tpu._internal.distributed.distributed import _query_local_device_coords
+
+    return _query_local_device_coords()
+
+
+def _host_coords(group: PlacementGroup, bundle_nodes: dict[int, str], python: str | None) -> dict[int, list[int] | None]:
+    """Each bundle's host's chip coordinates, asked on that host in the learner's environment before any rank
+    holds its chips: torch_tpu numbers hosts (NODE_RANK) by them, and the ranks must agree."""
+    ask = ray.remote(local_chip_coords)
+    refs = {
+        bundle: ask.options(
+            num_cpus=0,
+            runtime_env={"py_executable": python} if python else None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+        ).remote()
+        for bundle in bundle_nodes
+    }
+    return {bundle: ray.get(ref) for bundle, ref in refs.items()}

@@ -25,6 +25,7 @@ from rlpipe.device import learner_env, learner_processes
 from rlpipe.preflight import check_cluster_resources
 from rlpipe.learner import combine_rank_metrics
 from rlpipe.logs import LogSetup
+from rlpipe.tpu_layout import SliceShare, slice_shares
 from rlpipe.types import Group, Prompt, TrainBatch
 
 
@@ -65,9 +66,13 @@ class Roles:
     def _start(self, model_path: str, tokenizer_path: str | None, resume: dict | None, columns: list[str] | None):
         cfg = self.cfg
         ranks = learner_processes(cfg.learner.device, cfg.learner.ranks)
-        learners = self._place("learner", ranks, gpus_per_actor=1 if cfg.learner.device == "cuda" else 0,
-                               learner_device=cfg.learner.device)
-        engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel)
+        shares = slice_shares(cfg.placement)
+        learners = self._place("learner", ranks, chips_per_actor=cfg.learner.ranks // ranks,
+                               gpus_per_actor=1 if cfg.learner.device == "cuda" else 0,
+                               learner_device=cfg.learner.device, share=shares.get("learner"))
+        one_host = learners.share is not None and learners.share.shared  # both roles on one TPU VM's chips
+        engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel,
+                              share=shares.get("rollout"), sharing=learners if one_host else None)
         rewarders = self._place("reward", cfg.reward.num_workers)
         self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log)
         # Before any actor starts: a route the cluster cannot take fails here.
@@ -111,11 +116,12 @@ class Roles:
         return None if self.log is None else replace(self.log, who=f"{role}-{index}")
 
     def _place(
-        self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0, learner_device: str | None = None
+        self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0, learner_device: str | None = None,
+        share: SliceShare | None = None, sharing: PlacedRole | None = None,
     ) -> PlacedRole:
         placed = place_role(
             role, getattr(self.cfg.placement, role), actors, self.cfg.ray.placement_timeout_s, chips_per_actor,
-            gpus_per_actor, learner_device,
+            gpus_per_actor, learner_device, share, sharing,
         )
         self.placements.append(placed)
         return placed

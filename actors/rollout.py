@@ -13,6 +13,7 @@ import ray
 
 from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig
 from rlpipe.logs import LogSetup, configure_worker
+from rlpipe.tpu_env import keep_only_given_tpu_env
 from rlpipe.models.hf import read_hf_config
 from rlpipe.rollout import RolloutEngine
 from rlpipe.types import Completion, Prompt
@@ -31,6 +32,7 @@ class RolloutActor:
         log: LogSetup | None = None,
         kernels: KernelsConfig | None = None,
     ):
+        keep_only_given_tpu_env()  # before TorchTPU or vLLM start a client on this process's chips
         if log is not None:  # before vLLM is imported: its import logs too
             tied = bool(read_hf_config(model_path).get("tie_word_embeddings", False))
             configure_worker(replace(log, tied_output_layer=tied), vllm=True)

@@ -199,6 +199,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     """Check every input (model, tokenizer, rewards, data, the checkpoint to resume) before a run directory or a
     cluster exists: the start-up checks of rlpipe/preflight.py in order, with the trackers' and the data's own."""
     check_trackers_installed(cfg.metrics)
+    preflight.check_tpu_slices(cfg)
     interpreters = preflight.check_role_environments(cfg)
     if not cfg.ray.address:  # the run's own cluster is this machine; a cluster's resources are checked on joining
         preflight.check_learner_device(cfg, interpreters.get("learner"))

@@ -10,8 +10,8 @@ compiled once per input shape (XLA caches programs by graph hash) and run once p
 compile backend for `torch.compile` of other code on this device.
 
 The TPU rows follow TorchTPU's documented process model (one process per chip, `tpu` device, `tpu_dist`
-collectives, `torch.compile(backend="tpu")`); they have not yet run on TPU hardware. What can be checked here,
-the per-process environment derived from a placement, is unit-tested.
+collectives, `torch.compile(backend="tpu")`); they have not yet run on TPU hardware. The slices (`tpu_slice`) are
+here; each TPU process's environment is in rlpipe/tpu_env.py.
 """
 
 from __future__ import annotations
@@ -169,118 +169,6 @@ def xla_counters() -> XlaCounters:
     return XlaCounters(samples("CompileTime"), executions, samples("TransferFromDeviceTime"), fallbacks)
 
 
-# ------------------------------------------------------------------ TPU process layout
-
-TPU_BASE_PORT = 8476
-
-
-def _bounds(text: str) -> tuple[int, int, int]:
-    parts = tuple(int(p) for p in text.split(","))
-    if len(parts) != 3 or min(parts) < 1:
-        raise ValueError(f"TPU bounds must be three positive integers like '2,2,1', got {text!r}")
-    return parts  # type: ignore[return-value]
-
-
-def _join(bounds) -> str:
-    return ",".join(str(b) for b in bounds)
-
-
-def tpu_process_env(
-    host_addresses: list[str],
-    chips_per_host_bounds: str,
-    worker_index: int,
-    local_chip: int,
-    base_port: int = TPU_BASE_PORT,
-    topology: str | None = None,
-) -> dict[str, str]:
-    """Environment of the process that drives chip `local_chip` of host `worker_index` in a TPU slice.
-
-    One process per chip: every process sees exactly one chip, and the processes of the whole slice find each
-    other through `TPU_PROCESS_ADDRESSES` (all hosts' addresses, each with one port per local chip, in bundle
-    order), so process ranks follow the Ray placement's bundle order. The hosts tile the slice's `topology`
-    (e.g. 4x4 of 2x2-chip hosts is a 2x2 grid of hosts); without a topology they line up along the last axis.
-    """
-    per_host = _bounds(chips_per_host_bounds)
-    chips_per_host = math.prod(per_host)
-    hosts = len(host_addresses)
-    if not 0 <= worker_index < hosts:
-        raise ValueError(f"worker_index {worker_index} is outside the {hosts} hosts")
-    if not 0 <= local_chip < chips_per_host:
-        raise ValueError(f"local_chip {local_chip} is outside the {chips_per_host} chips of a host")
-    host_bounds = (1, 1, hosts) if topology is None else _host_grid(topology, per_host, hosts)
-    process_bounds = tuple(c * h for c, h in zip(per_host, host_bounds))
-    addresses = [f"{address}:{base_port + chip}" for address in host_addresses for chip in range(chips_per_host)]
-    return {
-        "TPU_VISIBLE_CHIPS": str(local_chip),
-        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
-        "TPU_PROCESS_BOUNDS": _join(process_bounds),
-        "TPU_CHIPS_PER_HOST_BOUNDS": _join(per_host),
-        "TPU_HOST_BOUNDS": _join(host_bounds),
-        "TPU_PROCESS_ADDRESSES": ",".join(addresses),
-        "TPU_PROCESS_PORT": str(base_port + local_chip),
-        "CLOUD_TPU_TASK_ID": str(worker_index * chips_per_host + local_chip),
-        # Ray would otherwise hand each actor the chips of its whole bundle.
-        "RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS": "1",
-    }
-
-
-# torch_tpu's default first port for its slice builder (TORCH_TPU_BASE_PORT), one port per chip of a host.
-TORCHTPU_BASE_PORT = 8070
-
-
-def torchtpu_process_env(
-    host_addresses: list[str], chips_per_host: int, worker_index: int, local_chip: int, topology: str | None = None
-) -> dict[str, str]:
-    """Environment of the TorchTPU process (a learner rank) driving chip `local_chip` of host `worker_index`.
-
-    TorchTPU's own contract, as its launcher helper `torch.tpu.distributed.set_tpu_launch_env` derives it for a
-    multi-host job: every rank gets the same slice-builder addresses (one `host:port` per chip, host by host) and
-    topology, plus its torchrun-style place; torch_tpu opens the chip LOCAL_RANK names and sets the libtpu variables
-    itself. Checked against that helper in tests/tpu_contract; not yet run on TPU hardware.
-    """
-    hosts = len(host_addresses)
-    if not 0 <= worker_index < hosts:
-        raise ValueError(f"worker_index {worker_index} is outside the {hosts} hosts")
-    if not 0 <= local_chip < chips_per_host:
-        raise ValueError(f"local_chip {local_chip} is outside the {chips_per_host} chips of a host")
-    addresses = [f"{address}:{TORCHTPU_BASE_PORT + chip}" for address in host_addresses for chip in range(chips_per_host)]
-    env = {
-        "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(addresses),
-        "TPU_WORKER_HOSTNAMES": ",".join(host_addresses),
-        "NNODES": str(hosts),
-        "NODE_RANK": str(worker_index),
-        "MASTER_ADDR": host_addresses[0],
-        "WORLD_SIZE": str(hosts * chips_per_host),
-        "RANK": str(worker_index * chips_per_host + local_chip),
-        "LOCAL_WORLD_SIZE": str(chips_per_host),
-        "LOCAL_RANK": str(local_chip),
-        # Ray would otherwise hand each actor the chips of its whole bundle.
-        "RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS": "1",
-    }
-    if topology is not None:
-        env["TORCH_TPU_TOPOLOGY"] = _join(_topology_dims(topology))
-    return env
-
-
-def tpu_slice_envs(
-    host_addresses: list[str], chips_per_host_bounds: str, topology: str | None = None
-) -> list[dict[str, str]]:
-    """Every process's environment for a slice, in rank order (host by host, chip by chip)."""
-    chips = math.prod(_bounds(chips_per_host_bounds))
-    return [
-        tpu_process_env(host_addresses, chips_per_host_bounds, worker, chip, topology=topology)
-        for worker in range(len(host_addresses))
-        for chip in range(chips)
-    ]
-
-
-def _host_grid(topology: str, per_host: tuple[int, int, int], hosts: int) -> tuple[int, int, int]:
-    dims = _topology_dims(topology)
-    if any(d % c for d, c in zip(dims, per_host)) or math.prod(d // c for d, c in zip(dims, per_host)) != hosts:
-        raise ValueError(f"{hosts} hosts of {_join(per_host)} chips do not tile topology {topology}")
-    return tuple(d // c for d, c in zip(dims, per_host))  # type: ignore[return-value]
-
-
 # ------------------------------------------------------------------ TPU slices
 
 # Pod types name v4 and v5p slices by TensorCores (two per chip), v5e (v5litepod) and v6e slices by chips.
@@ -288,6 +176,9 @@ _CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5litepod": 1, "v6e": 1}
 # The usual topology of a slice of N chips, by generation family (2-D for v5e/v6e, 3-D for v4/v5p).
 _TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 _TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
+# A block of N chips of one host as x,y,z bounds: what torch_tpu's PCI scan reports for N chips of a v5e/v6e host
+# (and of up to 4 of a v4/v5p host), and what a slice of them spans.
+CHIP_BLOCK_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
 # HBM per chip, GiB (Cloud TPU system-architecture pages: v4 32 GiB, v5p 95 GB, v5e 16 GB, v6e 32 GB).
 _HBM_GIB = {"v4": 32, "v5p": 95, "v5litepod": 16, "v6e": 32}
 
@@ -317,7 +208,7 @@ class TpuSlice:
     @property
     def chips_per_host_bounds(self) -> str:
         """The chips of one host as x,y,z bounds (TPU_CHIPS_PER_HOST_BOUNDS)."""
-        return {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}[self.chips_per_host]
+        return CHIP_BLOCK_BOUNDS[self.chips_per_host]
 
 
 def tpu_slice(pod_type: str, topology: str | None = None) -> TpuSlice:
@@ -334,14 +225,14 @@ def tpu_slice(pod_type: str, topology: str | None = None) -> TpuSlice:
     topology = (topology or usual or "").strip().lower()
     if not topology:
         raise ValueError(f"TPU pod type {pod_type!r}: no usual topology for {chips} chips; give one")
-    dims = _topology_dims(topology)
+    dims = topology_dims(topology)
     if math.prod(dims) != chips or (flat and dims[2] != 1):
         raise ValueError(f"TPU topology {topology!r} does not have the {chips} chips of {pod_type}")
     per_host = chips if flat and chips <= 8 else 4
     return TpuSlice(f"{generation}-{count}", generation, topology, max(1, chips // per_host), min(chips, per_host))
 
 
-def _topology_dims(topology: str) -> tuple[int, int, int]:
+def topology_dims(topology: str) -> tuple[int, int, int]:
     try:
         dims = [int(d) for d in topology.lower().split("x")]
     except ValueError:

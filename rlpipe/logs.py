@@ -49,7 +49,7 @@ class LogSetup:
 # (logger, start of the message as the source writes it — the template before %-formatting): warnings that are
 # harmless in the way rlpipe runs vLLM and Ray, each with the reason. They stay in the log file.
 KNOWN_HARMLESS: list[tuple[str, str]] = [
-    # rlpipe builds every engine with enforce_eager=True (rlpipe/rollout.py), on purpose; the second line is its
+    # rlpipe builds CPU engines with enforce_eager=True (rollout.enforce_eager), on purpose; the second line is its
     # consequence.
     ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"),
     ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),

@@ -72,7 +72,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlpipe.config import Config, ConfigError, recipes_dir
-from rlpipe.device import TpuSlice, tpu_slice
+from rlpipe.device import TpuSlice
+from rlpipe.tpu_layout import SliceShare, slice_problems, slice_shares
 from rlpipe.models.registry import model_architecture, model_type_of
 
 GIB = 2**30
@@ -285,8 +286,12 @@ class SidePlan:
     role: str  # "learner" | "rollout"
     summary: str
     parts: tuple[Part, ...]
-    slice: TpuSlice | None
+    share: SliceShare | None  # the chips of a TPU slice this side runs on
     usable_fraction: float = USABLE_FRACTION
+
+    @property
+    def slice(self) -> TpuSlice | None:
+        return None if self.share is None else self.share.tslice
 
     @property
     def total_bytes(self) -> float:
@@ -326,16 +331,6 @@ class MemoryPlan:
         return self.learner.fits is not False and self.rollout.fits is not False and not self.problems
 
 
-def _slice(cfg: Config, role: str) -> TpuSlice | None:
-    placement = getattr(cfg.placement, role)
-    if placement.tpu is None:
-        return None
-    try:
-        return tpu_slice(placement.tpu, placement.topology)
-    except ValueError as err:
-        raise ConfigError(f"placement.{role}.tpu: {err}") from None
-
-
 def kv_heads_per_chip(kv_heads: int, tensor_parallel: int) -> int:
     """vLLM splits kv heads over the tensor-parallel ranks, or replicates one per rank when there are fewer heads."""
     if tensor_parallel <= kv_heads:
@@ -361,7 +356,8 @@ def plan(cfg: Config, arch: ModelSize | None = None) -> MemoryPlan:
     problems: list[str] = []
     notes: list[str] = []
     P = arch.params
-    learner_slice, rollout_slice = _slice(cfg, "learner"), _slice(cfg, "rollout")
+    shares = slice_shares(cfg.placement)
+    learner_share, rollout_share = shares.get("learner"), shares.get("rollout")
 
     # --- learner
     M = cfg.learner.ranks
@@ -418,7 +414,7 @@ def plan(cfg: Config, arch: ModelSize | None = None) -> MemoryPlan:
         "learner",
         f"{M} rank{'s' if M > 1 else ''}, master {master}, compute {compute}, reduce {reduce}",
         tuple(parts),
-        learner_slice,
+        learner_share,
     )
 
     # --- rollout
@@ -441,25 +437,15 @@ def plan(cfg: Config, arch: ModelSize | None = None) -> MemoryPlan:
             Part("weights", f"weights ({cfg.rollout.dtype}, 1/{T})", weights),
             Part("kv_cache", f"KV cache ({sequences} seqs x {context} tokens, {kv_chip} kv heads/chip)", kv),
         ),
-        rollout_slice,
+        rollout_share,
         usable_fraction=min(cfg.rollout.gpu_memory_utilization, 1.0),
     )
 
     # --- consistency
-    for role, role_slice, wanted, what in (
-        ("learner", learner_slice, M, "learner.ranks"),
-        ("rollout", rollout_slice, N * T, "rollout.num_engines x rollout.tensor_parallel"),
-    ):
-        if role_slice is None:
+    for role, share in (("learner", learner_share), ("rollout", rollout_share)):
+        if share is None:
             notes.append(f"{role}: no placement.{role}.tpu, so no HBM to compare against")
-            continue
-        if wanted != role_slice.chips:
-            problems.append(
-                f"{what} = {wanted} but placement.{role}.tpu {role_slice.pod_type} has {role_slice.chips} chips "
-                f"(one process per chip)"
-            )
-    if learner_slice is not None and cfg.learner.device != "tpu":
-        problems.append(f"learner.device is {cfg.learner.device!r} but placement.learner.tpu is {learner_slice.pod_type}")
+    problems.extend(slice_problems(cfg))
     limit = arch.max_position_embeddings
     if limit and context > limit:
         problems.append(f"rollout.max_model_len {context} exceeds the model's max_position_embeddings {limit}")
@@ -470,11 +456,11 @@ def plan(cfg: Config, arch: ModelSize | None = None) -> MemoryPlan:
 
 
 def _side_lines(side: SidePlan, width: int) -> list[str]:
-    where = (
-        f" on {side.slice.pod_type} ({side.slice.chips} chips x {side.slice.hbm_gib} GiB HBM)"
-        if side.slice is not None
-        else " (no TPU slice)"
-    )
+    share = side.share
+    where = " (no TPU slice)"
+    if share is not None:
+        chips = f"{share.chips} chips" if not share.shared else f"chips {share.first_chip}-{share.first_chip + share.chips - 1}"
+        where = f" on {share.tslice.pod_type} ({chips} x {share.tslice.hbm_gib} GiB HBM)"
     lines = [f"{side.role}{where}: {side.summary}"]
     lines += [f"  {part.label:<{width}} {part.gib:9.2f}" for part in side.parts]
     total = f"  {'total per chip':<{width}} {side.total_gib:9.2f}"

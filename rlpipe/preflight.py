@@ -3,7 +3,7 @@
 The recipe's own keys are checked when the config loads (each section beside its definition in rlpipe/config/).
 These check what the keys point at: the roles' Python environments, the learner's device, the model folder and its
 tokenizer, the reward functions against the dataset's columns, the prompts, the checkpoint to resume, the cluster's
-address, resources and ports. Each is a `check_<what>` that raises a one-line ConfigError naming the key to change
+address, resources and ports, and the roles' TPU chips. Each is a `check_<what>` that raises a one-line ConfigError naming the key to change
 (check_reward_functions: the reward registry's RewardConfigError naming the function; check_resume: a
 CheckpointError naming the checkpoint). controller.prepare calls them in one sequence; submit.py checks the
 resources of the cluster it submits to, and actors/ those of the cluster the roles start on.
@@ -27,6 +27,17 @@ from rlpipe.device import learner_processes
 from rlpipe.environments import NoAnswer, interpreter, probe_device, probe_imports, role_modules
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.rewards import RewardRunner
+from rlpipe.tpu_layout import slice_problems
+
+# ---------------------------------------------------------------- the TPU slices
+
+
+def check_tpu_slices(cfg: Config) -> None:
+    """The roles' actors fill the chips their slices give them (what `rlpipe plan` reports as problems)."""
+    problems = slice_problems(cfg)
+    if problems:
+        raise ConfigError(problems[0])
+
 
 # ---------------------------------------------------------------- the roles' environments and the learner's device
 

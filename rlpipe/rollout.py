@@ -105,7 +105,7 @@ class RolloutEngine:
             max_model_len=cfg.max_model_len,
             tensor_parallel_size=cfg.tensor_parallel,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=True,
+            enforce_eager=current_platform.is_cpu() if cfg.enforce_eager is None else cfg.enforce_eager,
             distributed_executor_backend="uni" if cfg.in_process else None,
             worker_extension_cls="rlpipe.vllm_worker.WeightWriter",
             # Processed logprobs include temperature, which is what the learner reproduces.

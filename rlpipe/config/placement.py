@@ -17,6 +17,11 @@ class RolePlacement:
     )
     tpu: str | None = key(None, "TPU slice this role runs on, as its pod type (e.g. v6e-8); null: no TPU")
     topology: str | None = key(None, "topology of that slice (e.g. 2x4); null: the pod type's usual topology")
+    chips: int | None = key(
+        None,
+        "on one TPU VM: the chips of the slice this role takes, learner and rollout naming the same one-host slice "
+        "(the learner the first chips, the engines the next); null: the role has the slice to itself",
+    )
     python: str | None = key(
         None,
         "Python interpreter, or virtual environment folder, this role's actors run under (Ray's runtime_env "
@@ -31,6 +36,10 @@ class RolePlacement:
         )
         require(
             self.topology is None or self.tpu is not None, f"{where}.topology: set {where}.tpu (the pod type) as well"
+        )
+        require(
+            self.chips is None or (self.tpu is not None and self.chips >= 1),
+            f"{where}.chips: a number of chips >= 1 of the slice {where}.tpu names",
         )
 
 

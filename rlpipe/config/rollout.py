@@ -30,6 +30,11 @@ class RolloutConfig:
         "tokens per KV-cache block; none: 32 on CPU (a group's samples then share every full block of their prompt, "
         "instead of vLLM's 128, which no prompt under 129 tokens fills), vLLM's choice elsewhere",
     )
+    enforce_eager: bool | None = key(
+        None,
+        "run the engine's model eagerly (vLLM's enforce_eager) instead of compiled; null: eager on CPU (an engine "
+        "starts in seconds), compiled elsewhere (on TPU vLLM on TorchTPU compiles and precompiles its graphs)",
+    )
     in_process: bool = key(True, "run the engine inside the actor process (fast start) instead of a child process")
     tensor_parallel: int = key(1, "tensor-parallel degree of each engine (vLLM tensor_parallel_size)")
     model_impl: Literal["vllm", "rlpipe"] = key(

@@ -173,22 +173,34 @@ def test_rlpipes_model_builds_in_vllm_on_torchtpu_with_the_configured_kernels(tm
      ({"probe": "replay"}, "sync.probe: replay needs log-probs of a given sequence")],
 )
 def test_an_engine_refuses_what_this_platform_would_change_silently(setting, message, tmp_path):
-    """Both read from the installed source: the platform's config check turns any dtype into bfloat16, and its runner
-    gathers log-probs from the logits before temperature."""
-    from vllm_torchtpu.platforms.tpu_platform import TpuPlatform
+    """The platform's config check turns any dtype into bfloat16 (test_the_platform_computes_in_bfloat16_whatever_it_is_given),
+    and its runner gathers log-probs from the logits before temperature (read from its source)."""
     from vllm_torchtpu.runner import tpu_runner
 
     from rlpipe.bench.tiny_model import build_tiny_model
     from rlpipe.config import RolloutConfig, SyncConfig
     from rlpipe.rollout import RolloutEngine
 
-    assert "model_config.dtype = torch.bfloat16" in inspect.getsource(TpuPlatform.check_and_update_config)
     runner_source = inspect.getsource(tpu_runner)
     assert "original logits (before any penalties or\n                # temperature scaling)" in runner_source
     model = build_tiny_model(tmp_path / "qwen3", "qwen3")
     with pytest.raises(RuntimeError, match=message):
         sync = SyncConfig(probe=setting.pop("probe", "auto"))
         RolloutEngine(model, RolloutConfig(**{"dtype": "bfloat16", **setting}), 0, sync=sync)
+
+
+def test_the_platform_computes_in_bfloat16_whatever_it_is_given(tmp_path, tpu_device_name):
+    """An engine config asking for float32 comes out of the platform's own check in bfloat16: why a TPU rollout's
+    dtype must be bfloat16 (the probe's tolerance is chosen for the dtype the engine computes in)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rlpipe.bench.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "qwen3", "qwen3")
+    for asked in ("float32", "bfloat16"):
+        config = EngineArgs(model=str(model), skip_tokenizer_init=True, max_model_len=128, load_format="dummy",
+                            dtype=asked).create_engine_config()
+        assert config.model_config.dtype == torch.bfloat16, asked
 
 
 def test_the_platform_takes_the_decoded_probe_and_returns_no_prompt_logprobs():

@@ -504,3 +504,15 @@ def test_tpu_vm_script(tmp_path):
     head = run("10.0.0.2", "learner", head="1")
     assert "ray start --head --port=6379" in head.stdout and '{"learner_host": 1}' in head.stdout
     assert run("10.0.0.2", "reward", head="0").returncode == 2
+    assert '{"learner_host": 1, "rollout_host": 1}' in run("10.0.0.2", "both", head="1").stdout  # one VM, both roles
+
+    # Over a non-interactive ssh: no RAY, no profile, a PATH without the virtual environment.
+    home = tmp_path / "home"
+    (home / "rlpipe-venv" / "bin").mkdir(parents=True)
+    shutil.copy(fake_ray, home / "rlpipe-venv" / "bin" / "ray")
+    plain = {"PATH": "/usr/bin:/bin", "HOME": str(home), "RLPIPE_RAY_HEAD": "0"}
+    found = subprocess.run(["bash", str(script), "10.0.0.2", "learner"], env=plain, capture_output=True, text=True)
+    assert found.returncode == 0 and "ray start --address=10.0.0.2:6379" in found.stdout, found.stderr
+    missing = subprocess.run(["bash", str(script), "10.0.0.2", "learner"], env={**plain, "HOME": str(tmp_path)},
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no ray executable" in missing.stderr

@@ -4,6 +4,7 @@ environment (no TPU here; Ray's own slice helpers serve as the reference for the
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -16,14 +17,15 @@ from rlpipe.actors.placement import (
     WORKER_ID_LABEL,
     PlacedRole,
     Slot,
-    check_slice_counts,
     cpu_bundles,
     fallback_slice_bundles,
     slice_slots,
 )
 from rlpipe.actors.cluster import KEEP_FREED_MEMORY, compute_env
-from rlpipe.config import ConfigError, RolePlacement
+from rlpipe.config import ConfigError, RolePlacement, load_config
 from rlpipe.device import tpu_slice
+from rlpipe.tpu_env import GIVEN, engine_process_env, host_rank_order, keep_only_given_tpu_env
+from rlpipe.tpu_layout import SliceShare, slice_problems, slice_shares
 
 
 @pytest.mark.parametrize(
@@ -60,38 +62,15 @@ def _described_slice(hosts: int, shuffled: bool = True) -> tuple[dict[int, str],
     return {bundle: f"node-{worker}" for bundle, worker in enumerate(worker_of_bundle)}, nodes
 
 
-def test_learner_ranks_follow_tpu_worker_ids_one_process_per_chip():
-    tslice = tpu_slice("v6e-16")  # 4x4: four hosts of 2x2 chips
-    bundle_nodes, nodes = _described_slice(4)
-    slots = slice_slots(tslice, bundle_nodes, nodes, chips_per_actor=1, learner_device="xla")  # libtpu's contract
-    assert len(slots) == 16
-    # Rank r drives chip r % 4 of TPU worker r // 4; worker 0 sits in the last bundle here.
-    assert [slot.bundle_index for slot in slots[::4]] == [3, 2, 1, 0]
-    assert [slot.env["TPU_VISIBLE_CHIPS"] for slot in slots[:5]] == ["0", "1", "2", "3", "0"]
-    assert [slot.env["CLOUD_TPU_TASK_ID"] for slot in slots] == [str(rank) for rank in range(16)]
-    first = slots[0].env
-    assert first["TPU_PROCESS_ADDRESSES"].split(",")[:5] == [
-        "10.0.0.10:8476", "10.0.0.10:8477", "10.0.0.10:8478", "10.0.0.10:8479", "10.0.0.11:8476"
-    ]
-    assert first["TPU_HOST_BOUNDS"] == "2,2,1" and first["TPU_PROCESS_BOUNDS"] == "4,4,1"
-    assert first["TPU_CHIPS_PER_HOST_BOUNDS"] == "2,2,1"
-    assert all(slot.tpu_chips == 1 and slot.env["RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS"] == "1" for slot in slots)
+def _whole(pod_type: str, topology: str | None = None) -> SliceShare:
+    tslice = tpu_slice(pod_type, topology)
+    return SliceShare(tslice, 0, tslice.chips_per_host)
 
 
-def test_without_worker_labels_bundle_order_sets_the_ranks():
-    tslice = tpu_slice("v5p-16")  # 2x2x2: two hosts of 4 chips
-    bundle_nodes, nodes = _described_slice(2)
-    for node in nodes:
-        del node["Labels"][WORKER_ID_LABEL]
-    slots = slice_slots(tslice, bundle_nodes, nodes, chips_per_actor=1, learner_device="xla")
-    assert [slot.bundle_index for slot in slots] == [0] * 4 + [1] * 4
-    assert slots[0].env["TPU_PROCESS_ADDRESSES"].startswith("10.0.0.11:8476")  # bundle 0 is on worker 1's host
-
-
-def test_torchtpu_learner_ranks_get_torchtpus_own_process_contract():
-    tslice = tpu_slice("v6e-16")  # 4x4: four hosts of 2x2 chips
-    bundle_nodes, nodes = _described_slice(4)
-    slots = slice_slots(tslice, bundle_nodes, nodes, chips_per_actor=1, learner_device="tpu")
+def test_torchtpu_learner_ranks_follow_tpu_worker_ids_one_process_per_chip():
+    bundle_nodes, nodes = _described_slice(4)  # worker 0 sits in the last bundle
+    slots = slice_slots(_whole("v6e-16"), bundle_nodes, nodes, chips_per_actor=1, learner_device="tpu", session_id="7")
+    assert len(slots) == 16 and [slot.bundle_index for slot in slots[::4]] == [3, 2, 1, 0]
     assert [slot.env["RANK"] for slot in slots] == [str(rank) for rank in range(16)]
     assert [slot.env["LOCAL_RANK"] for slot in slots[:5]] == ["0", "1", "2", "3", "0"]  # the chip torch_tpu opens
     assert [slot.env["NODE_RANK"] for slot in slots[::4]] == ["0", "1", "2", "3"]
@@ -102,32 +81,107 @@ def test_torchtpu_learner_ranks_get_torchtpus_own_process_contract():
     ]
     first = slots[0].env
     assert (first["TORCH_TPU_TOPOLOGY"], first["WORLD_SIZE"], first["NNODES"]) == ("4,4,1", "16", "4")
-    assert first["MASTER_ADDR"] == "10.0.0.10" and "TPU_PROCESS_ADDRESSES" not in first
+    assert (first["MASTER_ADDR"], first["MASTER_PORT"], first["TORCH_TPU_DEVICES_PER_HOST"]) == ("10.0.0.10", "29500", "4")
+    assert {slot.env["TORCH_TPU_XPROF_SESSION_ID"] for slot in slots} == {"7"}
+    assert all(slot.tpu_chips == 1 and slot.env["RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS"] == "1" for slot in slots)
+    assert first["TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS"] == "false"
+    assert set(first[GIVEN].split(",")) == set(first)  # every key rlpipe set, so nothing else survives
 
 
-def test_one_chip_engines_are_jobs_of_their_own_not_ranks_of_the_slice():
-    slots = slice_slots(tpu_slice("v6e-8"), {0: "node-0"}, _described_slice(1)[1], chips_per_actor=1)
-    assert [slot.env["TPU_VISIBLE_CHIPS"] for slot in slots] == [str(chip) for chip in range(8)]
-    assert all("TPU_PROCESS_ADDRESSES" not in slot.env and slot.env["TPU_PROCESS_BOUNDS"] == "1,1,1" for slot in slots)
+def test_learner_hosts_are_ranked_by_their_chips_coordinates_when_known():
+    """torch_tpu numbers hosts z-major then y then x by their chips' coordinates; worker ids may disagree."""
+    bundle_nodes, nodes = _described_slice(4, shuffled=False)  # bundle b on worker b
+    coords = {0: [2, 2, 0, 0], 1: [0, 0, 0, 0], 2: [2, 0, 0, 0], 3: [0, 2, 0, 0]}  # 4x4 of 2x2-chip hosts
+    slots = slice_slots(_whole("v6e-16"), bundle_nodes, nodes, 1, learner_device="tpu", host_coords=coords)
+    assert [slot.bundle_index for slot in slots[::4]] == [1, 2, 3, 0]
+    assert slots[0].env["TPU_WORKER_HOSTNAMES"] == "10.0.0.11,10.0.0.12,10.0.0.13,10.0.0.10"
+    unknown = slice_slots(_whole("v6e-16"), bundle_nodes, nodes, 1, learner_device="tpu",
+                          host_coords={**coords, 2: None})
+    assert [slot.bundle_index for slot in unknown[::4]] == [0, 1, 2, 3]  # by worker id
+    with pytest.raises(ValueError, match="outside topology"):
+        host_rank_order([[4, 0, 0]], "4x4")
 
 
-def test_rollout_engines_take_tensor_parallel_chips_of_one_host():
-    tslice = tpu_slice("v6e-8")  # one host of 8 chips
-    slots = slice_slots(tslice, {0: "node-0"}, _described_slice(1)[1], chips_per_actor=4)
-    assert [slot.env["TPU_VISIBLE_CHIPS"] for slot in slots] == ["0,1,2,3", "4,5,6,7"]
-    assert {slot.env["TPU_CHIPS_PER_PROCESS_BOUNDS"] for slot in slots} == {"2,2,1"}
-    assert [slot.env["TPU_PROCESS_PORT"] for slot in slots] == ["8476", "8480"]
-    assert all(slot.tpu_chips == 4 and slot.bundle_index == 0 for slot in slots)
+def test_without_worker_labels_bundle_order_sets_the_ranks():
+    bundle_nodes, nodes = _described_slice(2)  # v5p-16, 2x2x2: two hosts of 4 chips
+    for node in nodes:
+        del node["Labels"][WORKER_ID_LABEL]
+    slots = slice_slots(_whole("v5p-16"), bundle_nodes, nodes, chips_per_actor=1, learner_device="tpu")
+    assert [slot.bundle_index for slot in slots] == [0] * 4 + [1] * 4
+    assert slots[0].env["MASTER_ADDR"] == "10.0.0.11"  # bundle 0 is on worker 1's host
 
 
-def test_actor_counts_must_fill_the_slice():
-    check_slice_counts("learner", tpu_slice("v6e-16"), 16, 1)
-    with pytest.raises(ConfigError, match=r"learner.ranks: 8 chips, but placement.learner.tpu v6e-16 \(4x4\) has 16"):
-        check_slice_counts("learner", tpu_slice("v6e-16"), 8, 1)
-    with pytest.raises(ConfigError, match="rollout.num_engines x rollout.tensor_parallel: 4 chips"):
-        check_slice_counts("rollout", tpu_slice("v6e-8"), 2, 2)
-    with pytest.raises(ConfigError, match="engines do not span hosts"):
-        check_slice_counts("rollout", tpu_slice("v6e-16"), 2, 8)
+def test_an_xla_learner_is_one_process_for_all_its_chips():
+    slots = slice_slots(_whole("v5litepod-8"), {0: "node-0"}, _described_slice(1)[1], chips_per_actor=8,
+                        learner_device="xla")
+    assert len(slots) == 1 and slots[0].tpu_chips == 8
+    env = slots[0].env
+    assert env["TPU_VISIBLE_CHIPS"] == "0,1,2,3,4,5,6,7" and env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "2,4,1"
+    assert env["TPU_PROCESS_BOUNDS"] == "1,1,1"
+
+
+def test_engines_name_their_first_chip_to_vllm_torchtpus_binding():
+    slots = slice_slots(_whole("v6e-8"), {0: "node-0"}, _described_slice(1)[1], chips_per_actor=2)
+    assert [slot.env["TPU_LOCAL_RANK_OFFSET"] for slot in slots] == ["0", "2", "4", "6"]
+    assert [slot.env["DEBUG_TPU_LOCAL_RANK_OFFSET"] for slot in slots] == ["0", "2", "4", "6"]
+    assert all(slot.tpu_chips == 2 and "TPU_VISIBLE_CHIPS" not in slot.env for slot in slots)
+
+
+def test_one_tpu_vm_splits_its_chips_between_learner_and_engines():
+    cfg = load_config(None, ["placement.learner.tpu=v6e-8", "placement.rollout.tpu=v6e-8", "placement.learner.chips=4",
+                             "placement.rollout.chips=4", "learner.ranks=4", "learner.device=tpu",
+                             "rollout.num_engines=2", "rollout.tensor_parallel=2", "rollout.dtype=bfloat16"])
+    shares = slice_shares(cfg.placement)
+    assert (shares["learner"].first_chip, shares["rollout"].first_chip) == (0, 4)
+    assert slice_problems(cfg) == []
+    nodes = _described_slice(1)[1]
+    learners = slice_slots(shares["learner"], {0: "node-0"}, nodes, 1, learner_device="tpu")
+    assert [slot.env["LOCAL_RANK"] for slot in learners] == ["0", "1", "2", "3"]
+    assert learners[0].env["TORCH_TPU_TOPOLOGY"] == "2,2,1" and learners[0].env["WORLD_SIZE"] == "4"
+    engines = slice_slots(shares["rollout"], {0: "node-0"}, nodes, 2)
+    assert [slot.env["TPU_LOCAL_RANK_OFFSET"] for slot in engines] == ["4", "6"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["learner.ranks=8"], r"learner.ranks = 8 but placement.learner takes 16 chips of v6e-16 \(4x4\)"),
+    (["rollout.num_engines=2"], r"rollout.num_engines x rollout.tensor_parallel = 2 but placement.rollout takes 8"),
+    (["rollout.num_engines=1", "rollout.tensor_parallel=8", "placement.rollout.tpu=v6e-16",
+      "placement.rollout.topology=4x4", "rollout.num_engines=2"], "engines do not span hosts"),
+    (["learner.device=cpu"], "learner.device is 'cpu' but placement.learner.tpu is v6e-16"),
+    (["learner.device=xla"], "an xla learner is one process"),
+])
+def test_impossible_role_and_slice_combinations_are_one_line_each(overrides, message):
+    base = ["placement.learner.tpu=v6e-16", "placement.rollout.tpu=v6e-8", "learner.ranks=16", "learner.device=tpu",
+            "rollout.num_engines=8", "rollout.dtype=bfloat16"]
+    problems = slice_problems(load_config(None, base + overrides))
+    assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["placement.learner.chips=4"], "set both"),
+    (["placement.learner.chips=4", "placement.rollout.chips=4", "placement.rollout.tpu=v5litepod-8"],
+     "name the same slice"),
+    (["placement.learner.chips=6", "placement.rollout.chips=4"], "more than the 8 of v6e-8"),
+    (["placement.learner.tpu=v6e-16", "placement.rollout.tpu=v6e-16", "placement.learner.chips=2",
+      "placement.rollout.chips=2"], "only a one-host slice"),
+])
+def test_sharing_a_slice_is_checked(overrides, message):
+    cfg = load_config(None, ["placement.learner.tpu=v6e-8", "placement.rollout.tpu=v6e-8", "rollout.dtype=bfloat16",
+                             *overrides])
+    with pytest.raises(ConfigError, match=message):
+        slice_shares(cfg.placement)
+
+
+def test_a_tpu_actor_keeps_only_the_launch_variables_rlpipe_gave_it():
+    given = engine_process_env(4)
+    inherited = {"TORCH_TPU_TOPOLOGY": "4,4,1", "TPU_WORKER_HOSTNAMES": "a,b", "MASTER_PORT": "1234",
+                 "TPU_VISIBLE_CHIPS": "0,1,2,3", "TPU_ACCELERATOR_TYPE": "v6e-16", "HOME": "/root"}
+    environ = {**inherited, **given}
+    dropped = keep_only_given_tpu_env(environ)
+    assert sorted(dropped) == ["MASTER_PORT", "TORCH_TPU_TOPOLOGY", "TPU_VISIBLE_CHIPS", "TPU_WORKER_HOSTNAMES"]
+    assert environ == {**given, "TPU_ACCELERATOR_TYPE": "v6e-16", "HOME": "/root"}
+    untouched = dict(inherited)
+    assert keep_only_given_tpu_env(untouched) == [] and untouched == inherited  # not a TPU actor
 
 
 def test_fallback_bundles_pin_every_host_to_the_head_hosts_slice():

@@ -62,10 +62,10 @@ def _tiny_config(folder: Path, *extra: str):
             "rollout.num_engines=1",
             "rollout.tensor_parallel=2",
             "rollout.dtype=bfloat16",
-            "placement.learner.tpu=v5litepod-2",
-            "placement.learner.topology=1x2",
-            "placement.rollout.tpu=v5litepod-2",
-            "placement.rollout.topology=1x2",
+            "placement.learner.tpu=v5p-4",
+            "placement.learner.topology=1x2x1",
+            "placement.rollout.tpu=v5p-4",
+            "placement.rollout.topology=1x2x1",
             *extra,
         ],
     )
@@ -244,12 +244,12 @@ def test_wrong_rank_count_is_a_problem_line(capsys):
     recipe = str(REPO / "configs" / "qwen3-8b-v6e.yaml")
     fewer = ["learner.ranks=8", "train.micro_batch_size=28"]  # a rank's whole share in one pass, as the graph step needs
     result = plan(load_config(recipe, fewer))
-    assert "learner.ranks = 8 but placement.learner.tpu v6e-16 has 16 chips (one process per chip)" in result.problems
+    assert "learner.ranks = 8 but placement.learner takes 16 chips of v6e-16 (4x4) (one rank per chip)" in result.problems
     assert not result.ok
     assert main(["plan", recipe, *fewer, "rollout.num_engines=2"]) == 1
     out = capsys.readouterr().out
-    assert "learner.ranks = 8 but placement.learner.tpu v6e-16 has 16 chips" in out
-    assert "rollout.num_engines x rollout.tensor_parallel = 4 but placement.rollout.tpu v6e-8 has 8 chips" in out
+    assert "learner.ranks = 8 but placement.learner takes 16 chips of v6e-16" in out
+    assert "rollout.num_engines x rollout.tensor_parallel = 2 but placement.rollout takes 8 chips of v6e-8" in out
 
 
 def test_topology_must_match_the_pod_type():

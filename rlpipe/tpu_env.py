@@ -1,0 +1,159 @@
+"""The environment of each TPU process rlpipe starts: which chips it opens and how it finds the rest of its job.
+
+Three contracts, each read from the package that consumes it (torch-tpu 0.2.0, vllm-torchtpu 0.29.0, libtpu; the
+TPU contract lane feeds these environments through those packages' own code):
+- a TorchTPU learner rank (`torchtpu_process_env`): torchrun's variables plus TorchTPU's slice builder, as
+  `torch.tpu.distributed.set_tpu_launch_env` derives them; `LOCAL_RANK` is the chip it opens;
+- a vLLM engine on TorchTPU (`engine_process_env`): vllm-torchtpu binds tensor-parallel worker i of an engine to
+  chip `LOCAL_RANK + offset`, the offset read from `TPU_LOCAL_RANK_OFFSET` by its worker-process shim (TP > 1) and
+  from `DEBUG_TPU_LOCAL_RANK_OFFSET` by the worker itself; both name the engine's first chip so that every stage
+  agrees; it picks the engine's own ports and topology when it starts;
+- an xla learner (torch_xla on libtpu; `tpu_chip_block_env`): one process for its chips, `TPU_VISIBLE_CHIPS`
+  and the process bounds.
+
+A process starts from its host's environment, which on GKE or a TPU VM already holds a slice's layout (GKE injects
+`TORCH_TPU_TOPOLOGY`, `TPU_WORKER_HOSTNAMES`, ...); torch_tpu and vllm-torchtpu keep what they find. So the
+variables rlpipe sets are listed in `RLPIPE_TPU_ENV`, and each TPU actor first drops every other launch variable
+(`keep_only_given_tpu_env`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping, Sequence
+
+from rlpipe.device import CHIP_BLOCK_BOUNDS, topology_dims
+
+# libtpu's first process port; one port per chip of a host.
+TPU_BASE_PORT = 8476
+# torch_tpu's default first port for its slice builder (TORCH_TPU_BASE_PORT), one port per chip of a host.
+TORCHTPU_BASE_PORT = 8070
+# torch_tpu's launch helper's rendezvous port (set_tpu_launch_env); its PjRt bootstrap needs one on every rank.
+TORCHTPU_MASTER_PORT = 29500
+# torch_tpu's host bounds for multi-host slices (x, y, z chips per host), by which it ranks hosts.
+TORCHTPU_CHIPS_PER_HOST = (2, 2, 1)
+
+# The variables rlpipe set for a TPU actor, comma-separated; the other launch variables it inherited are dropped.
+GIVEN = "RLPIPE_TPU_ENV"
+# Read by torch_tpu when it is imported: "false" keeps c10d's functional collectives inside a Dynamo graph (with
+# "true" each one is a graph break), so the learner's captured step stays one graph and vLLM's tensor-parallel
+# graphs compile. vllm-torchtpu-core sets the same through a sitecustomize.py that not every launcher runs.
+COLLECTIVES_IN_GRAPH = {"TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS": "false"}
+# Where libtpu is, what the host is, and logging: not part of any job's layout, so kept.
+_HOST_FACTS = {"TPU_LIBRARY_PATH", "TPU_ACCELERATOR_TYPE", "TPU_SKIP_MDS_QUERY", "TPU_STDERR_LOG_LEVEL",
+               "TPU_MIN_LOG_LEVEL", "TPU_VMODULE", "TPU_LOG_DIR"}
+_LAUNCH_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES", "MASTER_ADDR",
+                 "MASTER_PORT", "CLOUD_TPU_TASK_ID", "JOB_COMPLETION_INDEX", "DEBUG_TPU_LOCAL_RANK_OFFSET",
+                 "ALLOW_MULTIPLE_LIBTPU_LOAD"}
+
+
+def _given(env: dict[str, str]) -> dict[str, str]:
+    """`env` for one TPU actor, with the collectives flag and the list of what rlpipe set."""
+    env = {**COLLECTIVES_IN_GRAPH, **env, "RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS": "1"}
+    return {**env, GIVEN: ",".join(sorted([*env, GIVEN]))}
+
+
+def keep_only_given_tpu_env(environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Drop the TPU and launch variables (TPU_*, TORCH_TPU_*, torchrun's) rlpipe did not set for this process; the
+    first thing a TPU actor does, before vLLM or TorchTPU start a client. Does nothing outside a TPU actor."""
+    if GIVEN not in environ:
+        return []
+    given = set(environ[GIVEN].split(","))
+    dropped = [
+        name for name in environ
+        if name not in given and name not in _HOST_FACTS
+        and (name.startswith(("TPU_", "TORCH_TPU_")) or name in _LAUNCH_NAMES)
+    ]
+    for name in dropped:
+        del environ[name]
+    return dropped
+
+
+# ------------------------------------------------------------------ vLLM engines on TorchTPU
+
+
+def engine_process_env(first_chip: int) -> dict[str, str]:
+    """Environment of an engine whose tensor-parallel workers drive chips first_chip, first_chip + 1, ... of their
+    host. vllm-torchtpu picks the rest (its ports, its topology from the chips' PCI scan) when the engine starts."""
+    offset = str(first_chip)
+    return _given({"TPU_LOCAL_RANK_OFFSET": offset, "DEBUG_TPU_LOCAL_RANK_OFFSET": offset})
+
+
+# ------------------------------------------------------------------ TorchTPU learner ranks
+
+
+def host_rank_order(coords: Sequence[Sequence[int] | None], topology: str) -> list[int] | None:
+    """The hosts (given by one chip's physical coordinates each) in torch_tpu's NODE_RANK order: host coordinates
+    (chip // chips per host) sorted z, then y, then x. None when a host's coordinates are unknown."""
+    if any(c is None for c in coords):
+        return None
+    dims = topology_dims(topology)
+    host_grid = [max(1, d // c) for d, c in zip(dims, TORCHTPU_CHIPS_PER_HOST)]
+    places = []
+    for chip in coords:
+        padded = [*chip, 0, 0][:3]
+        place = tuple(p // c for p, c in zip(padded, TORCHTPU_CHIPS_PER_HOST))
+        if any(p >= g for p, g in zip(place, host_grid)):
+            raise ValueError(f"TPU chip coordinates {list(chip)} lie outside topology {topology}")
+        places.append(place)
+    if len(set(places)) != len(places):
+        raise ValueError(f"two hosts report chips of the same TPU host position in topology {topology}")
+    return sorted(range(len(coords)), key=lambda host: places[host][::-1])
+
+
+def torchtpu_process_env(
+    host_addresses: list[str], chips_per_host: int, worker_index: int, local_chip: int, topology: str | None = None,
+    session_id: str | None = None,
+) -> dict[str, str]:
+    """Environment of the TorchTPU process (a learner rank) driving chip `local_chip` of host `worker_index`, in a
+    job of `chips_per_host` chips on each of the hosts (`host_addresses`, in NODE_RANK order).
+
+    Every key `torch.tpu.distributed.set_tpu_launch_env` sets for a multi-host job, and vllm-torchtpu's Ray
+    executor for its workers, with the same values: the slice builder's addresses (one per chip, host by host),
+    the topology, NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT; plus torchrun's place of this rank. `topology`: the
+    job's chips (the slice's; None: the chips of one host). `session_id`: the profiler session every rank shares.
+    """
+    hosts = len(host_addresses)
+    if not 0 <= worker_index < hosts:
+        raise ValueError(f"worker_index {worker_index} is outside the {hosts} hosts")
+    if not 0 <= local_chip < chips_per_host:
+        raise ValueError(f"local_chip {local_chip} is outside the {chips_per_host} chips of a host")
+    if topology is None:
+        if hosts != 1:
+            raise ValueError(f"a job of {hosts} hosts needs its topology")
+        topology_bounds = CHIP_BLOCK_BOUNDS[chips_per_host]
+    else:
+        topology_bounds = ",".join(str(d) for d in topology_dims(topology))
+    addresses = [f"{address}:{TORCHTPU_BASE_PORT + chip}" for address in host_addresses for chip in range(chips_per_host)]
+    env = {
+        "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(addresses),
+        "TORCH_TPU_TOPOLOGY": topology_bounds,
+        "TORCH_TPU_DEVICES_PER_HOST": str(chips_per_host),
+        "TPU_WORKER_HOSTNAMES": ",".join(host_addresses),
+        "TPU_NUM_HOSTS": str(hosts),
+        "NNODES": str(hosts),
+        "NODE_RANK": str(worker_index),
+        "MASTER_ADDR": host_addresses[0],
+        "MASTER_PORT": str(TORCHTPU_MASTER_PORT),
+        "WORLD_SIZE": str(hosts * chips_per_host),
+        "RANK": str(worker_index * chips_per_host + local_chip),
+        "LOCAL_WORLD_SIZE": str(chips_per_host),
+        "LOCAL_RANK": str(local_chip),
+    }
+    if session_id is not None:
+        env["TORCH_TPU_XPROF_SESSION_ID"] = session_id
+    return _given(env)
+
+
+# ------------------------------------------------------------------ an xla learner (torch_xla on libtpu)
+
+
+def tpu_chip_block_env(first_chip: int, chips: int) -> dict[str, str]:
+    """Environment of one libtpu process (an xla learner: one SPMD process) driving `chips` chips of its host
+    from `first_chip` on, as a job of its own."""
+    return _given({
+        "TPU_VISIBLE_CHIPS": ",".join(str(chip) for chip in range(first_chip, first_chip + chips)),
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": CHIP_BLOCK_BOUNDS[chips],
+        "TPU_PROCESS_BOUNDS": "1,1,1",
+        "TPU_PROCESS_PORT": str(TPU_BASE_PORT + first_chip),
+    })

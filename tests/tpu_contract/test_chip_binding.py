@@ -1,0 +1,274 @@
+"""Which chip each TPU process rlpipe starts really opens, found by running the installed packages' own binding code
+on the environments rlpipe gives them, on a host whose PCI tree is faked to the described TPU host:
+
+- engines: vllm-torchtpu's single-host preparation (`TpuPlatform._prepare_singlehost_tpu_env`), its worker-process
+  shim (`WorkerProc.make_worker_process` as vllm_torchtpu patches it, tensor-parallel engines) and its worker's
+  `TPUWorker.init_device` up to the collective set-up; the chip is the LOCAL_RANK torch_tpu then hands libtpu;
+- learner ranks: `torch.tpu.distributed.set_tpu_launch_env` (topology given, the host's chip coordinates
+  described) and the worker environment vllm-torchtpu's Ray executor builds.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from rlpipe.config import load_config
+from rlpipe.tpu_env import GIVEN, keep_only_given_tpu_env, torchtpu_process_env
+from rlpipe.tpu_layout import ENGINE_CHIP_COUNTS, slice_shares
+from rlpipe.actors.placement import slice_slots
+
+REPO = Path(__file__).resolve().parents[2]
+TPU_RECIPES = sorted(path.name for path in (REPO / "configs").glob("*.yaml") if path.name != "default.yaml")
+ONE_VM = [  # one v6e-8 VM: 4 learner ranks, one engine of 4 chips
+    "placement.learner.tpu=v6e-8", "placement.rollout.tpu=v6e-8", "placement.learner.chips=4",
+    "placement.rollout.chips=4", "learner.ranks=4", "rollout.num_engines=1", "rollout.tensor_parallel=4",
+    "train.prompts_per_step=24", "train.micro_batch_size=48",
+]
+# PCI device ids torch_tpu's scan knows (torch_tpu/_internal/utils/hardware.py), by generation.
+PCI_DEVICE_ID = {"v4": "0x005e", "v5p": "0x0062", "v5litepod": "0x0063", "v6e": "0x006f"}
+# What GKE puts in every container of a TPU slice's node pool: a layout for the whole slice, not for one engine.
+GKE_SLICE_ENV = {"TORCH_TPU_TOPOLOGY": "4,4,1", "TPU_WORKER_HOSTNAMES": "a,b,c,d", "TPU_WORKER_ID": "0",
+                 "MASTER_PORT": "12345", "TPU_VISIBLE_CHIPS": "0,1,2,3"}
+
+
+def fake_pci_tree(root: Path, generation: str, chips: int) -> None:
+    """`chips` Google TPU functions under root/sys/bus/pci/devices, each in an IOMMU group with its VFIO node."""
+    for chip in range(chips):
+        device = root / "sys/bus/pci/devices" / f"0000:00:{chip + 4:02x}.0"
+        device.mkdir(parents=True)
+        (device / "vendor").write_text("0x1ae0\n")
+        (device / "device").write_text(PCI_DEVICE_ID[generation] + "\n")
+        group = root / "sys/kernel/iommu_groups" / str(chip)
+        group.mkdir(parents=True)
+        (device / "iommu_group").symlink_to(group)
+        (root / "dev/vfio").mkdir(parents=True, exist_ok=True)
+        (root / "dev/vfio" / str(chip)).write_text("")
+
+
+def rooted_pathlib(root: Path) -> types.SimpleNamespace:
+    """A `pathlib` for torch_tpu's hardware module whose absolute paths lie under `root`."""
+    return types.SimpleNamespace(Path=lambda path, *rest: root / Path(path, *rest).relative_to("/"))
+
+
+# ------------------------------------------------------------------ engines
+
+
+class _Stop(Exception):
+    """Raised where the worker would start its collectives: its environment is complete by then."""
+
+
+def engine_worker_chips(env: dict[str, str], tp: int, monkeypatch) -> list[int]:
+    """The chip each of an engine's `tp` workers opens, from the environment its actor starts with."""
+    from vllm.config import ParallelConfig
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    import vllm_torchtpu
+    from vllm_torchtpu.platforms.tpu_platform import TpuPlatform
+    from vllm_torchtpu.worker import tpu_worker
+
+    for name in list(os.environ):
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    keep_only_given_tpu_env()
+    parallel = ParallelConfig(tensor_parallel_size=tp)
+    TpuPlatform._prepare_singlehost_tpu_env(tp)  # in the engine's process, before its workers start
+    engine_env = dict(os.environ)
+
+    spawned: list[dict[str, str]] = []
+    monkeypatch.setattr(WorkerProc, "make_worker_process", staticmethod(lambda *a, **k: spawned.append(dict(os.environ))))
+    monkeypatch.setattr(WorkerProc, "_tpu_global_rank_env_patch", False, raising=False)
+    vllm_torchtpu._patch_multiproc_worker_global_rank_env()
+    monkeypatch.setattr(tpu_worker, "init_distributed_environment", lambda **kwargs: (_ for _ in ()).throw(_Stop()))
+
+    chips = []
+    for local_rank in range(tp):
+        os.environ.clear()
+        os.environ.update(engine_env)
+        if tp > 1:  # a worker process of its own (the multiprocessing executor), through vllm-torchtpu's shim
+            WorkerProc.make_worker_process(types.SimpleNamespace(parallel_config=parallel), local_rank, local_rank)
+            os.environ.clear()
+            os.environ.update(spawned[-1])
+        worker = types.SimpleNamespace(
+            parallel_config=parallel, rank=local_rank, local_rank=local_rank, devices=None,
+            distributed_init_method="tcp://127.0.0.1:29511", vllm_config=None,
+        )
+        with pytest.raises(_Stop):
+            tpu_worker.TPUWorker.init_device(worker)
+        chips.append(int(os.environ["LOCAL_RANK"]))  # torch_tpu copies it into TPU_VISIBLE_CHIPS for libtpu
+    return chips
+
+
+ENGINE_CASES = [
+    *(pytest.param(recipe, [], id=recipe) for recipe in TPU_RECIPES),
+    pytest.param("qwen3-0.6b-gsm8k-v6e.yaml", ONE_VM, id="one-v6e-8-vm"),
+]
+
+
+def _host_chips(recipe: str, overrides: list[str]):
+    cfg = load_config(REPO / "configs" / recipe, overrides)
+    share = slice_shares(cfg.placement)["rollout"]
+    nodes = [{"NodeID": "host", "NodeManagerAddress": "10.0.0.1", "Labels": {}}]
+    bundle_nodes = {index: "host" for index in range(share.tslice.hosts)}
+    if share.tslice.hosts > 1:
+        nodes = [{"NodeID": f"host-{i}", "NodeManagerAddress": f"10.0.0.{i + 1}", "Labels": {}}
+                 for i in range(share.tslice.hosts)]
+        bundle_nodes = {index: f"host-{index}" for index in range(share.tslice.hosts)}
+    slots = slice_slots(share, bundle_nodes, nodes, cfg.rollout.tensor_parallel)
+    first_host = [slot for slot in slots if slot.bundle_index == 0]  # every host is laid out alike
+    return cfg, share, first_host
+
+
+@pytest.mark.parametrize("recipe, overrides", ENGINE_CASES)
+def test_every_engine_worker_opens_a_chip_of_its_own_share(recipe, overrides, tmp_path, monkeypatch, tpu_device_name):
+    from torch_tpu._internal.utils import hardware
+
+    cfg, share, slots = _host_chips(recipe, overrides)
+    tp = cfg.rollout.tensor_parallel
+    fake_pci_tree(tmp_path, share.tslice.generation, share.tslice.chips_per_host)
+    monkeypatch.setattr(hardware, "pathlib", rooted_pathlib(tmp_path))
+    own_share = range(share.first_chip, share.first_chip + share.chips_per_host)
+    taken: dict[int, int] = {}
+    for engine, slot in enumerate(slots):
+        chips = engine_worker_chips({**GKE_SLICE_ENV, "PATH": "/usr/bin", **slot.env}, tp, monkeypatch)
+        assert len(set(chips)) == tp and all(chip in own_share for chip in chips), (engine, chips)
+        for chip in chips:
+            assert chip not in taken, f"engines {taken[chip]} and {engine} both open chip {chip}"
+            taken[chip] = engine
+        if tp > 1:  # its own topology from the chips it has, not the slice's GKE gave the host
+            assert os.environ["TORCH_TPU_TOPOLOGY"] == hardware.get_tpu_topology(tp)
+    assert sorted(taken) == list(own_share)
+
+
+def test_the_old_libtpu_style_engine_environment_puts_every_engine_on_the_same_chips(tmp_path, monkeypatch,
+                                                                                    tpu_device_name):
+    """What engines got before (TPU_VISIBLE_CHIPS lists, libtpu's bounds): vllm-torchtpu ignores it."""
+    from torch_tpu._internal.utils import hardware
+
+    fake_pci_tree(tmp_path, "v6e", 8)
+    monkeypatch.setattr(hardware, "pathlib", rooted_pathlib(tmp_path))
+    old = [{"TPU_VISIBLE_CHIPS": chips, "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "TPU_PROCESS_BOUNDS": "1,1,1",
+            "TPU_PROCESS_PORT": port} for chips, port in (("0,1,2,3", "8476"), ("4,5,6,7", "8480"))]
+    assert {tuple(engine_worker_chips(env, 4, monkeypatch)) for env in old} == {(0, 1, 2, 3)}
+
+
+@pytest.mark.parametrize("generation", sorted(ENGINE_CHIP_COUNTS))
+def test_engines_start_only_on_chip_counts_torch_tpu_knows_a_topology_for(generation, tmp_path, monkeypatch):
+    from torch_tpu._internal.utils import hardware
+
+    fake_pci_tree(tmp_path, generation, 8)
+    monkeypatch.setattr(hardware, "pathlib", rooted_pathlib(tmp_path))
+    known = []
+    for count in (1, 2, 4, 8):
+        try:
+            hardware.get_tpu_topology(count)
+        except RuntimeError:
+            continue
+        known.append(count)
+    host_chips = 8 if generation in ("v5litepod", "v6e") else 4  # v4 and v5p hosts carry 4 chips
+    assert tuple(count for count in known if count <= host_chips) == ENGINE_CHIP_COUNTS[generation]
+
+
+# ------------------------------------------------------------------ learner ranks
+
+_LAUNCH_HELPER = textwrap.dedent("""
+    import json, pathlib, sys, types
+    import torch, torch_tpu
+    from torch_tpu._internal.utils import hardware
+    from torch_tpu._internal.distributed import distributed
+    from torch.tpu import distributed as tpu_distributed
+    root, coords, nproc = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+    hardware.pathlib = types.SimpleNamespace(Path=lambda p, *r: root / pathlib.Path(p, *r).relative_to("/"))
+    distributed._query_local_device_coords = lambda: coords  # what the chips report (a child process on a TPU)
+    import os
+    before = dict(os.environ)
+    tpu_distributed.set_tpu_launch_env(nproc_per_node=nproc)
+    print("ENV", json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))
+""")
+
+
+def launch_helper_env(tmp_path: Path, generation: str, chips_per_host: int, coords: list[int] | None,
+                      env: dict[str, str], ranks_per_host: int | None = None) -> dict[str, str]:
+    """What torch_tpu's launch helper sets for `ranks_per_host` ranks (default: one per chip) on a host of
+    `chips_per_host` chips of `generation`."""
+    root = tmp_path / f"host-{json.dumps(coords)}"
+    fake_pci_tree(root, generation, chips_per_host)
+    nproc = ranks_per_host or chips_per_host
+    done = subprocess.run(
+        [sys.executable, "-c", _LAUNCH_HELPER, str(root), json.dumps(coords), str(nproc)],
+        env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=300,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ENV ")]
+    assert lines, done.stderr[-3000:]
+    return json.loads(lines[-1][4:])
+
+
+def ray_executor_worker_keys() -> set[str]:
+    """The keys vllm-torchtpu's Ray executor sets in each worker's environment (read from its source: running it
+    needs Ray workers on TPU hosts)."""
+    from vllm_torchtpu.executors import ray_distributed_executor
+
+    tree = ast.parse(inspect.getsource(ray_distributed_executor))
+    keys = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "args" for t in node.targets):
+            if isinstance(node.value, ast.Dict):
+                keys |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == "args"
+            and isinstance(t.slice, ast.Constant) for t in node.targets
+        ):
+            keys |= {t.slice.value for t in node.targets if isinstance(t, ast.Subscript)}
+    assert {"NNODES", "NODE_RANK", "MASTER_PORT", "TORCH_TPU_TOPOLOGY"} <= keys  # the executor still builds them
+    return keys
+
+
+# Every host's first chip, in torch_tpu's host order for each multi-host learner slice, as a 2x2-chip host reports it.
+def _host_coords(topology: str) -> list[list[int]]:
+    dims = [int(d) for d in topology.split("x")] + [1]
+    return [[x, y, z, 0] for z in range(0, dims[2]) for y in range(0, dims[1], 2) for x in range(0, dims[0], 2)]
+
+
+@pytest.mark.parametrize("recipe", TPU_RECIPES)
+def test_learner_ranks_get_what_torch_tpus_launch_helper_and_vllm_torchtpus_executor_give(recipe, tmp_path):
+    cfg = load_config(REPO / "configs" / recipe)
+    share = slice_shares(cfg.placement)["learner"]
+    tslice = share.tslice
+    executor_keys = ray_executor_worker_keys() - {"TORCH_TPU_XPROF_SESSION_ID"}
+    if tslice.hosts == 1:
+        slots = slice_slots(share, {0: "h"}, [{"NodeID": "h", "NodeManagerAddress": "10.0.0.1"}], 1, "tpu")
+        theirs = launch_helper_env(tmp_path, tslice.generation, tslice.chips_per_host, None, {}, share.chips_per_host)
+        ours = slots[0].env
+        assert set(theirs) - {"TORCH_TPU_XPROF_SESSION_ID"} <= set(ours)
+        assert ours["TORCH_TPU_TOPOLOGY"] == theirs["TORCH_TPU_TOPOLOGY"]  # the PCI scan's, for the learner's chips
+        assert len(ours["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) == len(theirs["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(","))
+        assert executor_keys <= set(ours)
+        return
+    # Bundles land on hosts in an order that is neither the worker ids' nor torch_tpu's.
+    coords = _host_coords(tslice.topology)
+    bundle_of_host = list(reversed(range(tslice.hosts)))
+    nodes = [{"NodeID": f"n{b}", "NodeManagerAddress": f"10.0.{b}.1", "Labels": {"ray.io/tpu-worker-id": str(b)}}
+             for b in range(tslice.hosts)]
+    host_coords = {bundle_of_host[host]: coords[host] for host in range(tslice.hosts)}
+    slots = slice_slots(share, {b: f"n{b}" for b in range(tslice.hosts)}, nodes, 1, "tpu", host_coords)
+    names = slots[0].env["TPU_WORKER_HOSTNAMES"]
+    for host in (0, tslice.hosts - 1):
+        bundle = bundle_of_host[host]
+        ours = next(slot.env for slot in slots if slot.bundle_index == bundle)
+        given = {"TPU_WORKER_HOSTNAMES": names, "TORCH_TPU_TOPOLOGY": ours["TORCH_TPU_TOPOLOGY"]}
+        theirs = launch_helper_env(tmp_path, tslice.generation, tslice.chips_per_host, coords[host], given)
+        for key in set(theirs) - {"TORCH_TPU_XPROF_SESSION_ID"}:
+            assert ours.get(key) == theirs[key], (key, ours.get(key), theirs[key])
+        assert ours["NODE_RANK"] == str(host)  # torch_tpu's topological rank of this host
+        assert executor_keys <= set(ours)
+        assert set(ours[GIVEN].split(",")) == set(ours)
