@@ -92,3 +92,16 @@ def test_no_words_about_how_the_project_is_developed(page):
         for match in DEVELOPMENT_WORDS.finditer(line)
     ]
     assert not found, "\n".join(found)
+
+
+def _yaml_blocks(page: Path) -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S)
+
+
+@pytest.mark.parametrize("block", range(len(_yaml_blocks(REPO / "docs" / "tpu.md"))))
+def test_the_tpu_pages_recipes_pass_rlpipe_plan_as_written(block, tmp_path, capsys):
+    from rlpipe.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(_yaml_blocks(REPO / "docs" / "tpu.md")[block])
+    assert main(["plan", str(recipe)]) == 0, capsys.readouterr()
