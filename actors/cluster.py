@@ -32,12 +32,21 @@ def compute_env() -> dict[str, str]:
     }
 
 
+def job_runtime_env(cfg: Config) -> dict | None:
+    """The run's Ray job environment: with a role on a TPU slice, every worker process first drops the TPU launch
+    variables it inherited and rlpipe did not give it (rlpipe/tpu_env.py) — before anything imports torch, since
+    torch_tpu reads some of them when it is imported."""
+    if cfg.placement.learner.tpu is None and cfg.placement.rollout.tpu is None:
+        return None
+    return {"worker_process_setup_hook": "rlpipe.tpu_env.keep_only_given_tpu_env"}
+
+
 def start_ray(cfg: Config) -> None:
     """Join `ray.address`, or start a private local cluster bound to loopback."""
     if ray.is_initialized():
         return
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=True)
+        ray.init(address=cfg.ray.address, log_to_driver=True, runtime_env=job_runtime_env(cfg))
         return
     # Ray rewrites a node address of 127.0.0.1 to the machine's outward address unless it runs in its
     # single-machine mode (the one it uses on macOS), which keeps every service on loopback. The flag is read
@@ -60,4 +69,5 @@ def start_ray(cfg: Config) -> None:
         dashboard_port=cfg.ray.dashboard_port,
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
+        runtime_env=job_runtime_env(cfg),
     )

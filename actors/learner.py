@@ -44,7 +44,7 @@ def send_parts(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], transp
 @ray.remote
 class LearnerActor:
     def __init__(self, model_path: str, cfg: Config, rank: int, world_size: int, log: LogSetup | None = None):
-        keep_only_given_tpu_env()  # before TorchTPU or vLLM start a client on this process's chips
+        keep_only_given_tpu_env()  # also where Ray was started without rlpipe's job environment (actors/cluster.py)
         if log is not None:
             configure_worker(log)
         # Ray caps an actor's threads at its logical CPU share; the learner should use the whole machine

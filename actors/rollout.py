@@ -32,7 +32,7 @@ class RolloutActor:
         log: LogSetup | None = None,
         kernels: KernelsConfig | None = None,
     ):
-        keep_only_given_tpu_env()  # before TorchTPU or vLLM start a client on this process's chips
+        keep_only_given_tpu_env()  # also where Ray was started without rlpipe's job environment (actors/cluster.py)
         if log is not None:  # before vLLM is imported: its import logs too
             tied = bool(read_hf_config(model_path).get("tie_word_embeddings", False))
             configure_worker(replace(log, tied_output_layer=tied), vllm=True)

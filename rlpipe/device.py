@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlpipe.tpu_env import CHIP_BLOCK_BOUNDS, topology_dims
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -176,9 +178,6 @@ _CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5litepod": 1, "v6e": 1}
 # The usual topology of a slice of N chips, by generation family (2-D for v5e/v6e, 3-D for v4/v5p).
 _TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 _TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
-# A block of N chips of one host as x,y,z bounds: what torch_tpu's PCI scan reports for N chips of a v5e/v6e host
-# (and of up to 4 of a v4/v5p host), and what a slice of them spans.
-CHIP_BLOCK_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
 # HBM per chip, GiB (Cloud TPU system-architecture pages: v4 32 GiB, v5p 95 GB, v5e 16 GB, v6e 32 GB).
 _HBM_GIB = {"v4": 32, "v5p": 95, "v5litepod": 16, "v6e": 32}
 
@@ -230,13 +229,3 @@ def tpu_slice(pod_type: str, topology: str | None = None) -> TpuSlice:
         raise ValueError(f"TPU topology {topology!r} does not have the {chips} chips of {pod_type}")
     per_host = chips if flat and chips <= 8 else 4
     return TpuSlice(f"{generation}-{count}", generation, topology, max(1, chips // per_host), min(chips, per_host))
-
-
-def topology_dims(topology: str) -> tuple[int, int, int]:
-    try:
-        dims = [int(d) for d in topology.lower().split("x")]
-    except ValueError:
-        dims = []
-    if len(dims) not in (2, 3) or min(dims) < 1:
-        raise ValueError(f"TPU topology must look like 2x4 or 2x2x2, got {topology!r}")
-    return tuple(dims + [1] * (3 - len(dims)))  # type: ignore[return-value]

@@ -22,8 +22,10 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping, Sequence
 
-from rlpipe.device import CHIP_BLOCK_BOUNDS, topology_dims
 
+# A block of N chips of one host as x,y,z bounds: what torch_tpu's PCI scan reports for N chips of a v5e/v6e host
+# (and of up to 4 of a v4/v5p host), and what a slice of them spans.
+CHIP_BLOCK_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
 # libtpu's first process port; one port per chip of a host.
 TPU_BASE_PORT = 8476
 # torch_tpu's default first port for its slice builder (TORCH_TPU_BASE_PORT), one port per chip of a host.
@@ -157,3 +159,13 @@ def tpu_chip_block_env(first_chip: int, chips: int) -> dict[str, str]:
         "TPU_PROCESS_BOUNDS": "1,1,1",
         "TPU_PROCESS_PORT": str(TPU_BASE_PORT + first_chip),
     })
+
+
+def topology_dims(topology: str) -> tuple[int, int, int]:
+    try:
+        dims = [int(d) for d in topology.lower().split("x")]
+    except ValueError:
+        dims = []
+    if len(dims) not in (2, 3) or min(dims) < 1:
+        raise ValueError(f"TPU topology must look like 2x4 or 2x2x2, got {topology!r}")
+    return tuple(dims + [1] * (3 - len(dims)))  # type: ignore[return-value]

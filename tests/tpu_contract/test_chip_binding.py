@@ -272,3 +272,10 @@ def test_learner_ranks_get_what_torch_tpus_launch_helper_and_vllm_torchtpus_exec
         assert ours["NODE_RANK"] == str(host)  # torch_tpu's topological rank of this host
         assert executor_keys <= set(ours)
         assert set(ours[GIVEN].split(",")) == set(ours)
+
+
+def test_a_host_without_a_tpu_reports_no_chip_coordinates_and_ranks_follow_worker_ids():
+    """Asked on each learner host before the ranks start (actors/placement.py): here there is no chip to ask."""
+    from rlpipe.actors.placement import local_chip_coords
+
+    assert local_chip_coords() is None

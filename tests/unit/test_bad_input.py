@@ -167,6 +167,19 @@ def recipe_is_a_directory(d):
 
 
 @case
+def learner_ranks_do_not_fill_their_tpu_slice(d):
+    args = ["placement.learner.tpu=v6e-8", "learner.device=tpu", "learner.ranks=4"]
+    return Case(args, ["learner.ranks = 4 but placement.learner takes 8 chips of v6e-8"])
+
+
+@case
+def engines_on_a_chip_count_vllm_on_torchtpu_cannot_start(d):
+    args = ["placement.rollout.tpu=v6e-8", "rollout.dtype=bfloat16", "rollout.num_engines=4",
+            "rollout.tensor_parallel=2"]
+    return Case(args, ["rollout.tensor_parallel: vLLM on TorchTPU starts an engine on 1, 4, 8 chips"])
+
+
+@case
 def recipe_missing(d):
     recipe = d.root / "no-such-recipe.yaml"
     return Case([], [str(recipe), "not found"], recipe)

@@ -130,7 +130,7 @@ def test_engines_name_their_first_chip_to_vllm_torchtpus_binding():
 def test_one_tpu_vm_splits_its_chips_between_learner_and_engines():
     cfg = load_config(None, ["placement.learner.tpu=v6e-8", "placement.rollout.tpu=v6e-8", "placement.learner.chips=4",
                              "placement.rollout.chips=4", "learner.ranks=4", "learner.device=tpu",
-                             "rollout.num_engines=2", "rollout.tensor_parallel=2", "rollout.dtype=bfloat16"])
+                             "rollout.num_engines=1", "rollout.tensor_parallel=4", "rollout.dtype=bfloat16"])
     shares = slice_shares(cfg.placement)
     assert (shares["learner"].first_chip, shares["rollout"].first_chip) == (0, 4)
     assert slice_problems(cfg) == []
@@ -138,8 +138,8 @@ def test_one_tpu_vm_splits_its_chips_between_learner_and_engines():
     learners = slice_slots(shares["learner"], {0: "node-0"}, nodes, 1, learner_device="tpu")
     assert [slot.env["LOCAL_RANK"] for slot in learners] == ["0", "1", "2", "3"]
     assert learners[0].env["TORCH_TPU_TOPOLOGY"] == "2,2,1" and learners[0].env["WORLD_SIZE"] == "4"
-    engines = slice_slots(shares["rollout"], {0: "node-0"}, nodes, 2)
-    assert [slot.env["TPU_LOCAL_RANK_OFFSET"] for slot in engines] == ["4", "6"]
+    engines = slice_slots(shares["rollout"], {0: "node-0"}, nodes, 4)
+    assert [slot.env["TPU_LOCAL_RANK_OFFSET"] for slot in engines] == ["4"] and engines[0].tpu_chips == 4
 
 
 @pytest.mark.parametrize("overrides, message", [
