@@ -8,8 +8,9 @@ per host) and runs one actor per chip (TorchTPU learner ranks), per host (an xla
 and rollout ask for a slice each, or share the chips of one TPU VM (`placement.<role>.chips`, rlpipe/tpu_layout.py).
 
 The TPU path follows Ray's documented slice API (`ray.util.tpu.SlicePlacementGroup`; on older Rays the
-`TPU-<pod type>-head` resource plus per-host bundles); it has not run on TPU hardware yet. The arithmetic —
-which chip each actor drives and the environment it gets — is unit-tested against described clusters.
+`TPU-<pod type>-head` resource plus per-host bundles); it has not run on TPU hardware yet. The arithmetic is
+unit-tested against described clusters, and which chip each actor then opens is found in the TPU contract lane by
+the TPU packages' own binding code (tests/tpu_contract/test_chip_binding.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlpipe.tpu_env import CHIP_BLOCK_BOUNDS, topology_dims
+from rlpipe.tpu_env import topology_dims
 
 
 @dataclass(frozen=True)
@@ -203,11 +203,6 @@ class TpuSlice:
     @property
     def hbm_bytes(self) -> int:
         return self.hbm_gib * 2**30
-
-    @property
-    def chips_per_host_bounds(self) -> str:
-        """The chips of one host as x,y,z bounds (TPU_CHIPS_PER_HOST_BOUNDS)."""
-        return CHIP_BLOCK_BOUNDS[self.chips_per_host]
 
 
 def tpu_slice(pod_type: str, topology: str | None = None) -> TpuSlice:
