@@ -13,8 +13,9 @@ TPU contract lane feeds these environments through those packages' own code):
 
 A process starts from its host's environment, which on GKE or a TPU VM already holds a slice's layout (GKE injects
 `TORCH_TPU_TOPOLOGY`, `TPU_WORKER_HOSTNAMES`, ...); torch_tpu and vllm-torchtpu keep what they find. So the
-variables rlpipe sets are listed in `RLPIPE_TPU_ENV`, and each TPU actor first drops every other launch variable
-(`keep_only_given_tpu_env`).
+variables rlpipe sets are listed in `RLPIPE_TPU_ENV`, and each TPU actor's process first drops every other launch
+variable (`keep_only_given_tpu_env`, run by Ray as the job's worker set-up hook: actors/cluster.py). This module
+imports nothing heavy, so the hook runs before anything imports torch (torch_tpu reads some variables then).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _given(env: dict[str, str]) -> dict[str, str]:
 
 def keep_only_given_tpu_env(environ: MutableMapping[str, str] = os.environ) -> list[str]:
     """Drop the TPU and launch variables (TPU_*, TORCH_TPU_*, torchrun's) rlpipe did not set for this process; the
-    first thing a TPU actor does, before vLLM or TorchTPU start a client. Does nothing outside a TPU actor."""
+    first thing a TPU actor's process does. Returns their names; does nothing outside a TPU actor."""
     if GIVEN not in environ:
         return []
     given = set(environ[GIVEN].split(","))
