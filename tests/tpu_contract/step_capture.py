@@ -16,8 +16,11 @@ How the step gets there without a chip:
   the piece to StableHLO and compiles it with PJRT for the chip. Only that last method is replaced here: it records
   the piece it was given and returns an artifact that refuses to run. The first time the step calls one, the step
   stops with `NoChip`; everything before it (capture, partitioning, passes) ran as on a TPU host.
-The tensors are CPU tensors (there is no `tpu` device to hold them without a chip); Dynamo traces them as fake
-tensors, and TorchTPU's backend only ever sees those.
+The learner's tensors are CPU tensors; Dynamo traces them as fake tensors, and TorchTPU's backend only ever sees
+those. Fake tensors on the `tpu` device itself (PrivateUse1 renamed, as the lane's `tpu_device_name` fixture does)
+carry the forward but not the step: without a chip, `torch.autograd.grad` on them crashes the process (SIGSEGV in
+the autograd engine's device thread, right after torch_tpu's `TpuDeviceGuardImpl::deviceCount` reports "PjRt backend
+unavailable"), and the step differentiates with `autograd.grad` while Dynamo traces it.
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ def _collectives(graph_module) -> list[str]:
 
 def capture(model_path: str) -> dict:
     """One GRPO optimizer step of a 2-rank graph learner on `model_path`, compiled by TorchTPU's backend up to the
-    chip. Returns what happened (see `main`)."""
+    chip. Returns what happened: `dynamo_graphs` and `graph_breaks` (the step's own counts), `tpu_backend_calls`,
+    `aot_compiles` (forward or backward, one per graph AOT autograd handed on), `splits` (per split: the flag's value,
+    the collectives of the graph it was given and how many pieces it made), `pieces` (per piece lowered: its
+    collectives, its op count, its inputs and outputs), `trainable_parameters`, and `stopped_at_chip`."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
