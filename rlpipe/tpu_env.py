@@ -38,9 +38,10 @@ TORCHTPU_CHIPS_PER_HOST = (2, 2, 1)
 
 # The variables rlpipe set for a TPU actor, comma-separated; the other launch variables it inherited are dropped.
 GIVEN = "RLPIPE_TPU_ENV"
-# Read by torch_tpu when it is imported: "false" keeps c10d's functional collectives inside a Dynamo graph (with
-# "true" each one is a graph break), so the learner's captured step stays one graph and vLLM's tensor-parallel
-# graphs compile. vllm-torchtpu-core sets the same through a sitecustomize.py that not every launcher runs.
+# Read once per process by torch_tpu's split compiler: "false" compiles the learner's captured step as one program
+# with every collective inside, where XLA schedules them against the compute; with "true", torch_tpu's default, it
+# cuts the step at every collective (102 programs for a 2-layer model: tests/tpu_contract/test_step_capture.py).
+# vllm-torchtpu-core sets "false" through a sitecustomize.py that not every launcher runs.
 COLLECTIVES_IN_GRAPH = {"TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS": "false"}
 # Where libtpu is, what the host is, and logging: not part of any job's layout, so kept.
 _HOST_FACTS = {"TPU_LIBRARY_PATH", "TPU_ACCELERATOR_TYPE", "TPU_SKIP_MDS_QUERY", "TPU_STDERR_LOG_LEVEL",
