@@ -232,7 +232,9 @@ def local_chip_coords() -> list[int] | None:
     return _query_local_device_coords()
 
 
-def _host_coords(group: PlacementGroup, bundle_nodes: dict[int, str], python: str | None) -> dict[int, list[int] | None]:
+def _host_coords(
+    group: PlacementGroup, bundle_nodes: dict[int, str], python: str | None
+) -> dict[int, list[int] | None]:
     """Each bundle's host's chip coordinates, asked on that host in the learner's environment before any rank
     holds its chips: torch_tpu numbers hosts (NODE_RANK) by them, and the ranks must agree."""
     ask = ray.remote(local_chip_coords)

@@ -116,8 +116,8 @@ class Roles:
         return None if self.log is None else replace(self.log, who=f"{role}-{index}")
 
     def _place(
-        self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0, learner_device: str | None = None,
-        share: SliceShare | None = None, sharing: PlacedRole | None = None,
+        self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0,
+        learner_device: str | None = None, share: SliceShare | None = None, sharing: PlacedRole | None = None,
     ) -> PlacedRole:
         placed = place_role(
             role, getattr(self.cfg.placement, role), actors, self.cfg.ray.placement_timeout_s, chips_per_actor,

@@ -459,7 +459,8 @@ def _side_lines(side: SidePlan, width: int) -> list[str]:
     share = side.share
     where = " (no TPU slice)"
     if share is not None:
-        chips = f"{share.chips} chips" if not share.shared else f"chips {share.first_chip}-{share.first_chip + share.chips - 1}"
+        last = share.first_chip + share.chips - 1
+        chips = f"chips {share.first_chip}-{last}" if share.shared else f"{share.chips} chips"
         where = f" on {share.tslice.pod_type} ({chips} x {share.tslice.hbm_gib} GiB HBM)"
     lines = [f"{side.role}{where}: {side.summary}"]
     lines += [f"  {part.label:<{width}} {part.gib:9.2f}" for part in side.parts]

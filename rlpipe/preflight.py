@@ -3,9 +3,9 @@
 The recipe's own keys are checked when the config loads (each section beside its definition in rlpipe/config/).
 These check what the keys point at: the roles' Python environments, the learner's device, the model folder and its
 tokenizer, the reward functions against the dataset's columns, the prompts, the checkpoint to resume, the cluster's
-address, resources and ports, and the roles' TPU chips. Each is a `check_<what>` that raises a one-line ConfigError naming the key to change
-(check_reward_functions: the reward registry's RewardConfigError naming the function; check_resume: a
-CheckpointError naming the checkpoint). controller.prepare calls them in one sequence; submit.py checks the
+address, resources and ports, and the roles' TPU chips. Each is a `check_<what>` that raises a one-line
+ConfigError naming the key to change (check_reward_functions: the reward registry's RewardConfigError naming the
+function; check_resume: a CheckpointError naming the checkpoint). controller.prepare calls them in one sequence; submit.py checks the
 resources of the cluster it submits to, and actors/ those of the cluster the roles start on.
 """
 

@@ -128,7 +128,7 @@ def torchtpu_process_env(
         topology_bounds = CHIP_BLOCK_BOUNDS[chips_per_host]
     else:
         topology_bounds = ",".join(str(d) for d in topology_dims(topology))
-    addresses = [f"{address}:{TORCHTPU_BASE_PORT + chip}" for address in host_addresses for chip in range(chips_per_host)]
+    addresses = [f"{host}:{TORCHTPU_BASE_PORT + chip}" for host in host_addresses for chip in range(chips_per_host)]
     env = {
         "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(addresses),
         "TORCH_TPU_TOPOLOGY": topology_bounds,

@@ -72,7 +72,10 @@ def slice_shares(placement: PlacementConfig) -> dict[str, SliceShare]:
             f"placement.rollout.chips: the learner's {learner.chips} and the rollout's {rollout.chips} chips are "
             f"more than the {tslice.chips} of {tslice.pod_type}"
         )
-    return {"learner": SliceShare(tslice, 0, learner.chips), "rollout": SliceShare(tslice, learner.chips, rollout.chips)}
+    return {
+        "learner": SliceShare(tslice, 0, learner.chips),
+        "rollout": SliceShare(tslice, learner.chips, rollout.chips),
+    }
 
 
 def slice_problems(cfg: Config) -> list[str]:
@@ -111,6 +114,7 @@ def slice_problems(cfg: Config) -> list[str]:
         elif rollout.chips_per_host % tp or rollout.first_chip % tp:
             problems.append(
                 f"rollout.tensor_parallel: {tp} chips per engine must tile the rollout's {rollout.chips_per_host} "
-                f"chips of each {rollout.tslice.pod_type} host from chip {rollout.first_chip} (engines do not span hosts)"
+                f"chips of each {rollout.tslice.pod_type} host from chip {rollout.first_chip} (engines do not span "
+                "hosts)"
             )
     return problems

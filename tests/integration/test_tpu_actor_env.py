@@ -21,7 +21,8 @@ GKE_SLICE_ENV = {"TORCH_TPU_TOPOLOGY": "4,4,1", "TPU_WORKER_HOSTNAMES": "a,b,c,d
 
 class Seen:
     def at_import(self) -> dict[str, str]:
-        return {k: v for k, v in ENVIRONMENT_AT_IMPORT.items() if k in GKE_SLICE_ENV or k.startswith(("TPU_", "DEBUG_"))}
+        seen = ENVIRONMENT_AT_IMPORT.items()
+        return {k: v for k, v in seen if k in GKE_SLICE_ENV or k.startswith(("TPU_", "DEBUG_"))}
 
 
 def test_tpu_actors_drop_the_inherited_slice_layout_before_anything_is_imported(monkeypatch, ray_cluster):

@@ -86,7 +86,8 @@ def engine_worker_chips(env: dict[str, str], tp: int, monkeypatch) -> list[int]:
     engine_env = dict(os.environ)
 
     spawned: list[dict[str, str]] = []
-    monkeypatch.setattr(WorkerProc, "make_worker_process", staticmethod(lambda *a, **k: spawned.append(dict(os.environ))))
+    record = staticmethod(lambda *args, **kwargs: spawned.append(dict(os.environ)))
+    monkeypatch.setattr(WorkerProc, "make_worker_process", record)
     monkeypatch.setattr(WorkerProc, "_tpu_global_rank_env_patch", False, raising=False)
     vllm_torchtpu._patch_multiproc_worker_global_rank_env()
     monkeypatch.setattr(tpu_worker, "init_distributed_environment", lambda **kwargs: (_ for _ in ()).throw(_Stop()))
@@ -251,7 +252,8 @@ def test_learner_ranks_get_what_torch_tpus_launch_helper_and_vllm_torchtpus_exec
         ours = slots[0].env
         assert set(theirs) - {"TORCH_TPU_XPROF_SESSION_ID"} <= set(ours)
         assert ours["TORCH_TPU_TOPOLOGY"] == theirs["TORCH_TPU_TOPOLOGY"]  # the PCI scan's, for the learner's chips
-        assert len(ours["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) == len(theirs["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(","))
+        addresses = "TORCH_TPU_SLICEBUILDER_ADDRESSES"
+        assert len(ours[addresses].split(",")) == len(theirs[addresses].split(","))
         assert executor_keys <= set(ours)
         return
     # Bundles land on hosts in an order that is neither the worker ids' nor torch_tpu's.
