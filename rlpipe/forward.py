@@ -211,13 +211,13 @@ def choose_forward(
     # On a lazy device every new packed width would compile a program of its own.
     packs = learner.packing and not lazy
     # MoE: router statistics and the balance loss count tokens as run, which must not depend on sharing; the Pallas
-    # attention kernel takes no arbitrary mask.
+    # attention kernel takes segment ids, one sequence per document, not a shared prompt's mask.
     share_prompts = learner.share_prompts and not moe and kernels.attention == "torch"
     eager = PackedForward(temperature, kernels, share_prompts) if packs else PaddedForward(temperature, kernels)
     if not (learner.graph or lazy):
         return eager, eager
     buckets = learner.length_buckets
-    if packs and kernels.attention == "torch":
+    if packs:
         packed_buckets = learner.packed_buckets or [micro_batch_size * bucket for bucket in buckets]
         return StaticPackedForward(eager, buckets, packed_buckets, micro_batch_size, passes), eager
     static = StaticPaddedForward(temperature, kernels, buckets, micro_batch_size, passes)

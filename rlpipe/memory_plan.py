@@ -42,6 +42,11 @@ Learner (M = learner.ranks; SimpleFSDP shards every parameter Shard(0) over M ra
                     dense MLP         a x 4 I              gate, up, silu(gate), silu(gate) x up
                     MoE MLP           a x (E + k (2 h + 4 Ie))  router logits; per routed copy its input, its output
                                                            (kept for the routing-weight gradient) and gate/up/act/product
+- attention scores  model.kernels.attention=torch only, where sdpa forms them: on a packed row (learner.packing,
+                  one row of W = rows x seq, or its packed bucket) under its [W, W] mask, or on rows x seq padded rows
+                  on a tpu/xla learner: (L' + 1) x rows x heads x W^2 x a (the probabilities each kept layer holds
+                  for backward, L' = 1 with activation checkpointing else L, plus the running layer's scores) + W^2
+                  (the bool mask). The Pallas kernel (splash) keeps none.
 - log-prob path   3 x 4 x n x C + 4 x n x h             model.kernels.logprob: chunked -> C = logprob_chunk (float32
                                                         logits, exponentials and their gradient for one vocabulary
                                                         chunk, plus the float32 hidden-state gradient accumulator);
@@ -72,7 +77,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlpipe.config import Config, ConfigError, recipes_dir
-from rlpipe.device import TpuSlice
+from rlpipe.device import TpuSlice, backend
 from rlpipe.tpu_layout import SliceShare, slice_problems, slice_shares
 from rlpipe.models.registry import model_architecture, model_type_of
 
@@ -348,6 +353,27 @@ def learner_sequence(cfg: Config) -> tuple[int, int]:
     return min(cfg.train.micro_batch_size, math.ceil(mini / cfg.learner.ranks)), longest
 
 
+def attention_scores(cfg: Config, arch: ModelSize, rows: int, seq: int, a: int) -> Part | None:
+    """The s x s attention scores of model.kernels.attention=torch where they exist: under a packed row's [W, W]
+    mask (learner.packing on a non-lazy device) and on a TPU or XLA device, whose sdpa is the plain math. None for
+    the Pallas kernel, which keeps none."""
+    if cfg.model.kernels.attention != "torch":
+        return None
+    packed = cfg.learner.packing and not backend(cfg.learner.device).lazy
+    if not (packed or cfg.learner.device in ("tpu", "xla")):
+        return None
+    rows, width = (1, rows * seq) if packed else (rows, seq)
+    buckets = cfg.learner.packed_buckets
+    if packed and cfg.learner.graph and buckets:
+        width = min((b for b in buckets if b >= width), default=width)
+    per_layer = rows * arch.num_heads * width * width * a  # the probabilities a layer keeps for backward
+    layers = 1 if cfg.learner.activation_checkpointing else arch.num_layers
+    # Plus, transient, the layer being run's scores before the softmax; and a packed row's bool mask.
+    total = (layers + 1) * per_layer + (width * width if packed else 0)
+    kind = f"packed row of {width} under a [W, W] mask" if packed else f"{rows} rows x {width}"
+    return Part("attention_scores", f"attention scores (attention=torch: {kind}; {layers} layers kept)", total)
+
+
 def plan(cfg: Config, arch: ModelSize | None = None) -> MemoryPlan:
     """The per-chip memory plan of a resolved config (its model read by `load_architecture` unless given)."""
     source = Path("<given>")
@@ -405,6 +431,9 @@ def plan(cfg: Config, arch: ModelSize | None = None) -> MemoryPlan:
         label = f"activations ({rows} x {seq} tokens, {arch.num_layers} layers)"
         activations = tokens * (per_token + final)
     parts.append(Part("activations", label, activations))
+    scores = attention_scores(cfg, arch, rows, seq, a)
+    if scores is not None:
+        parts.append(scores)
     impl = cfg.model.kernels.logprob
     chunk = {"chunked": min(cfg.model.kernels.logprob_chunk, arch.vocab_size), "reference": arch.vocab_size}.get(impl, 0)
     parts.append(

@@ -126,7 +126,9 @@ class PackedLayout:
     """A packed row padded to a fixed width W, for rows [B, T]; tensors only, so a captured graph depends on its
     shapes, never on the batch's structure. `hidden_states(input_ids, position_ids, layout)` of an rlpipe model
     runs it (rlpipe/models/llama.py), attending as `document` and `sequence` say:
-    token i may attend token j iff document[i] == document[j], j <= i, and sequence[j] in (0, sequence[i])."""
+    token i may attend token j iff document[i] == document[j], j <= i, and sequence[j] in (0, sequence[i]).
+    Packed without prompt lengths, every document is one sequence (sequence 0 throughout), so `document` alone says
+    it, which is all a segment-id attention kernel takes."""
 
     input_ids: torch.Tensor  # [1, W]: the packed tokens, then padding (token 0)
     position_ids: torch.Tensor  # [1, W]: each token's position in its own sequence (0 at padding); drives RoPE

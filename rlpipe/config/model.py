@@ -20,7 +20,9 @@ class KernelsConfig:
     rmsnorm: Literal["torch", "pallas"] = key("torch", "RMSNorm: torch ops, or the Pallas kernel (interpreted off TPU)")
     attention: Literal["torch", "pallas"] = key(
         "torch",
-        "causal GQA attention: torch's scaled_dot_product_attention, or the Pallas flash kernel (interpreted off TPU)",
+        "causal GQA attention: torch's scaled_dot_product_attention (on a packed row under a [W, W] mask), or "
+        "pallas: JAX's splash kernel (torch.tpu.ops.splash_sdpa on TorchTPU; packed rows by segment ids, no shared "
+        "prompts; interpreted off TPU)",
     )
     experts: Literal["torch", "pallas", "loop"] = key(
         "torch",

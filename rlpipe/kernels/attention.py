@@ -3,15 +3,17 @@
 q [B, Hq, T, D]; k, v [B, Hkv, T, D] with Hq a multiple of Hkv (query head h reads kv head h // (Hq / Hkv)).
 The `torch` implementation also takes keys that start before the queries (k, v [B, Hkv, P + T, D]: the queries are
 the last T positions), which is how a packed row's continuations read the prompt they share.
-`masked_attention` takes an explicit boolean mask instead (`document_attention_mask`: a whole packed row at once,
-with shapes that do not depend on how it is laid out; torch only).
+A packed row reaches attention one of two ways: `masked_attention` under an explicit [W, W] mask
+(`document_attention_mask`, which also expresses shared prompts; torch only), or `document_attention` with each
+token's document id (a query sees the earlier keys of its own document: every document one sequence), which the
+Pallas path runs without ever forming a [W, W] tensor.
 
 - `torch`: the reference — kv heads repeated, `scaled_dot_product_attention` (what the model runs by default).
-- `pallas`: flash attention. Forward: grid (batch, query head, query block, kv block), the kv blocks a reduction
-  axis with a running max and sum per query row; it keeps the log-sum-exp for backward. Backward: one kernel
-  accumulates dq over kv blocks, another dk and dv over every query block of every query head sharing the kv
-  head — so grouped heads never materialise repeated k/v. Blocks wholly above the diagonal (or outside the
-  window) are skipped. Reached through the `rlpipe::pallas_attention` custom op.
+- `pallas`: JAX's splash attention (the Pallas TPU kernel jax ships, which TorchTPU wraps as
+  `torch.tpu.ops.splash_sdpa`): blocks wholly masked are skipped, grouped kv heads are read in place, segment ids
+  keep packed documents apart. On TorchTPU tensors without segments, TorchTPU's op; with segments (its op takes
+  none), the JAX kernel through TorchTPU's bridge; on XLA tensors, torch_xla's flash kernel; elsewhere the JAX
+  kernel interpreted, through the `rlpipe::splash_attention` custom op.
 """
 
 from __future__ import annotations
@@ -25,19 +27,33 @@ import torch.nn.functional as F
 from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, with_autograd
 
 IMPLEMENTATIONS = ("torch", "pallas")
-BLOCK_Q, BLOCK_KV = 128, 128
 
 
 def causal_attention(q, k, v, window: int | None = None, impl: str = "torch") -> torch.Tensor:
     if impl == "torch":
         return reference_attention(q, k, v, window)
+    _check_impl(impl)
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"model.kernels.attention={impl}: keys must cover exactly the queries' positions")
-    if impl == "pallas":
-        if q.device.type == "xla":
-            return _xla_attention(q, k, v, window)
-        return pallas_attention(q.contiguous(), k.contiguous(), v.contiguous(), window or 0)
-    raise ValueError(f"model.kernels.attention: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+    if q.device.type == "xla":
+        return _xla_attention(q, k, v, window)
+    return splash_attention(q, k, v, None, window)
+
+
+def document_attention(q, k, v, document: torch.Tensor, window: int | None = None, impl: str = "torch") -> torch.Tensor:
+    """Attention over a packed row q [1, Hq, W, D] whose token i sees token j iff document[i] == document[j],
+    j <= i and i - j < window: each document one sequence, back to back (document [W], integer ids)."""
+    if impl == "torch":
+        index = torch.arange(document.shape[0], device=document.device)
+        return masked_attention(q, k, v, document_attention_mask(document, torch.zeros_like(document), index, window))
+    _check_impl(impl)
+    return splash_attention(q, k, v, document.reshape(1, -1), window)
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLEMENTATIONS:
+        choices = ", ".join(IMPLEMENTATIONS)
+        raise ValueError(f"model.kernels.attention: unknown implementation {impl!r}; choose one of {choices}")
 
 
 def reference_attention(q, k, v, window: int | None = None) -> torch.Tensor:
@@ -104,242 +120,149 @@ def causal_mask(length: int, window: int | None, device: torch.device, earlier: 
     return (distance >= 0) & (distance < (window or earlier + length))
 
 
-# ------------------------------------------------------------------ Pallas
+# ------------------------------------------------------------------ Pallas: JAX's splash attention
 
 
-def _visible(q_start, k_start, block_q, block_kv, window):
-    """Whether any (query, key) pair of these blocks may attend (the block is not wholly masked)."""
-    jnp = jax_modules()[1]
-    below_diagonal = k_start <= q_start + block_q - 1
-    if not window:
-        return below_diagonal
-    return jnp.logical_and(below_diagonal, q_start - (k_start + block_kv - 1) < window)
+def _splash_block(length: int) -> int:
+    """The splash kernel's block for a row of `length` tokens (a multiple of 128): the largest of 512, 256, 128
+    that divides it, as the kernel takes whole blocks only."""
+    return next(block for block in (512, 256, 128) if length % block == 0)
 
 
-def _scores(q, k, q_start, k_start, scale, length, window):
-    """Scaled scores [bq, bkv] in float32, -inf where masked (causal, window, padding)."""
+def _splash_kernel(heads: int, length: int, window: int, interpret_mode: bool):
+    """JAX's splash kernel for one row of `heads` query heads and `length` tokens: causal, and within `window` when
+    one is given (query i sees key j iff i - j < window)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    shape = (length, length)
+    mask = masks.LocalMask(shape, (window - 1, 0), offset=0) if window else masks.CausalMask(shape)
+    block = _splash_block(length)
+    blocks = splash.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+        block_q_dq=block, block_kv_dq=block,
+    )
+    return splash.make_splash_mha(
+        masks.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1, q_seq_shards=1,
+        interpret=interpret_mode,
+    )
+
+
+def _splash_attention(q, k, v, segments, window: int, interpret_mode: bool):
+    """Splash attention over jax arrays q [B, Hq, T, D], k, v [B, Hkv, T, D] and segment ids [B, T] (a query sees
+    only keys of its own segment): rows are padded to whole blocks, padding in a segment of its own."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
     jax, jnp, _ = jax_modules()
-    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-    rows = q_start + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 0)
-    cols = k_start + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-    allowed = (cols <= rows) & (cols < length)
-    if window:
-        allowed = allowed & (rows - cols < window)
-    return jnp.where(allowed, scores, -jnp.inf)
+    batch, heads, length, dim = q.shape
+    padded = round_up(length, 128)
+    extra = padded - length
 
+    def pad(x):
+        return jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)))
 
-def _forward_kernel(q_ref, k_ref, v_ref, acc_ref, max_ref, sum_ref, *, block_q, block_kv, scale, length, window):
-    jax, jnp, pl = jax_modules()
-    q_index, kv_index = pl.program_id(2), pl.program_id(3)
-
-    @pl.when(kv_index == 0)
-    def _start():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
-        sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
-
-    q_start, k_start = q_index * block_q, kv_index * block_kv
-
-    @pl.when(_visible(q_start, k_start, block_q, block_kv, window))
-    def _accumulate():
-        v = v_ref[0, 0]
-        scores = _scores(q_ref[0, 0], k_ref[0, 0], q_start, k_start, scale, length, window)
-        old_max = max_ref[0, 0]
-        new_max = jnp.maximum(old_max, scores.max(axis=1, keepdims=True))
-        # A row with nothing visible yet keeps max -inf; subtracting 0 instead keeps exp() at 0, not NaN.
-        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        probs = jnp.exp(scores - safe_max)
-        rescale = jnp.exp(old_max - safe_max)
-        sum_ref[0, 0] = sum_ref[0, 0] * rescale + probs.sum(axis=1, keepdims=True)
-        acc_ref[0, 0] = acc_ref[0, 0] * rescale + jnp.dot(
-            probs.astype(v.dtype), v, preferred_element_type=jnp.float32
-        )
-        max_ref[0, 0] = new_max
-
-
-def _probs_and_score_grads(q, k, v, grad_out, lse, delta, q_start, k_start, scale, length, window):
-    jax, jnp, _ = jax_modules()
-    probs = jnp.exp(_scores(q, k, q_start, k_start, scale, length, window) - lse)
-    grad_probs = jax.lax.dot_general(grad_out, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return probs, probs * (grad_probs - delta)
-
-
-def _grad_q_kernel(q_ref, k_ref, v_ref, grad_out_ref, lse_ref, delta_ref, grad_q_ref, *, block_q, block_kv, scale, length, window):
-    jax, jnp, pl = jax_modules()
-    q_index, kv_index = pl.program_id(2), pl.program_id(3)
-
-    @pl.when(kv_index == 0)
-    def _start():
-        grad_q_ref[...] = jnp.zeros(grad_q_ref.shape, jnp.float32)
-
-    q_start, k_start = q_index * block_q, kv_index * block_kv
-
-    @pl.when(_visible(q_start, k_start, block_q, block_kv, window))
-    def _accumulate():
-        k = k_ref[0, 0]
-        _, grad_scores = _probs_and_score_grads(
-            q_ref[0, 0], k, v_ref[0, 0], grad_out_ref[0, 0], lse_ref[0, 0], delta_ref[0, 0],
-            q_start, k_start, scale, length, window,
-        )
-        grad_q_ref[0, 0] += jnp.dot(grad_scores.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
-
-
-def _grad_kv_kernel(
-    q_ref, k_ref, v_ref, grad_out_ref, lse_ref, delta_ref, grad_k_ref, grad_v_ref, *, block_q, block_kv, scale, length, window, q_blocks
-):
-    jax, jnp, pl = jax_modules()
-    kv_index, inner = pl.program_id(2), pl.program_id(3)  # inner walks (query head in the group, query block)
-
-    @pl.when(inner == 0)
-    def _start():
-        grad_k_ref[...] = jnp.zeros(grad_k_ref.shape, jnp.float32)
-        grad_v_ref[...] = jnp.zeros(grad_v_ref.shape, jnp.float32)
-
-    q_start, k_start = (inner % q_blocks) * block_q, kv_index * block_kv
-
-    @pl.when(_visible(q_start, k_start, block_q, block_kv, window))
-    def _accumulate():
-        q, grad_out = q_ref[0, 0], grad_out_ref[0, 0]
-        probs, grad_scores = _probs_and_score_grads(
-            q, k_ref[0, 0], v_ref[0, 0], grad_out, lse_ref[0, 0], delta_ref[0, 0],
-            q_start, k_start, scale, length, window,
-        )
-        contract_rows = (((0,), (0,)), ((), ()))
-        grad_v_ref[0, 0] += jax.lax.dot_general(
-            probs.astype(grad_out.dtype), grad_out, contract_rows, preferred_element_type=jnp.float32
-        )
-        grad_k_ref[0, 0] += jax.lax.dot_general(
-            grad_scores.astype(q.dtype), q, contract_rows, preferred_element_type=jnp.float32
-        ) * scale
+    # The kernel does not scale the scores: scale q, in float32 so bf16 loses nothing to it.
+    q = (q.astype(jnp.float32) / math.sqrt(dim)).astype(q.dtype)
+    segments = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, extra)), constant_values=-1)
+    kernel = _splash_kernel(heads, padded, window, interpret_mode)
+    run = jax.vmap(kernel, in_axes=(0, 0, 0, splash.SegmentIds(0, 0)))
+    out = run(pad(q), pad(k), pad(v), splash.SegmentIds(segments, segments))
+    return out[:, :, :length].astype(q.dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _pallas_functions(window: int, block_q: int, block_kv: int, interpret_mode: bool):
-    jax, jnp, pl = jax_modules()
+def _splash_functions(window: int, interpret_mode: bool):
+    jax = jax_modules()[0]
 
-    def layout(q, k):
-        batch, heads, length, dim = q.shape
-        bq, bkv = min(block_q, round_up(length, 8)), min(block_kv, round_up(length, 8))
-        padded = round_up(length, math.lcm(bq, bkv))
-        return batch, heads, k.shape[1], length, dim, bq, bkv, padded
+    def forward(q, k, v, segments):
+        return _splash_attention(q, k, v, segments, window, interpret_mode)
 
-    def pad(x, padded):
-        return jnp.pad(x, ((0, 0), (0, 0), (0, padded - x.shape[2]), (0, 0)))
-
-    def forward(q, k, v):
-        batch, heads, kv_heads, length, dim, bq, bkv, padded = layout(q, k)
-        groups = heads // kv_heads
-        kwargs = dict(block_q=bq, block_kv=bkv, scale=1 / math.sqrt(dim), length=length, window=window)
-        q_spec = pl.BlockSpec((1, 1, bq, dim), lambda b, h, i, j: (b, h, i, 0))
-        kv_spec = pl.BlockSpec((1, 1, bkv, dim), lambda b, h, i, j: (b, h // groups, j, 0))
-        row_spec = pl.BlockSpec((1, 1, bq, 1), lambda b, h, i, j: (b, h, i, 0))
-        acc, row_max, row_sum = pl.pallas_call(
-            functools.partial(_forward_kernel, **kwargs),
-            out_shape=[
-                jax.ShapeDtypeStruct((batch, heads, padded, dim), jnp.float32),
-                jax.ShapeDtypeStruct((batch, heads, padded, 1), jnp.float32),
-                jax.ShapeDtypeStruct((batch, heads, padded, 1), jnp.float32),
-            ],
-            grid=(batch, heads, padded // bq, padded // bkv),
-            in_specs=[q_spec, kv_spec, kv_spec],
-            out_specs=[q_spec, row_spec, row_spec],
-            interpret=interpret_mode,
-        )(pad(q, padded), pad(k, padded), pad(v, padded))
-        row_sum = jnp.where(row_sum > 0, row_sum, 1.0)  # padded query rows see nothing
-        out = (acc / row_sum)[:, :, :length].astype(q.dtype)
-        lse = (row_max + jnp.log(row_sum))[:, :, :length, 0]
-        return out, lse
-
-    def backward(q, k, v, out, lse, grad_out):
-        batch, heads, kv_heads, length, dim, bq, bkv, padded = layout(q, k)
-        groups = heads // kv_heads
-        q_blocks = padded // bq
-        kwargs = dict(block_q=bq, block_kv=bkv, scale=1 / math.sqrt(dim), length=length, window=window)
-        delta = (grad_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # rowsum(dO * O)
-        rows = [jnp.pad(x, ((0, 0), (0, 0), (0, padded - length)))[..., None] for x in (lse, delta)]
-        inputs = (pad(q, padded), pad(k, padded), pad(v, padded), pad(grad_out, padded), *rows)
-
-        q_spec = pl.BlockSpec((1, 1, bq, dim), lambda b, h, i, j: (b, h, i, 0))
-        kv_spec = pl.BlockSpec((1, 1, bkv, dim), lambda b, h, i, j: (b, h // groups, j, 0))
-        row_spec = pl.BlockSpec((1, 1, bq, 1), lambda b, h, i, j: (b, h, i, 0))
-        grad_q = pl.pallas_call(
-            functools.partial(_grad_q_kernel, **kwargs),
-            out_shape=jax.ShapeDtypeStruct((batch, heads, padded, dim), jnp.float32),
-            grid=(batch, heads, q_blocks, padded // bkv),
-            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-            out_specs=q_spec,
-            interpret=interpret_mode,
-        )(*inputs)
-
-        # Grid (batch, kv head, kv block, query head in the group x query block).
-        def query_block(b, g, j, r):
-            return (b, g * groups + r // q_blocks, r % q_blocks, 0)
-
-        q_spec = pl.BlockSpec((1, 1, bq, dim), query_block)
-        row_spec = pl.BlockSpec((1, 1, bq, 1), query_block)
-        kv_spec = pl.BlockSpec((1, 1, bkv, dim), lambda b, g, j, r: (b, g, j, 0))
-        grad_k, grad_v = pl.pallas_call(
-            functools.partial(_grad_kv_kernel, **kwargs, q_blocks=q_blocks),
-            out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, padded, dim), jnp.float32)] * 2,
-            grid=(batch, kv_heads, padded // bkv, groups * q_blocks),
-            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
-            out_specs=[kv_spec, kv_spec],
-            interpret=interpret_mode,
-        )(*inputs)
-        return tuple(g[:, :, :length].astype(x.dtype) for g, x in ((grad_q, q), (grad_k, k), (grad_v, v)))
+    def backward(q, k, v, segments, grad_out):
+        # The bridge hands the backward arrays, not the forward's JAX residuals, so the kernel's own backward (its
+        # dq and dkv kernels) runs behind a re-run of the forward kernel.
+        _, pullback = jax.vjp(lambda q, k, v: forward(q, k, v, segments), q, k, v)
+        return pullback(grad_out.astype(q.dtype))
 
     return jax.jit(forward), jax.jit(backward)
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, interpret_mode: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _pallas_functions(window, BLOCK_Q, BLOCK_KV, interpret_mode)[0](q, k, v)
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, window: int, interpret_mode: bool
+) -> torch.Tensor:
+    return _splash_functions(window, interpret_mode)[0](q, k, v, segments)
 
 
 def _backward_pass(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, grad_out: torch.Tensor,
     window: int, interpret_mode: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _pallas_functions(window, BLOCK_Q, BLOCK_KV, interpret_mode)[1](q, k, v, out, lse, grad_out)
+    return _splash_functions(window, interpret_mode)[1](q, k, v, segments, grad_out)
 
 
-@torch.library.custom_op("rlpipe::pallas_attention", mutates_args=())
-def _pallas_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return run_kernel(_forward, q, k, v, window)
+@torch.library.custom_op("rlpipe::splash_attention", mutates_args=())
+def _splash_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, window: int
+) -> torch.Tensor:
+    return run_kernel(_forward, q, k, v, segments, window)
 
 
-@_pallas_attention_op.register_fake
-def _(q, k, v, window):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+@_splash_attention_op.register_fake
+def _(q, k, v, segments, window):
+    return torch.empty_like(q)
 
 
-@torch.library.custom_op("rlpipe::pallas_attention_backward", mutates_args=())
-def _pallas_attention_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, window: int
+@torch.library.custom_op("rlpipe::splash_attention_backward", mutates_args=())
+def _splash_attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, grad_out: torch.Tensor, window: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return run_kernel(_backward_pass, *(t.contiguous() for t in (q, k, v, out, lse, grad_out)), window)
+    return run_kernel(_backward_pass, *(t.contiguous() for t in (q, k, v, segments, grad_out)), window)
 
 
-@_pallas_attention_backward.register_fake
-def _(q, k, v, out, lse, grad_out, window):
+@_splash_attention_backward.register_fake
+def _(q, k, v, segments, grad_out, window):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, window = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, segments, window = inputs
+    ctx.save_for_backward(q, k, v, segments)
     ctx.window = window
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    return (*call(_pallas_attention_backward, _backward_pass, q, k, v, out, lse, grad_out, ctx.window), None)
+def _backward(ctx, grad_out):
+    q, k, v, segments = ctx.saved_tensors
+    grads = call(_splash_attention_backward, _backward_pass, q, k, v, segments, grad_out.contiguous(), ctx.window)
+    return (*grads, None, None)
 
 
-with_autograd(_pallas_attention_op, _forward, _backward, _setup_context)
+with_autograd(_splash_attention_op, _forward, _backward, _setup_context)
 
 
-def pallas_attention(q, k, v, window: int = 0) -> torch.Tensor:
-    """window 0: plain causal."""
-    return call(_pallas_attention_op, _forward, q, k, v, window)[0]
+def splash_attention(q, k, v, segments: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """JAX's splash attention on torch tensors; `segments` [B, T] integer ids keep packed documents apart (None:
+    one segment per row). On TorchTPU tensors without segments, TorchTPU's own op for it (`splash_sdpa`, whose
+    backward keeps the forward's residuals); with segments, which that op does not take, the JAX kernel through
+    TorchTPU's bridge; elsewhere the kernel interpreted."""
+    if segments is None and q.device.type == "tpu":
+        return _torchtpu_splash(q, k, v, window)
+    if segments is None:
+        segments = torch.zeros(q.shape[0], q.shape[2], dtype=torch.int32, device=q.device)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), segments.to(torch.int32), window or 0)
+    return call(_splash_attention_op, _forward, *args)
+
+
+def _torchtpu_splash(q, k, v, window: int | None) -> torch.Tensor:
+    length = q.shape[2]
+    extra = round_up(length, 128) - length
+    if extra:  # whole blocks only; padded keys come after every real query, so causality hides them
+        q, k, v = (F.pad(x, (0, 0, 0, extra)) for x in (q, k, v))
+    block = _splash_block(length + extra)
+    out = torch.tpu.ops.splash_sdpa(
+        q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), is_causal=True,
+        # TorchTPU's window counts the keys before the query; rlpipe's counts the query too.
+        local_window_size=window - 1 if window else None, enable_gqa=q.shape[1] != k.shape[1],
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+    )
+    return out[:, :, :length]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from rlpipe.kernels.attention import causal_attention, document_attention_mask, masked_attention
+from rlpipe.kernels.attention import causal_attention, document_attention, document_attention_mask, masked_attention
 from rlpipe.kernels.rmsnorm import rms_norm
 from rlpipe.models.moe import Experts, SparseMoeBlock, TopKRouter
 
@@ -37,8 +37,9 @@ SLIDING_ATTENTION = "sliding_attention"
 # A packed row's layout: blocks in row order, each a prefix followed by the lengths of the continuations that read
 # it. ((5, 3, 4), (7,)) is a 5-token prompt shared by a 3- and a 4-token completion, then a 7-token sequence alone.
 Segments = tuple[tuple[int, ...], ...]
-# What one attention layer takes for a packed row: its `Segments`, or the [W, W] boolean mask of which token may
-# attend which (`document_attention_mask`, built from a `PackedLayout`; shapes independent of the layout).
+# What one attention layer takes for a packed row: its `Segments`, the [W, W] boolean mask of which token may attend
+# which (`document_attention_mask`, built from a `PackedLayout`; shapes independent of the layout), or the layout's
+# [W] document ids (for a kernel that takes segment ids).
 PackedAttention = Segments | torch.Tensor
 
 # HF fills these from the config class when config.json omits them; the values differ per family.
@@ -416,8 +417,10 @@ class Attention(nn.Module):
         q, k, v = self.rotated_qkv(x, cos, sin)
         if segments is None:
             out = causal_attention(q, k, v, self.sliding_window, self.impl)
-        elif isinstance(segments, torch.Tensor):  # the mask already holds this layer's sliding window
+        elif isinstance(segments, torch.Tensor) and segments.dtype == torch.bool:  # [W, W], window included
             out = masked_attention(q, k, v, segments, self.impl)
+        elif isinstance(segments, torch.Tensor):  # [W] document ids
+            out = document_attention(q, k, v, segments, self.sliding_window, self.impl)
         else:
             out = torch.cat(list(self._packed_attention(q, k, v, segments)), dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
@@ -510,8 +513,10 @@ class DecoderStack(nn.Module):
         cos, sin = self.rotary_emb(position_ids, x.dtype)
         if segments is None or isinstance(segments, tuple):
             per_layer = [segments] * len(self.layers)
-        else:
+        elif self.layers[0].self_attn.impl == "torch":
             per_layer = self._attention_masks(segments, position_ids[0])
+        else:  # a kernel that takes document ids: no [W, W] tensor (the layout shares no prompt, see PackedLayout)
+            per_layer = [segments.document] * len(self.layers)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer, layer_segments in zip(self.layers, per_layer):
             if recompute:
@@ -591,9 +596,10 @@ class CausalLM(nn.Module):
         is packed: several sequences, or continuations of a shared prefix, back to back, with `position_ids` giving
         each token's position in its own sequence. `segments` is either the python `Segments` (attention runs
         block by block; a compiled graph specialises on them) or a `PackedLayout` (rlpipe/packing.py: attention
-        runs over the whole row under a [W, W] mask built from its tensors, so a compiled graph depends on W
-        alone; its padding tokens attend only to each other). With a `router_logits`
-        list, every mixture-of-experts layer appends its router logits [B * T, experts] to it, in layer order."""
+        runs over the whole row, with the torch implementation under a [W, W] mask built from its tensors, with
+        the Pallas kernel by its document ids; a compiled graph depends on W alone; padding attends only to
+        padding). With a `router_logits` list, every mixture-of-experts layer appends its router logits
+        [B * T, experts] to it, in layer order."""
         return self.model(input_ids, position_ids, segments, router_logits)
 
     def output_embedding(self) -> torch.Tensor:

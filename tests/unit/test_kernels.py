@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlpipe.config import KernelsConfig
-from rlpipe.kernels import causal_attention, linear_logprob, reference_linear_logprob, rms_norm
+from rlpipe.kernels import causal_attention, document_attention, linear_logprob, reference_linear_logprob, rms_norm
 from rlpipe.kernels import attention as attention_module
 from rlpipe.kernels import gmm as gmm_module
 from rlpipe.kernels import logprob as logprob_module
@@ -25,8 +25,6 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(logprob_module, "BLOCK_TOKENS", 16)
     monkeypatch.setattr(logprob_module, "BLOCK_VOCAB", 128)
     monkeypatch.setattr(rmsnorm_module, "BLOCK_ROWS", 8)
-    monkeypatch.setattr(attention_module, "BLOCK_Q", 8)
-    monkeypatch.setattr(attention_module, "BLOCK_KV", 16)
     monkeypatch.setattr(gmm_module, "BLOCK_M", 8)
 
 
@@ -99,12 +97,13 @@ def _attention_case(dtype, batch=2, heads=4, kv_heads=2, length=21, dim=8):
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), upstream
 
 
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 140])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_attention_pallas_matches_the_reference_fp32(small_blocks, window, kv_heads):
-    # 21 positions in blocks of 8 queries x 16 keys: ragged edges, skipped blocks above the diagonal, and with a
-    # window of 5 skipped blocks below it too; kv_heads 2 and 1 share each kv head between query heads.
-    q, k, v, upstream = _attention_case(torch.float32, kv_heads=kv_heads)
+def test_attention_pallas_matches_the_reference_fp32(window, kv_heads):
+    # 300 positions: the kernel's smallest block is 128, so three query blocks, a ragged last one, blocks above the
+    # diagonal skipped, and with a window of 5 blocks below it too (140 spans a block edge); kv_heads 2 and 1 share
+    # each kv head between query heads.
+    q, k, v, upstream = _attention_case(torch.float32, kv_heads=kv_heads, length=300)
     results = []
     for impl in ("torch", "pallas"):
         out = causal_attention(q, k, v, window, impl)
@@ -113,8 +112,25 @@ def test_attention_pallas_matches_the_reference_fp32(small_blocks, window, kv_he
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_attention_pallas_in_bf16_stays_close_to_the_fp32_reference(small_blocks):
-    q, k, v, upstream = _attention_case(torch.bfloat16)
+@pytest.mark.parametrize("window", [None, 6])
+def test_document_attention_pallas_keeps_packed_documents_apart_like_the_mask(window):
+    # Documents of 100, 1, 150 and 9 tokens back to back (one straddles a block edge), then padding (-1): each token
+    # sees only its own document's earlier tokens.
+    document = torch.cat([torch.full((n,), doc) for doc, n in ((0, 100), (1, 1), (2, 150), (3, 9), (-1, 20))])
+    q, k, v, upstream = _attention_case(torch.float32, batch=1, length=document.shape[0])
+    results = []
+    for impl in ("torch", "pallas"):
+        out = document_attention(q, k, v, document, window, impl)
+        results.append((out.detach(), *torch.autograd.grad((out * upstream).sum(), (q, k, v))))
+    for name, want, have in zip(["out", "grad q", "grad k", "grad v"], *results):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=name)
+    # A document's output is what attention over that document alone gives.
+    alone = causal_attention(*(x[:, :, 101:251] for x in (q, k, v)), window)
+    torch.testing.assert_close(results[1][0][:, :, 101:251], alone.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_pallas_in_bf16_stays_close_to_the_fp32_reference():
+    q, k, v, upstream = _attention_case(torch.bfloat16, length=200)
     as_fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
     want = causal_attention(*as_fp32)
     want_grads = torch.autograd.grad((want * upstream.float()).sum(), as_fp32)
@@ -191,8 +207,8 @@ def test_the_bridges_satisfy_the_custom_op_contract(small_blocks):
     )
     q, k, v, _ = _attention_case(torch.float32, length=9)
     torch.library.opcheck(
-        attention_module._pallas_attention_op,
-        (q, k, v, 0),
+        attention_module._splash_attention_op,
+        (q, k, v, torch.zeros(2, 9, dtype=torch.int32), 0),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
 

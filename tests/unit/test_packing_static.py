@@ -160,6 +160,28 @@ def test_static_packed_logprobs_gradients_and_router_logits_equal_the_padded_one
             )
 
 
+def test_static_packed_rows_through_the_pallas_kernel_by_document_ids_equal_the_padded_ones(model_factory):
+    # Packed without shared prompts (as the Pallas kernel takes them), each document one sequence; long enough rows
+    # that documents straddle the kernel's 128-token blocks.
+    ids, lengths, _, scored = _rows(seed=5, groups=3, group_size=3, prompt_sizes=(20, 40), completion_sizes=(10, 30))
+    layout = pack_static(ids, lengths, None, width=packed_length(ids, lengths, None) + 7)
+    weights = torch.linspace(0.5, 1.5, ids.numel()).view(ids.shape)
+    results = {}
+    for impl in ("torch", "pallas"):
+        model = model_factory().use_kernels(attention=impl)
+        if impl == "torch":
+            logprobs, _ = _padded_token_logprobs(model, ids)
+        else:
+            logprobs = packed_static_token_logprobs(model, layout, ids, scored, TEMPERATURE, kernels=KERNELS)
+        (logprobs * weights * scored).sum().backward()
+        results[impl] = (logprobs.detach(), {name: param.grad.clone() for name, param in model.named_parameters()})
+    assert layout.width > 2 * 128
+    torch.testing.assert_close(results["pallas"][0][scored], results["torch"][0][scored], atol=TOLERANCE, rtol=0)
+    # Weight gradients sum over every token, in the kernel's block order: a little more rounding than the log-probs.
+    for name, grad in results["torch"][1].items():
+        torch.testing.assert_close(results["pallas"][1][name], grad, atol=5 * TOLERANCE, rtol=1e-4, msg=name)
+
+
 def test_static_packed_logprobs_without_a_scored_mask_cover_every_predicted_token(tiny_qwen3):
     model = load_model(tiny_qwen3)
     ids, lengths, prompts, _ = _rows(seed=3)

@@ -51,6 +51,7 @@ def _tiny_config(folder: Path, *extra: str):
             "model.dtype=float32",
             "learner.ranks=2",
             "learner.device=tpu",
+            "model.kernels.attention=pallas",
             "learner.param_dtype=bfloat16",
             "learner.reduce_dtype=float32",
             "train.prompts_per_step=2",
@@ -123,6 +124,24 @@ def test_arithmetic_of_a_small_architecture_by_hand(tmp_path):
     # 4 sequences (2 prompts x 2 samples, 1 engine) x 16 tokens x (k, v) x 2 layers x 1 kv head x 8 x bf16.
     assert rollout.part("kv_cache").bytes == 4 * 16 * 2 * 2 * 1 * 8 * 2
     assert result.ok and not result.problems
+
+
+def test_torch_attention_counts_the_scores_sdpa_forms(tmp_path):
+    """torch's sdpa under a packed row's [W, W] mask (or on a TPU) forms s x s scores; the Pallas kernel none."""
+    folder = _tiny_folder(tmp_path)
+    assert "attention_scores" not in {part.key for part in plan(_tiny_config(folder)).learner.parts}
+    packed = plan(_tiny_config(folder, "model.kernels.attention=torch")).learner
+    width = 2 * 16  # the micro-batch's 2 rows of 16 tokens, packed end to end
+    # Both layers keep their probabilities (4 heads, bf16), the running one its scores, and the bool mask.
+    assert packed.part("attention_scores").bytes == (2 + 1) * 4 * width**2 * 2 + width**2
+    padded = plan(_tiny_config(folder, "model.kernels.attention=torch", "learner.packing=false")).learner
+    assert padded.part("attention_scores").bytes == (2 + 1) * 2 * 4 * 16**2 * 2
+    recomputed = plan(
+        _tiny_config(folder, "model.kernels.attention=torch", "learner.activation_checkpointing=true")
+    ).learner
+    assert recomputed.part("attention_scores").bytes == (1 + 1) * 4 * width**2 * 2 + width**2
+    without = plan(_tiny_config(folder)).learner.total_bytes
+    assert packed.total_bytes == pytest.approx(without + packed.part("attention_scores").bytes)
 
 
 def test_rollout_replicates_kv_heads_when_tensor_parallel_exceeds_them(tmp_path):
