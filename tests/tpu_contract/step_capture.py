@@ -47,12 +47,20 @@ def _collectives(graph_module) -> list[str]:
     return names
 
 
-def capture(model_path: str) -> dict:
+# The packed row's width in every capture: no dimension of the tiny models, so an [.., W, W] value in the traced
+# graphs can only be attention over the whole row (the mask, its scores).
+PACKED_WIDTH = 48
+# Model settings a capture can add by its family name's suffix.
+VARIANTS = {"": [], "+splash": ["model.kernels.attention=pallas"]}
+
+
+def capture(model_path: str, overrides: list[str]) -> dict:
     """One GRPO optimizer step of a 2-rank graph learner on `model_path`, compiled by TorchTPU's backend up to the
     chip. Returns what happened: `dynamo_graphs` and `graph_breaks` (the step's own counts), `tpu_backend_calls`,
     `aot_compiles` (forward or backward, one per graph AOT autograd handed on), `splits` (per split: the flag's value,
     the collectives of the graph it was given and how many pieces it made), `pieces` (per piece lowered: its
-    collectives, its op count, its inputs and outputs), `trainable_parameters`, and `stopped_at_chip`."""
+    collectives, its op count, its inputs and outputs), `row_squares` (values of the forward and backward graphs
+    shaped [.., W, W] over the packed row's width W), `trainable_parameters`, and `stopped_at_chip`."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -65,7 +73,9 @@ def capture(model_path: str) -> dict:
     from rlpipe.parallel.mesh import make_mesh
     from rlpipe.types import TrainBatch
 
-    record: dict = {"dynamo_graphs": 0, "tpu_backend_calls": 0, "aot_compiles": [], "splits": [], "pieces": []}
+    record: dict = {
+        "dynamo_graphs": 0, "tpu_backend_calls": 0, "aot_compiles": [], "splits": [], "pieces": [], "row_squares": 0
+    }
 
     # What each stage receives, recorded on the way through (every original is still called, except _compile).
     tpu_backend = _backend.TpuBackend.__call__
@@ -79,6 +89,13 @@ def capture(model_path: str) -> dict:
     def split_call(self, graph_module, example_inputs, is_fwd=True, materialize_collectives=True, **kwargs):
         record["aot_compiles"].append("forward" if is_fwd else "backward")
         collectives = _collectives(graph_module)
+        record["row_squares"] += sum(
+            1
+            for node in graph_module.graph.nodes
+            if isinstance(value := node.meta.get("val"), torch.Tensor)
+            and value.dim() >= 2
+            and value.shape[-2:] == (PACKED_WIDTH, PACKED_WIDTH)
+        )
         executable = split_graph(
             self, graph_module, example_inputs, is_fwd, materialize_collectives=materialize_collectives, **kwargs
         )
@@ -127,6 +144,8 @@ def capture(model_path: str) -> dict:
             "rollout.group_size=2",
             "train.prompts_per_step=2",
             "train.micro_batch_size=2",
+            f"learner.packed_buckets=[{PACKED_WIDTH}]",
+            *overrides,
         ],
     )
     learner = Learner.from_config(model_path, cfg, rank=0, world_size=2)
@@ -169,7 +188,8 @@ def capture(model_path: str) -> dict:
 def main(argv: list[str]) -> None:
     for item in argv:
         family, model_path = item.split("=", 1)
-        result = capture(model_path)
+        variant = next(suffix for suffix in sorted(VARIANTS, key=len, reverse=True) if family.endswith(suffix))
+        result = capture(model_path, VARIANTS[variant])
         print("CAPTURE " + json.dumps({"family": family, **result}), flush=True)
 
 

@@ -27,13 +27,14 @@ def _rms_norm():
 
 
 def _attention(window: int):
-    q = torch.empty(1, 4, 256, 64, dtype=BF16)
-    k, v = torch.empty(1, 2, 256, 64, dtype=BF16), torch.empty(1, 2, 256, 64, dtype=BF16)
-    out, lse = torch.ops.rlpipe.pallas_attention(q, k, v, window)
-    grads = torch.ops.rlpipe.pallas_attention_backward(q, k, v, out, lse, out, window)
+    q = torch.empty(1, 4, 256, 128, dtype=BF16)
+    k, v = torch.empty(1, 2, 256, 128, dtype=BF16), torch.empty(1, 2, 256, 128, dtype=BF16)
+    documents = torch.empty(1, 256, dtype=torch.int32)
+    out = torch.ops.rlpipe.splash_attention(q, k, v, documents, window)
+    grads = torch.ops.rlpipe.splash_attention_backward(q, k, v, documents, out, window)
     return [
-        (attention._forward, (q, k, v, window), (out, lse)),
-        (attention._backward_pass, (q, k, v, out, lse, out, window), grads),
+        (attention._forward, (q, k, v, documents, window), out),
+        (attention._backward_pass, (q, k, v, documents, out, window), grads),
     ]
 
 
@@ -122,8 +123,9 @@ def _model_calls(device):
     targets = torch.randint(0, 512, (64,), device=device)
     return [
         ("rmsnorm", lambda: rmsnorm.rms_norm(tensor(64, 128), tensor(128), 1e-6, impl="pallas")),
-        ("attention", lambda: attention.causal_attention(
-            tensor(1, 4, 128, 64), tensor(1, 2, 128, 64), tensor(1, 2, 128, 64), impl="pallas")),
+        ("attention", lambda: attention.document_attention(
+            tensor(1, 4, 128, 64), tensor(1, 2, 128, 64), tensor(1, 2, 128, 64),
+            torch.zeros(128, dtype=torch.int32, device=device), impl="pallas")),
         ("gmm", lambda: gmm.grouped_matmul(tensor(128, 256), tensor(4, 256, 256), sizes, impl="pallas")),
         ("logprob", lambda: logprob.linear_logprob(tensor(64, 128), tensor(512, 128), targets, impl="pallas")[0]),
     ]
@@ -176,3 +178,34 @@ def test_a_torchtpu_op_is_differentiated_as_rlpipes_op_is(case):
         grads = [leaf.grad for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         assert [(g.shape, g.dtype) for g in grads] == [(e.shape, e.dtype) for e in expected_grads]
         assert any(op.startswith("rlpipe::") and "backward" in op for op in recorder.ops), recorder.ops
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_unpacked_attention_on_tpu_tensors_is_torchtpus_splash_op(tpu_device_name, window):
+    """Rows without segment ids take TorchTPU's own splash op (`torch.tpu.ops.splash_sdpa`), whose backward keeps
+    the forward's residuals; the length is padded to whole blocks and the window converted to its convention."""
+    import torch_tpu  # noqa: F401
+
+    calls = []
+    splash_sdpa = torch.tpu.ops.splash_sdpa
+
+    def recording(q, k, v, **kwargs):
+        calls.append((q.shape, k.shape, kwargs))
+        return splash_sdpa(q, k, v, **kwargs)
+
+    torch.tpu.ops.splash_sdpa = recording
+    try:
+        with FakeTensorMode(), _target("TPU v6 lite"):
+            q = torch.empty(2, 4, 200, 128, dtype=BF16, device="tpu")
+            k = v = torch.empty(2, 2, 200, 128, dtype=BF16, device="tpu")
+            with _Recorder() as recorder:
+                out = attention.causal_attention(q, k, v, window, impl="pallas")
+    finally:
+        torch.tpu.ops.splash_sdpa = splash_sdpa
+    assert out.shape == q.shape and out.device.type == "tpu"
+    (q_shape, k_shape, kwargs), = calls
+    assert q_shape[2] == k_shape[2] == 256 and kwargs["block_q"] == kwargs["block_kv"] == 256
+    assert kwargs["enable_gqa"] and kwargs["local_window_size"] == (None if window is None else window - 1)
+    assert kwargs["scale"] == pytest.approx(128**-0.5)
+    assert any(op.startswith("pallas::") for op in recorder.ops), recorder.ops
+    assert not any(op.startswith("rlpipe") for op in recorder.ops), recorder.ops

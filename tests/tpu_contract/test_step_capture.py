@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FAMILIES = ("qwen3", "qwen3_moe")
+# A family's "+splash" variant runs attention through the Pallas kernel (model.kernels.attention=pallas).
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3+splash", "qwen3_moe+splash")
 FLAG = "TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS"
 
 
@@ -28,7 +29,8 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     from rlpipe.bench.tiny_model import build_tiny_model
 
     folder = tmp_path_factory.mktemp("capture-models")
-    return {family: build_tiny_model(folder / family, family) for family in FAMILIES}
+    models = {family: build_tiny_model(folder / family, family) for family in FAMILIES if "+" not in family}
+    return {family: models[family.partition("+")[0]] for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +105,14 @@ def test_with_the_flag_on_every_collective_is_a_piece_of_its_own(captures, famil
     # The same graph, cut: the collectives come in the same order as in the single piece of the flag-off step.
     in_order = [piece["collectives"][0] for piece in with_collective]
     assert in_order == captures["false"][family]["pieces"][0]["collectives"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_the_packed_row_reaches_attention_without_a_row_by_row_tensor_through_the_kernel(captures, family):
+    """The step's packed row (48 wide): torch's attention takes it under a [W, W] mask, and its scores and their
+    gradients are [.., W, W] values of the traced step, while the Pallas kernel takes the row's document ids and no
+    value of the step is [.., W, W]: the packed attention path on TPU forms no s x s tensor."""
+    assert captures["false"][family]["row_squares"] > 0
+    splash = captures["false"][f"{family}+splash"]
+    assert splash["row_squares"] == 0
+    assert splash["dynamo_graphs"] == 1 and splash["graph_breaks"] == 0 and splash["stopped_at_chip"]
