@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from rlpipe.checkpoint import load_tensors, single_process_dcp
 from rlpipe.device import backend, step_boundary
 from rlpipe.forward import MicroBatch, Part, choose_forward, token_logprobs
-from rlpipe.models import load_model, read_hf_config, save_state_dict
+from rlpipe.models import read_hf_config, save_state_dict
+from rlpipe.models.hf import CheckpointWeights, meta_model
 from rlpipe.parallel.graph_trainer import GraphTrainStep
 from rlpipe.parallel.strategy import choose_strategy
 from rlpipe.types import LossInputs, TrainBatch
@@ -61,9 +62,10 @@ class TrainEngine:
         self.backend = backend(learner.device)
         self.strategy = choose_strategy(learner, self.dtype, rank, world_size)  # before any model tensor exists
         self.device = self.strategy.device
+        self.frozen: list = []
+        self._unloaded: list = []  # (model on meta, its weights) for a scheme that loads once its group exists
         self.model = self._load()
         self.model.model.activation_checkpointing = learner.activation_checkpointing
-        self.frozen: list = []
         self.step_fn: GraphTrainStep | None = None
         self.optimizer_steps_taken = 0
         self.policy_version = 0
@@ -80,11 +82,17 @@ class TrainEngine:
         )
 
     def _load(self):
-        model = load_model(self.model_path, dtype=self.dtype)
+        """The model, built on `meta`; its weights come straight from the checkpoint, each rank reading only what it
+        keeps (the strategy's `load`): now where no group is needed, else when the group forms."""
         kernels = self.kernels
-        return model.use_kernels(rmsnorm=kernels.rmsnorm, attention=kernels.attention, experts=kernels.experts).to(
-            self.device
-        )
+        model = meta_model(self.model_path)
+        model.use_kernels(rmsnorm=kernels.rmsnorm, attention=kernels.attention, experts=kernels.experts)
+        weights = CheckpointWeights(self.model_path, model, self.dtype)
+        if self.strategy.needs_process_group:
+            self._unloaded.append((model, weights))
+        else:
+            self.strategy.load(model, weights)
+        return model
 
     def frozen_copy(self):
         """Another copy of the starting model, sharded like the policy and never trained (e.g. a KL reference)."""
@@ -103,8 +111,9 @@ class TrainEngine:
             from rlpipe.parallel.mesh import find_free_port
 
             self.strategy.join(master_addr, master_port if master_port is not None else find_free_port(master_addr))
-        for model in (self.model, *self.frozen):
-            self.strategy.shard(model)
+        for model, weights in self._unloaded:
+            self.strategy.load(model, weights)
+        self._unloaded.clear()
         train = self.train
         self.step_fn = GraphTrainStep(
             self.model,
@@ -265,8 +274,12 @@ class TrainEngine:
         self.policy_version = int(state["learner.policy_version"].item())
 
     def export(self, out_dir: str) -> str:
-        """The policy as a Hugging Face folder (rank 0 writes; every rank calls it, the gather is collective)."""
-        state = self.full_state_dict()
+        """The policy as a Hugging Face folder (rank 0 writes; every rank calls it, each tensor's gather is
+        collective). Streamed: a whole tensor at a time on every rank, and a safetensors shard's worth on rank 0."""
+        tensors = self.strategy.full_tensors(self.model)
         if self.rank == 0:
-            save_state_dict(state, self.hf_config, out_dir, source_dir=self.model_section.tokenizer or self.model_path)
+            save_state_dict(tensors, self.hf_config, out_dir, source_dir=self.model_section.tokenizer or self.model_path)
+        else:
+            for _ in tensors:  # take part in every gather
+                pass
         return out_dir

@@ -10,6 +10,7 @@ import os
 import shutil
 import uuid
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -83,7 +84,7 @@ def load_state_dict(
 def load_model_weights(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The folder's weights under the model's own names: as stored, except that per-expert tensors of a
     mixture-of-experts model are stacked (rlpipe/models/moe.py)."""
-    num_experts = _meta_model(path).config.num_experts
+    num_experts = meta_model(path).config.num_experts
     state = load_state_dict(path, dtype)
     return stack_expert_weights(state, num_experts) if num_experts else state
 
@@ -117,19 +118,76 @@ def safetensors_files(folder: Path) -> list[Path]:
 def load_model(
     path: str | os.PathLike, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
 ) -> CausalLM:
-    """The model of a Hugging Face folder with its weights; `dtype=None` keeps the stored dtypes."""
-    model = _meta_model(path)  # no memory goes to random weights that the checkpoint replaces anyway
-    state = _as_model_state(model, load_state_dict(path, dtype, own_memory=True))  # parameters are trained in place
-    _check_weights_match(model, state, path)
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.to(device)
+    """The model of a Hugging Face folder with its weights on `device`; `dtype=None` keeps the stored dtypes. Read
+    tensor by tensor (`CheckpointWeights`): besides the model, the host holds one tensor at a time."""
+    model = meta_model(path)  # no memory goes to random weights that the checkpoint replaces anyway
+    CheckpointWeights(path, model, dtype).load_into(model, device)
+    return model
+
+
+class CheckpointWeights:
+    """A model folder's weights under the names of `model` (built on `meta`, `meta_model`), read straight from its
+    safetensors files a tensor, or a range of a tensor's first dimension, at a time: whoever loads a model, or a
+    shard of one, never holds the whole state. Checks at once, from the files' headers, that they hold exactly the
+    weights `model` has, with its shapes. Floating-point tensors come in `dtype` (None: as stored), in memory of
+    their own (parameters are trained in place)."""
+
+    def __init__(self, path: str | os.PathLike, model: CausalLM, dtype: torch.dtype | None = torch.float32):
+        self.dtype = dtype
+        self.num_experts = model.config.num_experts
+        self._files: dict[str, object] = {}  # stored name -> its open file
+        stored = {}
+        for file in safetensors_files(Path(path)):
+            try:
+                tensors = safe_open(file, framework="pt")
+                for name in tensors.keys():
+                    self._files[name] = tensors
+                    stored[name] = torch.empty(tensors.get_slice(name).get_shape(), device="meta")
+            except SafetensorError as error:
+                raise ValueError(f"{file} is not a complete safetensors file ({error})") from None
+        _check_weights_match(model, _as_model_state(model, stored), path)
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """The model's weight `name`, or rows `rows` of its first dimension."""
+        if name not in self._files and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            return self._read_experts(name, rows)
+        part = self._files[name].get_slice(name)
+        tensor = part[rows] if rows is not None else part[:]
+        return self._cast(tensor)
+
+    def _read_experts(self, name: str, rows: slice | None) -> torch.Tensor:
+        """A stacked expert weight (rlpipe/models/moe.py) from the per-expert tensors of the experts in `rows`."""
+        experts, _, stacked = name.rpartition(".")
+        projections = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
+        chosen = range(self.num_experts)[rows if rows is not None else slice(None)]
+        matrices = [
+            torch.cat([self.read(f"{experts}.{index}.{projection}.weight") for projection in projections])
+            for index in chosen
+        ]
+        if not matrices:  # no expert in the range: an empty slice of the stacked shape
+            first = torch.cat([self.read(f"{experts}.0.{projection}.weight") for projection in projections])
+            return first.new_empty((0, *first.shape))
+        return torch.stack(matrices)
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
+            return tensor.to(self.dtype)
+        return tensor.clone()  # the slice may be a view of the file's mapping
+
+    def load_into(self, model: CausalLM, device: str | torch.device) -> None:
+        """Give every parameter of `model` (on `meta`) its whole weight on `device`, one tensor at a time."""
+        for module_name, module in model.named_modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None:
+                    weight = self.read(f"{module_name}.{name}" if module_name else name).to(device)
+                    module._parameters[name] = torch.nn.Parameter(weight, requires_grad=param.requires_grad)
 
 
 def check_weights(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """The shape of every weight of the model config.json describes, after checking that the folder's safetensors
     hold exactly those weights with those shapes. Only the files' headers are read: a truncated file fails here
     (safetensors checks that its header's offsets fit the file), not when a learner or an engine loads it."""
-    model = _meta_model(path)
+    model = meta_model(path)
     stored = {}
     for file in safetensors_files(Path(path)):
         try:
@@ -142,7 +200,7 @@ def check_weights(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
-def _meta_model(path: str | os.PathLike) -> CausalLM:
+def meta_model(path: str | os.PathLike) -> CausalLM:
     """The module tree config.json describes, on the meta device: shapes without memory."""
     with torch.device("meta"):
         return build_model(read_hf_config(path))
@@ -209,7 +267,7 @@ def save_model(
 
 
 def save_state_dict(
-    state: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     hf_config: dict,
     out_dir: str | os.PathLike,
     *,
@@ -217,19 +275,25 @@ def save_state_dict(
     max_shard_bytes: int = 2**31,
     overwrite: bool = False,
 ) -> Path:
-    """`save_model` for weights already gathered into whole tensors under the model's names (stacked experts are
-    written per expert, as Hugging Face checkpoints hold them)."""
+    """`save_model` for whole tensors under the model's names (stacked experts are written per expert, as Hugging
+    Face checkpoints hold them): a mapping, or (name, tensor) pairs, which are written as they come, so that no
+    more than one safetensors shard's worth is held at once (an export streamed from a sharded learner)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
 
-    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in split_expert_weights(state).items()}
+    pairs = state.items() if isinstance(state, Mapping) else state
+    tensors = (
+        (name, tensor.detach().to("cpu").contiguous())
+        for pair in pairs
+        for name, tensor in split_expert_weights(dict([pair])).items()
+    )
     staging_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     staging_dir.mkdir(parents=True)
     try:
-        _write_weights(state, staging_dir, max_shard_bytes)
+        dtype_counts = _write_weights(tensors, staging_dir, max_shard_bytes)
         config = dict(hf_config)
-        config["dtype"] = _predominant_dtype_name(state)
+        config["dtype"] = str(dtype_counts.most_common(1)[0][0]).removeprefix("torch.")  # what readers load it in
         if "torch_dtype" in config:  # the name transformers 4.x reads; keep it in step for older readers
             config["torch_dtype"] = config["dtype"]
         (staging_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -242,43 +306,46 @@ def save_state_dict(
     return out_dir
 
 
-def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor in state.items():
-        tensor_bytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + tensor_bytes > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensor
-        shard_bytes += tensor_bytes
-
+def _write_weights(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, max_shard_bytes: int) -> Counter:
+    """Write the tensors into safetensors shards of at most `max_shard_bytes` (one larger tensor gets a shard of its
+    own), each as soon as it is full; returns the parameter count per dtype."""
     metadata = {"format": "pt"}  # the format tag transformers writes and checks on load
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / SAFETENSORS_FILE), metadata=metadata)
-        return
+    written: list[tuple[str, list[str]]] = []  # (file, its tensors' names)
+    dtype_counts: Counter = Counter()
+    total_size = 0
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = 0
+
+    def flush() -> None:
+        name = f"part-{len(written):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata=metadata)
+        written.append((name, list(shard)))
+
+    for name, tensor in tensors:
+        tensor_bytes = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + tensor_bytes > max_shard_bytes:
+            flush()
+            shard, shard_bytes = {}, 0
+        shard[name] = tensor
+        shard_bytes += tensor_bytes
+        total_size += tensor_bytes
+        dtype_counts[tensor.dtype] += tensor.numel()
+    flush()
+
+    if len(written) == 1:
+        (folder / written[0][0]).rename(folder / SAFETENSORS_FILE)
+        return dtype_counts
     weight_map = {}
-    for number, shard in enumerate(shards, start=1):
-        shard_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / shard_name), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, shard_name))
+    for number, (file, names) in enumerate(written, start=1):
+        shard_name = f"model-{number:05d}-of-{len(written):05d}.safetensors"
+        (folder / file).rename(folder / shard_name)
+        weight_map.update(dict.fromkeys(names, shard_name))
     index = {
-        "metadata": {
-            "total_size": sum(t.numel() * t.element_size() for t in state.values()),
-            "total_parameters": sum(t.numel() for t in state.values()),
-        },
+        "metadata": {"total_size": total_size, "total_parameters": sum(dtype_counts.values())},
         "weight_map": weight_map,
     }
     (folder / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _predominant_dtype_name(state: dict[str, torch.Tensor]) -> str:
-    """The dtype holding most parameters, the one readers should load the model in."""
-    counts = Counter()
-    for tensor in state.values():
-        counts[tensor.dtype] += tensor.numel()
-    dtype = counts.most_common(1)[0][0]
-    return str(dtype).removeprefix("torch.")
+    return dtype_counts
 
 
 def _copy_companion_files(source_dir: Path, destination: Path) -> None:

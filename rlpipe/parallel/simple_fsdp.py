@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # DTensor's own shard arithmetic
 
 from rlpipe.parallel.mesh import SHARD_DIM
 
@@ -79,19 +80,23 @@ def gathering_disabled() -> Iterator[None]:
         _gathering_enabled = previous
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision = MixedPrecision()) -> nn.Module:
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision = MixedPrecision(), weights=None
+) -> nn.Module:
     """Shard every parameter of `model` in place over `mesh` and make parameter reads gather; returns `model`.
 
     Every rank must call this with a model of identical structure; the values held by mesh rank 0 are the ones
     every rank ends up with, so ranks need not have built identical weights. First dims that the mesh does not
     divide are fine (DTensor pads internally; shards follow torch.chunk, e.g. 97 rows -> 49 + 48).
     Buffers stay plain, replicated tensors.
+    With `weights` (rlpipe/models/hf.py `CheckpointWeights`) the model is on `meta` and each rank reads only its
+    own rows of each parameter from the checkpoint, straight onto its device: no rank ever holds a whole model.
     """
     placements = _parameter_placements(mesh)
     sharded_by_original: dict[int, nn.Parameter] = {}  # one sharded parameter per shared original parameter
     master_dtypes: set[torch.dtype] = set()
 
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         owned_names = tuple(name for name, param in module._parameters.items() if param is not None)
         if not owned_names:
             continue
@@ -103,7 +108,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision = MixedPr
                 # 0-dim parameters cannot be split; they are replicated and their gradient all-reduced.
                 param_placements = placements if param.dim() > 0 else [Replicate()] * mesh.ndim
                 with torch.no_grad():
-                    shards = distribute_tensor(param.detach(), mesh, param_placements)
+                    if weights is None:
+                        shards = distribute_tensor(param.detach(), mesh, param_placements)
+                    else:
+                        full_name = f"{module_name}.{name}" if module_name else name
+                        shards = _read_shard(weights, full_name, param.shape, mesh, param_placements)
                 sharded_by_original[id(param)] = nn.Parameter(shards, requires_grad=param.requires_grad)
                 if param.is_floating_point():
                     master_dtypes.add(param.dtype)
@@ -118,24 +127,44 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision = MixedPr
     return model
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded weights as plain tensors in their master dtype, under the model's own (HF) names.
+def _read_shard(weights, name: str, shape: torch.Size, mesh: DeviceMesh, placements) -> DTensor:
+    """This rank's rows of the checkpoint weight `name` (full shape `shape`) as the DTensor `distribute_tensor`
+    would have made of the whole tensor."""
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    rows = slice(offset[0], offset[0] + local_shape[0]) if len(shape) else None
+    local = weights.read(name, rows).to(mesh.device_type)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape))
 
-    A collective: every rank must call it, and every rank receives the whole model. The tensors never alias the
-    model's storage, so later optimizer steps do not change them and writing to them does not change the model."""
-    full = {}
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
+
+
+def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The unsharded weights, one whole tensor at a time, as plain tensors in their master dtype under the model's
+    own (HF) names. Each is a collective: every rank must run through all of them, and every rank receives each
+    whole tensor. The tensors never alias the model's storage, so later optimizer steps do not change them and
+    writing to them does not change the model."""
     with torch.no_grad():
         for name, value in model.state_dict().items():
             if not isinstance(value, DTensor):
-                full[name] = value.clone()
+                yield name, value.clone()
                 continue
             gathered = value.full_tensor()
             # When no communication is needed (a shard dimension of size 1, a replicated 0-dim parameter) DTensor
             # hands back the local shard itself.
             if gathered.untyped_storage().data_ptr() == value.to_local().untyped_storage().data_ptr():
                 gathered = gathered.clone()
-            full[name] = gathered
-    return full
+            yield name, gathered
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`full_tensors` all at once: every rank receives the whole model."""
+    return dict(full_tensors(model))
 
 
 def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:

@@ -4,14 +4,18 @@ A strategy knows where tensors live and how parameters are split; the train engi
 never asks which one it has (what the device itself implies, such as static shapes on a lazy device, it reads from
 the backend table, rlpipe/device.py):
 - `join(address, port)`: form the process group, if the scheme has one (every rank at the same time);
-- `shard(model)`: split the model's parameters (the policy, and any frozen copy);
+- `load(model, weights)`: give a model built on `meta` its weights (`CheckpointWeights`), each rank reading only
+  what it keeps — before `join` where the scheme has no group, after it where it has one;
+- `shard(model)`: split the parameters of a model that has its weights already;
 - `shard_state(tensors)`: lay optimizer state out like the parameters it belongs to;
 - `place(micro)`: a micro-batch (rlpipe/forward.py `MicroBatch`) on the device, split where the scheme splits rows;
-- `full_state_dict(model)` / `local_weights(model)`: whole tensors (a collective where sharded) or this rank's rows.
+- `full_tensors(model)` / `full_state_dict(model)` / `local_weights(model)`: whole tensors on the host one at a time,
+  or all at once (collectives where sharded: every rank takes part), or this rank's rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +37,9 @@ class Unsharded:
     def join(self, master_addr: str, master_port: int) -> None:
         pass
 
+    def load(self, model: nn.Module, weights) -> None:
+        weights.load_into(model, self.device)
+
     def shard(self, model: nn.Module) -> None:
         pass
 
@@ -43,8 +50,12 @@ class Unsharded:
         """The micro-batch moved to the device."""
         return micro.to(self.device)
 
+    def full_tensors(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, value in model.state_dict().items():
+            yield name, value.cpu()
+
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {name: value.cpu() for name, value in model.state_dict().items()}
+        return dict(self.full_tensors(model))
 
     def local_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return self.full_state_dict(model)
@@ -73,15 +84,21 @@ class SimpleFSDP(Unsharded):
         )
         self.mesh = make_mesh(self.world_size, table.torch_device)
 
+    def load(self, model: nn.Module, weights) -> None:
+        from rlpipe.parallel.simple_fsdp import shard_model
+
+        shard_model(model, self.mesh, self.precision, weights)
+
     def shard(self, model: nn.Module) -> None:
         from rlpipe.parallel.simple_fsdp import shard_model
 
         shard_model(model, self.mesh, self.precision)
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        from rlpipe.parallel.simple_fsdp import full_state_dict
+    def full_tensors(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        from rlpipe.parallel.simple_fsdp import full_tensors
 
-        return full_state_dict(model)
+        for name, value in full_tensors(model):
+            yield name, value.cpu()
 
     def local_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
         from torch.distributed.tensor import DTensor
@@ -101,6 +118,11 @@ class XlaSpmd(Unsharded):
 
         self.mesh = xla_spmd_mesh(devices)
         super().__init__(torch_device(device_kind))
+
+    def load(self, model: nn.Module, weights) -> None:
+        # One process feeds every device of the mesh: whole tensors, one at a time, each annotated as it arrives.
+        super().load(model, weights)
+        self.shard(model)
 
     def shard(self, model: nn.Module) -> None:
         self.shard_state(model.parameters())
