@@ -27,6 +27,20 @@ def jax_modules():
     return jax, jnp, pl
 
 
+# Mosaic's default scoped VMEM limit (16 MiB on v5e and v5p, 32 MiB on v6e) is smaller than the double-buffered
+# blocks of rlpipe's log-prob and RMSNorm backward kernels at real model widths (hidden 4096: 20 and 24 MiB), which
+# then fail to compile (CompileTimeScopedVmemOom); 64 MiB stays within every generation's physical VMEM.
+# `python bench/tpu_compile.py` compiles the kernels for each chip and prints the VMEM each one takes.
+VMEM_LIMIT_BYTES = 64 * 2**20
+
+
+def tpu_compiler_params(vmem_limit_bytes: int = VMEM_LIMIT_BYTES):
+    """Mosaic compiler parameters for a `pallas_call` (ignored in interpret mode)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes)
+
+
 def to_jax(tensor: torch.Tensor):
     jax, _, _ = jax_modules()
     return jax.dlpack.from_dlpack(tensor.detach().contiguous())
