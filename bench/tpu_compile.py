@@ -42,9 +42,9 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # rlpipe.kernels im
 # (or this and a test) from running at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as `python bench/tpu_compile.py` from a checkout
-    sys.path.insert(0, str(REPO))
+CHECKOUT = Path(__file__).resolve().parents[1]
+if (CHECKOUT / "rlpipe").is_dir() and str(CHECKOUT) not in sys.path:  # `python bench/tpu_compile.py` in a checkout
+    sys.path.insert(0, str(CHECKOUT))
 
 # Chip generation -> the topology name of one chip.
 CHIPS = {"v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}
@@ -80,10 +80,10 @@ class ModelShapes:
 def model_shapes(name: str, recipe: str | Path | None = None) -> ModelShapes:
     """The shapes of model `name`'s recipe (`MODELS`) and of the model config.json that recipe's model.path
     resolves to (the downloaded folder, else configs/models/<name>.json), as `rlpipe plan` reads them."""
-    from rlpipe.config.loading import load_config
+    from rlpipe.config.loading import find_recipe, load_config
     from rlpipe.memory_plan import architecture_source, learner_sequence
 
-    cfg = load_config(REPO / (recipe or MODELS[name]))
+    cfg = load_config(find_recipe(recipe or MODELS[name]))
     rows, seq = learner_sequence(cfg)
     hf = json.loads(architecture_source(cfg.model.path).read_text())
     return ModelShapes(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import tpu_compile
+from rlpipe.bench import tpu_compile
 
 MODEL = "qwen3-30b-a3b"  # the recipe with every kernel kind (its experts too) and the fewer tokens per pass
 OTHER_CHIPS = [pytest.param(chip, marks=pytest.mark.slow) for chip in tpu_compile.CHIPS if chip != "v6e"]
