@@ -27,6 +27,21 @@ def jax_modules():
     return jax, jnp, pl
 
 
+# Mosaic's default scoped VMEM limit (16 MiB on v5e and v5p, 32 MiB on v6e, as the compiler's errors give it) is
+# smaller than what rlpipe's log-prob and RMSNorm backward kernels take at Qwen3-8B's hidden size 4096 (about 31 and
+# 24 MiB: double-buffered blocks and float32 temporaries), which then fail to compile for v5e and v5p
+# (CompileTimeScopedVmemOom). 48 MiB leaves them room and stays under the smallest VMEM of the three (v5p: 63.94
+# MiB). `python bench/tpu_compile.py` compiles the kernels for each chip and prints the VMEM each one takes.
+VMEM_LIMIT_BYTES = 48 * 2**20
+
+
+def tpu_compiler_params(vmem_limit_bytes: int = VMEM_LIMIT_BYTES):
+    """Mosaic compiler parameters for a `pallas_call` (ignored in interpret mode)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes)
+
+
 def to_jax(tensor: torch.Tensor):
     jax, _, _ = jax_modules()
     return jax.dlpack.from_dlpack(tensor.detach().contiguous())

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, with_autograd
+from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, tpu_compiler_params, with_autograd
 
 IMPLEMENTATIONS = ("chunked", "reference", "pallas")
 DEFAULT_CHUNK = 8192
@@ -245,6 +245,7 @@ def _pallas_functions(inv_temperature: float, block_tokens: int, block_vocab: in
             in_specs=[pl.BlockSpec((bt, width), token_block), pl.BlockSpec((bv, width), vocab_block), column],
             out_specs=[column] * 4,
             interpret=interpret_mode,
+            compiler_params=tpu_compiler_params(),
         )(hidden_p, weight_p, targets_p)
         running_max, sum_exp, weighted, picked = (out[:rows, 0] for out in outputs)
         lse = running_max + jnp.log(sum_exp)
@@ -268,6 +269,7 @@ def _pallas_functions(inv_temperature: float, block_tokens: int, block_vocab: in
             + [pl.BlockSpec((bt, 1), token_block)] * 3,
             out_specs=pl.BlockSpec((bt, width), token_block),
             interpret=interpret_mode,
+            compiler_params=tpu_compiler_params(),
         )(hidden_p, weight_p, *columns)
         token_block, vocab_block = specs(1)
         grad_weight = pl.pallas_call(
@@ -278,6 +280,7 @@ def _pallas_functions(inv_temperature: float, block_tokens: int, block_vocab: in
             + [pl.BlockSpec((bt, 1), token_block)] * 3,
             out_specs=pl.BlockSpec((bv, width), vocab_block),
             interpret=interpret_mode,
+            compiler_params=tpu_compiler_params(),
         )(hidden_p, weight_p, *columns)
         return grad_hidden[:rows].astype(hidden.dtype), grad_weight[:vocab].astype(weight.dtype)
 

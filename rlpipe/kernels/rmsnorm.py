@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, with_autograd
+from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, tpu_compiler_params, with_autograd
 
 IMPLEMENTATIONS = ("torch", "pallas")
 BLOCK_ROWS = 256
@@ -79,6 +79,7 @@ def _pallas_functions(eps: float, block_rows: int, interpret_mode: bool):
             in_specs=[pl.BlockSpec((block, width), lambda i: (i, 0)), pl.BlockSpec((1, width), lambda i: (0, 0))],
             out_specs=pl.BlockSpec((block, width), lambda i: (i, 0)),
             interpret=interpret_mode,
+            compiler_params=tpu_compiler_params(),
         )(padded, weight[None, :])
         return out[: x.shape[0]]
 
@@ -97,6 +98,7 @@ def _pallas_functions(eps: float, block_rows: int, interpret_mode: bool):
             in_specs=[rows_spec, weight_spec, rows_spec],
             out_specs=[rows_spec, weight_spec],
             interpret=interpret_mode,
+            compiler_params=tpu_compiler_params(),
         )(padded, weight[None, :], grad_padded)
         return grad_x[: x.shape[0]], grad_weight[0].astype(weight.dtype)
 
