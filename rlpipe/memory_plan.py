@@ -1,9 +1,11 @@
-"""`rlpipe plan`: per-chip memory of the learner and the rollout engines against the TPU slices' HBM.
+"""`rlpipe plan`: per-chip memory of the learner and the rollout engines against the TPU slices' HBM, and the
+peaks outside the steady step (the learner's load per chip, a learner host's RAM, an engine host's RAM at a sync)
+against the chip's HBM and the pod memory limits of the deploy manifests.
 
 Pure arithmetic on the config and the model's Hugging Face `config.json` (from `model.path` when that folder
 exists here, or a Hub id's snapshot in the Hugging Face cache, else `configs/models/<basename of model.path>.json`);
 no model is built and nothing is allocated.
-All figures are bytes per chip; the printed table shows GiB (2**30 bytes).
+Figures are bytes per chip, or per host for host RAM; the printed table shows GiB (2**30 bytes).
 
 Learner (M = learner.ranks; SimpleFSDP shards every parameter Shard(0) over M ranks, one rank per chip):
 - parameters      P x master_bytes / M                  master = model.dtype
@@ -62,11 +64,40 @@ Rollout (per chip of one engine; T = rollout.tensor_parallel, N = rollout.num_en
             kv_per_chip = kv_heads / T when T divides kv_heads, else 1 (a head replicated) when kv_heads divides T.
 - Engine activations, sampler and compiled-program workspace are not counted; the headroom covers them.
 
+Peaks outside the steady step (s = the stored dtype's bytes, config.json's "dtype" / "torch_dtype", float32 when
+absent; b = master bytes; rb = rollout bytes; R = learner ranks per host, one per chip; E = engines per host =
+rollout chips per host / T; a tensor's rows = the ceil(rows / M) of its Shard(0) split one rank owns):
+- learner load, per chip: the model is built on `meta` and each rank materialises only its own shards, read from
+  the safetensors files. P x b / M (its parameter shard; twice with the reference model, algo.kl_beta > 0) +
+  U x (s + b): the largest unit (as above) on the chip at once as read, in the stored dtype, and as cast to the
+  master dtype the parameters are kept in. Compared with the learner's usable HBM, as the step is.
+- learner host RAM, per host: the largest of its phases, which do not overlap:
+    load        R x rows x (s + b)           each rank holds one tensor's rows it owns as read and as cast, never
+                                             a full state dict; rows: the tensor whose share is the largest
+    sync        2 x R x P x rb / M           each rank's packed parts of every bucket (the transport keeps them per
+                                             bucket for the next version) + the object store's copy (ray.put) until
+                                             the version is committed
+    checkpoint  R x (rows x b + 10 MB) + K   DCP save / resume moves one shard item at a time through the CPU (its
+                                             writer copies up to 10 MB ahead); K = R x P x rb / M, the kept buffers
+    HF export   P x b + K                    every rank gathers the whole model (full_state_dict) and rank 0 moves
+                                             it to the CPU to write it; its host holds all of it
+  Compared with the `resources.limits.memory` of the TPU worker group, in deploy/kuberay/*.yaml, that runs the
+  learner's slice (same GKE accelerator, topology, hosts and chips per host; the smallest when several do). The
+  export's gather on every chip (P x b) is not a peak counted here; a note says when it exceeds the usable HBM.
+- engine host RAM at a sync, per host: E x (P x rb + 3 x B + P x rb if sync.keep_previous): one host copy per
+  engine that all its tensor-parallel workers read; the staging, 3 buckets in flight (the one shipped and the two
+  the sender packs ahead) of B = max(sync.bucket_mb MiB, the largest tensor in rollout bytes: a tensor is never
+  split); the rollback copy. Compared with the rollout slice's worker group limit, found the same way.
+  A slice whose hosts both roles share, or one no manifest runs, gets a note instead of a verdict.
+  Not counted on hosts: the interpreters, libraries and runtimes of the processes, Ray's own memory.
+
 Fit: a side fits when its total <= a usable share of the chip's HBM: USABLE_FRACTION (90%) for the learner (the
 rest for the compiler's temporaries, collectives' buffers and the runtime), rollout.gpu_memory_utilization for the
-rollout (the share vLLM claims for weights plus KV cache). The plan is OK (exit 0) when both sides
-fit and no problem was found (slice sizes against learner.ranks and num_engines x tensor_parallel, topology, kv-head
-split, context length); a side without a TPU slice (placement.<role>.tpu null) is shown without a verdict.
+rollout (the share vLLM claims for weights plus KV cache); a peak when it is <= what it is compared with. The
+plan is OK (exit 0) when both sides and every peak fit and no problem was found (slice sizes against learner.ranks
+and num_engines x tensor_parallel, topology, kv-head split, context length); a side without a TPU slice
+(placement.<role>.tpu null) is shown without a verdict. A peak that does not fit is named, with by how much, on
+the last line.
 """
 
 from __future__ import annotations
@@ -756,7 +787,9 @@ def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = No
 
     # --- peaks outside the steady step
     usable = learner.usable_bytes
-    usable_label = "" if usable is None else f"{usable / GIB:.2f} usable ({learner.usable_fraction:.0%} of {learner.slice.hbm_gib})"
+    usable_label = ""
+    if usable is not None:
+        usable_label = f"{usable / GIB:.2f} usable ({learner.usable_fraction:.0%} of {learner.slice.hbm_gib})"
     load_peak, host_peak, export_bytes = learner_peaks(cfg, arch, learner_share, usable, usable_label, manifests)
     if usable is not None and export_bytes > usable:
         notes.append(
