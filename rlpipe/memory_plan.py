@@ -538,9 +538,10 @@ def _group_slice(group: dict) -> tuple[str | None, str | None, int, int, float |
     )
 
 
-def pod_memory_limit(share: SliceShare, manifests: Path | None = None) -> PodLimit | str:
+def pod_memory_limit(share: SliceShare, manifests: Path | None = None, role: str = "") -> PodLimit | str:
     """The pod memory limit of a TPU worker group, in the KubeRay manifests under `manifests`, that runs this
-    role's slice (same accelerator, topology, hosts and chips per host); the smallest when several do. A string
+    role's slice (same accelerator, topology, hosts and chips per host); the smallest when several do, of the
+    groups named after `role` when some are. A string
     says why there is none: no manifests here, a slice shared with the other role (every manifest gives each
     role hosts of its own), or no group for that slice."""
     import yaml
@@ -569,14 +570,15 @@ def pod_memory_limit(share: SliceShare, manifests: Path | None = None) -> PodLim
                     found.append(PodLimit(memory, path.name, str(group.get("groupName"))))
     if not found:
         return f"no TPU worker group in deploy/kuberay runs a {tslice.pod_type} ({tslice.topology}) slice"
-    return min(found, key=lambda limit: (limit.bytes, limit.manifest))
+    named = [limit for limit in found if limit.group == role]
+    return min(named or found, key=lambda limit: (limit.bytes, limit.manifest))
 
 
 def _host_limit(share: SliceShare | None, role: str, manifests: Path | None) -> tuple[float | None, str, str]:
     """(limit bytes, what it is, why there is none) for one host of `role`."""
     if share is None:
         return None, "", f"no placement.{role}.tpu, so no deploy manifest to compare against"
-    limit = pod_memory_limit(share, manifests)
+    limit = pod_memory_limit(share, manifests, role)
     if isinstance(limit, str):
         return None, "", limit
     return limit.bytes, f"{limit.bytes / GIB:.0f} GiB pod limit ({limit.manifest}, group {limit.group})", ""
