@@ -475,3 +475,17 @@ def test_every_shipped_tpu_recipe_fits_its_deploy_manifests_pod_memory(recipe, c
     assert main(["plan", str(REPO / "configs" / recipe)]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" not in out and out.rstrip().endswith("plan: OK")
+
+
+@pytest.mark.parametrize("recipe", ["qwen3-8b-v6e.yaml", "qwen3-30b-a3b-v6e.yaml", "llama3-70b-v5p.yaml"])
+def test_docs_give_the_plans_peaks_of_the_large_recipes(recipe):
+    rows = [line for line in (REPO / "docs" / "tpu.md").read_text().splitlines() if line.startswith(f"| `{recipe}`")]
+    assert len(rows) == 1, recipe
+    result = plan(load_config(REPO / "configs" / recipe))
+    load, host, engine = (result.peak(key) for key in ("learner_load", "learner_host", "rollout_host"))
+    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    assert cells[1] == f"{load.total_gib:.2f} of {load.limit_bytes / GIB:.2f}"
+    assert cells[2].startswith(f"{host.total_gib:.2f} (export)")
+    assert cells[3].startswith(f"{engine.total_gib:.2f} (")
+    for cell, peak in ((cells[2], host), (cells[3], engine)):
+        assert cell.endswith(f"of {peak.limit_bytes / GIB:.0f}") if peak.limit_bytes else "no manifest" in cell
