@@ -541,9 +541,8 @@ def _group_slice(group: dict) -> tuple[str | None, str | None, int, int, float |
 def pod_memory_limit(share: SliceShare, manifests: Path | None = None, role: str = "") -> PodLimit | str:
     """The pod memory limit of a TPU worker group, in the KubeRay manifests under `manifests`, that runs this
     role's slice (same accelerator, topology, hosts and chips per host); the smallest when several do, of the
-    groups named after `role` when some are. A string
-    says why there is none: no manifests here, a slice shared with the other role (every manifest gives each
-    role hosts of its own), or no group for that slice."""
+    groups named after `role` when some are. A string says why there is none: no manifests here, a slice shared
+    with the other role (every manifest gives each role hosts of its own), or no group for that slice."""
     import yaml
 
     folder = MANIFESTS_DIR if manifests is None else manifests
@@ -846,7 +845,7 @@ def format_plan(result: MemoryPlan) -> str:
     width = max(max(len(part.label) for part in parts), len("total per chip"))
     lines = [
         f"model {result.model.name} ({result.model.model_type}, from {result.source}): {result.model.describe()}",
-        f"{'memory per chip':<{width + 2}} {'GiB':>9}",
+        f"{'memory per chip (host RAM: per host)':<{width + 2}} {'GiB':>9}",
         *_side_lines(result.learner, width),
         *_side_lines(result.rollout, width),
     ]

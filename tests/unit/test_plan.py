@@ -1,4 +1,5 @@
-"""`rlpipe plan`: per-chip memory arithmetic, shipped architectures, pod types, the TPU recipes, exit codes."""
+"""`rlpipe plan`: per-chip memory arithmetic, the load and host-RAM peaks against the deploy manifests, shipped
+architectures, pod types, the TPU recipes, exit codes."""
 
 import json
 from pathlib import Path
