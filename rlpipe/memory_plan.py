@@ -77,10 +77,12 @@ rollout chips per host / T; a tensor's rows = the ceil(rows / M) of its Shard(0)
     sync        2 x R x P x rb / M           each rank's packed parts of every bucket (the transport keeps them per
                                              bucket for the next version) + the object store's copy (ray.put) until
                                              the version is committed
-    checkpoint  R x (rows x b + 10 MB) + K   DCP save / resume moves one shard item at a time through the CPU (its
-                                             writer copies up to 10 MB ahead); K = R x P x rb / M, the kept buffers
-    HF export   P x b + K                    every rank gathers the whole model (full_state_dict) and rank 0 moves
-                                             it to the CPU to write it; its host holds all of it
+    checkpoint  R x (rows x b + 10 MB) + K   DCP save moves one shard item at a time through the CPU (its writer
+                                             copies up to 10 MB ahead); K = R x P x rb / M, the kept sync buffers
+    resume      R x 2 x rows x b             DCP load reads one stored item's bytes and loads them into a tensor
+                                             before copying it into the rank's shard (before any sync: no K)
+    HF export   P x b + K                    metrics.export: every rank gathers the whole model (full_state_dict)
+                                             and rank 0 moves it to the CPU to write it; its host holds all of it
   Compared with the `resources.limits.memory` of the TPU worker group, in deploy/kuberay/*.yaml, that runs the
   learner's slice (same GKE accelerator, topology, hosts and chips per host; the smallest when several do). The
   export's gather on every chip (P x b) is not a peak counted here; a note says when it exceeds the usable HBM.
@@ -638,12 +640,12 @@ def learner_peaks(
             f"checkpoint (DCP): {R} x one shard item ({master}) + 10 MB, + sync buffers",
             R * (rows * b + DCP_COPY_AHEAD) + kept,
         ),
-        Part(
-            "host_export",
-            f"HF export: whole model ({master}) on rank 0's host, + sync buffers",
-            P * b + kept,
-        ),
+        Part("host_resume", f"resume (DCP): {R} x one stored item ({master}) read + loaded", R * 2 * rows * b),
     )
+    if cfg.metrics.export:
+        phases += (
+            Part("host_export", f"HF export: whole model ({master}) on rank 0's host, + sync buffers", P * b + kept),
+        )
     host_peak = Peak(
         "learner_host",
         "learner host RAM",
@@ -654,7 +656,7 @@ def learner_peaks(
         missing,
         largest_part=True,
     )
-    return load_peak, host_peak, P * b
+    return load_peak, host_peak, P * b if cfg.metrics.export else 0
 
 
 def rollout_peak(cfg: Config, arch: ModelSize, share: SliceShare | None, manifests: Path | None) -> Peak:

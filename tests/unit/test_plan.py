@@ -351,6 +351,7 @@ def test_peaks_of_a_small_architecture_by_hand(tmp_path):
     assert host.part("host_load").bytes == 2 * rows * (2 + 4)
     assert host.part("host_sync").bytes == 2 * kept  # + the object store's copy until the version is committed
     assert host.part("host_checkpoint").bytes == 2 * (rows * 4 + DCP_COPY_AHEAD) + kept
+    assert host.part("host_resume").bytes == 2 * 2 * rows * 4  # an item's bytes read, and loaded as a tensor
     assert host.part("host_export").bytes == P * 4 + kept  # rank 0's host holds the whole float32 model
     assert host.total_bytes == max(part.bytes for part in host.parts) == 2 * (rows * 4 + DCP_COPY_AHEAD) + kept
     assert host.limit_bytes == GIB and host.fits and "raycluster-tiny.yaml, group learner" in host.limit_label
@@ -375,6 +376,10 @@ def test_peaks_of_a_small_architecture_by_hand(tmp_path):
     assert [part.key for part in four.parts] == ["host_copy", "staging"]
     assert four.total_bytes == 4 * (P * 2 + 3 * 2**20)
     assert four.fits is None and "no TPU worker group in deploy/kuberay runs a v5litepod-4 (2x2) slice" in four.missing
+
+    # Without the export at the end, no phase holds the whole model.
+    unexported = plan(_tiny_config(folder, "metrics.export=false"), manifests=_manifests(tmp_path / "x")).peak("learner_host")
+    assert "host_export" not in {part.key for part in unexported.parts}
 
     # The reference model (algo.kl_beta > 0) is loaded too: a second shard on the chip.
     kl = plan(_tiny_config(folder, "algo.kl_beta=0.1"), manifests=_manifests(tmp_path / "kl")).peak("learner_load")
