@@ -24,7 +24,11 @@ def _parser() -> argparse.ArgumentParser:
     for name, summary in (
         ("train", "run GRPO post-training"),
         ("config", "print the resolved config (`rlpipe config show [RECIPE] [key=value ...]`)"),
-        ("plan", "per-chip memory of learner and rollout against the TPU slices' HBM (exit 1: does not fit)"),
+        (
+            "plan",
+            "per-chip memory of learner and rollout against the TPU slices' HBM, load and host-RAM peaks against "
+            "the deploy manifests' pod limits (exit 1: does not fit)",
+        ),
     ):
         sub = commands.add_parser(
             name,

@@ -1,9 +1,11 @@
-"""`rlpipe plan`: per-chip memory of the learner and the rollout engines against the TPU slices' HBM.
+"""`rlpipe plan`: per-chip memory of the learner and the rollout engines against the TPU slices' HBM, and the
+peaks outside the steady step (the learner's load per chip, a learner host's RAM, an engine host's RAM at a sync)
+against the chip's HBM and the pod memory limits of the deploy manifests.
 
 Pure arithmetic on the config and the model's Hugging Face `config.json` (from `model.path` when that folder
 exists here, or a Hub id's snapshot in the Hugging Face cache, else `configs/models/<basename of model.path>.json`);
 no model is built and nothing is allocated.
-All figures are bytes per chip; the printed table shows GiB (2**30 bytes).
+Figures are bytes per chip, or per host for host RAM; the printed table shows GiB (2**30 bytes).
 
 Learner (M = learner.ranks; SimpleFSDP shards every parameter Shard(0) over M ranks, one rank per chip):
 - parameters      P x master_bytes / M                  master = model.dtype
@@ -62,11 +64,42 @@ Rollout (per chip of one engine; T = rollout.tensor_parallel, N = rollout.num_en
             kv_per_chip = kv_heads / T when T divides kv_heads, else 1 (a head replicated) when kv_heads divides T.
 - Engine activations, sampler and compiled-program workspace are not counted; the headroom covers them.
 
+Peaks outside the steady step (s = the stored dtype's bytes, config.json's "dtype" / "torch_dtype", float32 when
+absent; b = master bytes; rb = rollout bytes; R = learner ranks per host, one per chip; E = engines per host =
+rollout chips per host / T; a tensor's rows = the ceil(rows / M) of its Shard(0) split one rank owns):
+- learner load, per chip: the model is built on `meta` and each rank materialises only its own shards, read from
+  the safetensors files. P x b / M (its parameter shard; twice with the reference model, algo.kl_beta > 0) +
+  U x (s + b): the largest unit (as above) on the chip at once as read, in the stored dtype, and as cast to the
+  master dtype the parameters are kept in. Compared with the learner's usable HBM, as the step is.
+- learner host RAM, per host: the largest of its phases, which do not overlap:
+    load        R x rows x (s + b)           each rank holds one tensor's rows it owns as read and as cast, never
+                                             a full state dict; rows: the tensor whose share is the largest
+    sync        2 x R x P x rb / M           each rank's packed parts of every bucket (the transport keeps them per
+                                             bucket for the next version) + the object store's copy (ray.put) until
+                                             the version is committed
+    checkpoint  R x (rows x b + 10 MB) + K   DCP save moves one shard item at a time through the CPU (its writer
+                                             copies up to 10 MB ahead); K = R x P x rb / M, the kept sync buffers
+    resume      R x 2 x rows x b             DCP load reads one stored item's bytes and loads them into a tensor
+                                             before copying it into the rank's shard (before any sync: no K)
+    HF export   P x b + K                    metrics.export: every rank gathers the whole model (full_state_dict)
+                                             and rank 0 moves it to the CPU to write it; its host holds all of it
+  Compared with the `resources.limits.memory` of the TPU worker group, in deploy/kuberay/*.yaml, that runs the
+  learner's slice (same GKE accelerator, topology, hosts and chips per host; the smallest when several do). The
+  export's gather on every chip (P x b) is not a peak counted here; a note says when it exceeds the usable HBM.
+- engine host RAM at a sync, per host: E x (P x rb + 3 x B + P x rb if sync.keep_previous): one host copy per
+  engine that all its tensor-parallel workers read; the staging, 3 buckets in flight (the one shipped and the two
+  the sender packs ahead) of B = max(sync.bucket_mb MiB, the largest tensor in rollout bytes: a tensor is never
+  split); the rollback copy. Compared with the rollout slice's worker group limit, found the same way.
+  A slice whose hosts both roles share, or one no manifest runs, gets a note instead of a verdict.
+  Not counted on hosts: the interpreters, libraries and runtimes of the processes, Ray's own memory.
+
 Fit: a side fits when its total <= a usable share of the chip's HBM: USABLE_FRACTION (90%) for the learner (the
 rest for the compiler's temporaries, collectives' buffers and the runtime), rollout.gpu_memory_utilization for the
-rollout (the share vLLM claims for weights plus KV cache). The plan is OK (exit 0) when both sides
-fit and no problem was found (slice sizes against learner.ranks and num_engines x tensor_parallel, topology, kv-head
-split, context length); a side without a TPU slice (placement.<role>.tpu null) is shown without a verdict.
+rollout (the share vLLM claims for weights plus KV cache); a peak when it is <= what it is compared with. The
+plan is OK (exit 0) when both sides and every peak fit and no problem was found (slice sizes against learner.ranks
+and num_engines x tensor_parallel, topology, kv-head split, context length); a side without a TPU slice
+(placement.<role>.tpu null) is shown without a verdict. A peak that does not fit is named, with by how much, on
+the last line.
 """
 
 from __future__ import annotations
@@ -86,6 +119,20 @@ USABLE_FRACTION = 0.9
 MODELS_DIR = recipes_dir() / "models"
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The KubeRay manifests whose TPU worker groups give each host's pod memory limit (a checkout's deploy/kuberay).
+MANIFESTS_DIR = recipes_dir().parent / "deploy" / "kuberay"
+# GKE's node label for each TPU generation (cloud.google.com/gke-tpu-accelerator).
+GKE_ACCELERATORS = {
+    "v4": "tpu-v4-podslice",
+    "v5litepod": "tpu-v5-lite-podslice",
+    "v5p": "tpu-v5p-slice",
+    "v6e": "tpu-v6e-slice",
+}
+# Buckets of one sender in flight at a sync: the one being shipped and the two packed ahead of it
+# (rlpipe/weightsync/sender.py packs two ahead).
+BUCKETS_IN_FLIGHT = 3
+# torch.distributed.checkpoint's FileSystemWriter copies up to this many bytes to the CPU ahead of writing them.
+DCP_COPY_AHEAD = 10_000_000
 
 
 # ------------------------------------------------------------------ architecture
@@ -114,6 +161,7 @@ class ModelSize:
     expert_intermediate_size: int = 0
     moe_layers: int = 0  # how many of the layers have the MoE block (the others a dense MLP)
     max_position_embeddings: int | None = None
+    stored_dtype: str = "float32"  # the dtype config.json says the safetensors hold ("dtype" / "torch_dtype")
 
     @classmethod
     def from_hf(cls, hf: dict, name: str = "model") -> ModelSize:
@@ -139,6 +187,7 @@ class ModelSize:
             expert_intermediate_size=config.moe_intermediate_size,
             moe_layers=len(config.moe_layers),
             max_position_embeddings=config.max_position_embeddings,
+            stored_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
         )
 
     # --- shapes
@@ -208,6 +257,28 @@ class ModelSize:
         """The largest piece gathered at once: a decoder layer, the input embedding or the output projection."""
         layer = self.layer_params(self.moe_layers > 0)
         return max(layer, self.embedding_params, self.output_params)
+
+    @property
+    def tensor_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shape of every kind of weight matrix the model holds (the learner's names: experts stacked)."""
+        h, vocab = self.hidden_size, self.vocab_size
+        shapes = [(vocab, h), (self.q_dim, h), (self.kv_dim, h), (h, self.q_dim)]
+        if not self.tie_word_embeddings:
+            shapes.append((vocab, h))
+        if self.moe_layers < self.num_layers:
+            shapes += [(self.intermediate_size, h), (h, self.intermediate_size)]
+        if self.moe_layers:
+            experts, inner = self.num_experts, self.expert_intermediate_size
+            shapes += [(experts, h), (experts, 2 * inner, h), (experts, h, inner)]
+        return tuple(shapes)
+
+    @property
+    def largest_tensor_params(self) -> int:
+        return max(math.prod(shape) for shape in self.tensor_shapes)
+
+    def largest_rows_params(self, ranks: int) -> int:
+        """The most elements one of `ranks` ranks owns of a single tensor: its rows of a Shard(0) split."""
+        return max(math.ceil(shape[0] / ranks) * math.prod(shape[1:]) for shape in self.tensor_shapes)
 
     # --- activations
     def activation_bytes_per_token_layer(self, compute_bytes: int, moe: bool) -> int:
@@ -323,6 +394,45 @@ class SidePlan:
 
 
 @dataclass(frozen=True)
+class Peak:
+    """A moment's memory, outside the steady step, against what it must fit in: the learner's load per chip
+    (`learner_load`), a learner host's RAM (`learner_host`, the largest of its phases) and an engine host's RAM
+    at a sync (`rollout_host`)."""
+
+    key: str
+    name: str  # what the NOT OK line and the notes call it
+    title: str  # what the table prints above the parts
+    parts: tuple[Part, ...]
+    limit_bytes: float | None  # what it must fit in; None: nothing to compare against (`missing` says why)
+    limit_label: str = ""
+    missing: str = ""
+    largest_part: bool = False  # the parts are phases that do not overlap: the peak is the largest, not the sum
+
+    @property
+    def total_bytes(self) -> float:
+        sizes = [part.bytes for part in self.parts]
+        return max(sizes) if self.largest_part else sum(sizes)
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GIB
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.limit_bytes is None else self.total_bytes <= self.limit_bytes
+
+    @property
+    def over_gib(self) -> float:
+        return (self.total_bytes - (self.limit_bytes or 0)) / GIB
+
+    def part(self, key: str) -> Part:
+        for part in self.parts:
+            if part.key == key:
+                return part
+        raise KeyError(key)
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     model: ModelSize
     source: Path
@@ -330,10 +440,22 @@ class MemoryPlan:
     rollout: SidePlan
     problems: tuple[str, ...]
     notes: tuple[str, ...]
+    peaks: tuple[Peak, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return self.learner.fits is not False and self.rollout.fits is not False and not self.problems
+        return (
+            self.learner.fits is not False
+            and self.rollout.fits is not False
+            and all(peak.fits is not False for peak in self.peaks)
+            and not self.problems
+        )
+
+    def peak(self, key: str) -> Peak:
+        for peak in self.peaks:
+            if peak.key == key:
+                return peak
+        raise KeyError(key)
 
 
 def kv_heads_per_chip(kv_heads: int, tensor_parallel: int) -> int:
@@ -374,8 +496,195 @@ def attention_scores(cfg: Config, arch: ModelSize, rows: int, seq: int, a: int) 
     return Part("attention_scores", f"attention scores (attention=torch: {kind}; {layers} layers kept)", total)
 
 
-def plan(cfg: Config, arch: ModelSize | None = None) -> MemoryPlan:
-    """The per-chip memory plan of a resolved config (its model read by `load_architecture` unless given)."""
+# ------------------------------------------------------------------ host memory against the deploy manifests
+
+
+_QUANTITY_SUFFIXES = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+}
+
+
+def memory_quantity(text) -> float:
+    """Bytes in a Kubernetes memory quantity ("360Gi", "300G", "1e9", 2048)."""
+    value = str(text).strip()
+    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * _QUANTITY_SUFFIXES[suffix]
+    return float(value)
+
+
+@dataclass(frozen=True)
+class PodLimit:
+    bytes: float
+    manifest: str  # file name under deploy/kuberay
+    group: str  # the worker group's groupName
+
+
+def _group_slice(group: dict) -> tuple[str | None, str | None, int, int, float | None]:
+    """(accelerator, topology, hosts, chips per host, memory limit) of a KubeRay worker group."""
+    spec = group.get("template", {}).get("spec", {}) or {}
+    selector = spec.get("nodeSelector") or {}
+    chips, memory = 0, None
+    for container in spec.get("containers") or []:
+        limits = (container.get("resources") or {}).get("limits") or {}
+        if "google.com/tpu" in limits:
+            chips = int(str(limits["google.com/tpu"]))
+            memory = memory_quantity(limits["memory"]) if "memory" in limits else None
+    return (
+        selector.get("cloud.google.com/gke-tpu-accelerator"),
+        selector.get("cloud.google.com/gke-tpu-topology"),
+        int(group.get("numOfHosts", 1)),
+        chips,
+        memory,
+    )
+
+
+def pod_memory_limit(share: SliceShare, manifests: Path | None = None, role: str = "") -> PodLimit | str:
+    """The pod memory limit of a TPU worker group, in the KubeRay manifests under `manifests`, that runs this
+    role's slice (same accelerator, topology, hosts and chips per host); the smallest when several do, of the
+    groups named after `role` when some are. A string says why there is none: no manifests here, a slice shared
+    with the other role (every manifest gives each role hosts of its own), or no group for that slice."""
+    import yaml
+
+    folder = MANIFESTS_DIR if manifests is None else manifests
+    tslice = share.tslice
+    if share.shared:
+        return (
+            f"the learner and the engines share each {tslice.pod_type} host; no manifest in deploy/kuberay runs both "
+            "roles on one host"
+        )
+    files = sorted(folder.glob("*.yaml")) if folder.is_dir() else []
+    if not files:
+        return f"no deploy manifests in {folder} to read a pod memory limit from"
+    found: list[PodLimit] = []
+    wanted = (GKE_ACCELERATORS.get(tslice.generation), tslice.topology, tslice.hosts, tslice.chips_per_host)
+    for path in files:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not isinstance(doc, dict) or doc.get("kind") not in ("RayCluster", "RayJob"):
+                continue
+            spec = doc.get("spec") or {}
+            cluster = spec if doc["kind"] == "RayCluster" else spec.get("rayClusterSpec") or {}
+            for group in cluster.get("workerGroupSpecs") or []:
+                accelerator, topology, hosts, chips, memory = _group_slice(group)
+                if (accelerator, topology, hosts, chips) == wanted and memory is not None:
+                    found.append(PodLimit(memory, path.name, str(group.get("groupName"))))
+    if not found:
+        return f"no TPU worker group in deploy/kuberay runs a {tslice.pod_type} ({tslice.topology}) slice"
+    named = [limit for limit in found if limit.group == role]
+    return min(named or found, key=lambda limit: (limit.bytes, limit.manifest))
+
+
+def _host_limit(share: SliceShare | None, role: str, manifests: Path | None) -> tuple[float | None, str, str]:
+    """(limit bytes, what it is, why there is none) for one host of `role`."""
+    if share is None:
+        return None, "", f"no placement.{role}.tpu, so no deploy manifest to compare against"
+    limit = pod_memory_limit(share, manifests, role)
+    if isinstance(limit, str):
+        return None, "", limit
+    return limit.bytes, f"{limit.bytes / GIB:.0f} GiB pod limit ({limit.manifest}, group {limit.group})", ""
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def learner_peaks(
+    cfg: Config, arch: ModelSize, share: SliceShare | None, usable: float | None, usable_label: str,
+    manifests: Path | None,
+) -> tuple[Peak, Peak, float]:
+    """The learner's load per chip and its RAM per host; plus what its HF export gathers on every chip."""
+    P, M = arch.params, cfg.learner.ranks
+    master, stored = cfg.model.dtype, arch.stored_dtype
+    b, s = DTYPE_BYTES[master], DTYPE_BYTES.get(stored, 4)
+    rb = DTYPE_BYTES[cfg.rollout.dtype]
+    models = 2 if cfg.algo.kl_beta > 0 else 1  # the frozen reference model is loaded too
+    unit = arch.largest_unit_params
+    load = [Part("load_shard", f"parameter shard ({master}, 1/{M})", P * b / M)]
+    if models == 2:
+        load.append(Part("load_reference", f"reference model shard ({master}, 1/{M})", P * b / M))
+    load.append(
+        Part(
+            "load_unit",
+            f"one unit read ({stored}) + {master} cast ({unit / 1e6:.0f} M params)",
+            unit * (s + b),
+        )
+    )
+    load_peak = Peak(
+        "learner_load",
+        "learner load per chip",
+        f"learner load, per chip: {M} rank{'s' if M > 1 else ''} built on meta, each reading its own shards",
+        tuple(load),
+        usable,
+        usable_label,
+        missing="" if usable is not None else "no placement.learner.tpu, so no HBM to compare against",
+    )
+
+    R = share.chips_per_host if share is not None else M  # ranks per host: one per chip
+    rows = arch.largest_rows_params(M)
+    limit, limit_label, missing = _host_limit(share, "learner", manifests)
+    kept = R * P * rb / M  # each rank's packed parts of every bucket, reused by every later version
+    phases = (
+        Part(
+            "host_load",
+            f"load: {R} x one tensor's rows ({rows / 1e6:.1f} M params), {stored} read + {master} cast",
+            R * rows * (s + b),
+        ),
+        Part(
+            "host_sync",
+            f"sync: {R} x packed parts ({cfg.rollout.dtype}, 1/{M}) + object-store copies",
+            2 * kept,
+        ),
+        Part(
+            "host_checkpoint",
+            f"checkpoint (DCP): {R} x one shard item ({master}) + 10 MB, + sync buffers",
+            R * (rows * b + DCP_COPY_AHEAD) + kept,
+        ),
+        Part("host_resume", f"resume (DCP): {R} x one stored item ({master}) read + loaded", R * 2 * rows * b),
+    )
+    if cfg.metrics.export:
+        phases += (
+            Part("host_export", f"HF export: whole model ({master}) on rank 0's host, + sync buffers", P * b + kept),
+        )
+    host_peak = Peak(
+        "learner_host",
+        "learner host RAM",
+        f"learner host RAM, per host ({R} rank{'s' if R > 1 else ''}): the largest phase",
+        phases,
+        limit,
+        limit_label,
+        missing,
+        largest_part=True,
+    )
+    return load_peak, host_peak, P * b if cfg.metrics.export else 0
+
+
+def rollout_peak(cfg: Config, arch: ModelSize, share: SliceShare | None, manifests: Path | None) -> Peak:
+    """An engine host's RAM at a sync: one shared host copy per engine, the staging, the rollback copy."""
+    T = cfg.rollout.tensor_parallel
+    rb = DTYPE_BYTES[cfg.rollout.dtype]
+    engines = max(1, share.chips_per_host // T) if share is not None else 1
+    weights = arch.params * rb
+    bucket = max(cfg.sync.bucket_mb * 2**20, arch.largest_tensor_params * rb)  # a tensor is never split
+    each = f" x {engines} engine{'s' if engines > 1 else ''}"
+    parts = [
+        Part("host_copy", f"shared host copy ({cfg.rollout.dtype}){each}", engines * weights),
+        Part(
+            "staging",
+            f"staging: {BUCKETS_IN_FLIGHT} buckets of {bucket / 2**20:.0f} MiB{each}",
+            engines * BUCKETS_IN_FLIGHT * bucket,
+        ),
+    ]
+    if cfg.sync.keep_previous:
+        parts.append(Part("rollback", f"rollback copy (sync.keep_previous){each}", engines * weights))
+    limit, limit_label, missing = _host_limit(share, "rollout", manifests)
+    title = f"engine host RAM at a sync, per host ({engines} engine{'s' if engines > 1 else ''} x tensor-parallel {T})"
+    return Peak("rollout_host", "engine host RAM at a sync", title, tuple(parts), limit, limit_label, missing)
+
+
+def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = None) -> MemoryPlan:
+    """The memory plan of a resolved config (its model read by `load_architecture` unless given; pod memory
+    limits read from the KubeRay manifests in `manifests`, deploy/kuberay unless given)."""
     source = Path("<given>")
     if arch is None:
         arch, source = load_architecture(cfg.model.path)
@@ -478,7 +787,23 @@ def plan(cfg: Config, arch: ModelSize | None = None) -> MemoryPlan:
     limit = arch.max_position_embeddings
     if limit and context > limit:
         problems.append(f"rollout.max_model_len {context} exceeds the model's max_position_embeddings {limit}")
-    return MemoryPlan(arch, source, learner, rollout, tuple(problems), tuple(notes))
+
+    # --- peaks outside the steady step
+    usable = learner.usable_bytes
+    usable_label = ""
+    if usable is not None:
+        usable_label = f"{usable / GIB:.2f} usable ({learner.usable_fraction:.0%} of {learner.slice.hbm_gib})"
+    load_peak, host_peak, export_bytes = learner_peaks(cfg, arch, learner_share, usable, usable_label, manifests)
+    if usable is not None and export_bytes > usable:
+        notes.append(
+            f"learner: the HF export gathers the whole model ({master}, {_gib(export_bytes)}) on every chip "
+            f"(full_state_dict), more than the {usable / GIB:.2f} GiB usable; not counted as a peak"
+        )
+    peaks = (load_peak, host_peak, rollout_peak(cfg, arch, rollout_share, manifests))
+    for peak in peaks:
+        if peak.fits is None and peak.missing and peak.key != "learner_load":
+            notes.append(f"{peak.name}: {peak.missing}")
+    return MemoryPlan(arch, source, learner, rollout, tuple(problems), tuple(notes), peaks)
 
 
 # ------------------------------------------------------------------ printing
@@ -504,15 +829,30 @@ def _side_lines(side: SidePlan, width: int) -> list[str]:
     return lines
 
 
+def _peak_lines(peak: Peak, width: int) -> list[str]:
+    lines = [peak.title]
+    lines += [f"  {part.label:<{width}} {part.gib:9.2f}" for part in peak.parts]
+    total = f"  {'peak' if peak.largest_part else 'total':<{width}} {peak.total_gib:9.2f}"
+    if peak.fits is None:
+        lines.append(total)
+    else:
+        verdict = "fits" if peak.fits else f"DOES NOT FIT (over by {peak.over_gib:.2f} GiB)"
+        lines.append(f"{total}  of {peak.limit_label}: {verdict}")
+    return lines
+
+
 def format_plan(result: MemoryPlan) -> str:
-    width = max(len(part.label) for side in (result.learner, result.rollout) for part in side.parts)
-    width = max(width, len("total per chip"))
+    parts = [part for side in (result.learner, result.rollout) for part in side.parts]
+    parts += [part for peak in result.peaks for part in peak.parts]
+    width = max(max(len(part.label) for part in parts), len("total per chip"))
     lines = [
         f"model {result.model.name} ({result.model.model_type}, from {result.source}): {result.model.describe()}",
-        f"{'memory per chip':<{width + 2}} {'GiB':>9}",
+        f"{'memory per chip (host RAM: per host)':<{width + 2}} {'GiB':>9}",
         *_side_lines(result.learner, width),
         *_side_lines(result.rollout, width),
     ]
+    for peak in result.peaks:
+        lines += _peak_lines(peak, width)
     if result.problems:
         lines.append("problems:")
         lines += [f"  - {problem}" for problem in result.problems]
@@ -523,6 +863,10 @@ def format_plan(result: MemoryPlan) -> str:
     if result.ok:
         lines.append("plan: OK")
     else:
-        why = [f"{role} does not fit" for role in failing] + (["see problems"] if result.problems else [])
+        why = [f"{role} does not fit" for role in failing]
+        why += [
+            f"{peak.name} over by {peak.over_gib:.2f} GiB" for peak in result.peaks if peak.fits is False
+        ]
+        why += ["see problems"] if result.problems else []
         lines.append(f"plan: NOT OK ({'; '.join(why)})")
     return "\n".join(lines)

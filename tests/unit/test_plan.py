@@ -1,4 +1,5 @@
-"""`rlpipe plan`: per-chip memory arithmetic, shipped architectures, pod types, the TPU recipes, exit codes."""
+"""`rlpipe plan`: per-chip memory arithmetic, the load and host-RAM peaks against the deploy manifests, shipped
+architectures, pod types, the TPU recipes, exit codes."""
 
 import json
 from pathlib import Path
@@ -10,12 +11,19 @@ from rlpipe.config import ConfigError, load_config
 from rlpipe.device import tpu_slice
 from rlpipe.models.registry import model_architecture
 from rlpipe.memory_plan import (
+    BUCKETS_IN_FLIGHT,
+    DCP_COPY_AHEAD,
     GIB,
+    MANIFESTS_DIR,
     ModelSize,
+    PodLimit,
     kv_heads_per_chip,
     load_architecture,
+    memory_quantity,
     plan,
+    pod_memory_limit,
 )
+from rlpipe.weightsync.sender import _PACK_AHEAD
 
 REPO = Path(__file__).resolve().parents[2]
 # Every recipe in configs/ that places a role on a TPU slice.
@@ -36,10 +44,10 @@ TINY = {
 }
 
 
-def _tiny_folder(tmp_path: Path) -> Path:
+def _tiny_folder(tmp_path: Path, **extra) -> Path:
     folder = tmp_path / "tiny"
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(TINY))
+    (folder / "config.json").write_text(json.dumps({**TINY, **extra}))
     return folder
 
 
@@ -286,3 +294,204 @@ def test_side_without_a_slice_has_no_verdict(tmp_path):
     result = plan(load_config(None, [f"model.path={_tiny_folder(tmp_path)}"]))
     assert result.learner.fits is None and result.rollout.fits is None
     assert result.ok and not result.problems
+
+
+# ------------------------------------------------------------------ peaks outside the steady step
+
+TINY_MANIFEST = """\
+apiVersion: ray.io/v1
+kind: RayCluster
+metadata: {{name: tiny}}
+spec:
+  workerGroupSpecs:
+{groups}
+"""
+TINY_GROUP = """\
+    - groupName: {role}
+      numOfHosts: 1
+      template:
+        spec:
+          nodeSelector: {{cloud.google.com/gke-tpu-accelerator: tpu-v5p-slice, cloud.google.com/gke-tpu-topology: 1x2x1}}
+          containers:
+            - name: ray-worker
+              resources: {{limits: {{memory: "{memory}", google.com/tpu: "2"}}}}
+"""
+
+
+def _manifests(tmp_path: Path, learner: str = "1Gi", rollout: str = "2Gi") -> Path:
+    """A folder with one RayCluster whose learner and rollout groups run the tiny config's v5p-4 slices."""
+    folder = tmp_path / "kuberay"
+    folder.mkdir(parents=True)
+    groups = TINY_GROUP.format(role="learner", memory=learner) + TINY_GROUP.format(role="rollout", memory=rollout)
+    (folder / "raycluster-tiny.yaml").write_text(TINY_MANIFEST.format(groups=groups))
+    return folder
+
+
+def test_peaks_of_a_small_architecture_by_hand(tmp_path):
+    """The load per chip, a learner host's phases and an engine host at a sync, counted on the tiny model stored
+    in bf16: P = 9424, 2 ranks on one v5p-4 host (2 chips), 1 engine of tensor-parallel 2 on the other."""
+    folder = _tiny_folder(tmp_path, torch_dtype="bfloat16")
+    result = plan(_tiny_config(folder, "sync.bucket_mb=0.001"), manifests=_manifests(tmp_path))
+    P, embed, layer = 9424, 100 * 16, 3104
+    assert result.model.stored_dtype == "bfloat16" and result.model.largest_unit_params == layer
+
+    # Load, per chip: the float32 parameter shard, and the largest unit (a layer) as read (bf16) and cast (fp32).
+    load = result.peak("learner_load")
+    assert load.part("load_shard").bytes == P * 4 / 2
+    assert load.part("load_unit").bytes == layer * (2 + 4)
+    assert load.total_bytes == P * 4 / 2 + layer * 6
+    assert load.limit_bytes == result.learner.usable_bytes and load.fits
+
+    # A learner host (both ranks): the largest share one rank owns of one tensor is half the embedding or the
+    # lm_head, 50 rows x 16; the transport keeps each rank's bf16 parts of every bucket (half the model each).
+    host = result.peak("learner_host")
+    rows = 50 * 16
+    assert result.model.largest_rows_params(2) == rows
+    kept = 2 * P * 2 / 2
+    assert host.part("host_load").bytes == 2 * rows * (2 + 4)
+    assert host.part("host_sync").bytes == 2 * kept  # + the object store's copy until the version is committed
+    assert host.part("host_checkpoint").bytes == 2 * (rows * 4 + DCP_COPY_AHEAD) + kept
+    assert host.part("host_resume").bytes == 2 * 2 * rows * 4  # an item's bytes read, and loaded as a tensor
+    assert host.part("host_export").bytes == P * 4 + kept  # rank 0's host holds the whole float32 model
+    assert host.total_bytes == max(part.bytes for part in host.parts) == 2 * (rows * 4 + DCP_COPY_AHEAD) + kept
+    assert host.limit_bytes == GIB and host.fits and "raycluster-tiny.yaml, group learner" in host.limit_label
+
+    # An engine host: one bf16 host copy, 3 buckets in flight (the bucket is 0.001 MiB, smaller than the
+    # embedding, which is never split: 1600 x bf16), and the rollback copy.
+    assert BUCKETS_IN_FLIGHT == _PACK_AHEAD + 1
+    engine = result.peak("rollout_host")
+    assert engine.part("host_copy").bytes == P * 2
+    assert engine.part("staging").bytes == 3 * embed * 2
+    assert engine.part("rollback").bytes == P * 2
+    assert engine.total_bytes == 2 * P * 2 + 3 * embed * 2
+    assert engine.limit_bytes == 2 * GIB and engine.fits
+    assert result.ok
+
+    # Without the rollback copy, with a bucket larger than any tensor, and four engines of one chip on a host.
+    four = plan(
+        _tiny_config(folder, "sync.keep_previous=false", "sync.bucket_mb=1", "rollout.tensor_parallel=1",
+                     "rollout.num_engines=4", "placement.rollout.tpu=v5litepod-4", "placement.rollout.topology=2x2"),
+        manifests=_manifests(tmp_path / "four"),
+    ).peak("rollout_host")
+    assert [part.key for part in four.parts] == ["host_copy", "staging"]
+    assert four.total_bytes == 4 * (P * 2 + 3 * 2**20)
+    assert four.fits is None and "no TPU worker group in deploy/kuberay runs a v5litepod-4 (2x2) slice" in four.missing
+
+    # Without the export at the end, no phase holds the whole model.
+    unexported = plan(_tiny_config(folder, "metrics.export=false"), manifests=_manifests(tmp_path / "x")).peak("learner_host")
+    assert "host_export" not in {part.key for part in unexported.parts}
+
+    # The reference model (algo.kl_beta > 0) is loaded too: a second shard on the chip.
+    kl = plan(_tiny_config(folder, "algo.kl_beta=0.1"), manifests=_manifests(tmp_path / "kl")).peak("learner_load")
+    assert kl.total_bytes == 2 * P * 4 / 2 + layer * 6
+
+
+def test_the_stored_dtype_is_read_from_config_json():
+    assert ModelSize.from_hf(TINY).stored_dtype == "float32"  # transformers' default when neither key is there
+    assert ModelSize.from_hf({**TINY, "torch_dtype": "bfloat16"}).stored_dtype == "bfloat16"
+    assert ModelSize.from_hf({**TINY, "dtype": "float16", "torch_dtype": "bfloat16"}).stored_dtype == "float16"
+
+
+def test_memory_quantities_and_the_group_that_runs_a_slice(tmp_path):
+    assert memory_quantity("360Gi") == 360 * GIB
+    assert memory_quantity("300G") == 300e9
+    assert memory_quantity("512Mi") == 512 * 2**20
+    assert memory_quantity(2048) == 2048
+    result = plan(_tiny_config(_tiny_folder(tmp_path)), manifests=_manifests(tmp_path, "3Gi", "2Gi"))
+    share = result.learner.share
+    # Each role's own group where the manifest names one after it; the smallest of every matching group else.
+    assert pod_memory_limit(share, tmp_path / "kuberay", "learner") == PodLimit(3 * GIB, "raycluster-tiny.yaml", "learner")
+    assert pod_memory_limit(share, tmp_path / "kuberay", "reward") == PodLimit(2 * GIB, "raycluster-tiny.yaml", "rollout")
+    assert "no deploy manifests" in pod_memory_limit(share, tmp_path / "none")
+
+
+def test_oversized_host_peak_is_one_line_naming_it(tmp_path, capsys):
+    """An engine host over its pod limit: the tiny rollout host (2 x 18848 + 3 x 3200 bytes) against 40000 bytes,
+    and the 70B recipe's with 3 buckets of 40000 MiB in flight against the v5p-16 pods' 360 GiB."""
+    folder = _tiny_folder(tmp_path)
+    small = plan(_tiny_config(folder, "sync.bucket_mb=0.001"), manifests=_manifests(tmp_path, rollout="40000"))
+    engine = small.peak("rollout_host")
+    assert engine.fits is False and engine.total_bytes == 2 * 9424 * 2 + 3 * 1600 * 2
+    assert engine.over_gib == pytest.approx((engine.total_bytes - 40000) / GIB)
+    assert not small.ok and small.learner.fits and small.rollout.fits
+
+    recipe = str(REPO / "configs" / "llama3-70b-v5p.yaml")
+    assert main(["plan", recipe, "sync.bucket_mb=40000"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    arch = load_architecture("/models/Meta-Llama-3-70B")[0]
+    over = (2 * arch.params * 2 + 3 * 40000 * 2**20 - 360 * GIB) / GIB
+    failing = [line for line in out if "DOES NOT FIT" in line or "NOT OK" in line]
+    assert len(failing) == 2 and failing[0].lstrip().startswith("total")  # the engine host's total, and the verdict
+    assert f"of 360 GiB pod limit (raycluster-v5p.yaml, group rollout): DOES NOT FIT (over by {over:.2f} GiB)" in failing[0]
+    assert out[-1] == f"plan: NOT OK (engine host RAM at a sync over by {over:.2f} GiB)"
+    assert out[out.index(failing[0]) - 4].startswith("engine host RAM at a sync, per host (1 engine x tensor-parallel 4)")
+
+
+# The TPU worker groups a RayJob runs its recipe on: recipe -> {role: pod memory limit in bytes}.
+def _rayjob_limits() -> dict[str, dict[str, float]]:
+    import re
+
+    import yaml
+
+    limits: dict[str, dict[str, float]] = {}
+    for path in sorted(MANIFESTS_DIR.glob("rayjob-*.yaml")):
+        job = yaml.safe_load(path.read_text())
+        recipe = re.search(r"configs/([A-Za-z0-9_.\-]+\.yaml)", job["spec"]["entrypoint"])[1]
+        for group in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+            for container in group["template"]["spec"]["containers"]:
+                if "google.com/tpu" in container["resources"]["limits"]:
+                    memory = memory_quantity(container["resources"]["limits"]["memory"])
+                    limits.setdefault(recipe, {})[group["groupName"]] = memory
+    return limits
+
+
+# Which host peaks of each shipped TPU recipe a deploy manifest gives a pod memory limit for; the others have none
+# (the 30B learner's v6e-32 has no manifest; the one-VM recipe shares each host between the two roles).
+WITH_MANIFEST = {
+    "qwen3-0.6b-gsm8k-v5e.yaml": {"learner_host", "rollout_host"},
+    "qwen3-0.6b-gsm8k-v6e.yaml": {"learner_host", "rollout_host"},
+    "qwen3-0.6b-gsm8k-v6e-8-one-vm.yaml": set(),
+    "qwen3-8b-v6e.yaml": {"learner_host", "rollout_host"},
+    "llama3-70b-v5p.yaml": {"learner_host", "rollout_host"},
+    "qwen3-30b-a3b-v6e.yaml": {"rollout_host"},
+}
+
+
+@pytest.mark.parametrize("recipe", TPU_RECIPES)
+def test_every_shipped_tpu_recipe_fits_its_deploy_manifests_pod_memory(recipe, capsys):
+    """Each host peak against the TPU worker group of deploy/kuberay that runs its slice, and the load against
+    the chip's HBM; where a RayJob runs the recipe, its own groups' limits hold as well."""
+    assert set(WITH_MANIFEST) == set(TPU_RECIPES)
+    result = plan(load_config(REPO / "configs" / recipe))
+    load = result.peak("learner_load")
+    assert load.fits, (recipe, load.total_gib)
+    assert load.total_bytes < result.learner.total_bytes  # the load is below the step's own peak
+    job = _rayjob_limits().get(recipe, {})
+    for key in ("learner_host", "rollout_host"):
+        peak = result.peak(key)
+        if key in WITH_MANIFEST[recipe]:
+            assert peak.fits, (recipe, key, peak.total_gib, peak.limit_label)
+            role = "learner" if key == "learner_host" else "rollout"
+            if role in job:
+                assert peak.limit_bytes <= job[role] and peak.total_bytes <= job[role]
+        else:
+            assert peak.fits is None and peak.missing
+            assert f"{peak.name}: {peak.missing}" in result.notes
+    assert result.ok
+    assert main(["plan", str(REPO / "configs" / recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" not in out and out.rstrip().endswith("plan: OK")
+
+
+@pytest.mark.parametrize("recipe", ["qwen3-8b-v6e.yaml", "qwen3-30b-a3b-v6e.yaml", "llama3-70b-v5p.yaml"])
+def test_docs_give_the_plans_peaks_of_the_large_recipes(recipe):
+    rows = [line for line in (REPO / "docs" / "tpu.md").read_text().splitlines() if line.startswith(f"| `{recipe}`")]
+    assert len(rows) == 1, recipe
+    result = plan(load_config(REPO / "configs" / recipe))
+    load, host, engine = (result.peak(key) for key in ("learner_load", "learner_host", "rollout_host"))
+    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    assert cells[1] == f"{load.total_gib:.2f} of {load.limit_bytes / GIB:.2f}"
+    assert cells[2].startswith(f"{host.total_gib:.2f} (export)")
+    assert cells[3].startswith(f"{engine.total_gib:.2f} (")
+    for cell, peak in ((cells[2], host), (cells[3], engine)):
+        assert cell.endswith(f"of {peak.limit_bytes / GIB:.0f}") if peak.limit_bytes else "no manifest" in cell
