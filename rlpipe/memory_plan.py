@@ -81,11 +81,12 @@ rollout chips per host / T; a tensor's rows = the ceil(rows / M) of its Shard(0)
                                              copies up to 10 MB ahead); K = R x P x rb / M, the kept sync buffers
     resume      R x 2 x rows x b             DCP load reads one stored item's bytes and loads them into a tensor
                                              before copying it into the rank's shard (before any sync: no K)
-    HF export   P x b + K                    metrics.export: every rank gathers the whole model (full_state_dict)
-                                             and rank 0 moves it to the CPU to write it; its host holds all of it
+    HF export   R x T x b + S + K            metrics.export: streamed, each rank gathers one whole tensor at a time
+                                             (T, the largest) to the CPU; rank 0 holds one safetensors shard
+                                             (S = min(P x b, 2 GiB)) until it is written
   Compared with the `resources.limits.memory` of the TPU worker group, in deploy/kuberay/*.yaml, that runs the
   learner's slice (same GKE accelerator, topology, hosts and chips per host; the smallest when several do). The
-  export's gather on every chip (P x b) is not a peak counted here; a note says when it exceeds the usable HBM.
+  export's gather adds one whole tensor (T x b) on each chip, well inside the step's own transients.
 - engine host RAM at a sync, per host: E x (P x rb + 3 x B + P x rb if sync.keep_previous): one host copy per
   engine that all its tensor-parallel workers read; the staging, 3 buckets in flight (the one shipped and the two
   the sender packs ahead) of B = max(sync.bucket_mb MiB, the largest tensor in rollout bytes: a tensor is never
@@ -112,6 +113,7 @@ from pathlib import Path
 from rlpipe.config import Config, ConfigError, recipes_dir
 from rlpipe.device import TpuSlice, backend
 from rlpipe.tpu_layout import SliceShare, slice_problems, slice_shares
+from rlpipe.models.hf import MAX_SHARD_BYTES
 from rlpipe.models.registry import model_architecture, model_type_of
 
 GIB = 2**30
@@ -592,8 +594,8 @@ def _gib(nbytes: float) -> str:
 def learner_peaks(
     cfg: Config, arch: ModelSize, share: SliceShare | None, usable: float | None, usable_label: str,
     manifests: Path | None,
-) -> tuple[Peak, Peak, float]:
-    """The learner's load per chip and its RAM per host; plus what its HF export gathers on every chip."""
+) -> tuple[Peak, Peak]:
+    """The learner's load per chip and its RAM per host."""
     P, M = arch.params, cfg.learner.ranks
     master, stored = cfg.model.dtype, arch.stored_dtype
     b, s = DTYPE_BYTES[master], DTYPE_BYTES.get(stored, 4)
@@ -643,8 +645,13 @@ def learner_peaks(
         Part("host_resume", f"resume (DCP): {R} x one stored item ({master}) read + loaded", R * 2 * rows * b),
     )
     if cfg.metrics.export:
+        largest, shard = arch.largest_rows_params(1), min(P * b, MAX_SHARD_BYTES)
         phases += (
-            Part("host_export", f"HF export: whole model ({master}) on rank 0's host, + sync buffers", P * b + kept),
+            Part(
+                "host_export",
+                f"HF export (streamed): {R} x one whole tensor ({master}) + a {_gib(shard)} shard, + sync buffers",
+                R * largest * b + shard + kept,
+            ),
         )
     host_peak = Peak(
         "learner_host",
@@ -656,7 +663,7 @@ def learner_peaks(
         missing,
         largest_part=True,
     )
-    return load_peak, host_peak, P * b if cfg.metrics.export else 0
+    return load_peak, host_peak
 
 
 def rollout_peak(cfg: Config, arch: ModelSize, share: SliceShare | None, manifests: Path | None) -> Peak:
@@ -793,12 +800,7 @@ def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = No
     usable_label = ""
     if usable is not None:
         usable_label = f"{usable / GIB:.2f} usable ({learner.usable_fraction:.0%} of {learner.slice.hbm_gib})"
-    load_peak, host_peak, export_bytes = learner_peaks(cfg, arch, learner_share, usable, usable_label, manifests)
-    if usable is not None and export_bytes > usable:
-        notes.append(
-            f"learner: the HF export gathers the whole model ({master}, {_gib(export_bytes)}) on every chip "
-            f"(full_state_dict), more than the {usable / GIB:.2f} GiB usable; not counted as a peak"
-        )
+    load_peak, host_peak = learner_peaks(cfg, arch, learner_share, usable, usable_label, manifests)
     peaks = (load_peak, host_peak, rollout_peak(cfg, arch, rollout_share, manifests))
     for peak in peaks:
         if peak.fits is None and peak.missing and peak.key != "learner_load":

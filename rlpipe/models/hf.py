@@ -25,6 +25,7 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 PICKLE_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+MAX_SHARD_BYTES = 2**31  # a written safetensors shard's size, and what a streamed export holds at once
 
 # Files a model folder needs besides weights and config to be usable for generation: tokenizer, chat template,
 # sampling defaults.
@@ -249,7 +250,7 @@ def save_model(
     out_dir: str | os.PathLike,
     *,
     source_dir: str | os.PathLike | None = None,
-    max_shard_bytes: int = 2**31,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> Path:
     """Write `model` as a Hugging Face folder that transformers and vLLM load: config.json (with its dtype set
@@ -272,7 +273,7 @@ def save_state_dict(
     out_dir: str | os.PathLike,
     *,
     source_dir: str | os.PathLike | None = None,
-    max_shard_bytes: int = 2**31,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> Path:
     """`save_model` for whole tensors under the model's names (stacked experts are written per expert, as Hugging
