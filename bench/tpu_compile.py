@@ -63,6 +63,9 @@ class ModelShapes:
     hidden: int
     vocab: int
     rms_eps: float
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
     experts: int = 0  # 0: a dense model
     experts_per_token: int = 0
     expert_intermediate: int = 0
@@ -88,6 +91,8 @@ def model_shapes(name: str, recipe: str | Path | None = None) -> ModelShapes:
     hf = json.loads(architecture_source(cfg.model.path).read_text())
     return ModelShapes(
         name=name, rows=rows, seq=seq, hidden=hf["hidden_size"], vocab=hf["vocab_size"], rms_eps=hf["rms_norm_eps"],
+        heads=hf["num_attention_heads"], kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
         experts=hf.get("num_experts", 0), experts_per_token=hf.get("num_experts_per_tok", 0),
         expert_intermediate=hf.get("moe_intermediate_size", 0),
     )
@@ -159,6 +164,29 @@ def rmsnorm_cases(m: ModelShapes) -> list[Case]:
     ]
 
 
+def splash_cases(m: ModelShapes) -> list[Case]:
+    """JAX's splash attention as rlpipe runs it (rlpipe/kernels/attention.py; TorchTPU's splash_sdpa wraps the same
+    kernel): the pass's rows each causal, and the same tokens packed end to end in one row with a segment id per
+    document, forward and backward (the kernel's own dq and dkv kernels)."""
+    import jax.numpy as jnp
+
+    from rlpipe.kernels import attention
+
+    cases = []
+    for kind, batch, length in (("rows", m.rows, m.seq), ("packed", 1, m.tokens)):
+        shapes = (f"{batch} x {length} tokens{' (' + str(m.rows) + ' documents)' if kind == 'packed' else ''}, "
+                  f"{m.heads} q / {m.kv_heads} kv heads x {m.head_dim}")
+        q = _struct((batch, m.heads, length, m.head_dim), jnp.bfloat16)
+        kv = _struct((batch, m.kv_heads, length, m.head_dim), jnp.bfloat16)
+        segments = _struct((batch, length), jnp.int32)
+        cases.append(Case(f"splash {kind} fwd", shapes, lambda q, k, v, s: attention._forward(q, k, v, s, 0, False),
+                          (q, kv, kv, segments)))
+        cases.append(Case(f"splash {kind} bwd", shapes,
+                          lambda q, k, v, s, g: attention._backward_pass(q, k, v, s, g, 0, False),
+                          (q, kv, kv, segments, q)))
+    return cases
+
+
 def _expert_matmuls(m: ModelShapes) -> list[tuple[str, int, int]]:
     """(name, in, out) of the expert matmuls: gate and up together, then down."""
     h, e = m.hidden, m.expert_intermediate
@@ -205,6 +233,7 @@ def ragged_dot_cases(m: ModelShapes) -> list[Case]:
 
 # Kernel kind -> its case builder; a builder returns [] for models it does not apply to.
 CASES: dict[str, Callable[[ModelShapes], list[Case]]] = {
+    "splash": splash_cases,
     "logprob": logprob_cases,
     "rmsnorm": rmsnorm_cases,
     "megablox_gmm": megablox_gmm_cases,
@@ -237,12 +266,13 @@ def scoped_vmem(after_codegen_hlo: str) -> tuple[int | None, int | None]:
     """(largest Mosaic kernel, largest other op) scoped VMEM (memory space 1) in bytes that one op of an
     after-codegen HLO module was given; None where no such op reports any."""
     largest: dict[bool, int | None] = {True: None, False: None}
-    for line in after_codegen_hlo.splitlines():
-        found = re.search(r'"used_scoped_memory_configs":(\[[^\]]*\])', line)
+    # One op per instruction: a Mosaic kernel's printed config spans several lines.
+    for op in re.split(r"\n(?=\s*(?:ROOT )?%)", after_codegen_hlo):
+        found = re.search(r'"used_scoped_memory_configs":(\[[^\]]*\])', op)
         if not found:
             continue
         size = sum(int(c["size"]) for c in json.loads(found.group(1)) if str(c.get("memory_space")) == "1")
-        mosaic = 'custom_call_target="tpu_custom_call"' in line
+        mosaic = 'custom_call_target="tpu_custom_call"' in op
         if size and size > (largest[mosaic] or 0):
             largest[mosaic] = size
     return largest[True], largest[False]
