@@ -25,7 +25,13 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 PICKLE_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
-MAX_SHARD_BYTES = 2**31  # a written safetensors shard's size, and what a streamed export holds at once
+MAX_SHARD_BYTES = 2**31
+# safetensors' names of the dtypes it stores.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # a written safetensors shard's size, and what a streamed export holds at once
 
 # Files a model folder needs besides weights and config to be usable for generation: tokenizer, chat template,
 # sampling defaults.
@@ -136,52 +142,78 @@ class CheckpointWeights:
     def __init__(self, path: str | os.PathLike, model: CausalLM, dtype: torch.dtype | None = torch.float32):
         self.dtype = dtype
         self.num_experts = model.config.num_experts
-        self._files: dict[str, object] = {}  # stored name -> its open file
+        # stored name -> (file, where its bytes start, dtype, shape). Read with plain file reads, not through
+        # safetensors' memory map: every mapped page a read touches counts as this process's memory while the
+        # mapping lives, so rows would cost their bytes twice and a whole load the whole file.
+        self._entries: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
         stored = {}
         for file in safetensors_files(Path(path)):
             try:
-                tensors = safe_open(file, framework="pt")
-                for name in tensors.keys():
-                    self._files[name] = tensors
-                    stored[name] = torch.empty(tensors.get_slice(name).get_shape(), device="meta")
+                with safe_open(file, framework="pt") as tensors:  # checks the header against the file
+                    for name in tensors.keys():
+                        stored[name] = torch.empty(tensors.get_slice(name).get_shape(), device="meta")
             except SafetensorError as error:
                 raise ValueError(f"{file} is not a complete safetensors file ({error})") from None
+            with open(file, "rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(size))
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise ValueError(f"{file}: {name} is stored as {entry['dtype']}, which rlpipe does not read")
+                where = 8 + size + entry["data_offsets"][0]
+                self._entries[name] = (file, where, _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
         _check_weights_match(model, _as_model_state(model, stored), path)
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """The model's weight `name`, or rows `rows` of its first dimension."""
-        if name not in self._files and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+        if name not in self._entries and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
             return self._read_experts(name, rows)
-        part = self._files[name].get_slice(name)
-        tensor = part[rows] if rows is not None else part[:]
-        return self._cast(tensor)
+        file, where, dtype, shape = self._entries[name]
+        first, stop = (0, shape[0] if shape else 1) if rows is None else rows.indices(shape[0])[:2]
+        out = torch.empty((max(0, stop - first), *shape[1:]) if shape else (), dtype=dtype)
+        buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        with open(file, "rb", buffering=0) as handle:
+            handle.seek(where + first * out[0].nbytes if out.dim() and len(out) else where)
+            done = 0
+            while done < len(buffer):  # one read(2) moves at most about 2 GiB
+                count = handle.readinto(buffer[done:])
+                if not count:
+                    raise ValueError(f"{file} ends inside {name}")
+                done += count
+        if self.dtype is not None and out.is_floating_point() and out.dtype != self.dtype:
+            return out.to(self.dtype)
+        return out
 
     def _read_experts(self, name: str, rows: slice | None) -> torch.Tensor:
-        """A stacked expert weight (rlpipe/models/moe.py) from the per-expert tensors of the experts in `rows`."""
+        """A stacked expert weight (rlpipe/models/moe.py) from the per-expert tensors of the experts in `rows`, each
+        read into its place."""
         experts, _, stacked = name.rpartition(".")
         projections = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
         chosen = range(self.num_experts)[rows if rows is not None else slice(None)]
-        matrices = [
-            torch.cat([self.read(f"{experts}.{index}.{projection}.weight") for projection in projections])
-            for index in chosen
-        ]
-        if not matrices:  # no expert in the range: an empty slice of the stacked shape
-            first = torch.cat([self.read(f"{experts}.0.{projection}.weight") for projection in projections])
-            return first.new_empty((0, *first.shape))
-        return torch.stack(matrices)
+        parts = [self._entries[f"{experts}.0.{projection}.weight"] for projection in projections]
+        height, width = sum(shape[0] for *_, shape in parts), parts[0][3][1]
+        dtype = self.dtype if self.dtype is not None else parts[0][2]
+        out = torch.empty((len(chosen), height, width), dtype=dtype)
+        for slot, index in enumerate(chosen):
+            top = 0
+            for projection in projections:
+                matrix = self.read(f"{experts}.{index}.{projection}.weight")
+                out[slot, top : top + len(matrix)] = matrix
+                top += len(matrix)
+        return out
 
-    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
-            return tensor.to(self.dtype)
-        return tensor.clone()  # the slice may be a view of the file's mapping
-
-    def load_into(self, model: CausalLM, device: str | torch.device) -> None:
-        """Give every parameter of `model` (on `meta`) its whole weight on `device`, one tensor at a time."""
+    def load_into(self, model: CausalLM, device: str | torch.device, placed=None) -> None:
+        """Give every parameter of `model` (on `meta`) its whole weight on `device`, one tensor at a time, each
+        handed to `placed` (if given) as soon as it is there (e.g. to lay it out over devices before the next)."""
         for module_name, module in model.named_modules():
             for name, param in list(module._parameters.items()):
                 if param is not None:
                     weight = self.read(f"{module_name}.{name}" if module_name else name).to(device)
                     module._parameters[name] = torch.nn.Parameter(weight, requires_grad=param.requires_grad)
+                    if placed is not None:
+                        placed(module._parameters[name])
 
 
 def check_weights(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:

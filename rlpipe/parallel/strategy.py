@@ -5,8 +5,8 @@ never asks which one it has (what the device itself implies, such as static shap
 the backend table, rlpipe/device.py):
 - `join(address, port)`: form the process group, if the scheme has one (every rank at the same time);
 - `load(model, weights)`: give a model built on `meta` its weights (`CheckpointWeights`), each rank reading only
-  what it keeps — before `join` where the scheme has no group, after it where it has one;
-- `shard(model)`: split the parameters of a model that has its weights already;
+  what it keeps, laid out as the scheme splits parameters — before `join` where the scheme has no group, after it
+  where it has one (the policy, and any frozen copy);
 - `shard_state(tensors)`: lay optimizer state out like the parameters it belongs to;
 - `place(micro)`: a micro-batch (rlpipe/forward.py `MicroBatch`) on the device, split where the scheme splits rows;
 - `full_tensors(model)` / `full_state_dict(model)` / `local_weights(model)`: whole tensors on the host one at a time,
@@ -39,9 +39,6 @@ class Unsharded:
 
     def load(self, model: nn.Module, weights) -> None:
         weights.load_into(model, self.device)
-
-    def shard(self, model: nn.Module) -> None:
-        pass
 
     def shard_state(self, tensors) -> None:
         pass
@@ -89,11 +86,6 @@ class SimpleFSDP(Unsharded):
 
         shard_model(model, self.mesh, self.precision, weights)
 
-    def shard(self, model: nn.Module) -> None:
-        from rlpipe.parallel.simple_fsdp import shard_model
-
-        shard_model(model, self.mesh, self.precision)
-
     def full_tensors(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         from rlpipe.parallel.simple_fsdp import full_tensors
 
@@ -120,12 +112,9 @@ class XlaSpmd(Unsharded):
         super().__init__(torch_device(device_kind))
 
     def load(self, model: nn.Module, weights) -> None:
-        # One process feeds every device of the mesh: whole tensors, one at a time, each annotated as it arrives.
-        super().load(model, weights)
-        self.shard(model)
-
-    def shard(self, model: nn.Module) -> None:
-        self.shard_state(model.parameters())
+        # One process feeds every device of the mesh: whole tensors, one at a time, each laid out over the mesh as
+        # it arrives, so that no device holds more than its shards and one tensor.
+        weights.load_into(model, self.device, placed=lambda param: self.shard_state([param]))
 
     def shard_state(self, tensors) -> None:
         from rlpipe.parallel.simple_fsdp import shard_dim0_spmd
