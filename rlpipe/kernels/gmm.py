@@ -91,6 +91,8 @@ torch_grouped_matmul.register_autograd(_torch_backward, setup_context=_save_inpu
 def _ragged_dot(x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     import torch_tpu  # noqa: F401  (adds torch.tpu)
 
+    if torch.compiler.is_compiling():  # TorchTPU warns only in eager, and dynamo cannot trace a warning filter
+        return torch.tpu.ops.ragged_dot(x, weights, group_sizes)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ragged_dot is experimental")
         return torch.tpu.ops.ragged_dot(x, weights, group_sizes)

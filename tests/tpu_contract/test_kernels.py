@@ -206,6 +206,23 @@ def test_the_grouped_matmul_on_tpu_tensors_is_torchtpus_ragged_dot(tpu_device_na
     assert [next_fn is not None for next_fn, _ in out.grad_fn.next_functions] == [True, True, False]
 
 
+def test_a_compiled_grouped_matmul_on_tpu_tensors_holds_the_ragged_dot(tpu_device_name):
+    """Traced whole by dynamo (no graph break), the call is one TorchTPU ragged dot in the graph."""
+    targets = []
+
+    def backend(graph_module, example_inputs):
+        targets.extend(node.target for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module
+
+    compiled = torch.compile(
+        lambda x, w, sizes: gmm.grouped_matmul(x, w, sizes, impl="pallas"), backend=backend, fullgraph=True
+    )
+    with FakeTensorMode():
+        x, weights = torch.empty(64, 128, dtype=BF16, device="tpu"), torch.empty(4, 128, 256, dtype=BF16, device="tpu")
+        assert compiled(x, weights, torch.empty(4, dtype=torch.int64, device="tpu")).shape == (64, 256)
+    assert targets == [torch.ops.tpu._ragged_dot], targets
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_torchtpu_op_is_differentiated_as_rlpipes_op_is(case):
     """The TorchTPU ops take rlpipe's ops' autograd. (Run on the host's fake tensors: torch's autograd engine has
