@@ -9,11 +9,19 @@ import jax
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlpipe.kernels import attention, gmm, logprob, rmsnorm
 from rlpipe.kernels._jax import torchtpu_op
 
 BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _no_metadata_server(monkeypatch):
+    """TorchTPU's ops on (fake) `tpu` tensors look for the chip through libtpu, which without this asks the GCE
+    metadata server, retrying for minutes where none answers."""
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
 
 
 def _rms_norm():
@@ -39,7 +47,8 @@ def _attention(window: int):
 
 
 def _grouped_matmul():
-    x, weights = torch.empty(128, 256, dtype=BF16), torch.empty(4, 256, 512, dtype=BF16)
+    # 200 rows: megablox's 128-row tiles with a ragged last one, which rlpipe pads to a whole tile.
+    x, weights = torch.empty(200, 256, dtype=BF16), torch.empty(4, 256, 512, dtype=BF16)
     group_sizes = torch.empty(4, dtype=torch.int32)
     out = torch.ops.rlpipe.pallas_grouped_matmul(x, weights, group_sizes)
     grads = torch.ops.rlpipe.pallas_grouped_matmul_backward(x, weights, group_sizes, out)
@@ -159,9 +168,61 @@ def test_the_models_kernels_on_tpu_tensors_run_as_torchtpu_ops(tpu_device_name):
         for name, model_call in _model_calls("tpu"):
             with _Recorder() as recorder:
                 out = model_call()
-            assert f"rlpipe_tpu::{name}_forward" in recorder.ops, name
+            # The grouped matmul is TorchTPU's own op there (see the test below), the others rlpipe's kernels.
+            expected = "tpu::_ragged_dot" if name == "gmm" else f"rlpipe_tpu::{name}_forward"
+            assert expected in recorder.ops, name
             assert not any(op.startswith("rlpipe::") for op in recorder.ops), recorder.ops
             assert out.device.type == "tpu"
+
+
+def test_the_grouped_matmul_on_tpu_tensors_is_torchtpus_ragged_dot(tpu_device_name):
+    """On `tpu` tensors `grouped_matmul(impl="pallas")` is `torch.tpu.ops.ragged_dot`: x [M, K], the weights
+    [G, K, N] (as the experts pass them, a transposed view) and the group sizes [G] as int32 (the models count them
+    in int64), in the order of the op's schema, giving [M, N] in x's dtype on the device. TorchTPU differentiates
+    the op itself (its autograd kernel for `tpu`), in x and the weights. Off a chip only the op's meta kernel runs,
+    which checks no shapes or dtypes: the recorded arguments are what is checked."""
+    import torch_tpu  # noqa: F401
+
+    ragged_dot = torch.ops.tpu._ragged_dot.default
+    assert [arg.name for arg in ragged_dot._schema.arguments] == ["lhs", "rhs", "group_sizes"]
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(ragged_dot.name(), "AutogradPrivateUse1")
+
+    calls = []
+
+    class Arguments(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append((func, args))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode():
+        x = torch.empty(200, 256, dtype=BF16, device="tpu").requires_grad_()
+        stored = torch.empty(4, 512, 256, dtype=BF16, device="tpu").requires_grad_()  # [E, out, in], as stored
+        sizes = torch.tensor([50, 0, 150, 0], device="tpu")
+        with Arguments():
+            out = gmm.grouped_matmul(x, stored.transpose(1, 2), sizes, impl="pallas")
+    [(lhs, rhs, group_sizes)] = [args for func, args in calls if func is ragged_dot]
+    assert (lhs.shape, lhs.dtype) == ((200, 256), BF16)
+    assert (rhs.shape, rhs.dtype) == ((4, 256, 512), BF16)
+    assert (group_sizes.shape, group_sizes.dtype) == ((4,), torch.int32)
+    assert (out.shape, out.dtype, out.device.type) == ((200, 512), BF16, "tpu")
+    assert [next_fn is not None for next_fn, _ in out.grad_fn.next_functions] == [True, True, False]
+
+
+def test_a_compiled_grouped_matmul_on_tpu_tensors_holds_the_ragged_dot(tpu_device_name):
+    """Traced whole by dynamo (no graph break), the call is one TorchTPU ragged dot in the graph."""
+    targets = []
+
+    def backend(graph_module, example_inputs):
+        targets.extend(node.target for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module
+
+    compiled = torch.compile(
+        lambda x, w, sizes: gmm.grouped_matmul(x, w, sizes, impl="pallas"), backend=backend, fullgraph=True
+    )
+    with FakeTensorMode():
+        x, weights = torch.empty(64, 128, dtype=BF16, device="tpu"), torch.empty(4, 128, 256, dtype=BF16, device="tpu")
+        assert compiled(x, weights, torch.empty(4, dtype=torch.int64, device="tpu")).shape == (64, 256)
+    assert targets == [torch.ops.tpu._ragged_dot], targets
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -157,7 +157,8 @@ def _per_group_loop(x, weights, group_sizes):
 
 @pytest.mark.parametrize("impl", ["torch", "pallas"])
 def test_grouped_matmul_matches_a_per_row_loop_fp32(small_blocks, impl):
-    # Row blocks of 8 over groups of 5, 0, 13, 1, 9, 0 rows: groups share no block, empty groups get zero gradients.
+    # Row tiles of 8 over groups of 5, 0, 13, 1, 9, 0 rows (28, padded to 32): groups start and end inside tiles,
+    # several groups share a tile, empty groups get zero gradients.
     x, weights, group_sizes, upstream = _grouped_case(torch.float32)
     results = []
     for fn in (_per_group_loop, lambda *a: gmm_module.grouped_matmul(*a, impl=impl)):
@@ -166,6 +167,25 @@ def test_grouped_matmul_matches_a_per_row_loop_fp32(small_blocks, impl):
     for name, want, have in zip(["out", "grad x", "grad weights"], *results):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=name)
     assert results[1][2][1].abs().max() == 0 and results[1][2][5].abs().max() == 0
+
+
+def test_grouped_matmul_pallas_pads_rows_to_whole_tiles_and_zeroes_empty_groups():
+    # Megablox's own tile of 128 rows over 130 rows: a second, nearly empty row tile; the second group starts
+    # inside the first tile and ends inside the second; empty groups first, in the middle and last.
+    x, weights, group_sizes, upstream = _grouped_case(torch.float32, sizes=(0, 70, 0, 60, 0))
+    assert x.shape[0] % gmm_module.BLOCK_M != 0
+    results = []
+    for fn in (_per_group_loop, lambda *a: gmm_module.grouped_matmul(*a, impl="pallas")):
+        out = fn(x, weights, group_sizes)
+        results.append((out.detach(), *torch.autograd.grad((out * upstream).sum(), (x, weights))))
+    for name, want, have in zip(["out", "grad x", "grad weights"], *results):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=name)
+    assert all(results[1][2][group].abs().max() == 0 for group in (0, 2, 4))
+    # No rows at all: an empty result, and zero gradients for every group.
+    empty = x[:0].detach().requires_grad_()
+    out = gmm_module.grouped_matmul(empty, weights, torch.zeros(5, dtype=torch.int64), impl="pallas")
+    assert out.shape == (0, weights.shape[2])
+    assert torch.autograd.grad(out.sum(), weights)[0].abs().max() == 0
 
 
 def test_grouped_matmul_pallas_in_bf16_stays_close_to_fp32(small_blocks):
