@@ -103,3 +103,13 @@ def torchtpu_op(kernel: Callable):
             setup_context=lambda ctx, inputs, output: setup_context(ctx, inputs[:-1], output),
         )
     return op
+
+
+def call_experimental(op: Callable, *args, **kwargs):
+    """A TorchTPU op marked experimental (`torch.tpu.ops.*`), without the warning it gives on every eager call; under
+    torch.compile it does not warn, and dynamo cannot trace a warning filter."""
+    if torch.compiler.is_compiling():
+        return op(*args, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is experimental")
+        return op(*args, **kwargs)

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
 
-from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, with_autograd
+from rlpipe.kernels._jax import call, call_experimental, jax_modules, round_up, run_kernel, with_autograd
 
 IMPLEMENTATIONS = ("torch", "pallas")
 
@@ -259,13 +258,11 @@ def _torchtpu_splash(q, k, v, window: int | None) -> torch.Tensor:
     if extra:  # whole blocks only; padded keys come after every real query, so causality hides them
         q, k, v = (F.pad(x, (0, 0, 0, extra)) for x in (q, k, v))
     block = _splash_block(length + extra)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*splash_sdpa is experimental")
-        out = torch.tpu.ops.splash_sdpa(
-            q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), is_causal=True,
-            # TorchTPU's window counts the keys before the query; rlpipe's counts the query too.
-            local_window_size=window - 1 if window else None, enable_gqa=q.shape[1] != k.shape[1],
-            block_q=block, block_kv=block, block_kv_compute=block,
-            block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-        )
+    out = call_experimental(
+        torch.tpu.ops.splash_sdpa, q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), is_causal=True,
+        # TorchTPU's window counts the keys before the query; rlpipe's counts the query too.
+        local_window_size=window - 1 if window else None, enable_gqa=q.shape[1] != k.shape[1],
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+    )
     return out[:, :, :length]

@@ -21,11 +21,10 @@ rows of group g are multiplied by weights[g].
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
-from rlpipe.kernels._jax import call, jax_modules, round_up, run_kernel, with_autograd
+from rlpipe.kernels._jax import call, call_experimental, jax_modules, round_up, run_kernel, with_autograd
 
 IMPLEMENTATIONS = ("torch", "pallas")
 # Megablox's tiles: rows, and one size for both K and N, because its backward reuses the forward's tiling with
@@ -91,11 +90,7 @@ torch_grouped_matmul.register_autograd(_torch_backward, setup_context=_save_inpu
 def _ragged_dot(x: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     import torch_tpu  # noqa: F401  (adds torch.tpu)
 
-    if torch.compiler.is_compiling():  # TorchTPU warns only in eager, and dynamo cannot trace a warning filter
-        return torch.tpu.ops.ragged_dot(x, weights, group_sizes)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*ragged_dot is experimental")
-        return torch.tpu.ops.ragged_dot(x, weights, group_sizes)
+    return call_experimental(torch.tpu.ops.ragged_dot, x, weights, group_sizes)
 
 
 @functools.lru_cache(maxsize=None)
