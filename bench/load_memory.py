@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -115,7 +114,10 @@ def rank_main(model: str, rank: int, ranks: int, port: int) -> None:
     except Loaded:
         pass
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # The process's own high-water mark (VmHWM), not getrusage's ru_maxrss, which Linux carries over an exec from
+    # the process this one was forked from (the bench's, which has just written the model).
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     print(json.dumps({"rank": rank, "overhead": overhead, "peak": peak, "seconds": seconds}), flush=True)
     os._exit(0)  # leave the gloo group without a collective teardown
 
