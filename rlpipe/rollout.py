@@ -262,7 +262,7 @@ class RolloutEngine:
             self.llm.collective_rpc("rlpipe_load_weights", args=(list(weights.items()), in_place))
         elif backend in ("mp", "uni"):  # worker processes on this host
             with self.host_copy.publish(weights) as shared:
-                self.llm.collective_rpc("rlpipe_load_weights", args=(shared, in_place))
+                self.llm.collective_rpc("rlpipe_load_weights", args=(shared.message(), in_place))
         else:  # vLLM's Ray executor: its workers may run on other hosts
             self.llm.collective_rpc("rlpipe_load_weights", args=(encode_weights(weights), in_place))
         # Cached prefixes hold keys/values computed by the old weights.

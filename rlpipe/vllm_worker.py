@@ -30,13 +30,15 @@ class WeightWriter:
     writes a version of the weights into the worker's model."""
 
     def rlpipe_load_weights(
-        self, weights: SharedWeights | bytes | list[tuple[str, torch.Tensor]], in_place: bool = False
+        self, weights: dict | bytes | list[tuple[str, torch.Tensor]], in_place: bool = False
     ) -> int:
-        """Apply a complete set of weights: where each lies in the engine's shared host copy (workers on its host),
+        """Apply a complete set of weights: where each lies in the engine's shared host copy (workers on its host;
+        `SharedWeights.message()`),
         safetensors bytes (workers elsewhere) or the tensors themselves (an in-process engine). `in_place`
         (sync.engine_write) writes into the tensors the engine computes with, where its layers allow
         (`_writes_in_place`); otherwise vLLM's in-place reload builds each layer anew."""
-        if isinstance(weights, SharedWeights):
+        if SharedWeights.is_message(weights):
+            weights = SharedWeights.from_message(weights)
             # Read tensor by tensor from the one copy every worker of the engine maps, each copied into this
             # worker's own tensors by its loaders; no copy of the version of this worker's own.
             with read_shared_weights(weights) as tensors:

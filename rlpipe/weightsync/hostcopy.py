@@ -37,6 +37,7 @@ from rlpipe.weightsync.transport import _SEGMENT_PREFIX, remove_orphaned_segment
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # every tensor starts on a cache line
+MESSAGE_KEY = "rlpipe_shared_weights"
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,21 @@ class SharedWeights:
 
     tensors: tuple[SharedTensor, ...]
     chunk_bytes: int
+
+    def message(self) -> dict:
+        """As vLLM's RPC carries it (msgpack: plain dicts, lists, strings and numbers)."""
+        return {MESSAGE_KEY: [[t.name, t.path, t.offset, t.dtype, list(t.shape)] for t in self.tensors],
+                "chunk_bytes": self.chunk_bytes}
+
+    @classmethod
+    def from_message(cls, message: dict) -> SharedWeights:
+        tensors = tuple(SharedTensor(name, path, int(offset), dtype, tuple(int(s) for s in shape))
+                        for name, path, offset, dtype, shape in message[MESSAGE_KEY])
+        return cls(tensors, int(message["chunk_bytes"]))
+
+    @staticmethod
+    def is_message(payload) -> bool:
+        return isinstance(payload, dict) and MESSAGE_KEY in payload
 
     @property
     def names(self) -> list[str]:

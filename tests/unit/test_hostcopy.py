@@ -3,6 +3,7 @@ read, and that no shared file outlives a write."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -34,7 +35,9 @@ def test_workers_read_the_published_copy_and_the_file_goes_with_the_write(tmp_pa
         assert isinstance(shared, SharedWeights) and shared.names == list(weights)
         assert len(_ours(host, str(tmp_path))) == 1
         assert host.bytes_copied == sum(t.numel() * t.element_size() for t in weights.values())
-        assert len(pickle.dumps(shared)) < 2000  # names, offsets, dtypes, shapes: no tensor bytes
+        assert len(pickle.dumps(shared.message())) < 2000  # names, offsets, dtypes, shapes: no tensor bytes
+        # vLLM's RPC carries plain values (msgpack): the message survives that.
+        assert SharedWeights.from_message(json.loads(json.dumps(shared.message()))) == shared
         with read_shared_weights(shared) as tensors:
             read = {name: tensor.clone() for name, tensor in tensors}
     assert _ours(host, str(tmp_path)) == []
