@@ -154,15 +154,21 @@ class HostCopy:
                         "one copy of the weights in the rollout dtype"
                     ) from err
                 os.ftruncate(fd, max(1, size))
-            with mmap.mmap(fd, max(1, size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mapped:
-                whole = torch.frombuffer(mapped, dtype=torch.uint8)
-                for _, tensor, offset in tensors:
-                    nbytes = tensor.numel() * tensor.element_size()
-                    target = whole[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-                    target.copy_(tensor)
-                del whole, target
+            mapped = mmap.mmap(fd, max(1, size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                _copy_into(mapped, tensors)
+            finally:
+                with contextlib.suppress(BufferError):  # a view kept alive by a traceback: unmapped when it goes
+                    mapped.close()
         finally:
             os.close(fd)
+
+
+def _copy_into(mapped: mmap.mmap, tensors: list[tuple[str, torch.Tensor, int]]) -> None:
+    whole = torch.frombuffer(mapped, dtype=torch.uint8)
+    for _, tensor, offset in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        whole[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
 def locate_in(segments: Callable[[], "list[tuple[str, int, int]]"]) -> Locate:
