@@ -1,13 +1,14 @@
 """Peak host memory of a tensor-parallel CPU engine while it takes weight syncs, for two checkouts of rlpipe side by
 side (by default the library as it was before its workers read one shared host copy, and as it is now).
 
-    python bench/engine_memory.py --before /path/to/baseline/checkout --after /path/to/this/checkout
+    python bench/engine_memory.py --before /path/to/baseline/checkout [--after /path/to/this/checkout]
 
 Builds a random Llama of a few hundred MB (float32) once, then for each checkout starts, in a process of its own
 that imports that checkout (PYTHONPATH), one vLLM CPU engine with tensor_parallel=2 (`rollout.in_process: false`:
 the engine's process, vLLM's engine-core process and its two worker processes) and syncs the model into it through
-the `shm` transport from a learner stand-in in a separate process (the weights as the folder holds them, so every
-probe matches): a start-up rehearsal, then `--syncs` versions. While each sync runs, psutil samples the engine's
+each of `--transports` from a learner stand-in outside the engine's processes (a process of its own for `shm`, a
+Ray actor for `ray`; the weights as the folder holds them, so every probe matches): a start-up rehearsal, then
+`--syncs` versions, numbered as the run's channel numbers them. While each sync runs, psutil samples the engine's
 process tree every few milliseconds:
 
 - RSS: the sum of the processes' resident sets (pages shared between them count once per process);
@@ -223,7 +224,8 @@ def measure(model: str, transport: str, syncs: int, bucket_mb: float) -> dict:
     sampler = TreeSampler(os.getpid(), host_copy.segment_prefix() if host_copy else None)
     rows = []
     for index in range(syncs + 1):
-        version, rehearsal = index + 1, index == 0
+        # As the channel numbers them: the rehearsal carries version 1 and leaves the engine at 0, so 1 comes again.
+        version, rehearsal = max(1, index), index == 0
         time.sleep(1.0)  # the engine at rest
         rest_rss, rest_pss = sampler.sample()
         started = time.perf_counter()

@@ -1,6 +1,7 @@
 """The vLLM side of a weight write: the worker extension rlpipe mixes into every vLLM worker of an engine. Workers in
 child processes on the engine's host read a version from one shared host copy (`SharedWeights`,
-rlpipe/weightsync/hostcopy.py); workers elsewhere (vLLM's Ray executor) get it as bytes. Runs inside vLLM's
+rlpipe/weightsync/hostcopy.py); workers that do not share its /dev/shm (vLLM's Ray executor may place them on other
+hosts) get it as bytes. Runs inside vLLM's
 workers."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
 from rlpipe.weightsync import SyncError
-from rlpipe.weightsync.hostcopy import SharedWeights, read_shared_weights
+from rlpipe.weightsync.hostcopy import SharedWeights, read_shared_weights, sees_file
 
 
 def encode_weights(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -33,8 +34,7 @@ class WeightWriter:
         self, weights: dict | bytes | list[tuple[str, torch.Tensor]], in_place: bool = False
     ) -> int:
         """Apply a complete set of weights: where each lies in the engine's shared host copy (workers on its host;
-        `SharedWeights.message()`),
-        safetensors bytes (workers elsewhere) or the tensors themselves (an in-process engine). `in_place`
+        `SharedWeights.message()`), safetensors bytes (workers elsewhere) or the tensors themselves (an in-process engine). `in_place`
         (sync.engine_write) writes into the tensors the engine computes with, where its layers allow
         (`_writes_in_place`); otherwise vLLM's in-place reload builds each layer anew."""
         if SharedWeights.is_message(weights):
@@ -107,6 +107,10 @@ class WeightWriter:
         for layer in packed:
             layer.cpu_linear = None  # the old packed copy is freed before the new one is made
             dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+    def rlpipe_sees_file(self, path: str, device: int, inode: int) -> bool:
+        """Whether this worker shares the engine's shared-memory directory, and so can read its host copy."""
+        return sees_file(path, device, inode)
 
     def rlpipe_seed(self, seed: int) -> None:
         """Seed the worker's sampling: vLLM draws requests without their own seed from torch's global generator."""

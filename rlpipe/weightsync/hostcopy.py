@@ -111,6 +111,20 @@ class HostCopy:
         return f"{_SEGMENT_PREFIX}{os.getpid()}-host-"
 
     @contextlib.contextmanager
+    def marker(self) -> Iterator[tuple[str, int, int]]:
+        """A small file of this engine's in the shared-memory directory, as (path, device, inode), for the duration
+        of the context: a worker that finds the same file there (`sees_file`) reads the host copy."""
+        path = os.path.join(self.directory, f"{self.segment_prefix()}{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            stat = os.fstat(fd)
+            yield path, stat.st_dev, stat.st_ino
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    @contextlib.contextmanager
     def publish(self, weights: dict[str, torch.Tensor]) -> Iterator[SharedWeights]:
         """`weights` in shared memory for the duration of the context; the segment this made is gone after it."""
         if not self._cleaned:
@@ -169,6 +183,16 @@ def _copy_into(mapped: mmap.mmap, tensors: list[tuple[str, torch.Tensor, int]]) 
     for _, tensor, offset in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         whole[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+def sees_file(path: str, device: int, inode: int) -> bool:
+    """Whether this process finds the very file `path` that the engine made (`HostCopy.marker`): the same host and
+    the same shared-memory directory, not a namesake in another container or on another host."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return False
+    return (stat.st_dev, stat.st_ino) == (device, inode)
 
 
 def locate_in(segments: Callable[[], "list[tuple[str, int, int]]"]) -> Locate:

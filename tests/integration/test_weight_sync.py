@@ -245,6 +245,7 @@ if __name__ == "__main__":
     before = max(abs(a - b) for a, b in zip(started[1:], expected[1:]))
     # What the engine sends its workers: recorded at the RPC, with how much of it the engine copied itself.
     sent, rpc = [], engine.llm.collective_rpc
+    assert engine._workers_share_memory()  # vLLM's multiprocessing executor: both workers on this host
 
     def recording(method, *args, **kwargs):
         if method == "rlpipe_load_weights":

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
-from rlpipe.weightsync.hostcopy import HostCopy, SharedWeights, locate_in, read_shared_weights
+from rlpipe.weightsync.hostcopy import HostCopy, SharedWeights, locate_in, read_shared_weights, sees_file
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -113,3 +113,12 @@ def test_tensors_in_the_transports_segments_are_read_where_they_are():
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_worker_reads_the_host_copy_only_where_it_finds_the_engines_own_file(tmp_path):
+    host = HostCopy(directory=str(tmp_path))
+    with host.marker() as (path, device, inode):
+        assert sees_file(path, device, inode)
+        assert not sees_file(path, device, inode + 1)  # a namesake: another container's /dev/shm, another host
+        assert not sees_file(path + "-elsewhere", device, inode)
+    assert not sees_file(path, device, inode) and _ours(host, str(tmp_path)) == []
