@@ -42,12 +42,12 @@ class WeightWriter:
             # Read tensor by tensor from the one copy every worker of the engine maps, each copied into this
             # worker's own tensors by its loaders; no copy of the version of this worker's own.
             with read_shared_weights(weights) as tensors:
-                return self._apply(tensors, weights.names, in_place)
+                return self._rlpipe_apply(tensors, weights.names, in_place)
         if isinstance(weights, bytes):
             weights = list(decode_weights(weights).items())
-        return self._apply(iter(weights), [name for name, _ in weights], in_place)
+        return self._rlpipe_apply(iter(weights), [name for name, _ in weights], in_place)
 
-    def _apply(self, weights: Iterator[tuple[str, torch.Tensor]], names: list[str], in_place: bool) -> int:
+    def _rlpipe_apply(self, weights: Iterator[tuple[str, torch.Tensor]], names: list[str], in_place: bool) -> int:
         if vllm_platform() == "torchtpu":
             return self._reload_on_torchtpu(weights)
         if in_place and self._writes_in_place():
