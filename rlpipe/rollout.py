@@ -26,6 +26,7 @@ from rlpipe.weightsync import (
     WeightReceiver,
     make_transport,
 )
+from rlpipe.weightsync.hostcopy import HostCopy, locate_in
 
 
 def _engine_env(cfg: RolloutConfig) -> None:
@@ -118,8 +119,13 @@ class RolloutEngine:
         self._generating = False
         self._sync_waiting = False
         self._abort_generation = False
+        transport = make_transport(sync.transport)
+        # The version the workers read: where the transport's shared segments hold a tensor, there; else one copy
+        # of this engine's, for the length of the write.
+        self.host_copy = HostCopy(locate_in(transport.shared_segments), chunk_bytes=int(sync.bucket_mb * 2**20))
+        self._shared_with_workers: bool | None = None
         self.sync = WeightReceiver(
-            make_transport(sync.transport),
+            transport,
             write=self._write,
             probe=self._probe,
             # Under the learner's names, which both vLLM's loaders and rlpipe's model in vLLM take.
@@ -248,9 +254,24 @@ class RolloutEngine:
                 self._sync_waiting = False
                 self._state.notify_all()
 
+    def _workers_share_memory(self) -> bool:
+        """Whether every worker finds this process's files in /dev/shm (asked once): vLLM's multiprocessing
+        executor runs them on this host, its Ray executor wherever Ray places them."""
+        if self._shared_with_workers is None:
+            with self.host_copy.marker() as marker:
+                self._shared_with_workers = all(self.llm.collective_rpc("rlpipe_sees_file", args=marker))
+        return self._shared_with_workers
+
     def _write(self, weights: dict[str, torch.Tensor]) -> None:
-        items = list(weights.items())
-        payload = items if self.cfg.in_process else encode_weights(weights)
-        self.llm.collective_rpc("rlpipe_load_weights", args=(payload, self.sync_cfg.engine_write == "in_place"))
+        """Every worker writes its part of `weights`. Workers in child processes on this host read one shared host
+        copy (rlpipe/weightsync/hostcopy.py): the RPC carries where each tensor lies, never its bytes."""
+        in_place = self.sync_cfg.engine_write == "in_place"
+        if self.cfg.in_process:  # the worker is this process: the tensors themselves
+            self.llm.collective_rpc("rlpipe_load_weights", args=(list(weights.items()), in_place))
+        elif self._workers_share_memory():
+            with self.host_copy.publish(weights) as shared:
+                self.llm.collective_rpc("rlpipe_load_weights", args=(shared.message(), in_place))
+        else:  # some worker does not see this host's /dev/shm (vLLM's Ray executor may place them elsewhere)
+            self.llm.collective_rpc("rlpipe_load_weights", args=(encode_weights(weights), in_place))
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()

@@ -1,15 +1,20 @@
-"""The vLLM side of a weight write: the worker extension rlpipe mixes into every vLLM worker of an engine, and the
-bytes a version travels in from the engine to workers in child processes. Runs inside vLLM's workers."""
+"""The vLLM side of a weight write: the worker extension rlpipe mixes into every vLLM worker of an engine. Workers in
+child processes on the engine's host read a version from one shared host copy (`SharedWeights`,
+rlpipe/weightsync/hostcopy.py); workers that do not share its /dev/shm (vLLM's Ray executor may place them on other
+hosts) get it as bytes. Runs inside vLLM's
+workers."""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
 from rlpipe.weightsync import SyncError
+from rlpipe.weightsync.hostcopy import SharedWeights, read_shared_weights, sees_file
 
 
 def encode_weights(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -25,17 +30,29 @@ class WeightWriter:
     """vLLM's worker extension: mixed into every vLLM worker of an engine and reached through `collective_rpc`, it
     writes a version of the weights into the worker's model."""
 
-    def rlpipe_load_weights(self, weights: bytes | list[tuple[str, torch.Tensor]], in_place: bool = False) -> int:
-        """Apply a complete set of weights. `in_place` (sync.engine_write) writes into the tensors the engine
-        computes with, where its layers allow (`_writes_in_place`); otherwise vLLM's in-place reload builds each
-        layer anew."""
-        if isinstance(weights, bytes):  # from a child-process engine, where tensors do not cross the RPC
+    def rlpipe_load_weights(
+        self, weights: dict | bytes | list[tuple[str, torch.Tensor]], in_place: bool = False
+    ) -> int:
+        """Apply a complete set of weights: where each lies in the engine's shared host copy (workers on its host;
+        `SharedWeights.message()`), safetensors bytes (workers elsewhere) or the tensors themselves (an in-process engine). `in_place`
+        (sync.engine_write) writes into the tensors the engine computes with, where its layers allow
+        (`_writes_in_place`); otherwise vLLM's in-place reload builds each layer anew."""
+        if SharedWeights.is_message(weights):
+            weights = SharedWeights.from_message(weights)
+            # Read tensor by tensor from the one copy every worker of the engine maps, each copied into this
+            # worker's own tensors by its loaders; no copy of the version of this worker's own.
+            with read_shared_weights(weights) as tensors:
+                return self._rlpipe_apply(tensors, weights.names, in_place)
+        if isinstance(weights, bytes):
             weights = list(decode_weights(weights).items())
+        return self._rlpipe_apply(iter(weights), [name for name, _ in weights], in_place)
+
+    def _rlpipe_apply(self, weights: Iterator[tuple[str, torch.Tensor]], names: list[str], in_place: bool) -> int:
         if vllm_platform() == "torchtpu":
             return self._reload_on_torchtpu(weights)
         if in_place and self._writes_in_place():
             self._write_in_place(weights)
-            return len(weights)
+            return len(names)
         # In-place reload keeps vLLM's own loaders in charge of fusing (qkv, gate/up), tensor-parallel slicing
         # and CPU repacking.
         try:
@@ -44,8 +61,8 @@ class WeightWriter:
             self._abandon_partial_reload()
             raise
         self._refresh_tied_output_layer()
-        self._prepack_reloaded_experts({name for name, _ in weights})
-        return len(weights)
+        self._prepack_reloaded_experts(set(names))
+        return len(names)
 
     def _writes_in_place(self) -> bool:
         """Whether every layer that prepares its weights after loading is an unquantized linear or embedding layer on
@@ -60,7 +77,7 @@ class WeightWriter:
         plain = (type(None), UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
         return all(isinstance(getattr(m, "quant_method", None), plain) for m in self.model_runner.get_model().modules())
 
-    def _write_in_place(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def _write_in_place(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the weights into the layers' own tensors, then redo vLLM's CPU GEMM dispatch for each linear layer.
 
         vLLM on CPU packs each linear layer's weight into a oneDNN (or similar) GEMM object after loading and drops
@@ -91,6 +108,10 @@ class WeightWriter:
             layer.cpu_linear = None  # the old packed copy is freed before the new one is made
             dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
+    def rlpipe_sees_file(self, path: str, device: int, inode: int) -> bool:
+        """Whether this worker shares the engine's shared-memory directory, and so can read its host copy."""
+        return sees_file(path, device, inode)
+
     def rlpipe_seed(self, seed: int) -> None:
         """Seed the worker's sampling: vLLM draws requests without their own seed from torch's global generator."""
         torch.manual_seed(seed)
@@ -109,7 +130,7 @@ class WeightWriter:
                 info.load_numel = 0
         finalize_layerwise_reload(model, self.vllm_config.model_config)
 
-    def _reload_on_torchtpu(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+    def _reload_on_torchtpu(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """vLLM on TorchTPU (vllm-torchtpu): its worker has no `reload_weights`, its model runner has vLLM's. Its
         linear layers keep their weights transposed ([in, out]) after loading and mark themselves done
         (`_tpu_weight_flipped`), so a reload would skip the transpose and copy [out, in] rows into the [in, out]
@@ -120,8 +141,15 @@ class WeightWriter:
         for module in model.modules():
             if getattr(module, TORCHTPU_TRANSPOSED_MARK, False):
                 delattr(module, TORCHTPU_TRANSPOSED_MARK)
-        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-        return len(weights)
+        given = [0]
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for item in weights:
+                given[0] += 1
+                yield item
+
+        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        return given[0]
 
     def rlpipe_layout(self) -> tuple[dict[str, list[str]], list[str]]:
         """The modules this engine's model fuses and its parameter names, for checking the sync plan."""

@@ -159,8 +159,12 @@ class WeightReceiver:
             self._spare_owned = staging.owned
             self._current_owned = {name: torch.empty_like(t).copy_(t) for name, t in weights.items()}
             self._current_weights = dict(self._current_owned)
-        else:  # the replaced version's memory receives the one after this
-            self._spare_owned, self._current_owned = self._current_owned, staging.owned
+        else:
+            # The replaced version's memory receives the one after this, if this one needed memory of its own;
+            # where staging used every tensor in place (the shm transport, one rank through the object store) the
+            # next will too, and the rehearsal's rollback copy is freed rather than kept for the whole run.
+            self._spare_owned = self._current_owned if staging.owned else {}
+            self._current_owned = staging.owned
             self._current_weights = weights
 
     def _previous_weights(self) -> Weights:

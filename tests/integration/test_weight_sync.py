@@ -219,12 +219,14 @@ def test_the_learners_probe_may_arrive_while_the_engine_writes(setup):
 
 
 _TENSOR_PARALLEL_SYNC = """
-import json, sys
+import json, os, pickle, sys
+import psutil
 import torch
 from rlpipe.config import RolloutConfig, load_config
 from rlpipe.learner import Learner
 from rlpipe.rollout import RolloutEngine
-from rlpipe.weightsync import make_transport, plan_sync, stream_parts
+from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
+from rlpipe.weightsync.hostcopy import SharedWeights
 
 if __name__ == "__main__":
     model, probe = sys.argv[1], list(range(5, 45))
@@ -239,17 +241,49 @@ if __name__ == "__main__":
         for param in learner.model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
     expected = learner.sequence_logprobs(probe)
-    before = max(abs(a - b) for a, b in zip(engine.sequence_logprobs(probe)[1:], expected[1:]))
+    started = engine.sequence_logprobs(probe)
+    before = max(abs(a - b) for a, b in zip(started[1:], expected[1:]))
+    # What the engine sends its workers: recorded at the RPC, with how much of it the engine copied itself.
+    sent, rpc = [], engine.llm.collective_rpc
+    assert engine._workers_share_memory()  # vLLM's multiprocessing executor: both workers on this host
+
+    def recording(method, *args, **kwargs):
+        if method == "rlpipe_load_weights":
+            payload = kwargs.get("args", args[1] if len(args) > 1 else ())[0]
+            shared = SharedWeights.from_message(payload) if SharedWeights.is_message(payload) else None
+            sent.append({"shared": shared is not None, "pickled": len(pickle.dumps(payload)),
+                         "tensor_bytes": shared.nbytes if shared else 0, "copied": None})
+            result = rpc(method, *args, **kwargs)
+            sent[-1]["copied"] = engine.host_copy.bytes_copied
+            return result
+        return rpc(method, *args, **kwargs)
+
+    engine.llm.collective_rpc = recording
     transport = make_transport("shm")
-    engine.sync.begin(plan, 1)
-    for part in stream_parts(plan, 0, learner.local_weights(), transport, 1):
-        engine.sync.receive(1, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
-        part.deliver()
-    after = engine.sync.commit(1, probe, expected)["probe_max_abs"]
+
+    def send(version):
+        engine.sync.begin(plan, version)
+        for part in stream_parts(plan, 0, learner.local_weights(), transport, version):
+            engine.sync.receive(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
+            part.deliver()
+
+    send(1)  # a probe that disagrees: rolled back to what the engine loaded, which it reads from a copy of its own
+    try:
+        engine.sync.commit(1, probe, [x - 1.0 for x in expected])
+        rolled_back = False
+    except SyncError as err:
+        rolled_back = "rolled back to version 0" in str(err)
+    back = max(abs(a - b) for a, b in zip(engine.sequence_logprobs(probe)[1:], started[1:]))
+    send(2)
+    after = engine.sync.commit(2, probe, expected)["probe_max_abs"]
+    own = [name for name in os.listdir("/dev/shm") if name.startswith(engine.host_copy.segment_prefix())]
+    mapped = sorted({m.path for child in psutil.Process().children(recursive=True) for m in child.memory_maps()
+                     if "/rlpipe-" in m.path})
     transport.close()
     engine.close()
     print("RESULT " + json.dumps({"tp": layout.tensor_parallel, "planned": sorted(plan.engine_params() - set(params)),
-                                  "before": before, "after": after}))
+                                  "before": before, "after": after, "rolled_back": rolled_back, "back": back,
+                                  "sent": sent, "model_bytes": plan.nbytes, "left": own, "mapped": mapped}))
 """
 
 
@@ -258,7 +292,8 @@ if __name__ == "__main__":
 def test_a_tensor_parallel_engine_gets_the_learners_logprobs(family, request):
     """vLLM's own Qwen3 (written in place) and Qwen3-MoE (reloaded; each worker holds half of every expert's
     intermediate dim) split over 2 tensor-parallel workers: after a sync its log-probs equal the learner's, and the
-    plan for T = 2 names only the engine's parameters. In a process of its own: vLLM reads its environment once per
+    plan for T = 2 names only the engine's parameters. Both workers read one shared host copy: the RPC carries no
+    tensor bytes, and a failed version rolls back through the same path. In a process of its own: vLLM reads its environment once per
     process, and this engine needs its own."""
     model = request.getfixturevalue(f"tiny_{family}")
     import json
@@ -278,6 +313,17 @@ def test_a_tensor_parallel_engine_gets_the_learners_logprobs(family, request):
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["tp"] == 2 and result["planned"] == []
     assert result["before"] > 1e-2 and result["after"] < 1e-5
+    # A failed probe rolled the engine back to the weights it loaded, exactly.
+    assert result["rolled_back"] and result["back"] < 1e-5
+    # One host copy for both workers: each write sent where the tensors lie, a few bytes per tensor, no tensor
+    # bytes. The versions from the learner were read where the shm transport put them (the engine copied
+    # nothing); the rollback copy, in the engine's own memory, was copied once into a shared file for the write.
+    sent = result["sent"]
+    assert [s["shared"] for s in sent] == [True] * 3
+    assert all(s["pickled"] < 64 * 1024 < result["model_bytes"] <= s["tensor_bytes"] for s in sent)
+    assert [s["copied"] for s in sent] == [0, sent[1]["tensor_bytes"], 0]
+    # No shared file of the engine's outlives a write, and no engine process still maps one after it.
+    assert result["left"] == [] and result["mapped"] == []
 
 
 def _computed_tokens(engine, run) -> int:

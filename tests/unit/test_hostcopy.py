@@ -1,0 +1,124 @@
+"""One host copy per engine at a sync (rlpipe/weightsync/hostcopy.py): what the engine publishes, what its workers
+read, and that no shared file outlives a write."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
+from rlpipe.weightsync.hostcopy import HostCopy, SharedWeights, locate_in, read_shared_weights, sees_file
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(33, 7, generator=generator),
+        "b.bias": torch.randn(5, generator=generator).to(torch.bfloat16),
+        "scalar": torch.tensor(3.5),
+        "c.weight": torch.randn(300, 129, generator=generator),
+    }
+
+
+def _ours(host: HostCopy, directory: str) -> list[str]:
+    return [name for name in os.listdir(directory) if name.startswith(host.segment_prefix())]
+
+
+def test_workers_read_the_published_copy_and_the_file_goes_with_the_write(tmp_path):
+    weights = _weights()
+    host = HostCopy(chunk_bytes=1000, directory=str(tmp_path))
+    with host.publish(weights) as shared:
+        assert isinstance(shared, SharedWeights) and shared.names == list(weights)
+        assert len(_ours(host, str(tmp_path))) == 1
+        assert host.bytes_copied == sum(t.numel() * t.element_size() for t in weights.values())
+        assert len(pickle.dumps(shared.message())) < 2000  # names, offsets, dtypes, shapes: no tensor bytes
+        # vLLM's RPC carries plain values (msgpack): the message survives that.
+        assert SharedWeights.from_message(json.loads(json.dumps(shared.message()))) == shared
+        with read_shared_weights(shared) as tensors:
+            read = {name: tensor.clone() for name, tensor in tensors}
+    assert _ours(host, str(tmp_path)) == []
+    assert list(read) == list(weights)
+    for name, tensor in weights.items():
+        assert read[name].dtype == tensor.dtype and torch.equal(read[name], tensor), name
+
+
+def test_a_write_that_fails_leaves_no_file(tmp_path):
+    host = HostCopy(directory=str(tmp_path))
+    with pytest.raises(RuntimeError, match="worker died"):
+        with host.publish(_weights()):
+            raise RuntimeError("worker died")
+    assert _ours(host, str(tmp_path)) == []
+
+
+def test_a_workers_writes_never_reach_the_shared_copy(tmp_path):
+    weights = _weights()
+    host = HostCopy(directory=str(tmp_path))
+    with host.publish(weights) as shared:
+        with read_shared_weights(shared) as tensors:
+            for _, tensor in tensors:
+                tensor.fill_(0)  # a loader that wrote into what it was given
+        with read_shared_weights(shared) as tensors:
+            assert all(torch.equal(tensor, weights[name]) for name, tensor in tensors)
+
+
+def test_segments_of_engines_that_died_are_removed(tmp_path):
+    dead = 2**22 + 12345  # above the default pid_max: no such process
+    orphan = tmp_path / f"rlpipe-{dead}-host-0123456789ab"
+    orphan.write_bytes(b"x" * 10)
+    host = HostCopy(directory=str(tmp_path))
+    with host.publish(_weights()):
+        pass
+    assert not orphan.exists()
+
+
+def test_a_missing_copy_is_a_sync_error():
+    shared = SharedWeights((pytest.importorskip("rlpipe.weightsync.hostcopy").SharedTensor(
+        "w", "/dev/shm/rlpipe-none-host-gone", 0, "float32", (2,)),), 1 << 20)
+    with pytest.raises(SyncError, match="is gone"):
+        with read_shared_weights(shared) as tensors:
+            list(tensors)
+
+
+def test_tensors_in_the_transports_segments_are_read_where_they_are():
+    """With the shm transport staging uses the learner's segments in place; the engine's workers read them there
+    and the engine copies nothing."""
+    from tests.unit.test_weightsync import _hf_shapes, _layout
+
+    generator = torch.Generator().manual_seed(1)
+    weights = {name: torch.randn(shape, generator=generator) for name, shape in _hf_shapes(2).items()}
+    plan = plan_sync(_hf_shapes(2), 1, _layout(1, 2), 4096)
+    assert len(plan.buckets) > 1
+    sender, receiver = make_transport("shm"), make_transport("shm")
+    from rlpipe.weightsync.staging import Staging
+
+    staging = Staging(plan, 1, adopt_buffers=True, whole_buckets=True)
+    try:
+        for part in stream_parts(plan, 0, weights, sender, 1):
+            with receiver.receive(part.handle, part.rank, part.nbytes) as buffer:
+                staging.add(part.bucket, part.rank, buffer, part.checksum)
+            part.deliver()
+        staged = staging.complete()
+        host = HostCopy(locate_in(receiver.shared_segments))
+        with host.publish(staged) as shared:
+            assert host.bytes_copied == 0 and host.bytes_referenced == sum(t.nbytes for t in shared.tensors)
+            assert all(t.path.startswith("/dev/shm/rlpipe-") and "-host-" not in t.path for t in shared.tensors)
+            with read_shared_weights(shared) as tensors:
+                assert all(torch.equal(tensor, weights[name]) for name, tensor in tensors)
+            assert _ours(host, "/dev/shm") == []  # nothing of the engine's own was made
+        del staged, staging
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_worker_reads_the_host_copy_only_where_it_finds_the_engines_own_file(tmp_path):
+    host = HostCopy(directory=str(tmp_path))
+    with host.marker() as (path, device, inode):
+        assert sees_file(path, device, inode)
+        assert not sees_file(path, device, inode + 1)  # a namesake: another container's /dev/shm, another host
+        assert not sees_file(path + "-elsewhere", device, inode)
+    assert not sees_file(path, device, inode) and _ours(host, str(tmp_path)) == []
