@@ -253,9 +253,9 @@ def _run_checkout(checkout: str, model: str, transport: str, syncs: int, bucket_
     env = {**os.environ, "PYTHONPATH": checkout, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
         "VLLM_CPU_OMP_THREADS_BIND", "0|1")}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--transports", transport, "--syncs",
-                           str(syncs), "--bucket-mb", str(bucket_mb)], capture_output=True, text=True, env=env,
-                          timeout=1800)
+    command = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--transports", transport,
+               "--syncs", str(syncs), "--bucket-mb", str(bucket_mb)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise RuntimeError(f"the measurement of {checkout} failed:\n{done.stderr[-4000:]}")

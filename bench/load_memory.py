@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                 peak = max(report["peak"] for report in reports)
                 rows[side] = (peak, sum(r["peak"] for r in reports), max(r["seconds"] for r in reports))
                 overhead = max(report["overhead"] for report in reports)
+                total, seconds = rows[side][1], rows[side][2]
                 print(f"{ranks:>2}  {side:<8} {overhead / GIB:>8.2f}G {peak / GIB:>9.2f}G "
-                      f"{rows[side][1] / GIB:>7.2f}G {model_bytes / ranks / GIB:>7.2f}G {rows[side][2]:>7.1f}", flush=True)
+                      f"{total / GIB:>7.2f}G {model_bytes / ranks / GIB:>7.2f}G {seconds:>7.1f}", flush=True)
             (peak_b, sum_b, time_b), (peak_a, sum_a, time_a) = rows["before"], rows["after"]
             print(f"{ranks:>2}  after/before: peak per rank {peak_a / peak_b:.2f}x, sum {sum_a / sum_b:.2f}x, "
                   f"load time {time_a / time_b:.2f}x", flush=True)

@@ -1,8 +1,7 @@
 """The vLLM side of a weight write: the worker extension rlpipe mixes into every vLLM worker of an engine. Workers in
 child processes on the engine's host read a version from one shared host copy (`SharedWeights`,
 rlpipe/weightsync/hostcopy.py); workers that do not share its /dev/shm (vLLM's Ray executor may place them on other
-hosts) get it as bytes. Runs inside vLLM's
-workers."""
+hosts) get it as bytes. Runs inside vLLM's workers."""
 
 from __future__ import annotations
 
@@ -34,9 +33,9 @@ class WeightWriter:
         self, weights: dict | bytes | list[tuple[str, torch.Tensor]], in_place: bool = False
     ) -> int:
         """Apply a complete set of weights: where each lies in the engine's shared host copy (workers on its host;
-        `SharedWeights.message()`), safetensors bytes (workers elsewhere) or the tensors themselves (an in-process engine). `in_place`
-        (sync.engine_write) writes into the tensors the engine computes with, where its layers allow
-        (`_writes_in_place`); otherwise vLLM's in-place reload builds each layer anew."""
+        `SharedWeights.message()`), safetensors bytes (workers elsewhere) or the tensors themselves (an in-process
+        engine). `in_place` (sync.engine_write) writes into the tensors the engine computes with, where its layers
+        allow (`_writes_in_place`); otherwise vLLM's in-place reload builds each layer anew."""
         if SharedWeights.is_message(weights):
             weights = SharedWeights.from_message(weights)
             # Read tensor by tensor from the one copy every worker of the engine maps, each copied into this
