@@ -124,6 +124,8 @@ class RolloutEngine:
         # of this engine's, for the length of the write.
         self.host_copy = HostCopy(locate_in(transport.shared_segments), chunk_bytes=int(sync.bucket_mb * 2**20))
         self._shared_with_workers: bool | None = None
+        if not cfg.in_process:  # asked now, while the engine is idle: staging asks at every sync (`_staging_memory`)
+            self._workers_share_memory()
         self.sync = WeightReceiver(
             transport,
             write=self._write,
@@ -135,12 +137,14 @@ class RolloutEngine:
             # float32 engines reproduce the learner token for token; bf16 kernels differ a little on every token.
             exact=cfg.dtype == "float32",
             keep_previous=sync.keep_previous,
+            host_memory=self._staging_memory,
         )
 
     def close(self) -> None:
         """Stop the engine and free the transport's buffers (an in-process engine otherwise shuts down at
         interpreter exit, after other code may have torn down the process groups it expects)."""
         self.sync.close()
+        self.host_copy.close()
         self.llm.llm_engine.engine_core.shutdown()
 
     # ------------------------------------------------------------------ generation
@@ -261,6 +265,11 @@ class RolloutEngine:
             with self.host_copy.marker() as marker:
                 self._shared_with_workers = all(self.llm.collective_rpc("rlpipe_sees_file", args=marker))
         return self._shared_with_workers
+
+    def _staging_memory(self) -> HostCopy | None:
+        """Where staging assembles a version: in the host copy's shared memory when the workers read it (then the
+        write copies nothing), else (an in-process engine, workers elsewhere) in plain memory of the engine's."""
+        return self.host_copy if not self.cfg.in_process and self._workers_share_memory() else None
 
     def _write(self, weights: dict[str, torch.Tensor]) -> None:
         """Every worker writes its part of `weights`. Workers in child processes on this host read one shared host

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import mmap
 import os
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -103,6 +105,7 @@ class HostCopy:
     def __init__(self, locate: Locate = _nowhere, chunk_bytes: int = 64 * 2**20, directory: str = SHM_DIR):
         self._locate, self.chunk_bytes, self.directory = locate, max(1, int(chunk_bytes)), directory
         self._cleaned = False
+        self._staging: dict[str, tuple[int, int]] = {}  # staging segments alive: path -> (address, size)
         self.bytes_copied = 0  # by the last publish: what did not already lie in shared memory
         self.bytes_referenced = 0  # by the last publish: what the workers read where it was
 
@@ -124,19 +127,67 @@ class HostCopy:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    @contextlib.contextmanager
-    def publish(self, weights: dict[str, torch.Tensor]) -> Iterator[SharedWeights]:
-        """`weights` in shared memory for the duration of the context; the segment this made is gone after it."""
+    def _remove_orphans(self) -> None:
         if not self._cleaned:
             remove_orphaned_segments(self.directory)
             self._cleaned = True
+
+    def staging_memory(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Memory for staging a version straight into shared memory: one segment of this engine's laid out for
+        `shapes`, as a tensor per name viewing it. `publish` finds them there and copies nothing. The segment lives
+        while any of the tensors does (its file is unlinked when the last goes, at `close`, at interpreter exit, or,
+        after a crash, by the next engine's or `shm` sender's orphan cleanup: its name carries this process's id)."""
+        self._remove_orphans()
+        offsets, size = {}, 0
+        for name, shape in shapes.items():
+            offsets[name] = size
+            size += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+        path = os.path.join(self.directory, f"{self.segment_prefix()}stage-{uuid.uuid4().hex[:12]}")
+        mapped = self._create_segment(path, size, "the engine's staging")
+        base = np.frombuffer(mapped, dtype=np.uint8)
+        address = base.ctypes.data
+        self._staging[path] = (address, max(1, size))
+        # When the last view goes (numpy's slices and torch's tensors keep `base` alive), the file goes with it.
+        weakref.finalize(base, _drop_segment, self._staging, path, mapped)
+        tensors = {}
+        for name, shape in shapes.items():
+            nbytes = math.prod(shape) * dtype.itemsize
+            raw = torch.from_numpy(base[offsets[name] : offsets[name] + nbytes])
+            tensors[name] = raw.view(dtype).view(tuple(shape))
+        return tensors
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lies in one of this engine's staging segments (`staging_memory`)."""
+        return tensor.device.type == "cpu" and tensor.is_contiguous() and self._in_staging(tensor) is not None
+
+    def _in_staging(self, tensor: torch.Tensor) -> tuple[str, int] | None:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        for path, (address, nbytes) in list(self._staging.items()):
+            if address <= start and end <= address + nbytes:
+                return path, start - address
+        return None
+
+    def close(self) -> None:
+        """Unlink the staging segments' files (their memory goes with the last view of them)."""
+        for path in list(self._staging):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._staging.clear()
+
+    @contextlib.contextmanager
+    def publish(self, weights: dict[str, torch.Tensor]) -> Iterator[SharedWeights]:
+        """`weights` in shared memory for the duration of the context; the segment this made is gone after it."""
+        self._remove_orphans()
         placed: dict[str, SharedTensor] = {}
         to_copy: list[tuple[str, torch.Tensor, int]] = []
         size = 0
         for name, tensor in weights.items():
             tensor = tensor.detach()
             dtype = str(tensor.dtype).removeprefix("torch.")
-            where = self._locate(tensor) if tensor.is_contiguous() and tensor.device.type == "cpu" else None
+            where = None
+            if tensor.is_contiguous() and tensor.device.type == "cpu":
+                where = self._in_staging(tensor) or self._locate(tensor)
             if where is not None:
                 placed[name] = SharedTensor(name, where[0], where[1], dtype, tuple(tensor.shape))
             else:
@@ -156,7 +207,8 @@ class HostCopy:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    def _write_segment(self, path: str, size: int, tensors: list[tuple[str, torch.Tensor, int]]) -> None:
+    def _create_segment(self, path: str, size: int, what: str) -> mmap.mmap:
+        """A new file `path` of `size` bytes, its memory claimed, mapped shared and writable; unlinked if this fails."""
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             try:  # the memory is claimed now: a full /dev/shm fails here, not with a SIGBUS mid-copy
@@ -164,18 +216,33 @@ class HostCopy:
             except OSError as err:
                 if err.errno == errno.ENOSPC:
                     raise SyncError(
-                        f"weight sync: no room in {self.directory} for the engine's host copy ({size} bytes), "
+                        f"weight sync: no room in {self.directory} for {what} ({size} bytes), "
                         "one copy of the weights in the rollout dtype"
                     ) from err
                 os.ftruncate(fd, max(1, size))
-            mapped = mmap.mmap(fd, max(1, size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                _copy_into(mapped, tensors)
-            finally:
-                with contextlib.suppress(BufferError):  # a view kept alive by a traceback: unmapped when it goes
-                    mapped.close()
+            return mmap.mmap(fd, max(1, size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
+
+    def _write_segment(self, path: str, size: int, tensors: list[tuple[str, torch.Tensor, int]]) -> None:
+        mapped = self._create_segment(path, size, "the engine's host copy")
+        try:
+            _copy_into(mapped, tensors)
+        finally:
+            with contextlib.suppress(BufferError):  # a view kept alive by a traceback: unmapped when it goes
+                mapped.close()
+
+
+def _drop_segment(segments: dict[str, tuple[int, int]], path: str, mapped: mmap.mmap) -> None:
+    segments.pop(path, None)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    with contextlib.suppress(BufferError, ValueError):
+        mapped.close()
 
 
 def _copy_into(mapped: mmap.mmap, tensors: list[tuple[str, torch.Tensor, int]]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import ContextManager
+from typing import ContextManager, Protocol
 
 import torch
 
@@ -19,6 +19,14 @@ from rlpipe.weightsync.transport import Transport
 
 Weights = dict[str, torch.Tensor]
 ProbeResult = list[float] | DecodedProbe
+
+
+class HostMemory(Protocol):
+    """Shared memory the engine's workers read (`HostCopy`): staging assembles a version straight into it."""
+
+    def staging_memory(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> Weights: ...
+
+    def holds(self, tensor: torch.Tensor) -> bool: ...
 
 
 @contextlib.contextmanager
@@ -36,7 +44,12 @@ class WeightReceiver:
     the first version back. `paused()` is a context during which the engine generates nothing: the write, the
     probe and a rollback run inside it. The probe passes when the gap to the learner's, its maximum over tokens
     (`exact`) or its mean, is at most `tolerance`. Without `keep_previous` no copy is kept to roll back to, and a
-    version that fails its check leaves the engine refusing to generate (`unusable`)."""
+    version that fails its check leaves the engine refusing to generate (`unusable`).
+
+    `host_memory()`, where given and not None (the engine's workers read a shared host copy), is where staging
+    assembles every version whose parts arrive as rows (all transports but shared memory's whole buckets): each
+    part is checked and copied into that memory as it arrives, the transport's buffer is never adopted (it goes when
+    `receive` returns), and the write hands the workers the staged tensors where they lie, copying nothing."""
 
     def __init__(
         self,
@@ -49,13 +62,16 @@ class WeightReceiver:
         exact: bool,
         keep_previous: bool = True,
         paused: Callable[[], ContextManager] = _not_paused,
+        host_memory: Callable[[], HostMemory | None] | None = None,
     ):
         self.transport = transport
         self._write, self._probe, self._initial_weights, self._paused = write, probe, initial_weights, paused
         self.tolerance, self.exact, self.keep_previous = tolerance, exact, keep_previous
         self.policy_version = 0
         self.unusable: str | None = None  # why the engine must not generate: a failed version and nothing to go back to
+        self._host_memory = host_memory
         self._staging: Staging | None = None
+        self._staged_into_host = False  # the version being received is assembled in `host_memory`
         # The served version's tensors, for rolling back (they may be views of transport buffers), the memory its
         # staging owns, and owned memory free for the next staging to write into.
         self._current_weights: Weights | None = None
@@ -68,10 +84,18 @@ class WeightReceiver:
             raise SyncError(f"weight version {version} is not newer than the engine's {self.policy_version}")
         if self._staging is not None:  # an abandoned version: its memory is free again
             self._spare_owned, self._staging = self._staging.owned, None
-        self._staging = Staging(plan, version, reuse=self._spare_owned,
-                                adopt_buffers=self.transport.stable_receive_buffers,
-                                whole_buckets=self.transport.whole_buckets)
+        memory = self._host_memory() if self._host_memory is not None else None
+        into_host = memory is not None and not self.transport.whole_buckets
+        reuse = self._spare_owned
+        if into_host and not _fills(reuse, plan, memory):
+            # Fresh shared memory for the whole version; the spare tensors (elsewhere, or of another plan) go.
+            reuse = memory.staging_memory({name: tuple(shape) for name, shape in plan.shapes.items()},
+                                          plan.torch_dtype)
         self._spare_owned = {}
+        self._staging = Staging(plan, version, reuse=reuse,
+                                adopt_buffers=self.transport.stable_receive_buffers and not into_host,
+                                whole_buckets=self.transport.whole_buckets)
+        self._staged_into_host = into_host
 
     def receive(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:
         """Take learner rank `rank`'s part of `bucket` from the transport and check it; returns its size."""
@@ -137,7 +161,9 @@ class WeightReceiver:
                     raise SyncError(self.unusable)
                 self._write(self._previous_weights())
                 raise SyncError(message + f"; the engine rolled back to version {self.policy_version}")
-            self._keep(weights, staging, rehearsal)
+            # A version staged in host memory is the engine's own copy, not a view of transport buffers: kept as it
+            # is for rolling back, even after a rehearsal.
+            self._keep(weights, staging, rehearsal and not self._staged_into_host)
             if not rehearsal:
                 self.policy_version = version
             self.unusable = None
@@ -175,3 +201,15 @@ class WeightReceiver:
     def close(self) -> None:
         """Free the transport's buffers."""
         self.transport.close()
+
+
+def _fills(memory: Weights, plan: SyncPlan, host: HostMemory) -> bool:
+    """Whether `memory` has a tensor of the right shape and dtype in `host`'s shared memory for every one of
+    `plan`'s."""
+    for name, shape in plan.shapes.items():
+        tensor = memory.get(name)
+        if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != plan.torch_dtype:
+            return False
+        if not host.holds(tensor):
+            return False
+    return True

@@ -122,3 +122,108 @@ def test_a_worker_reads_the_host_copy_only_where_it_finds_the_engines_own_file(t
         assert not sees_file(path, device, inode + 1)  # a namesake: another container's /dev/shm, another host
         assert not sees_file(path + "-elsewhere", device, inode)
     assert not sees_file(path, device, inode) and _ours(host, str(tmp_path)) == []
+
+
+class _ObjectStoreStandIn:
+    """A transport like the object store (`ray`): parts arrive as rows in buffers of their own, which stay valid
+    while referenced (`stable_receive_buffers`). Keeps a weak reference to every buffer it hands out."""
+
+    name = "stand-in"
+    stable_receive_buffers = True
+    whole_buckets = False
+
+    def __init__(self):
+        self.handed_out: list = []
+
+    def receive(self, handle, source_rank, nbytes):
+        import contextlib
+        import weakref
+
+        import numpy as np
+
+        @contextlib.contextmanager
+        def buffer():
+            received = np.frombuffer(bytearray(handle), dtype=np.uint8)  # a buffer of its own
+            self.handed_out.append(weakref.ref(received))
+            yield received
+
+        return buffer()
+
+    def close(self):
+        pass
+
+
+class _SenderStandIn:
+    """The learner's side of `_ObjectStoreStandIn`: the handle is the part's bytes."""
+
+    whole_buckets = False
+
+    def allocate(self, nbytes, bucket, version):
+        import numpy as np
+
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def send(self, buffer):
+        return buffer.tobytes(), lambda: None
+
+
+@pytest.mark.parametrize("ranks", [1, 2])  # one rank: the object store's buffers would be adopted whole
+def test_a_version_staged_into_the_host_copy_is_published_without_copying(ranks, tmp_path):
+    """Where the workers read a host copy, staging assembles each version in a segment of the engine's: no
+    transport buffer is adopted (each is gone once its part is staged), the write copies nothing, a rollback reads
+    the previous version where it was staged, and closing the engine leaves no file behind."""
+    from rlpipe.weightsync import WeightReceiver
+    from tests.unit.test_weightsync import _full_tensors, _hf_shapes, _layout, _local_shards
+
+    shapes = _hf_shapes(kv_heads=2)
+    plan = plan_sync(shapes, ranks, _layout(1, 2), 30_000)
+    senders = [_SenderStandIn() for _ in range(ranks)]
+    transport, host = _ObjectStoreStandIn(), HostCopy(directory=str(tmp_path))
+    initial = _full_tensors(shapes, seed=100)
+    held, copied, read_from = dict(initial), [], []
+
+    def write(weights):
+        with host.publish(weights) as shared:
+            copied.append(host.bytes_copied)
+            read_from.append({t.path for t in shared.tensors})
+            with read_shared_weights(shared) as tensors:
+                held.update({name: tensor.clone() for name, tensor in tensors})
+
+    def probe(tokens):
+        return [0.0] + [float(sum(t.double().sum() for t in held.values()))] * (len(tokens) - 1)
+
+    def expected(weights):
+        return [0.0] + [float(sum(t.double().sum() for t in weights.values()))] * 4
+
+    receiving = WeightReceiver(transport, write=write, probe=probe, initial_weights=lambda: initial,
+                               tolerance=1e-9, exact=True, host_memory=lambda: host)
+
+    def send(version, weights):
+        receiving.begin(plan, version)
+        for rank, sender in enumerate(senders):
+            for part in stream_parts(plan, rank, _local_shards(weights, rank, ranks), sender, version):
+                receiving.receive(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
+        staged = receiving._staging.complete()
+        assert all(host.holds(tensor) for tensor in staged.values())  # every tensor in the engine's segment
+        assert transport.handed_out and all(ref() is None for ref in transport.handed_out)  # none adopted
+        transport.handed_out.clear()
+
+    first, second = _full_tensors(shapes, seed=1), _full_tensors(shapes, seed=2)
+    send(1, first)
+    receiving.commit(1, [1, 2, 3, 4, 5], expected(first), rehearsal=True)
+    send(1, first)
+    receiving.commit(1, [1, 2, 3, 4, 5], expected(first))
+    send(2, second)
+    with pytest.raises(SyncError, match="rolled back to version 1"):
+        receiving.commit(2, [1, 2, 3, 4, 5], expected(first))
+    send(2, second)
+    receiving.commit(2, [1, 2, 3, 4, 5], expected(second))
+    assert copied == [0] * 5  # four versions and a rollback, none copied at the write
+    assert all(torch.equal(held[name], second[name]) for name in second)
+    assert all(len(paths) == 1 and "-host-stage-" in next(iter(paths)) for paths in read_from)
+    # The served version and the one before it (the rollback copy): two segments, reused version after version.
+    assert len({next(iter(paths)) for paths in read_from}) == 2
+    assert len(_ours(host, str(tmp_path))) == 2
+    receiving.close()
+    host.close()
+    assert _ours(host, str(tmp_path)) == []
