@@ -280,10 +280,27 @@ if __name__ == "__main__":
     mapped = sorted({m.path for child in psutil.Process().children(recursive=True) for m in child.memory_maps()
                      if "/rlpipe-" in m.path})
     transport.close()
+    # The object store's route (engines on other hosts than the learner): staging assembles the version in a
+    # segment of the engine's, which the workers read where it is.
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    engine.sync.transport = transport = make_transport("ray")
+    with torch.no_grad():
+        for param in learner.model.parameters():
+            param.mul_(0.98)
+    expected = learner.sequence_logprobs(probe)
+    send(3)
+    ray_after = engine.sync.commit(3, probe, expected)["probe_max_abs"]
+    staged = [name for name in os.listdir("/dev/shm") if name.startswith(engine.host_copy.segment_prefix())]
+    transport.close()
     engine.close()
+    closed = [name for name in os.listdir("/dev/shm") if name.startswith(engine.host_copy.segment_prefix())]
+    ray.shutdown()
     print("RESULT " + json.dumps({"tp": layout.tensor_parallel, "planned": sorted(plan.engine_params() - set(params)),
                                   "before": before, "after": after, "rolled_back": rolled_back, "back": back,
-                                  "sent": sent, "model_bytes": plan.nbytes, "left": own, "mapped": mapped}))
+                                  "sent": sent, "model_bytes": plan.nbytes, "left": own, "mapped": mapped,
+                                  "ray_after": ray_after, "staged": staged, "closed": closed}))
 """
 
 
@@ -319,11 +336,15 @@ def test_a_tensor_parallel_engine_gets_the_learners_logprobs(family, request):
     # bytes. The versions from the learner were read where the shm transport put them (the engine copied
     # nothing); the rollback copy, in the engine's own memory, was copied once into a shared file for the write.
     sent = result["sent"]
-    assert [s["shared"] for s in sent] == [True] * 3
+    assert [s["shared"] for s in sent] == [True] * 4
     assert all(s["pickled"] < 64 * 1024 < result["model_bytes"] <= s["tensor_bytes"] for s in sent)
-    assert [s["copied"] for s in sent] == [0, sent[1]["tensor_bytes"], 0]
-    # No shared file of the engine's outlives a write, and no engine process still maps one after it.
+    # Through the object store the version was staged straight into the engine's segment: nothing copied either.
+    assert [s["copied"] for s in sent] == [0, sent[1]["tensor_bytes"], 0, 0]
+    assert result["ray_after"] < 1e-5
+    # No shared file of the engine's outlives a write, and no engine process still maps one after it; the
+    # segment staging kept for the next version goes when the engine closes.
     assert result["left"] == [] and result["mapped"] == []
+    assert len(result["staged"]) == 1 and "-host-stage-" in result["staged"][0] and result["closed"] == []
 
 
 def _computed_tokens(engine, run) -> int:
