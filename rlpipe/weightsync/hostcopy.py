@@ -7,11 +7,17 @@ serialized one. Instead the engine publishes the version once in shared memory a
 
 - Tensors the engine already holds in a named shared-memory segment (the `shm` transport's buckets, which staging
   uses in place) are referenced where they are (`locate`): no copy at all.
-- The others (staging assembled from several ranks' rows, the object store's buffers, a rollback copy) are written
+- Where the workers read a host copy and parts arrive as rows (the object store, gloo), staging assembles each
+  version straight into a segment of the engine's (`HostCopy.staging_memory`, made when the version begins): its
+  tensors are found there too, and nothing is copied. Such a segment lives while staging or the rollback copy
+  uses its tensors (the engine's receiver reuses it for later versions), and is unlinked when the last goes or at
+  `HostCopy.close`.
+- The others (the weights the engine loaded, for a rollback to version 0; a copy kept at a rehearsal) are written
   once into a segment of the engine's own, which lives only for the write: created, filled, read by the workers,
-  unlinked when the write returns or fails (`HostCopy.publish`). Its name carries the engine process's id, so a
-  segment left by an engine that died mid-write is removed by the next one to start a write, or by the next `shm`
-  sender on the host (`remove_orphaned_segments`).
+  unlinked when the write returns or fails (`HostCopy.publish`).
+
+Every segment's name carries the engine process's id, so one left by an engine that died is removed by the next
+one to start a sync, or by the next `shm` sender on the host (`remove_orphaned_segments`).
 
 A worker maps each file privately (copy-on-write: the shared copy is never changed, whatever a loader does with
 the tensors it is given), hands views of it to its loaders, which copy each into the worker's own tensors, and

@@ -28,6 +28,9 @@ class Staging:
     a later staging may write over (`reuse`: fresh memory costs a page fault per 4 KiB). With `whole_buckets`
     (the transport hands every rank's part of a bucket in one buffer, the rows already in place: shared memory)
     the bucket's tensors are used in place once every rank's rows in it checked out, whatever the rank count.
+    Without `adopt_buffers`, and with `reuse` laid out for every tensor of the plan in shared memory (the engine's
+    host copy, `HostCopy.staging_memory`), each part is copied into that memory as it arrives and its buffer is
+    free as soon as `add` returns: the version is assembled where the engine's workers read it.
     """
 
     def __init__(
