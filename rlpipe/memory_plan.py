@@ -87,11 +87,12 @@ rollout chips per host / T; a tensor's rows = the ceil(rows / M) of its Shard(0)
   Compared with the `resources.limits.memory` of the TPU worker group, in deploy/kuberay/*.yaml, that runs the
   learner's slice (same GKE accelerator, topology, hosts and chips per host; the smallest when several do). The
   export's gather adds one whole tensor (T x b) on each chip, well inside the step's own transients.
-- engine host RAM at a sync, per host: E x (P x rb + P x rb + P x rb if sync.keep_previous): per engine, the
-  staged version (a version is checked whole before any of it is written), the one host copy all its
-  tensor-parallel workers read (rlpipe/weightsync/hostcopy.py), and the rollback copy. With the learner on the
-  same host (shm) the workers read the learner's segments in place: P x rb once, and the rollback copy. Compared
-  with the rollout slice's worker group limit, found the same way.
+- engine host RAM at a sync, per host: E x (P x rb + 3 x B + P x rb if sync.keep_previous): per engine, the
+  staged version, which is also the one copy all its tensor-parallel workers read (staging assembles it in the
+  engine's shared memory, rlpipe/weightsync/hostcopy.py; an in-process engine writes from it directly); the
+  buckets in flight, 3 (the one shipped and the two the sender packs ahead) of B = max(sync.bucket_mb MiB, the
+  largest tensor in rollout bytes: a tensor is never split); the rollback copy. Compared with the rollout slice's
+  worker group limit, found the same way.
   A slice whose hosts both roles share, or one no manifest runs, gets a note instead of a verdict.
   Not counted on hosts: the interpreters, libraries and runtimes of the processes, Ray's own memory.
 
@@ -133,6 +134,9 @@ GKE_ACCELERATORS = {
 }
 # torch.distributed.checkpoint's FileSystemWriter copies up to this many bytes to the CPU ahead of writing them.
 DCP_COPY_AHEAD = 10_000_000
+# Buckets of one sender in flight at a sync: the one being shipped and the two packed ahead of it
+# (rlpipe/weightsync/sender.py packs two ahead).
+BUCKETS_IN_FLIGHT = 3
 
 
 # ------------------------------------------------------------------ architecture
@@ -665,21 +669,21 @@ def learner_peaks(
 
 
 def rollout_peak(cfg: Config, arch: ModelSize, share: SliceShare | None, manifests: Path | None) -> Peak:
-    """An engine host's RAM at a sync: the staged version, the host copy its workers read, the rollback copy."""
+    """An engine host's RAM at a sync: the staged version, the buckets in flight, the rollback copy."""
     T = cfg.rollout.tensor_parallel
     rb = DTYPE_BYTES[cfg.rollout.dtype]
     engines = max(1, share.chips_per_host // T) if share is not None else 1
     weights = arch.params * rb
+    bucket = max(cfg.sync.bucket_mb * 2**20, arch.largest_tensor_params * rb)  # a tensor is never split
     each = f" x {engines} engine{'s' if engines > 1 else ''}"
-    # With the learner on the same host (shm), the workers read the learner's segments, the staging itself, in place.
-    in_place = share is not None and share.shared and cfg.sync.transport in ("auto", "shm")
-    if in_place:
-        parts = [Part("staging", f"staging: the learner's shared segments, read in place ({cfg.rollout.dtype})", weights)]
-    else:
-        parts = [
-            Part("staging", f"staging: the whole version received ({cfg.rollout.dtype}){each}", engines * weights),
-            Part("host_copy", f"host copy its workers read, while it is written{each}", engines * weights),
-        ]
+    parts = [
+        Part("staging", f"staged version ({cfg.rollout.dtype}), the copy its workers read{each}", engines * weights),
+        Part(
+            "in_flight",
+            f"buckets in flight: {BUCKETS_IN_FLIGHT} of {bucket / 2**20:.0f} MiB{each}",
+            engines * BUCKETS_IN_FLIGHT * bucket,
+        ),
+    ]
     if cfg.sync.keep_previous:
         parts.append(Part("rollback", f"rollback copy (sync.keep_previous){each}", engines * weights))
     limit, limit_label, missing = _host_limit(share, "rollout", manifests)

@@ -29,6 +29,12 @@ from rlpipe.weightsync import (
 from rlpipe.weightsync.hostcopy import HostCopy, locate_in
 
 
+def workers_in_process(cfg: RolloutConfig) -> bool:
+    """Whether the engine's one worker runs in this process (rollout.in_process, one chip); tensor-parallel workers
+    are processes of their own either way."""
+    return cfg.in_process and cfg.tensor_parallel == 1
+
+
 def _engine_env(cfg: RolloutConfig) -> None:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
     # vLLM reserves one core for itself by default, a large share of generation's speed on a host of few cores
@@ -107,7 +113,8 @@ class RolloutEngine:
             tensor_parallel_size=cfg.tensor_parallel,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=current_platform.is_cpu() if cfg.enforce_eager is None else cfg.enforce_eager,
-            distributed_executor_backend="uni" if cfg.in_process else None,
+            # One worker runs in this process; several are vLLM's worker processes whichever way the engine runs.
+            distributed_executor_backend="uni" if workers_in_process(cfg) else None,
             worker_extension_cls="rlpipe.vllm_worker.WeightWriter",
             # Processed logprobs include temperature, which is what the learner reproduces.
             logprobs_mode="processed_logprobs",
@@ -124,7 +131,7 @@ class RolloutEngine:
         # of this engine's, for the length of the write.
         self.host_copy = HostCopy(locate_in(transport.shared_segments), chunk_bytes=int(sync.bucket_mb * 2**20))
         self._shared_with_workers: bool | None = None
-        if not cfg.in_process:  # asked now, while the engine is idle: staging asks at every sync (`_staging_memory`)
+        if not workers_in_process(cfg):  # asked now, while the engine is idle: staging asks at every sync
             self._workers_share_memory()
         self.sync = WeightReceiver(
             transport,
@@ -269,13 +276,13 @@ class RolloutEngine:
     def _staging_memory(self) -> HostCopy | None:
         """Where staging assembles a version: in the host copy's shared memory when the workers read it (then the
         write copies nothing), else (an in-process engine, workers elsewhere) in plain memory of the engine's."""
-        return self.host_copy if not self.cfg.in_process and self._workers_share_memory() else None
+        return self.host_copy if not workers_in_process(self.cfg) and self._workers_share_memory() else None
 
     def _write(self, weights: dict[str, torch.Tensor]) -> None:
         """Every worker writes its part of `weights`. Workers in child processes on this host read one shared host
         copy (rlpipe/weightsync/hostcopy.py): the RPC carries where each tensor lies, never its bytes."""
         in_place = self.sync_cfg.engine_write == "in_place"
-        if self.cfg.in_process:  # the worker is this process: the tensors themselves
+        if workers_in_process(self.cfg):  # the worker is this process: the tensors themselves
             self.llm.collective_rpc("rlpipe_load_weights", args=(list(weights.items()), in_place))
         elif self._workers_share_memory():
             with self.host_copy.publish(weights) as shared:

@@ -231,7 +231,8 @@ from rlpipe.weightsync.hostcopy import SharedWeights
 if __name__ == "__main__":
     model, probe = sys.argv[1], list(range(5, 45))
     cfg = load_config(None, [f"model.path={model}", "sync.transport=shm", "sync.probe_tolerance=1e-5"])
-    rollout = RolloutConfig(max_model_len=256, max_tokens=16, tensor_parallel=2, in_process=False)
+    # in_process (the default): the engine in this process, its two tensor-parallel workers processes of their own.
+    rollout = RolloutConfig(max_model_len=256, max_tokens=16, tensor_parallel=2)
     engine = RolloutEngine(model, rollout, 0, sync=cfg.sync)
     learner = Learner.from_config(model, cfg)
     layout, params = engine.layout()

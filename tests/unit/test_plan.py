@@ -11,6 +11,7 @@ from rlpipe.config import ConfigError, load_config
 from rlpipe.device import tpu_slice
 from rlpipe.models.registry import model_architecture
 from rlpipe.memory_plan import (
+    BUCKETS_IN_FLIGHT,
     DCP_COPY_AHEAD,
     GIB,
     MANIFESTS_DIR,
@@ -22,6 +23,7 @@ from rlpipe.memory_plan import (
     plan,
     pod_memory_limit,
 )
+from rlpipe.weightsync.sender import _PACK_AHEAD
 
 REPO = Path(__file__).resolve().parents[2]
 # Every recipe in configs/ that places a role on a TPU slice.
@@ -356,23 +358,25 @@ def test_peaks_of_a_small_architecture_by_hand(tmp_path):
     assert host.total_bytes == max(part.bytes for part in host.parts) == 2 * (rows * 4 + DCP_COPY_AHEAD) + kept
     assert host.limit_bytes == GIB and host.fits and "raycluster-tiny.yaml, group learner" in host.limit_label
 
-    # An engine host on another host than the learner: the staged bf16 version, the host copy its workers read,
-    # and the rollback copy.
+    # An engine host: the staged bf16 version (the copy its workers read), 3 buckets in flight (the bucket is 0.001
+    # MiB, smaller than the embedding, which is never split: 1600 x bf16), and the rollback copy.
+    assert BUCKETS_IN_FLIGHT == _PACK_AHEAD + 1
     engine = result.peak("rollout_host")
-    assert [part.key for part in engine.parts] == ["staging", "host_copy", "rollback"]
-    assert all(part.bytes == P * 2 for part in engine.parts)
-    assert engine.total_bytes == 3 * P * 2
+    assert [part.key for part in engine.parts] == ["staging", "in_flight", "rollback"]
+    assert engine.part("staging").bytes == engine.part("rollback").bytes == P * 2
+    assert engine.part("in_flight").bytes == 3 * embed * 2
+    assert engine.total_bytes == 2 * P * 2 + 3 * embed * 2
     assert engine.limit_bytes == 2 * GIB and engine.fits
     assert result.ok
 
-    # Without the rollback copy, and four engines of one chip on a host.
+    # Without the rollback copy, with a bucket larger than any tensor, and four engines of one chip on a host.
     four = plan(
-        _tiny_config(folder, "sync.keep_previous=false", "rollout.tensor_parallel=1",
+        _tiny_config(folder, "sync.keep_previous=false", "sync.bucket_mb=1", "rollout.tensor_parallel=1",
                      "rollout.num_engines=4", "placement.rollout.tpu=v5litepod-4", "placement.rollout.topology=2x2"),
         manifests=_manifests(tmp_path / "four"),
     ).peak("rollout_host")
-    assert [part.key for part in four.parts] == ["staging", "host_copy"]
-    assert four.total_bytes == 4 * 2 * P * 2
+    assert [part.key for part in four.parts] == ["staging", "in_flight"]
+    assert four.total_bytes == 4 * (P * 2 + 3 * 2**20)
     assert four.fits is None and "no TPU worker group in deploy/kuberay runs a v5litepod-4 (2x2) slice" in four.missing
 
     # Without the export at the end, no phase holds the whole model.
@@ -404,20 +408,20 @@ def test_memory_quantities_and_the_group_that_runs_a_slice(tmp_path):
 
 
 def test_oversized_host_peak_is_one_line_naming_it(tmp_path, capsys):
-    """An engine host over its pod limit: the tiny rollout host (3 x 18848 bytes) against 40000 bytes, and the 70B
-    recipe's with the rollback copy kept against the v5p-16 pods' 360 GiB."""
+    """An engine host over its pod limit: the tiny rollout host (2 x 18848 + 3 x 3200 bytes) against 40000 bytes,
+    and the 70B recipe's with 3 buckets of 40000 MiB in flight against the v5p-16 pods' 360 GiB."""
     folder = _tiny_folder(tmp_path)
-    small = plan(_tiny_config(folder), manifests=_manifests(tmp_path, rollout="40000"))
+    small = plan(_tiny_config(folder, "sync.bucket_mb=0.001"), manifests=_manifests(tmp_path, rollout="40000"))
     engine = small.peak("rollout_host")
-    assert engine.fits is False and engine.total_bytes == 3 * 9424 * 2
+    assert engine.fits is False and engine.total_bytes == 2 * 9424 * 2 + 3 * 1600 * 2
     assert engine.over_gib == pytest.approx((engine.total_bytes - 40000) / GIB)
     assert not small.ok and small.learner.fits and small.rollout.fits
 
     recipe = str(REPO / "configs" / "llama3-70b-v5p.yaml")
-    assert main(["plan", recipe, "sync.keep_previous=true"]) == 1
+    assert main(["plan", recipe, "sync.bucket_mb=40000"]) == 1
     out = capsys.readouterr().out.splitlines()
     arch = load_architecture("/models/Meta-Llama-3-70B")[0]
-    over = (3 * arch.params * 2 - 360 * GIB) / GIB
+    over = (2 * arch.params * 2 + 3 * 40000 * 2**20 - 360 * GIB) / GIB
     failing = [line for line in out if "DOES NOT FIT" in line or "NOT OK" in line]
     assert len(failing) == 2 and failing[0].lstrip().startswith("total")  # the engine host's total, and the verdict
     assert f"of 360 GiB pod limit (raycluster-v5p.yaml, group rollout): DOES NOT FIT (over by {over:.2f} GiB)" in failing[0]
