@@ -116,6 +116,7 @@ from rlpipe.config import Config, ConfigError, recipes_dir
 from rlpipe.device import TpuSlice, backend
 from rlpipe.tpu_layout import SliceShare, slice_problems, slice_shares
 from rlpipe.models.hf import MAX_SHARD_BYTES
+from rlpipe.pod_limits import pod_memory_limit
 from rlpipe.models.registry import model_architecture, model_type_of
 
 GIB = 2**30
@@ -123,15 +124,6 @@ USABLE_FRACTION = 0.9
 MODELS_DIR = recipes_dir() / "models"
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# The KubeRay manifests whose TPU worker groups give each host's pod memory limit (a checkout's deploy/kuberay).
-MANIFESTS_DIR = recipes_dir().parent / "deploy" / "kuberay"
-# GKE's node label for each TPU generation (cloud.google.com/gke-tpu-accelerator).
-GKE_ACCELERATORS = {
-    "v4": "tpu-v4-podslice",
-    "v5litepod": "tpu-v5-lite-podslice",
-    "v5p": "tpu-v5p-slice",
-    "v6e": "tpu-v6e-slice",
-}
 # torch.distributed.checkpoint's FileSystemWriter copies up to this many bytes to the CPU ahead of writing them.
 DCP_COPY_AHEAD = 10_000_000
 # Buckets of one sender in flight at a sync: the one being shipped and the two packed ahead of it
@@ -350,6 +342,14 @@ def load_architecture(model_path: str) -> tuple[ModelSize, Path]:
 # ------------------------------------------------------------------ the plan
 
 
+def _keyed(items, key: str):
+    """The item of `items` (parts, peaks) whose `key` is `key`."""
+    for item in items:
+        if item.key == key:
+            return item
+    raise KeyError(key)
+
+
 @dataclass(frozen=True)
 class Part:
     key: str  # stable name for tests: "parameters", "kv_cache", ...
@@ -391,10 +391,7 @@ class SidePlan:
         return None if self.slice is None else self.total_bytes <= self.usable_bytes
 
     def part(self, key: str) -> Part:
-        for part in self.parts:
-            if part.key == key:
-                return part
-        raise KeyError(key)
+        return _keyed(self.parts, key)
 
 
 @dataclass(frozen=True)
@@ -430,10 +427,7 @@ class Peak:
         return (self.total_bytes - (self.limit_bytes or 0)) / GIB
 
     def part(self, key: str) -> Part:
-        for part in self.parts:
-            if part.key == key:
-                return part
-        raise KeyError(key)
+        return _keyed(self.parts, key)
 
 
 @dataclass(frozen=True)
@@ -456,10 +450,7 @@ class MemoryPlan:
         )
 
     def peak(self, key: str) -> Peak:
-        for peak in self.peaks:
-            if peak.key == key:
-                return peak
-        raise KeyError(key)
+        return _keyed(self.peaks, key)
 
 
 def kv_heads_per_chip(kv_heads: int, tensor_parallel: int) -> int:
@@ -501,82 +492,6 @@ def attention_scores(cfg: Config, arch: ModelSize, rows: int, seq: int, a: int) 
 
 
 # ------------------------------------------------------------------ host memory against the deploy manifests
-
-
-_QUANTITY_SUFFIXES = {
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-}
-
-
-def memory_quantity(text) -> float:
-    """Bytes in a Kubernetes memory quantity ("360Gi", "300G", "1e9", 2048)."""
-    value = str(text).strip()
-    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
-        if value.endswith(suffix):
-            return float(value[: -len(suffix)]) * _QUANTITY_SUFFIXES[suffix]
-    return float(value)
-
-
-@dataclass(frozen=True)
-class PodLimit:
-    bytes: float
-    manifest: str  # file name under deploy/kuberay
-    group: str  # the worker group's groupName
-
-
-def _group_slice(group: dict) -> tuple[str | None, str | None, int, int, float | None]:
-    """(accelerator, topology, hosts, chips per host, memory limit) of a KubeRay worker group."""
-    spec = group.get("template", {}).get("spec", {}) or {}
-    selector = spec.get("nodeSelector") or {}
-    chips, memory = 0, None
-    for container in spec.get("containers") or []:
-        limits = (container.get("resources") or {}).get("limits") or {}
-        if "google.com/tpu" in limits:
-            chips = int(str(limits["google.com/tpu"]))
-            memory = memory_quantity(limits["memory"]) if "memory" in limits else None
-    return (
-        selector.get("cloud.google.com/gke-tpu-accelerator"),
-        selector.get("cloud.google.com/gke-tpu-topology"),
-        int(group.get("numOfHosts", 1)),
-        chips,
-        memory,
-    )
-
-
-def pod_memory_limit(share: SliceShare, manifests: Path | None = None, role: str = "") -> PodLimit | str:
-    """The pod memory limit of a TPU worker group, in the KubeRay manifests under `manifests`, that runs this
-    role's slice (same accelerator, topology, hosts and chips per host); the smallest when several do, of the
-    groups named after `role` when some are. A string says why there is none: no manifests here, a slice shared
-    with the other role (every manifest gives each role hosts of its own), or no group for that slice."""
-    import yaml
-
-    folder = MANIFESTS_DIR if manifests is None else manifests
-    tslice = share.tslice
-    if share.shared:
-        return (
-            f"the learner and the engines share each {tslice.pod_type} host; no manifest in deploy/kuberay runs both "
-            "roles on one host"
-        )
-    files = sorted(folder.glob("*.yaml")) if folder.is_dir() else []
-    if not files:
-        return f"no deploy manifests in {folder} to read a pod memory limit from"
-    found: list[PodLimit] = []
-    wanted = (GKE_ACCELERATORS.get(tslice.generation), tslice.topology, tslice.hosts, tslice.chips_per_host)
-    for path in files:
-        for doc in yaml.safe_load_all(path.read_text()):
-            if not isinstance(doc, dict) or doc.get("kind") not in ("RayCluster", "RayJob"):
-                continue
-            spec = doc.get("spec") or {}
-            cluster = spec if doc["kind"] == "RayCluster" else spec.get("rayClusterSpec") or {}
-            for group in cluster.get("workerGroupSpecs") or []:
-                accelerator, topology, hosts, chips, memory = _group_slice(group)
-                if (accelerator, topology, hosts, chips) == wanted and memory is not None:
-                    found.append(PodLimit(memory, path.name, str(group.get("groupName"))))
-    if not found:
-        return f"no TPU worker group in deploy/kuberay runs a {tslice.pod_type} ({tslice.topology}) slice"
-    named = [limit for limit in found if limit.group == role]
-    return min(named or found, key=lambda limit: (limit.bytes, limit.manifest))
 
 
 def _host_limit(share: SliceShare | None, role: str, manifests: Path | None) -> tuple[float | None, str, str]:

@@ -66,24 +66,17 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return config
 
 
-def load_state_dict(
-    path: str | os.PathLike, dtype: torch.dtype | None = None, own_memory: bool = False
-) -> dict[str, torch.Tensor]:
-    """Every tensor in the folder's safetensors file(s), floating-point ones cast to `dtype` when given.
-
-    Tensors read as stored are views of a private mapping of the file. `own_memory` copies them out, for tensors
-    that are written in place later (a learner's parameters): the first write to each page of a private mapping
-    copies the page and flushes the TLB of every core running the process, which made the first optimizer step
-    of SmolLM2 on this project's 2-core VM take seconds longer than the others."""
+def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor in the folder's safetensors file(s), floating-point ones cast to `dtype` when given. Tensors read
+    as stored are views of a private mapping of the file: for reading (a model built to be trained reads its
+    weights through `CheckpointWeights`, into memory of its own)."""
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(Path(path)):
         with safe_open(file, framework="pt") as tensors:
             for name in tensors.keys():
                 tensor = tensors.get_tensor(name)
                 if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype, copy=own_memory)
-                elif own_memory:
-                    tensor = tensor.clone()
+                    tensor = tensor.to(dtype)
                 state[name] = tensor
     return state
 

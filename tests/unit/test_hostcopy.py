@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
-from rlpipe.weightsync.hostcopy import HostCopy, SharedWeights, locate_in, read_shared_weights, sees_file
+from rlpipe.weightsync.hostcopy import (
+    HostCopy,
+    SharedTensor,
+    SharedWeights,
+    locate_in,
+    read_shared_weights,
+    sees_file,
+)
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -76,8 +83,7 @@ def test_segments_of_engines_that_died_are_removed(tmp_path):
 
 
 def test_a_missing_copy_is_a_sync_error():
-    shared = SharedWeights((pytest.importorskip("rlpipe.weightsync.hostcopy").SharedTensor(
-        "w", "/dev/shm/rlpipe-none-host-gone", 0, "float32", (2,)),), 1 << 20)
+    shared = SharedWeights((SharedTensor("w", "/dev/shm/rlpipe-none-host-gone", 0, "float32", (2,)),), 1 << 20)
     with pytest.raises(SyncError, match="is gone"):
         with read_shared_weights(shared) as tensors:
             list(tensors)

@@ -14,15 +14,12 @@ from rlpipe.memory_plan import (
     BUCKETS_IN_FLIGHT,
     DCP_COPY_AHEAD,
     GIB,
-    MANIFESTS_DIR,
     ModelSize,
-    PodLimit,
     kv_heads_per_chip,
     load_architecture,
-    memory_quantity,
     plan,
-    pod_memory_limit,
 )
+from rlpipe.pod_limits import MANIFESTS_DIR, PodLimit, memory_quantity, pod_memory_limit
 from rlpipe.weightsync.sender import _PACK_AHEAD
 
 REPO = Path(__file__).resolve().parents[2]
