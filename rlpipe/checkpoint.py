@@ -138,6 +138,11 @@ def resolve(path: str | os.PathLike) -> Path:
 
 def validate(path: Path) -> Path:
     """`path` if it is a complete checkpoint this version can read."""
+    _read_state_file(path)
+    return path
+
+
+def _read_state_file(path: Path) -> dict:
     state_file = path / TRAINER_STATE
     if not state_file.is_file():
         raise CheckpointError(f"checkpoint {path}: not a complete checkpoint (no {TRAINER_STATE})")
@@ -147,13 +152,90 @@ def validate(path: Path) -> Path:
         state = json.loads(state_file.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint {path}: {TRAINER_STATE} is unreadable ({err})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{state_file}: must hold a JSON object, found {type(state).__name__}")
     if state.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {state.get('format')!r}, this rlpipe reads {FORMAT}")
-    return path
+    return state
 
 
-def read_trainer_state(path: Path) -> dict:
-    return json.loads((validate(path) / TRAINER_STATE).read_text())
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_sampler_state(value) -> bool:
+    keys = ("size", "seed", "epoch", "position")
+    return isinstance(value, dict) and all(_is_count(value.get(key)) for key in keys) and value["position"] <= value["size"]
+
+
+def _is_model_config(value) -> bool:
+    model = value.get("model") if isinstance(value, dict) else None
+    return (isinstance(model, dict) and isinstance(model.get("path"), str) and bool(model["path"])
+            and isinstance(model.get("tokenizer"), (str, type(None))))
+
+
+def _is_rng_state(value) -> bool:
+    """Whether `value` is what `rng_state` writes: tried on fresh generators, never on this process's own."""
+    import random
+
+    import numpy as np
+
+    try:
+        version, internal, gauss = value["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+        kind, keys, position, has_gauss, cached = value["numpy"]
+        np.random.RandomState().set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
+        return _is_torch_rng_text(value["torch"])
+    except Exception:  # each library rejects a malformed state with its own error type
+        return False
+
+
+def _is_torch_rng_text(value) -> bool:
+    import base64
+    import binascii
+
+    import torch
+
+    if not isinstance(value, str):
+        return False
+    try:
+        torch.Generator().set_state(torch.frombuffer(bytearray(base64.b64decode(value, validate=True)), dtype=torch.uint8))
+    except (binascii.Error, ValueError, RuntimeError):
+        return False
+    return True
+
+
+# What trainer.json holds (controller.save_checkpoint writes it): key -> (test, what the key must be).
+TRAINER_FIELDS = {
+    "step": (_is_count, "a step number"),
+    "policy_version": (_is_count, "a version number"),
+    "sampler": (_is_sampler_state, "a sampler state {size, seed, epoch, position} with position <= size"),
+    "rng": (_is_rng_state, "the Python, NumPy and torch RNG states rlpipe writes"),
+    "learner_rng": (lambda v: isinstance(v, list) and all(map(_is_torch_rng_text, v)), "a list of torch RNG states"),
+    "config": (_is_model_config, "a resolved config with model.path and model.tokenizer"),
+    "model_path": (lambda v: v is None or isinstance(v, str), "a folder name or null"),
+    "tokenizer_path": (lambda v: v is None or isinstance(v, str), "a folder name or null"),
+    "metrics": (lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v), "a list of metric records"),
+    "summary": (lambda v: isinstance(v, dict), "an object"),
+}
+# What a resumed run reads; an export reads only the model's folders.
+RESUME_FIELDS = tuple(TRAINER_FIELDS)
+EXPORT_FIELDS = ("config",)
+
+
+def read_trainer_state(path: Path, needs: tuple[str, ...] = ()) -> dict:
+    """A checkpoint's trainer.json, refused in one line naming the file and the key unless each key of `needs` is
+    there and every key it holds has the form rlpipe writes."""
+    state = _read_state_file(path)
+    state_file = path / TRAINER_STATE
+    for key in needs:
+        if key not in state:
+            raise CheckpointError(f"{state_file}: {key} is missing")
+    for key, (fits, what) in TRAINER_FIELDS.items():
+        if key in state and not fits(state[key]):
+            found = json.dumps(state[key])
+            raise CheckpointError(f"{state_file}: {key} must be {what}, found {found[:40]}{'...' * (len(found) > 40)}")
+    return state
 
 
 def rng_state() -> dict:
@@ -403,15 +485,19 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Write a checkpoint's weights as a Hugging Face folder (safetensors, config, tokenizer, generation config),
     whatever number of ranks saved it. The model's architecture and tokenizer come from the folders the run's
     `model.path` and `model.tokenizer` resolved to (recorded in the checkpoint; a Hub id's cached snapshot)."""
+    import torch
+
     from rlpipe.config import ConfigError
-    from rlpipe.models import load_model, read_hf_config, save_state_dict
+    from rlpipe.models import read_hf_config, save_state_dict
     from rlpipe.models.builtin import resolve_model_path
+    from rlpipe.models.checks import ModelFileError
+    from rlpipe.models.hf import check_weights
 
     source = resolve(path)
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise CheckpointError(f"export: {out_dir} already exists; it is not overwritten")
-    trainer = read_trainer_state(source)
+    trainer = read_trainer_state(source, needs=EXPORT_FIELDS)
     model_cfg = trainer["config"]["model"]
 
     def folder(recorded: str | None, given: str | None, key: str) -> str | None:
@@ -420,14 +506,24 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         if recorded and Path(recorded).is_dir():
             return recorded
         try:
-            return resolve_model_path(given, key) if given else None
+            found = resolve_model_path(given, key) if given else None
         except ConfigError as err:
             raise CheckpointError(f"checkpoint {source}: {err}") from None
+        if found is not None and not Path(found).is_dir():
+            what = "is a file" if Path(found).exists() else "does not exist"
+            named = f"{recorded} and {key} {given}" if recorded and recorded != found else f"{key} {given}"
+            raise CheckpointError(f"{source / TRAINER_STATE}: the model folder it names ({named}) {what}")
+        return found
 
     model_path = folder(trainer.get("model_path"), model_cfg["path"], "model.path")
     tokenizer_path = folder(trainer.get("tokenizer_path"), model_cfg["tokenizer"], "model.tokenizer")
-    model = load_model(model_path)
-    state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+    # The model folder and the checkpoint's metadata are checked against each other before any tensor is made.
+    try:
+        shapes = check_weights(model_path)
+    except ModelFileError as err:
+        raise CheckpointError(str(err)) from None
+    check_fits(source, shapes, model_path)
+    state = {f"model.{name}": torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
     load_tensors(state, str(source / LEARNER_STATE), model_path, single_process=True)
     weights = {name[len("model.") :]: tensor for name, tensor in state.items()}
     return save_state_dict(weights, read_hf_config(model_path), out_dir, source_dir=tokenizer_path or model_path)

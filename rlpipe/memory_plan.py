@@ -331,12 +331,20 @@ def architecture_source(model_path: str) -> Path:
 
 
 def load_architecture(model_path: str) -> tuple[ModelSize, Path]:
+    """The model's sizes from its config.json, every field checked first (rlpipe/models/checks.py)."""
+    from rlpipe.models.checks import ModelFileError, check_config
+
     source = architecture_source(model_path)
     try:
         hf = json.loads(source.read_text())
+        check_config(hf, source)
         return ModelSize.from_hf(hf, name=source.parent.name if source.name == "config.json" else source.stem), source
+    except ModelFileError as err:
+        raise ConfigError(f"model.path: {err}") from None
     except (ValueError, TypeError) as err:
         raise ConfigError(f"model.path: {source}: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"model.path: {source}: unreadable ({err.strerror})") from None
 
 
 # ------------------------------------------------------------------ the plan

@@ -172,12 +172,11 @@ def check_port_free(key: str, host: str, port: int) -> None:
 
 def check_model(path: str) -> dict[str, tuple[int, ...]]:
     """The shape of every weight of the model, once its config.json is known to describe a supported model and its
-    safetensors (the only weights the learner and the engines load) to be complete and to match it."""
-    from rlpipe.models import ModelArchitecture, read_hf_config
+    safetensors (the only weights the learner and the engines load) to be complete and to match it (see
+    rlpipe/models/checks.py: headers only, counts compared before a model is built)."""
     from rlpipe.models.hf import check_weights
 
     try:
-        ModelArchitecture.from_hf(read_hf_config(path))
         return check_weights(path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.path: {err}") from None
@@ -228,7 +227,7 @@ def check_resume(
     where it stopped. Raises a CheckpointError naming the checkpoint unless its weights have `weight_shapes`, no
     later checkpoint of this run would be overwritten, and its sampler state is for this dataset and run.seed."""
     source = checkpoint.resolve(cfg.run_dir if resume == "latest" else resume)
-    state = checkpoint.read_trainer_state(source)
+    state = checkpoint.read_trainer_state(source, needs=checkpoint.RESUME_FIELDS)
     checkpoint.check_fits(source, weight_shapes, f"model.path {cfg.model.path}")
     newer = [p.name for p in checkpoint.list_checkpoints(cfg.run_dir) if p.name > checkpoint.step_name(state["step"])]
     if newer:  # continuing would have to overwrite them

@@ -14,17 +14,24 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rlpipe.models.checks import (
+    CONFIG_FILE,
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX_FILE,
+    ModelFileError,
+    check_config,
+    check_stored_against_config,
+    read_config,
+    safetensors_files,
+    stored_tensors,
+)
 from rlpipe.models.llama import CausalLM
 from rlpipe.models.moe import split_expert_weights, stack_expert_weights
 from rlpipe.models.registry import build_model
 
-CONFIG_FILE = "config.json"
-SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
-PICKLE_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 MAX_SHARD_BYTES = 2**31
 # safetensors' names of the dtypes it stores.
 _SAFETENSORS_DTYPES = {
@@ -53,17 +60,8 @@ _IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
-    """The config.json of a Hugging Face model folder, as a dict."""
-    config_file = Path(path) / CONFIG_FILE
-    try:
-        config = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{config_file} not found: {path} is not a Hugging Face model folder") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file} must hold a JSON object, found {type(config).__name__}")
-    return config
+    """The config.json of a Hugging Face model folder, as a dict, its fields checked (rlpipe/models/checks.py)."""
+    return read_config(path)
 
 
 def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -71,6 +69,7 @@ def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = None) -
     as stored are views of a private mapping of the file: for reading (a model built to be trained reads its
     weights through `CheckpointWeights`, into memory of its own)."""
     state: dict[str, torch.Tensor] = {}
+    stored_tensors(path)  # headers checked against the files before safetensors maps them
     for file in safetensors_files(Path(path)):
         with safe_open(file, framework="pt") as tensors:
             for name in tensors.keys():
@@ -87,32 +86,6 @@ def load_model_weights(path: str | os.PathLike, dtype: torch.dtype | None = None
     num_experts = meta_model(path).config.num_experts
     state = load_state_dict(path, dtype)
     return stack_expert_weights(state, num_experts) if num_experts else state
-
-
-def safetensors_files(folder: Path) -> list[Path]:
-    index_file = folder / SAFETENSORS_INDEX_FILE
-    if index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{index_file} is not a valid safetensors index ({error!r})") from None
-        shards = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [shard.name for shard in shards if not shard.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index_file} lists shards that are not there: {', '.join(missing[:3])}")
-        return shards
-    if (folder / SAFETENSORS_FILE).is_file():
-        return [folder / SAFETENSORS_FILE]
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a directory")
-    pickled = sorted(file.name for pattern in PICKLE_WEIGHT_PATTERNS for file in folder.glob(pattern))
-    if pickled:
-        raise FileNotFoundError(
-            f"{folder} has only pickle weights ({', '.join(pickled[:3])}); safetensors is required because pickle "
-            f"files can run code when loaded. Convert once with transformers: "
-            f"AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder)"
-        )
-    raise FileNotFoundError(f"{folder} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX_FILE}")
 
 
 def load_model(
@@ -135,28 +108,16 @@ class CheckpointWeights:
     def __init__(self, path: str | os.PathLike, model: CausalLM, dtype: torch.dtype | None = torch.float32):
         self.dtype = dtype
         self.num_experts = model.config.num_experts
-        # stored name -> (file, where its bytes start, dtype, shape). Read with plain file reads, not through
-        # safetensors' memory map: every mapped page a read touches counts as this process's memory while the
-        # mapping lives, so rows would cost their bytes twice and a whole load the whole file.
-        self._entries: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
-        stored = {}
-        for file in safetensors_files(Path(path)):
-            try:
-                with safe_open(file, framework="pt") as tensors:  # checks the header against the file
-                    for name in tensors.keys():
-                        stored[name] = torch.empty(tensors.get_slice(name).get_shape(), device="meta")
-            except SafetensorError as error:
-                raise ValueError(f"{file} is not a complete safetensors file ({error})") from None
-            with open(file, "rb") as handle:
-                size = int.from_bytes(handle.read(8), "little")
-                header = json.loads(handle.read(size))
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                if entry["dtype"] not in _SAFETENSORS_DTYPES:
-                    raise ValueError(f"{file}: {name} is stored as {entry['dtype']}, which rlpipe does not read")
-                where = 8 + size + entry["data_offsets"][0]
-                self._entries[name] = (file, where, _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        # stored name -> (file, where its bytes start, dtype, shape), from the checked headers. Read with plain file
+        # reads, not through safetensors' memory map: every mapped page a read touches counts as this process's
+        # memory while the mapping lives, so rows would cost their bytes twice and a whole load the whole file.
+        tensors = stored_tensors(path)
+        check_stored_against_config(model.config, tensors, Path(path))
+        self._entries = {
+            name: (tensor.file, tensor.start, _SAFETENSORS_DTYPES[tensor.dtype], tensor.shape)
+            for name, tensor in tensors.items()
+        }
+        stored = {name: torch.empty(tensor.shape, device="meta") for name, tensor in tensors.items()}
         _check_weights_match(model, _as_model_state(model, stored), path)
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
@@ -211,17 +172,15 @@ class CheckpointWeights:
 
 def check_weights(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """The shape of every weight of the model config.json describes, after checking that the folder's safetensors
-    hold exactly those weights with those shapes. Only the files' headers are read: a truncated file fails here
-    (safetensors checks that its header's offsets fit the file), not when a learner or an engine loads it."""
+    hold exactly those weights with those shapes, in floating-point dtypes. Only config.json and the files' headers
+    are read, and config.json's counts are compared with the files before a model is built (on `meta`): a truncated
+    or misshapen file fails here, not when a learner or an engine loads it."""
+    path = Path(path)
+    architecture = check_config(read_config(path), path / CONFIG_FILE)
+    tensors = stored_tensors(path)
+    check_stored_against_config(architecture, tensors, path)
     model = meta_model(path)
-    stored = {}
-    for file in safetensors_files(Path(path)):
-        try:
-            with safe_open(file, framework="pt") as tensors:
-                for name in tensors.keys():
-                    stored[name] = torch.empty(tensors.get_slice(name).get_shape(), device="meta")
-        except SafetensorError as error:
-            raise ValueError(f"{file} is not a complete safetensors file ({error})") from None
+    stored = {name: torch.empty(tensor.shape, device="meta") for name, tensor in tensors.items()}
     _check_weights_match(model, _as_model_state(model, stored), path)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
@@ -247,7 +206,7 @@ def _check_weights_match(model: CausalLM, state: dict[str, torch.Tensor], path: 
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     problem = shape_mismatch(expected, {name: tuple(tensor.shape) for name, tensor in state.items()})
     if problem:
-        raise ValueError(f"weights in {path} do not fit its config.json: {problem}")
+        raise ModelFileError(path, f"its weights do not fit its config.json: {problem}")
 
 
 def shape_mismatch(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]]) -> str | None:

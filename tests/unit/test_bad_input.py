@@ -77,7 +77,11 @@ class Inputs:
         dcp.save({f"model.{name}": torch.zeros(shape) for name, shape in shapes.items()},
                  checkpoint_id=str(path / checkpoint.LEARNER_STATE), no_dist=True)
         sampler = {"size": sampler_size, "seed": 0, "epoch": 0, "position": 0}
-        trainer_state = {"format": checkpoint.FORMAT, "step": 1, "sampler": sampler}
+        trainer_state = {
+            "format": checkpoint.FORMAT, "step": 1, "policy_version": 1, "sampler": sampler,
+            "rng": checkpoint.rng_state(), "learner_rng": [], "config": {"model": {"path": str(self.model), "tokenizer": None}},
+            "model_path": str(self.model), "tokenizer_path": None, "metrics": [], "summary": {"eval_before": None},
+        }
         (path / checkpoint.TRAINER_STATE).write_text(json.dumps(trainer_state))
         return path
 
@@ -410,9 +414,11 @@ def model_config_wider_than_its_weights(d):
 def model_config_deeper_than_its_weights(d):
     model = d.model_copy()
     config = json.loads((model / "config.json").read_text())
-    d.model_config(model, num_hidden_layers=config["num_hidden_layers"] + 1)
-    layer = config["num_hidden_layers"]
-    return Case([f"model.path={model}"], ["model.path:", "do not fit its config.json", "missing", f"layers.{layer}."])
+    del config["layer_types"]
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    layers = config["num_hidden_layers"]
+    return Case([f"model.path={model}"], ["model.path:", str(model / "config.json"),
+                                          f"num_hidden_layers is {layers + 1}, the weights hold {layers} layer(s)"])
 
 
 @case
