@@ -86,7 +86,7 @@ def test_export_writes_the_checkpoint_weights_as_an_hf_folder_and_refuses_a_misf
     with pytest.raises(CheckpointError, match="already exists; it is not overwritten"):
         checkpoint.export(final, out)
     misfit = _save(learner, tmp_path / "other", 1, model_path=tiny_llama)  # says it is the llama model
-    with pytest.raises(CheckpointError, match=r"does not fit .*tiny-llama"):
+    with pytest.raises(CheckpointError, match=r"its weights do not fit .*tiny-llama"):
         checkpoint.export(misfit, tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()
 

@@ -21,6 +21,7 @@ from transformers import (
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from rlpipe.models import CausalLM, ModelArchitecture, build_model, load_model, load_state_dict, read_hf_config, save_model
+from rlpipe.models.checks import ModelFileError
 from rlpipe.models.hf import check_weights
 from rlpipe.models.moe import load_balancing_loss, split_expert_weights, stack_expert_weights
 
@@ -374,7 +375,7 @@ def test_pickle_only_folder_is_refused(checkpoints, tmp_path):
     _, folder = checkpoints("qwen2-tied")
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
-    with pytest.raises(FileNotFoundError, match="safetensors is required"):
+    with pytest.raises(ModelFileError, match="safetensors is required"):
         load_model(tmp_path)
 
 
@@ -408,7 +409,8 @@ def test_a_truncated_safetensors_file_is_named_without_reading_tensors(checkpoin
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     data = (folder / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) - 100])
-    with pytest.raises(ValueError, match=r"model.safetensors is not a complete safetensors file \(.*incomplete"):
+    with pytest.raises(ModelFileError, match=r"model.safetensors: is not a complete safetensors file: its header "
+                       r"describes \d+ bytes of tensor data, the file holds \d+"):
         check_weights(tmp_path)
 
 
@@ -422,10 +424,10 @@ def test_tied_checkpoint_with_lm_head_copy_loads(checkpoints, tmp_path):
 
 
 def test_config_errors_name_the_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(ModelFileError, match="config.json: not found"):
         read_hf_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+    with pytest.raises(ModelFileError, match="config.json: is not valid JSON"):
         read_hf_config(tmp_path)
 
 
