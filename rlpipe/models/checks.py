@@ -103,8 +103,10 @@ def _check_fields(config: dict, file) -> None:
             return None
         if not _is_int(value):
             raise problem(f"{key} must be an integer, found {_json_value(value)}")
-        if not low <= value <= high:
-            raise problem(f"{key} is {value}, must be between {low} and {high}")
+        if value < low:
+            raise problem(f"{key} is {value}, must be at least {low}")
+        if value > high:
+            raise problem(f"{key} is {value}, must be at most {high}")
         return value
 
     def number(key: str, value, low: float = 0.0, high: float = math.inf, low_open: bool = True) -> None:
@@ -146,7 +148,7 @@ def _check_fields(config: dict, file) -> None:
     if kv_heads and heads % kv_heads:
         raise problem(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
     integer("max_position_embeddings", required=False)
-    integer("sliding_window", required=False)
+    integer("sliding_window", low=0, required=False)  # 0 and null both mean no window
     integer("max_window_layers", low=0, required=False)
     number("rms_norm_eps", config.get("rms_norm_eps"), high=1.0)
     number("initializer_range", config.get("initializer_range"), low_open=False)
