@@ -131,7 +131,12 @@ def resolve(path: str | os.PathLike) -> Path:
     for root in (path, path / CHECKPOINTS):
         pointer = root / LATEST
         if pointer.is_file():
-            name = pointer.read_text().strip()
+            try:
+                name = pointer.read_text().strip()
+            except (OSError, UnicodeDecodeError) as err:
+                raise CheckpointError(f"{pointer}: unreadable ({one_line(err)})") from None
+            if not name.startswith("step_") or "/" in name or os.sep in name:
+                raise CheckpointError(f"{pointer}: names {name[:40]!r}, not a checkpoint directory beside it")
             return validate(root / name)
     return validate(path)
 

@@ -286,6 +286,10 @@ def test_export_refuses_a_checkpoint_whose_model_folder_is_malformed(case, tiny_
     assert not (tmp_path / "hf").exists()
 
 
+def _latest_pointing_outside(checkpoint: Path) -> None:
+    (checkpoint / "latest").write_text("../../etc\n")
+
+
 # trainer.json and the learner state: name -> (changes to trainer.json, or a function of the checkpoint, expected)
 CHECKPOINT_CASES = {
     "trainer_json_malformed": (lambda c: (c / "trainer.json").write_text("{step: 1"), ["trainer.json is unreadable"]),
@@ -297,6 +301,8 @@ CHECKPOINT_CASES = {
     "learner_rng_not_rng_states": ({"learner_rng": ["AAAA"]}, ["trainer.json: learner_rng must be a list of torch"]),
     "metrics_not_a_list": ({"metrics": {"loss": 1}}, ["trainer.json: metrics must be a list of metric records"]),
     "config_without_the_model": ({"config": {"run": {}}}, ["trainer.json: config must be a resolved config"]),
+    "latest_pointing_outside": (_latest_pointing_outside, ["latest: names '../../etc', not a checkpoint directory"]),
+    "latest_not_text": (lambda c: (c / "latest").write_bytes(b"\xff\xfe"), ["latest: unreadable"]),
     "metadata_truncated": (
         lambda c: (c / "learner" / ".metadata").write_bytes((c / "learner" / ".metadata").read_bytes()[:40]),
         [".metadata is unreadable"],
