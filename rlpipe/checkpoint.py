@@ -169,8 +169,10 @@ def _is_count(value) -> bool:
 
 
 def _is_sampler_state(value) -> bool:
-    keys = ("size", "seed", "epoch", "position")
-    return isinstance(value, dict) and all(_is_count(value.get(key)) for key in keys) and value["position"] <= value["size"]
+    counts = ("size", "epoch", "position")
+    seed = value.get("seed") if isinstance(value, dict) else None
+    return (isinstance(value, dict) and all(_is_count(value.get(key)) for key in counts) and isinstance(seed, int)
+            and not isinstance(seed, bool) and value["position"] <= value["size"])
 
 
 def _is_model_config(value) -> bool:
