@@ -238,8 +238,8 @@ def save_checkpoint(root: Path, model: Path, **changes) -> Path:
     state = {
         "format": checkpoint.FORMAT, "step": 1, "policy_version": 1,
         "sampler": {"size": len(ROWS), "seed": 0, "epoch": 0, "position": 0}, "rng": checkpoint.rng_state(),
-        "learner_rng": [], "config": {"model": {"path": str(model), "tokenizer": None}}, "model_path": str(model),
-        "tokenizer_path": None, "metrics": [], "summary": {"eval_before": None},
+        "learner_rng": [checkpoint.torch_rng_text()], "config": {"model": {"path": str(model), "tokenizer": None}},
+        "model_path": str(model), "tokenizer_path": None, "metrics": [], "summary": {"eval_before": None},
     }
     state.update(changes)
     (path / checkpoint.TRAINER_STATE).write_text(json.dumps({k: v for k, v in state.items() if v is not ...}))
