@@ -243,29 +243,29 @@ def test_raising_function_unscores_its_samples_and_is_logged_once(caplog):
     assert first.totals == [None, None]
     assert first.per_function["constant"] == [1.0, 1.0]
     assert first.failures == {"constant": 0, "raising": 2}
-    assert first.first_errors["raising"].startswith("raising: ZeroDivisionError")
-    records = [record for record in caplog.records if record.name == "rewards"]
-    assert [record.levelno for record in records] == [logging.WARNING, logging.DEBUG]
-    assert records[0].exc_info is not None
+    assert first.first_errors["raising"] == "raising: ZeroDivisionError: float division by zero (sample 0)"
+    failures = [r for r in caplog.records if r.name == "rewards" and r.getMessage().startswith("reward function failed")]
+    assert [record.levelno for record in failures] == [logging.WARNING, logging.DEBUG]
+    assert "return [1.0 / 0 for _ in completions]" in failures[0].getMessage()  # the traceback, from the child
 
 
-def test_slow_function_times_out_without_waiting_for_it():
-    runner = RewardRunner([spec("constant"), spec("slow")], timeout_s=0.3)
-    started = time.monotonic()
+def test_slow_function_times_out_and_its_process_is_killed():
+    runner = RewardRunner([spec("constant"), spec("slow")], timeout_s=0.3, sample_timeout_s=0.2)
     result = runner.score(PROMPTS, COMPLETIONS, {})
-    assert time.monotonic() - started < reward_fixtures.SLOW_SECONDS / 2
     assert result.totals == [None, None]
+    assert result.per_function["constant"] == [1.0, 1.0]
     assert result.failures["slow"] == 2
-    assert result.first_errors == {"slow": "slow: timed out after 0.3s"}
+    assert result.first_errors == {"slow": "slow: timed out after 0.2s (sample 0)"}
+    # The batch call overran, then each sample's: each time the process was killed, and a new one started for the
+    # next call.
+    assert runner.child.starts == 3 and runner.child.pid is None
 
 
-def test_async_functions_are_awaited_with_the_same_timeout():
-    runner = RewardRunner([spec("async_length"), spec("async_slow")], timeout_s=0.3)
-    started = time.monotonic()
+def test_async_functions_are_awaited_with_the_same_timeouts():
+    runner = RewardRunner([spec("async_length"), spec("async_slow")], timeout_s=0.3, sample_timeout_s=0.2)
     result = runner.score(PROMPTS, COMPLETIONS, {})
-    assert time.monotonic() - started < reward_fixtures.SLOW_SECONDS / 2
     assert result.per_function == {"async_length": [1.0, 3.0], "async_slow": [None, None]}
-    assert result.first_errors == {"async_slow": "async_slow: timed out after 0.3s"}
+    assert result.first_errors == {"async_slow": "async_slow: timed out after 0.2s (sample 0)"}
 
 
 @pytest.mark.parametrize(
@@ -522,10 +522,9 @@ def test_conversational_datasets_get_messages_and_trl_examples_read_them():
     prompts = [[{"role": "system", "content": "Think first."}, {"role": "user", "content": f"What is {n} + 1?"}]
                for n in (1, 2)]
     completions = ["<think>1 + 1 is 2.</think><answer>2</answer>", "It is 3."]
-    reward_fixtures.CALLS.clear()
     result = runner.score(prompts, completions, pool_columns(completions, answer=["2", "3"]), completion_ids=[[1], [2]])
     assert result.per_function["format_reward_func"] == [1.0, 0.0]
-    (call,) = reward_fixtures.CALLS
+    call = result.extras["recording/call"][0]
     assert call["prompts"] == prompts and call["prompts"] is not prompts  # a copy of its own
     assert call["completions"] == [[{"role": "assistant", "content": text}] for text in completions]
 
@@ -534,11 +533,10 @@ def test_every_call_passes_the_same_keywords_as_trl_plus_the_pool_columns():
     from rlpipe.rewards import TrainerState
 
     runner = RewardRunner([spec("recording", answer=["from config", "from config"])], columns=["answer", "entry"])
-    reward_fixtures.CALLS.clear()
     state = {"global_step": 3, "max_steps": 10, "epoch": 0.5, "run_name": "r", "mode": "train"}
-    runner.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, answer=["1", "2"], entry=[{}, {}]),
-                 completion_ids=[[5], [6, 7, 8]], trainer_state=state)
-    (call,) = reward_fixtures.CALLS
+    result = runner.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, answer=["1", "2"], entry=[{}, {}]),
+                          completion_ids=[[5], [6, 7, 8]], trainer_state=state)
+    call = result.extras["recording/call"][0]
     assert set(call) == {"prompts", "completions", "completion_ids", "trainer_state", "answer", "entry",
                          "completion_tokens", "finish_reason", "max_tokens"}
     assert call["prompts"] == PROMPTS and call["completions"] == COMPLETIONS  # plain text for a text dataset
@@ -564,11 +562,10 @@ def test_trainer_state_reaches_a_curriculum_reward_and_defaults_to_a_start():
 
 def test_group_functions_get_each_groups_share_of_every_per_sample_argument():
     runner = RewardRunner([{**spec("recording"), "group": True}], columns=["answer"])
-    reward_fixtures.CALLS.clear()
     completions = ["a", "b", "c"]
-    runner.score(["p", "p", "q"], completions, pool_columns(completions, answer=["1", "1", "2"]), group_sizes=[2, 1],
-                 completion_ids=[[1], [2], [3]])
-    first, second = reward_fixtures.CALLS
+    result = runner.score(["p", "p", "q"], completions, pool_columns(completions, answer=["1", "1", "2"]),
+                          group_sizes=[2, 1], completion_ids=[[1], [2], [3]])
+    first, _, second = result.extras["recording/call"]
     assert (first["prompts"], first["completion_ids"], first["answer"]) == (["p", "p"], [[1], [2]], ["1", "1"])
     assert (second["completions"], second["finish_reason"], second["max_tokens"]) == (["c"], ["stop"], [64])
     assert first["trainer_state"] == second["trainer_state"]
