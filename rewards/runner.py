@@ -369,6 +369,14 @@ def _parse_specs(specs: list[dict], columns: list[str] | None) -> list[_Reward]:
     return rewards
 
 
+def reward_names(specs: list[dict]) -> list[str]:
+    """The names results and failures go by, one per spec, as a RewardRunner of these specs names them."""
+    taken: list[str] = []
+    for spec in specs:
+        taken.append(_unique(display_name(spec["name"]), set(taken)))
+    return taken
+
+
 def call_keywords(columns: list[str] | None, kwargs: Mapping[str, Any]) -> list[str]:
     """The keywords every call of a function with these config `kwargs` passes (the dataset's columns among them
     when they are known)."""

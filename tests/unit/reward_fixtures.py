@@ -16,8 +16,9 @@ def length(completions, **_):
 
 
 def slow_length(completions, pid_file, seconds, **_):
-    """`length`, slowly, after leaving this worker's process id in `pid_file` (a test kills the worker mid-call)."""
-    Path(pid_file).write_text(str(os.getpid()))
+    """`length`, slowly, after leaving the reward worker's process id in `pid_file` (a test kills the worker
+    mid-call): the parent of the process functions run in."""
+    Path(pid_file).write_text(str(os.getppid()))
     time.sleep(seconds)
     return length(completions)
 
