@@ -134,8 +134,12 @@ class ChildProcess:
             time.sleep(0.05)  # the pipe closes a moment before the exit status is there
             code = process.poll()
         self.kill()
-        how = f"exited with code {code}" if code is not None and code >= 0 else f"was killed by signal {-(code or 0)}"
-        return CallFailed(f"the reward process {how} during the call ({describe_error(err)})")
+        if code is None:
+            how = "closed its pipes"
+        else:
+            how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+        cause = "" if isinstance(err, EOFError) else f" ({describe_error(err)})"
+        return CallFailed(f"the reward process {how} during the call{cause}")
 
 
 def _stop(process: subprocess.Popen, *fds: int) -> None:

@@ -128,3 +128,24 @@ def every_argument_by_name(
 
 def answer_with_default(completions, answer=None, **kwargs):
     return [1.0 for _ in completions]
+
+
+# Functions that fail on one kind of sample only: the runner must leave the other samples scored.
+
+
+def stalls_on(completions, marker="stall", how="sleep", **_):
+    """1.0 per sample; never returns for a completion containing `marker`: blocked in C (`sleep`), busy in the
+    interpreter (`spin`), or the process exits (`exit`)."""
+    for completion in completions:
+        if marker in completion:
+            if how == "exit":
+                os._exit(3)
+            while True:
+                if how == "sleep":
+                    time.sleep(3600)
+    return [1.0] * len(completions)
+
+
+def utf8_length(completions, **_):
+    """Bytes of each completion in UTF-8: raises on a lone surrogate, which has none."""
+    return [float(len(completion.encode("utf-8"))) for completion in completions]
