@@ -133,11 +133,11 @@ def answer_with_default(completions, answer=None, **kwargs):
 # Functions that fail on one kind of sample only: the runner must leave the other samples scored.
 
 
-def stalls_on(completions, marker="stall", how="sleep", **_):
-    """1.0 per sample; never returns for a completion containing `marker`: blocked in C (`sleep`), busy in the
-    interpreter (`spin`), or the process exits (`exit`)."""
-    for completion in completions:
-        if marker in completion:
+def stalls_on(prompts, completions, marker="stall", how="sleep", **_):
+    """1.0 per sample; never returns for a sample whose prompt or completion contains `marker`: blocked in C
+    (`sleep`), busy in the interpreter (`spin`), or the process exits (`exit`)."""
+    for prompt, completion in zip(prompts, completions):
+        if marker in f"{prompt}{completion}":
             if how == "exit":
                 os._exit(3)
             while True:
