@@ -56,6 +56,8 @@ class RewardPool:
     def _results(self, futures: list, sizes: list[int]) -> list[RewardResult]:
         """Each worker's result; a worker that has not answered within deadline_s is restarted, and its share
         comes back unscored, counted as a failure of every function."""
+        if not futures:
+            return []
         _, late = ray.wait(futures, num_returns=len(futures), timeout=self.deadline_s)
         results = []
         for index, (worker, future, size) in enumerate(zip(self.workers, futures, sizes)):

@@ -70,7 +70,8 @@ class ChildProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-c", _LAUNCH, str(request_read), str(reply_write), str(os.getpid())],
+                # -P: nothing of the working directory's (a math.py) goes before the path handed over.
+                [sys.executable, "-P", "-c", _LAUNCH, str(request_read), str(reply_write), str(os.getpid())],
                 stdin=subprocess.DEVNULL, pass_fds=(request_read, reply_write), env=env, start_new_session=True,
             )
         finally:
