@@ -33,7 +33,7 @@ from rlpipe.rewards.registry import describe_error, load_reward
 
 _HEADER = struct.Struct("<Q")
 _PR_SET_PDEATHSIG = 1
-_LAUNCH = "import sys; from rlpipe.rewards.child import serve; serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
+_LAUNCH = "import sys; from rlpipe.rewards.child import serve; serve(*map(int, sys.argv[1:4]))"
 
 
 class CallFailed(Exception):

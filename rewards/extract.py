@@ -14,7 +14,8 @@ _ANSWER_OPENING = re.compile(r"<answer>", re.IGNORECASE)
 _ANSWER_CLOSING = re.compile(r"</answer>", re.IGNORECASE)
 # A minus sign or digit glued to a word ("x2", "10-3") is not the start of a number; a comma group
 # must be exactly three digits so "1,2345" is not read as 1234. A number may not run on into more of a numeral
-# ("5E1", "0x32", "1.5e3"): a part of one is no number (the lookahead also keeps backtracking from taking "5" of "55E1").
+# ("5E1", "0x32", "1.5e3"): a part of one is no number (the lookahead also keeps backtracking from taking the "5"
+# of "55E1").
 _NUMBER = re.compile(
     r"(?:(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
     r"|(?<![\w.])-?\.\d+)"

@@ -77,9 +77,10 @@ def _as_number(text: str) -> Fraction | None:
 
 
 def _math_verify_equal(predicted: str, gold: str) -> bool:
-    # Timeouts off: math-verify's own timeout uses signal.alarm, which raises outside the main thread, and
-    # could not end sympy stuck in C anyway; the reward runner bounds each call and kills the process that overruns. Wrapping in \boxed{} makes math-verify read the
-    # whole extracted string as one LaTeX expression ("x+1" is not found in bare text).
+    # Timeouts off: math-verify's own timeout uses signal.alarm, which raises outside the main thread, and could
+    # not end sympy stuck in C anyway; the reward runner bounds each call and kills the process that overruns.
+    # Wrapping in \boxed{} makes math-verify read the whole extracted string as one LaTeX expression ("x+1" is
+    # not found in bare text).
     parsed_gold = parse(_as_boxed(gold), parsing_timeout=None)
     parsed_predicted = parse(_as_boxed(predicted), parsing_timeout=None)
     if not parsed_gold or not parsed_predicted:

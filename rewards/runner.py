@@ -24,7 +24,7 @@ from typing import Any
 from rlpipe.rewards.child import CallFailed, ChildProcess
 from rlpipe.rewards.contract import CALL_ARGUMENTS, SAMPLE_COLUMNS, call_arguments
 from rlpipe.rewards.contract import trainer_state as start_state
-from rlpipe.rewards.registry import RewardConfigError, describe_error, display_name, load_reward
+from rlpipe.rewards.registry import RewardConfigError, display_name, load_reward
 
 logger = logging.getLogger("rewards")
 
@@ -91,7 +91,8 @@ class RewardRunner:
         sample_timeout_s: float = 10.0,
         deadline_s: float = 300.0,
     ):
-        for key, value in (("timeout_s", timeout_s), ("sample_timeout_s", sample_timeout_s), ("deadline_s", deadline_s)):
+        limits = {"timeout_s": timeout_s, "sample_timeout_s": sample_timeout_s, "deadline_s": deadline_s}
+        for key, value in limits.items():
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
                 raise RewardConfigError(f"reward {key} must be a positive number of seconds, not {value!r}")
         if not specs:
