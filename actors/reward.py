@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import ray
 
+from rlpipe.config import RewardConfig
 from rlpipe.rewards import RewardResult, RewardRunner
 from rlpipe.logs import LogSetup, configure_worker
+
+WORKER_SHARE_OF_DEADLINE = 0.9
+"""The worker stops calling functions at this share of reward.deadline_s, so that its reply reaches the driver,
+which waits the whole of it, in time."""
 
 
 @ray.remote
 class RewardActor:
     def __init__(
-        self, specs: list[dict], timeout_s: float, columns: list[str] | None = None, log: LogSetup | None = None
+        self, specs: list[dict], reward: RewardConfig, columns: list[str] | None = None, log: LogSetup | None = None
     ):
         if log is not None:
             configure_worker(log)
-        self.runner = RewardRunner(specs, timeout_s=timeout_s, columns=columns)
+        self.runner = RewardRunner(
+            specs, timeout_s=reward.timeout_s, columns=columns, sample_timeout_s=reward.sample_timeout_s,
+            deadline_s=reward.deadline_s * WORKER_SHARE_OF_DEADLINE,
+        )
+        self.runner.start()  # the functions' process loads them while the first step generates
 
     def score(
         self,

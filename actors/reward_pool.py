@@ -5,16 +5,20 @@ from __future__ import annotations
 import ray
 
 from rlpipe.actors.engine_pool import split
+from rlpipe.rewards import RewardResult
 from rlpipe.rewards import trainer_state as start_state
 from rlpipe.types import Group
 
 
 class RewardPool:
     """`workers`: the reward actors; `max_tokens` and `max_restarts` are rollout.max_tokens and
-    reward.max_restarts (a worker that dies is restarted by Ray and its call run again, at most that often)."""
+    reward.max_restarts (a worker that dies is restarted by Ray and its call run again, at most that often);
+    `deadline_s` is reward.deadline_s, how long a step waits for the workers' results; `names` the reward
+    functions' names (rewards.runner.reward_names), by which an unanswered share's failures are counted."""
 
-    def __init__(self, workers: list, max_tokens: int, max_restarts: int):
+    def __init__(self, workers: list, max_tokens: int, max_restarts: int, deadline_s: float, names: list[str]):
         self.workers, self.max_tokens, self.max_restarts = workers, max_tokens, max_restarts
+        self.deadline_s, self.names = deadline_s, list(names)
 
     def score(self, groups: list[Group], trainer_state: dict | None = None) -> tuple[dict[str, int], dict[str, str]]:
         """Fill each group's rewards; returns failures per reward function and the first error of each.
@@ -35,13 +39,7 @@ class RewardPool:
             futures.append(worker.score.remote(prompts, texts, columns, sizes, ids, state))
         failures: dict[str, int] = {}
         errors: dict[str, str] = {}
-        try:
-            results = ray.get(futures)
-        except ray.exceptions.RayActorError as err:
-            raise RuntimeError(
-                f"a reward worker died more than reward.max_restarts={self.max_restarts} times while "
-                f"scoring ({str(err).splitlines()[0]})"
-            ) from None
+        results = self._results(futures, [sum(len(g.completions) for g in share) for share in shares])
         for share, result in zip(shares, results):
             start = 0
             for group in share:
@@ -54,3 +52,33 @@ class RewardPool:
             for name, message in result.first_errors.items():
                 errors.setdefault(name, message)
         return failures, errors
+
+    def _results(self, futures: list, sizes: list[int]) -> list[RewardResult]:
+        """Each worker's result; a worker that has not answered within deadline_s is restarted, and its share
+        comes back unscored, counted as a failure of every function."""
+        if not futures:
+            return []
+        _, late = ray.wait(futures, num_returns=len(futures), timeout=self.deadline_s)
+        results = []
+        for index, (worker, future, size) in enumerate(zip(self.workers, futures, sizes)):
+            if future in late:
+                # Cancelled first, so that Ray does not run the call again in the restarted worker.
+                ray.cancel(future)
+                ray.kill(worker, no_restart=False)
+                message = (
+                    f"reward worker {index} did not answer within reward.deadline_s={self.deadline_s:g}s: "
+                    f"restarted, its {size} samples unscored"
+                )
+                results.append(
+                    RewardResult([None] * size, {name: [None] * size for name in self.names},
+                                 dict.fromkeys(self.names, size), {name: f"{name}: {message}" for name in self.names})
+                )
+                continue
+            try:
+                results.append(ray.get(future))
+            except ray.exceptions.RayActorError as err:
+                raise RuntimeError(
+                    f"a reward worker died more than reward.max_restarts={self.max_restarts} times while "
+                    f"scoring ({str(err).splitlines()[0]})"
+                ) from None
+        return results

@@ -23,6 +23,7 @@ from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import Config, first_line
 from rlpipe.device import learner_env, learner_processes
 from rlpipe.preflight import check_cluster_resources
+from rlpipe.rewards.runner import reward_names
 from rlpipe.learner import combine_rank_metrics
 from rlpipe.logs import LogSetup
 from rlpipe.tpu_layout import SliceShare, slice_shares
@@ -91,11 +92,13 @@ class Roles:
         restarts = cfg.reward.max_restarts
         self.rewarders = [
             RewardActor.options(**rewarders.options(index), max_restarts=restarts, max_task_retries=restarts).remote(
-                specs, cfg.reward.timeout_s, columns, self._log_setup("reward", index)
+                specs, cfg.reward, columns, self._log_setup("reward", index)
             )
             for index in range(cfg.reward.num_workers)
         ]
-        self.rewards = RewardPool(self.rewarders, cfg.rollout.max_tokens, restarts)
+        self.rewards = RewardPool(
+            self.rewarders, cfg.rollout.max_tokens, restarts, cfg.reward.deadline_s, reward_names(specs)
+        )
         # Surface a bad model folder or reward path now rather than at the first step.
         get_all(
             [learner.policy_version.remote() for learner in self.learners]

@@ -1,20 +1,28 @@
 """Pull a final answer out of free-form model text.
 
-Plain regex/string code with no third-party imports, shared by the built-in rewards.
+Plain regex/string code with no third-party imports, shared by the built-in rewards. Every extractor takes time
+linear in the text: a completion is model output, and a megabyte of unclosed `\\boxed{` must not stall a worker.
 """
 
 from __future__ import annotations
 
 import re
 
-_BOXED_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+# One pass over the text: a box's opening, an escaped character (`\{` is a literal brace in LaTeX), a brace.
+_BRACE_TOKEN = re.compile(r"(\\(?:boxed|fbox)\s*\{)|\\.|[{}]", re.DOTALL)
+_ANSWER_OPENING = re.compile(r"<answer>", re.IGNORECASE)
+_ANSWER_CLOSING = re.compile(r"</answer>", re.IGNORECASE)
 # A minus sign or digit glued to a word ("x2", "10-3") is not the start of a number; a comma group
-# must be exactly three digits so "1,2345" is not read as 1234.
+# must be exactly three digits so "1,2345" is not read as 1234. A number may not run on into more of a numeral
+# ("5E1", "0x32", "1.5e3"): a part of one is no number (the lookahead also keeps backtracking from taking the "5"
+# of "55E1").
 _NUMBER = re.compile(
-    r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
-    r"|(?<![\w.])-?\.\d+"
+    r"(?:(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
+    r"|(?<![\w.])-?\.\d+)"
+    r"(?!\.?\d|,\d|[eE][+-]?\d|[xXbBoO][0-9a-fA-F])"
 )
+# An integer written plainly: digits, a sign, thousands separators, a full stop ending the sentence.
+_INTEGER_LITERAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d+)\.?")
 _ANSWER_PREFIX = re.compile(
     r"^\s*(?:\*\*)?(?:final\s+answer|the\s+answer\s+is|answer)\b\s*(?:\*\*)?\s*[:=\-]?\s*(?:\*\*)?\s*",
     re.IGNORECASE,
@@ -23,30 +31,20 @@ _ANSWER_PREFIX = re.compile(
 
 def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` (or `\\fbox{...}`) whose braces balance."""
-    for opening in reversed(list(_BOXED_OPENING.finditer(text))):
-        content = _balanced_group(text, opening.end())
-        if content is not None:
-            return content.strip()
-    return None
-
-
-def _balanced_group(text: str, start: int) -> str | None:
-    depth = 1
-    index = start
-    while index < len(text):
-        char = text[index]
-        if char == "\\":
-            # `\{` and `\}` are literal braces in LaTeX, not grouping.
-            index += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:index]
-        index += 1
-    return None
+    # Brace matching with a stack, once through the text: each box's closing brace is found as its group ends,
+    # rather than by scanning on from every opening (quadratic in a text of many unclosed boxes).
+    open_groups: list[int | None] = []  # per open brace: where its box's content starts, None for a plain brace
+    last: tuple[int, int] | None = None
+    for token in _BRACE_TOKEN.finditer(text):
+        if token.group(1) is not None:
+            open_groups.append(token.end())
+        elif token.group() == "{":
+            open_groups.append(None)
+        elif token.group() == "}" and open_groups:
+            content_start = open_groups.pop()
+            if content_start is not None and (last is None or content_start > last[0]):
+                last = (content_start, token.start())
+    return None if last is None else text[last[0] : last[1]].strip()
 
 
 def after_hashes(text: str) -> str | None:
@@ -59,9 +57,16 @@ def after_hashes(text: str) -> str | None:
 
 
 def last_answer_tag(text: str) -> str | None:
-    """Content of the last `<answer>...</answer>` pair."""
-    contents = _ANSWER_TAG.findall(text)
-    return contents[-1].strip() if contents else None
+    """Content of the last `<answer>...</answer>` pair: from the last `<answer>` that a `</answer>` follows to the
+    first `</answer>` after it."""
+    closings = [match.start() for match in _ANSWER_CLOSING.finditer(text)]
+    if not closings:
+        return None
+    openings = [match.end() for match in _ANSWER_OPENING.finditer(text, 0, closings[-1])]
+    if not openings:
+        return None
+    closing = _ANSWER_CLOSING.search(text, openings[-1])
+    return text[openings[-1] : closing.start()].strip()
 
 
 def last_number(text: str) -> str | None:
@@ -76,6 +81,18 @@ def last_line(text: str) -> str | None:
     if not lines:
         return None
     return _ANSWER_PREFIX.sub("", lines[-1], count=1).strip()
+
+
+def integer_literal(text: str) -> str | None:
+    """The integer `text` writes plainly, as canonical digits ("-50"): digits with an optional sign, thousands
+    separators, dollar signs, surrounding whitespace and a full stop ending a sentence ("50", " 50 ", "$1,000",
+    "+7", "50."). None for anything else, other spellings of an integer's value among them ("50.0", "5E1",
+    "0x32", "50/1", "\\frac{100}{2}"): an integer answer is expected to be written as one."""
+    match = _INTEGER_LITERAL.fullmatch(text.replace("\\$", "").replace("$", "").strip())
+    if match is None:
+        return None
+    digits = match.group(2).replace(",", "").lstrip("0") or "0"
+    return "-" + digits if match.group(1) == "-" and digits != "0" else digits
 
 
 def extract_answer(text: str) -> str | None:

@@ -3,6 +3,11 @@
 The model's answer is taken from the completion by `rlpipe.rewards.extract.extract_answer` (last `\\boxed{}`,
 else after `####`, else `<answer>` tags, else the last number); the reference from the `answer` column
 (after `####` if present, else the whole string).
+
+An integer reference accepts an integer written plainly only (`rlpipe.rewards.extract.integer_literal`: "50",
+" 50 ", "50.", "1,000"), not another spelling of its value ("50.0", "5E1", "0x32", "50/1", "\\frac{100}{2}"), so
+that a policy cannot earn the reward with a notation that hides the number; `strict_integers=False` compares
+such answers by value.
 """
 
 from __future__ import annotations
@@ -14,18 +19,23 @@ from typing import Any
 from math_verify import parse, verify
 
 from rlpipe.rewards.contract import completion_text
-from rlpipe.rewards.extract import extract_answer, gold_answer
+from rlpipe.rewards.extract import extract_answer, gold_answer, integer_literal
 
 # Plain numbers are compared exactly, up to float printing noise (0.30000000000000004 == 0.3); a looser
 # relative tolerance would accept a wrong last digit in a large integer.
 _FLOAT_NOISE = 1e-9
 
 
-def numeric_answer(completions: list, answer: list[Any], **_: Any) -> list[float | None]:
+def numeric_answer(
+    completions: list, answer: list[Any], strict_integers: bool = True, **_: Any
+) -> list[float | None]:
     """1.0 when the extracted answer equals the reference numerically or symbolically (`\\frac{1}{2}` ==
-    `0.5`), else 0.0; None for a row without a reference answer."""
+    `0.5`), else 0.0; None for a row without a reference answer. With `strict_integers` an integer reference
+    takes an integer written plainly only (see the module's docstring)."""
     return [
-        None if gold is None else float(_equivalent(extract_answer(completion_text(c)), gold_answer(str(gold))))
+        None
+        if gold is None
+        else float(_equivalent(extract_answer(completion_text(c)), gold_answer(str(gold)), strict_integers))
         for c, gold in zip(completions, answer, strict=True)
     ]
 
@@ -43,9 +53,12 @@ def exact_match(completions: list, answer: list[Any], **_: Any) -> list[float | 
     return scores
 
 
-def _equivalent(predicted: str | None, gold: str) -> bool:
+def _equivalent(predicted: str | None, gold: str, strict_integers: bool = True) -> bool:
     if predicted is None:
         return False
+    gold_integer = integer_literal(gold) if strict_integers else None
+    if gold_integer is not None:
+        return integer_literal(predicted) == gold_integer
     predicted_number, gold_number = _as_number(predicted), _as_number(gold)
     if predicted_number is not None and gold_number is not None:
         # Two plain numbers: skip sympy, which is orders of magnitude slower and agrees here.
@@ -64,9 +77,10 @@ def _as_number(text: str) -> Fraction | None:
 
 
 def _math_verify_equal(predicted: str, gold: str) -> bool:
-    # Timeouts off: math-verify's own timeout uses signal.alarm, which raises outside the main thread,
-    # and the reward runner already bounds each call. Wrapping in \boxed{} makes math-verify read the
-    # whole extracted string as one LaTeX expression ("x+1" is not found in bare text).
+    # Timeouts off: math-verify's own timeout uses signal.alarm, which raises outside the main thread, and could
+    # not end sympy stuck in C anyway; the reward runner bounds each call and kills the process that overruns.
+    # Wrapping in \boxed{} makes math-verify read the whole extracted string as one LaTeX expression ("x+1" is
+    # not found in bare text).
     parsed_gold = parse(_as_boxed(gold), parsing_timeout=None)
     parsed_predicted = parse(_as_boxed(predicted), parsing_timeout=None)
     if not parsed_gold or not parsed_predicted:

@@ -8,6 +8,9 @@ Answer extraction, in order:
      that line, the last number in the completion (for "... so the result is 42." endings).
 The reward is binary: 1.0 only when the scorer gives exactly 1.0. Many scorers grant partial credit for
 answers that merely contain the reference, which a policy learns to exploit by padding its answer.
+An entry whose answer is an integer takes only candidates that write an integer plainly
+(`rlpipe.rewards.extract.integer_literal`): scorers that compare floats would accept "5E1" or "50.0" for 50.
+`strict_integers=False` leaves every candidate to the scorer.
 """
 
 from __future__ import annotations
@@ -29,28 +32,33 @@ except ModuleNotFoundError as err:  # an optional dependency: say which extra br
     ) from None
 
 from rlpipe.rewards.contract import completion_text
-from rlpipe.rewards.extract import last_answer_tag, last_boxed, last_line, last_number
+from rlpipe.rewards.extract import integer_literal, last_answer_tag, last_boxed, last_line, last_number
 
 logger = logging.getLogger("rewards")
 
 
-def verifier(completions: list, entry: list[Any], task: str | None = None, **_: Any) -> list[float]:
+def verifier(
+    completions: list, entry: list[Any], task: str | None = None, strict_integers: bool = True, **_: Any
+) -> list[float]:
     """1.0 when reasoning-gym's scorer fully accepts the completion's answer for that entry, else 0.0.
 
     `entry` holds reasoning-gym entries (dicts with `question`, `answer`, `metadata`), or their JSON text, as
     datasets often store the heterogeneous `metadata` serialized. The scorer is that of the task named by
     `task` (any reasoning-gym dataset name), by default the entry's `metadata.source_dataset`. An answer the
-    scorer cannot parse (it raises) is wrong: 0.0.
+    scorer cannot parse (it raises) is wrong: 0.0. With `strict_integers`, see the module's docstring.
     """
     return [
-        _score(completion_text(completion), _as_entry(item), task)
+        _score(completion_text(completion), _as_entry(item), task, strict_integers)
         for completion, item in zip(completions, entry, strict=True)
     ]
 
 
-def _score(completion: str, entry: Mapping[str, Any], task: str | None) -> float:
+def _score(completion: str, entry: Mapping[str, Any], task: str | None, strict_integers: bool) -> float:
     score_answer = _scorer(task or entry["metadata"]["source_dataset"])
-    return float(any(_accepts(score_answer, candidate, entry) for candidate in _candidates(completion)))
+    candidates = _candidates(completion)
+    if strict_integers and integer_literal(str(entry.get("answer"))) is not None:
+        candidates = [candidate for candidate in candidates if integer_literal(candidate) is not None]
+    return float(any(_accepts(score_answer, candidate, entry) for candidate in candidates))
 
 
 def _accepts(score_answer: Callable[[str | None, dict], float], candidate: str, entry: Mapping[str, Any]) -> bool:

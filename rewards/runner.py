@@ -1,26 +1,30 @@
-"""Run the configured reward functions over a batch with a time limit and per-function error accounting.
+"""Run the configured reward functions over a batch with time limits and per-sample error accounting.
 
 A function that raises, hangs or returns garbage never takes the batch down: its affected samples score
 None, and the failure is counted and described in the result. Samples are never silently scored 0.
+
+The functions run in a child process of their own (rewards/child.py), which is killed when a call overruns, so
+even a function stuck in C ends at its time limit. Each function is called on the whole batch first, as TRL
+calls it; when that call raises or runs out of time it is called once per sample, so a bad sample costs only
+itself.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import itertools
 import logging
 import math
 import numbers
-import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlpipe.rewards.child import CallFailed, ChildProcess
 from rlpipe.rewards.contract import CALL_ARGUMENTS, SAMPLE_COLUMNS, call_arguments
 from rlpipe.rewards.contract import trainer_state as start_state
-from rlpipe.rewards.registry import RewardConfigError, describe_error, display_name, load_reward
+from rlpipe.rewards.registry import RewardConfigError, display_name, load_reward
 
 logger = logging.getLogger("rewards")
 
@@ -45,6 +49,8 @@ class RewardResult:
 @dataclass(frozen=True)
 class _Reward:
     name: str
+    path: str
+    """The name given in config, by which the child process loads the function."""
     fn: Callable
     weight: float
     kwargs: dict[str, Any]
@@ -58,7 +64,8 @@ class _Outcome:
     extras: dict[str, list]
     failures: int = 0
     first_error: str | None = None
-    exception: BaseException | None = None
+    details: str = ""
+    """The traceback of the first error, where the function raised."""
 
 
 class RewardRunner:
@@ -75,19 +82,40 @@ class RewardRunner:
     never bind is refused (a required parameter left over may be a column).
     """
 
-    def __init__(self, specs: list[dict], timeout_s: float = 30.0, columns: list[str] | None = None):
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not timeout_s > 0:
-            raise RewardConfigError(f"reward timeout_s must be a positive number of seconds, not {timeout_s!r}")
+    def __init__(
+        self,
+        specs: list[dict],
+        timeout_s: float = 30.0,
+        columns: list[str] | None = None,
+        *,
+        sample_timeout_s: float = 10.0,
+        deadline_s: float = 300.0,
+    ):
+        limits = {"timeout_s": timeout_s, "sample_timeout_s": sample_timeout_s, "deadline_s": deadline_s}
+        for key, value in limits.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+                raise RewardConfigError(f"reward {key} must be a positive number of seconds, not {value!r}")
         if not specs:
             raise RewardConfigError("no reward functions configured; add {'name': 'pkg.mod:fn'}")
         self.timeout_s = float(timeout_s)
+        self.sample_timeout_s = float(sample_timeout_s)
+        self.deadline_s = float(deadline_s)
         self.columns = None if columns is None else sorted(set(columns))
         self._rewards = _parse_specs(specs, self.columns)
         self._warned: set[str] = set()
+        self.child = ChildProcess(list(dict.fromkeys(reward.path for reward in self._rewards)))
+        """Where the functions run; started at the first batch, or by `start`."""
 
     @property
     def names(self) -> list[str]:
         return [reward.name for reward in self._rewards]
+
+    def start(self) -> None:
+        """Start the functions' process now, so that it loads them before the first batch comes."""
+        self.child.start()
+
+    def close(self) -> None:
+        self.child.kill()
 
     def score(
         self,
@@ -104,7 +132,10 @@ class RewardRunner:
         `prompts` are text or chat messages, per sample; `completions` are the generated texts (functions get them
         as assistant messages where the prompt is a conversation); `columns` the dataset's columns and
         SAMPLE_COLUMNS; `completion_ids` the token ids (None when the caller has none); `trainer_state` a
-        TrainerState's fields (default: a run's start)."""
+        TrainerState's fields (default: a run's start).
+
+        Returns within `deadline_s`: a function's batch call has `timeout_s`, each per-sample call after it
+        `sample_timeout_s`, and what is left unscored at the deadline scores None."""
         columns = dict(columns or {})
         num_samples = len(completions)
         _check_batch_lengths(prompts, completions, columns, completion_ids)
@@ -118,45 +149,71 @@ class RewardRunner:
         if num_samples == 0:
             return RewardResult([], {r.name: [] for r in self._rewards}, {r.name: 0 for r in self._rewards})
 
-        # Functions run concurrently, each in its own daemon thread, so the batch waits at most
-        # `timeout_s` in total and a hung function cannot keep the process from exiting.
+        deadline = time.monotonic() + self.deadline_s
         batch = _Batch(list(prompts), list(completions), completion_ids, columns, state)
-        calls = [_ThreadedCall(reward, batch, self.timeout_s, windows) for reward in self._rewards]
-        deadline = time.monotonic() + self.timeout_s
-        for call in calls:
-            call.start()
-        for call in calls:
-            call.join(max(0.0, deadline - time.monotonic()))
-
-        outcomes = {call.reward.name: self._collect(call, num_samples) for call in calls}
+        outcomes = {}
+        for reward in self._rewards:
+            if reward.group:
+                outcome = _merge([self._score_group(reward, batch, window, deadline) for window in windows])
+            else:
+                outcome = self._score_batch(reward, batch, num_samples, deadline)
+            if outcome.first_error is not None:
+                self._log_failure(reward.name, outcome)
+            outcomes[reward.name] = outcome
         return _combine(self._rewards, outcomes, num_samples)
 
-    def _collect(self, call: _ThreadedCall, num_samples: int) -> _Outcome:
-        name = call.reward.name
-        if call.is_alive() or call.timed_out:
-            outcome = _failed_call(num_samples, f"{name}: timed out after {self.timeout_s:g}s")
-        elif call.error is not None:
-            outcome = _failed_call(num_samples, f"{name}: {describe_error(call.error)}", call.error)
-        elif call.reward.group:
-            outcome = _merge([_group_outcome(name, part, window) for part, window in zip(call.value, call.windows)])
-        else:
-            outcome = _validate(name, call.value, num_samples)
-        if outcome.first_error is not None:
-            self._log_failure(name, outcome)
-        return outcome
+    def _call(self, reward: _Reward, arguments: dict[str, Any], limit_s: float, deadline: float) -> Any:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CallFailed(f"not called: the batch's reward.deadline_s of {self.deadline_s:g}s had passed")
+        if limit_s > left:
+            limit_s = left
+        return self.child.call(reward.path, arguments, limit_s, start_deadline=deadline)
+
+    def _score_batch(self, reward: _Reward, batch: _Batch, num_samples: int, deadline: float) -> _Outcome:
+        try:
+            value = self._call(reward, batch.arguments(reward.kwargs), self.timeout_s, deadline)
+        except CallFailed as failure:
+            logger.debug("reward function %s failed on the batch (%s); calling it per sample", reward.name, failure)
+            return self._score_each(reward, batch, num_samples, deadline)
+        return _validate(reward.name, value, num_samples)
+
+    def _score_each(self, reward: _Reward, batch: _Batch, num_samples: int, deadline: float) -> _Outcome:
+        parts = []
+        for index in range(num_samples):
+            try:
+                value = self._call(
+                    reward, batch.arguments(reward.kwargs, slice(index, index + 1)), self.sample_timeout_s, deadline
+                )
+            except CallFailed as failure:
+                parts.append(_failed_call(1, f"{reward.name}: {failure} (sample {index})", failure))
+                continue
+            parts.append(_validate(reward.name, value, 1, first_index=index))
+        return _merge(parts)
+
+    def _score_group(self, reward: _Reward, batch: _Batch, window: slice, deadline: float) -> _Outcome:
+        # A group function scores completions against each other, so a failing group is not split: it is unscored.
+        size = window.stop - window.start
+        try:
+            value = self._call(reward, batch.arguments(reward.kwargs, window), self.timeout_s, deadline)
+        except CallFailed as failure:
+            where = f"group of samples {window.start}-{window.stop - 1}"
+            return _failed_call(size, f"{reward.name}: {failure} ({where})", failure)
+        return _validate(reward.name, value, size, first_index=window.start)
 
     def _log_failure(self, name: str, outcome: _Outcome) -> None:
+        details = f"\n{outcome.details}" if outcome.details else ""
         if name in self._warned:
-            logger.debug("reward function failed: %s", outcome.first_error, exc_info=outcome.exception)
+            logger.debug("reward function failed: %s%s", outcome.first_error, details)
             return
         self._warned.add(name)
         logger.warning(
-            "reward function failed: %s (%d of %d samples unscored; later failures of %s are logged at DEBUG)",
+            "reward function failed: %s (%d of %d samples unscored; later failures of %s are logged at DEBUG)%s",
             outcome.first_error,
             outcome.failures,
             len(outcome.scores),
             name,
-            exc_info=outcome.exception,
+            details,
         )
 
 
@@ -182,67 +239,6 @@ class _Batch:
         )
 
 
-class _TimedOut(Exception):
-    """Raised inside the worker thread when an awaitable outlives the time limit."""
-
-
-class _ThreadedCall:
-    """One call of one reward function in a daemon thread.
-
-    A synchronous function that overruns cannot be stopped from here: the thread is abandoned and keeps
-    running until the function returns (isolating it in a killable subprocess is the sandbox's job).
-    Coroutines are cancelled at the time limit.
-    """
-
-    def __init__(self, reward: _Reward, batch: _Batch, timeout_s: float, windows: list[slice]):
-        self.reward = reward
-        self.windows = windows
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.timed_out = False
-        self._timeout_s = timeout_s
-        self._batch = batch
-        self._thread = threading.Thread(target=self._run, name=f"reward-{reward.name}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def _run(self) -> None:
-        try:
-            if not self.reward.group:
-                self.value = self._call(**self._batch.arguments(self.reward.kwargs))
-                return
-            # One failing group unscores that group only; the deadline covers all groups together.
-            deadline = time.monotonic() + self._timeout_s
-            self.value = []
-            for window in self.windows:
-                self._timeout_s = max(0.0, deadline - time.monotonic())
-                try:
-                    part = self._call(**self._batch.arguments(self.reward.kwargs, window))
-                except _TimedOut:
-                    raise
-                except BaseException as err:  # as below: user code may raise SystemExit
-                    part = err
-                self.value.append(part)
-        except _TimedOut:
-            self.timed_out = True
-        # BaseException too: a SystemExit raised by user code would otherwise end the thread silently.
-        except BaseException as err:
-            self.error = err
-
-    def _call(self, **kwargs: Any) -> Any:
-        value = self.reward.fn(**kwargs)
-        if inspect.isawaitable(value):
-            value = asyncio.run(_await_within(value, self._timeout_s))
-        return value
-
-
 def _group_windows(group_sizes: list[int] | None, num_samples: int) -> list[slice]:
     if group_sizes is None:
         return [slice(0, num_samples)]
@@ -250,14 +246,6 @@ def _group_windows(group_sizes: list[int] | None, num_samples: int) -> list[slic
         raise ValueError(f"group sizes {group_sizes} do not split {num_samples} samples into non-empty groups")
     stops = list(itertools.accumulate(group_sizes))
     return [slice(stop - size, stop) for size, stop in zip(group_sizes, stops)]
-
-
-def _group_outcome(name: str, value: Any, window: slice) -> _Outcome:
-    size = window.stop - window.start
-    if isinstance(value, BaseException):
-        where = f"group of samples {window.start}-{window.stop - 1}"
-        return _failed_call(size, f"{name}: {describe_error(value)} ({where})", value)
-    return _validate(name, value, size)
 
 
 def _merge(parts: list[_Outcome]) -> _Outcome:
@@ -271,22 +259,12 @@ def _merge(parts: list[_Outcome]) -> _Outcome:
         merged.scores.extend(part.scores)
         merged.failures += part.failures
         if merged.first_error is None and part.first_error is not None:
-            merged.first_error, merged.exception = part.first_error, part.exception
+            merged.first_error, merged.details = part.first_error, part.details
     return merged
 
 
-async def _await_within(awaitable: Awaitable, timeout_s: float) -> Any:
-    # asyncio.wait instead of wait_for: a TimeoutError raised by the user's own code must stay an error,
-    # distinguishable from running out of time.
-    task = asyncio.ensure_future(awaitable)
-    done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    if not done:
-        task.cancel()
-        raise _TimedOut
-    return task.result()
-
-
-def _validate(name: str, values: Any, num_samples: int) -> _Outcome:
+def _validate(name: str, values: Any, num_samples: int, first_index: int = 0) -> _Outcome:
+    """The scores of a call on `num_samples` samples, the first of them sample `first_index` of the batch."""
     if not isinstance(values, (list, tuple)):
         return _failed_call(
             num_samples, f"{name}: returned {type(values).__name__}, expected a list of {num_samples} scores"
@@ -301,11 +279,11 @@ def _validate(name: str, values: Any, num_samples: int) -> _Outcome:
                 if key != "score":
                     outcome.extras.setdefault(str(key), [None] * num_samples)[index] = extra
             if "score" in item:
-                score, problem = _as_score(item["score"], index)
+                score, problem = _as_score(item["score"], first_index + index)
             else:
-                score, problem = None, f"returned a dict without 'score' for sample {index}"
+                score, problem = None, f"returned a dict without 'score' for sample {first_index + index}"
         else:
-            score, problem = _as_score(item, index)
+            score, problem = _as_score(item, first_index + index)
         outcome.scores[index] = score
         if problem is not None:
             outcome.failures += 1
@@ -326,8 +304,8 @@ def _as_score(value: Any, index: int) -> tuple[float | None, str | None]:
     return score, None
 
 
-def _failed_call(num_samples: int, message: str, exception: BaseException | None = None) -> _Outcome:
-    return _Outcome([None] * num_samples, {}, num_samples, message, exception)
+def _failed_call(num_samples: int, message: str, failure: CallFailed | None = None) -> _Outcome:
+    return _Outcome([None] * num_samples, {}, num_samples, message, getattr(failure, "details", ""))
 
 
 def _combine(rewards: list[_Reward], outcomes: dict[str, _Outcome], num_samples: int) -> RewardResult:
@@ -386,8 +364,18 @@ def _parse_specs(specs: list[dict], columns: list[str] | None) -> list[_Reward]:
         _check_columns_read(spec["name"], fn, kwargs, columns)
         name = _unique(display_name(spec["name"]), taken)
         taken.add(name)
-        rewards.append(_Reward(name=name, fn=fn, weight=float(weight), kwargs=dict(kwargs), group=group))
+        rewards.append(
+            _Reward(name=name, path=spec["name"], fn=fn, weight=float(weight), kwargs=dict(kwargs), group=group)
+        )
     return rewards
+
+
+def reward_names(specs: list[dict]) -> list[str]:
+    """The names results and failures go by, one per spec, as a RewardRunner of these specs names them."""
+    taken: list[str] = []
+    for spec in specs:
+        taken.append(_unique(display_name(spec["name"]), set(taken)))
+    return taken
 
 
 def call_keywords(columns: list[str] | None, kwargs: Mapping[str, Any]) -> list[str]:

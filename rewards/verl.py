@@ -11,6 +11,9 @@ as verl's reward managers call it. Config kwargs:
   - `extra_info_column` ("extra_info"; rows without it, or a dataset without it, give {});
   - `function_kwargs` ({}): more keyword arguments, as verl's `custom_reward_function.reward_kwargs`.
 `solution_str` is the completion's text. An `async def` compute_score is awaited, the samples concurrently.
+A sample on which compute_score raises (verl's default one does for a data_source it does not know) or never
+returns is unscored alone: the reward runner calls the adapter again once per sample when a batch call fails,
+where verl's managers would score it 0.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `reward` section: the reward functions, their time limit, and the workers that call them."""
+"""The `reward` section: the reward functions, their time limits, and the workers that call them."""
 
 from __future__ import annotations
 
@@ -21,7 +21,15 @@ class RewardConfig:
     functions: list[RewardFunctionConfig] = key(
         [RewardFunctionConfig()], "reward functions: list of {name, weight, kwargs, group}"
     )
-    timeout_s: float = key(30.0, "time limit per reward function call")
+    timeout_s: float = key(
+        30.0, "time limit of a function's call on a worker's whole share (or one group); past it, or when it raises, "
+        "the function is called once per sample"
+    )
+    sample_timeout_s: float = key(10.0, "time limit of each of those per-sample calls")
+    deadline_s: float = key(
+        300.0, "the longest the driver waits for a reward worker's share of a step; what is not scored by then is "
+        "unscored, and a worker that has not answered is restarted"
+    )
     num_workers: int = key(1, "reward actors")
     max_restarts: int = key(
         3, "a reward actor that dies (killed, out of memory) is restarted and its call re-run, this many times"
@@ -38,4 +46,6 @@ class RewardConfig:
         require(self.num_workers >= 1, "reward.num_workers: must be >= 1")
         require(self.max_restarts >= 0, "reward.max_restarts: must be >= 0")
         require(self.timeout_s > 0, "reward.timeout_s: must be > 0")
+        require(self.sample_timeout_s > 0, "reward.sample_timeout_s: must be > 0")
+        require(self.deadline_s > 0, "reward.deadline_s: must be > 0")
         require(len(self.functions) >= 1, "reward.functions: at least one reward function is needed")

@@ -16,8 +16,9 @@ def length(completions, **_):
 
 
 def slow_length(completions, pid_file, seconds, **_):
-    """`length`, slowly, after leaving this worker's process id in `pid_file` (a test kills the worker mid-call)."""
-    Path(pid_file).write_text(str(os.getpid()))
+    """`length`, slowly, after leaving the reward worker's process id in `pid_file` (a test kills the worker
+    mid-call): the parent of the process functions run in."""
+    Path(pid_file).write_text(str(os.getppid()))
     time.sleep(seconds)
     return length(completions)
 
@@ -84,13 +85,10 @@ def group_failing_on_x(completions, answer, **_):
     return [1.0] * len(completions)
 
 
-CALLS: list[dict] = []
-"""What `recording` was called with, one dict of keyword arguments per call."""
-
-
 def recording(**kwargs):
-    CALLS.append(kwargs)
-    return [1.0] * len(kwargs["completions"])
+    """1.0 per sample, with the call's keyword arguments as the extra `call` (functions run in a process of their
+    own, so what they saw comes back with the result)."""
+    return [{"score": 1.0, "call": kwargs} for _ in kwargs["completions"]]
 
 
 def reads_trainer_state(completions, trainer_state, **_):
@@ -130,3 +128,24 @@ def every_argument_by_name(
 
 def answer_with_default(completions, answer=None, **kwargs):
     return [1.0 for _ in completions]
+
+
+# Functions that fail on one kind of sample only: the runner must leave the other samples scored.
+
+
+def stalls_on(prompts, completions, marker="stall", how="sleep", **_):
+    """1.0 per sample; never returns for a sample whose prompt or completion contains `marker`: blocked in C
+    (`sleep`), busy in the interpreter (`spin`), or the process exits (`exit`)."""
+    for prompt, completion in zip(prompts, completions):
+        if marker in f"{prompt}{completion}":
+            if how == "exit":
+                os._exit(3)
+            while True:
+                if how == "sleep":
+                    time.sleep(3600)
+    return [1.0] * len(completions)
+
+
+def utf8_length(completions, **_):
+    """Bytes of each completion in UTF-8: raises on a lone surrogate, which has none."""
+    return [float(len(completion.encode("utf-8"))) for completion in completions]

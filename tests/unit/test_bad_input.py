@@ -287,6 +287,16 @@ def reward_weight_not_a_number(d):
 
 
 @case
+def reward_sample_timeout_zero(d):
+    return Case(["reward.sample_timeout_s=0"], ["reward.sample_timeout_s: must be > 0"])
+
+
+@case
+def reward_deadline_negative(d):
+    return Case(["reward.deadline_s=-5"], ["reward.deadline_s: must be > 0"])
+
+
+@case
 def top_p_zero(d):
     return Case(["rollout.top_p=0"], ["rollout.top_p: must be in (0, 1]"])
 

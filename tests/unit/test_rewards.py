@@ -243,29 +243,29 @@ def test_raising_function_unscores_its_samples_and_is_logged_once(caplog):
     assert first.totals == [None, None]
     assert first.per_function["constant"] == [1.0, 1.0]
     assert first.failures == {"constant": 0, "raising": 2}
-    assert first.first_errors["raising"].startswith("raising: ZeroDivisionError")
-    records = [record for record in caplog.records if record.name == "rewards"]
-    assert [record.levelno for record in records] == [logging.WARNING, logging.DEBUG]
-    assert records[0].exc_info is not None
+    assert first.first_errors["raising"] == "raising: ZeroDivisionError: float division by zero (sample 0)"
+    failures = [r for r in caplog.records if r.name == "rewards" and r.getMessage().startswith("reward function failed")]
+    assert [record.levelno for record in failures] == [logging.WARNING, logging.DEBUG]
+    assert "return [1.0 / 0 for _ in completions]" in failures[0].getMessage()  # the traceback, from the child
 
 
-def test_slow_function_times_out_without_waiting_for_it():
-    runner = RewardRunner([spec("constant"), spec("slow")], timeout_s=0.3)
-    started = time.monotonic()
+def test_slow_function_times_out_and_its_process_is_killed():
+    runner = RewardRunner([spec("constant"), spec("slow")], timeout_s=0.3, sample_timeout_s=0.2)
     result = runner.score(PROMPTS, COMPLETIONS, {})
-    assert time.monotonic() - started < reward_fixtures.SLOW_SECONDS / 2
     assert result.totals == [None, None]
+    assert result.per_function["constant"] == [1.0, 1.0]
     assert result.failures["slow"] == 2
-    assert result.first_errors == {"slow": "slow: timed out after 0.3s"}
+    assert result.first_errors == {"slow": "slow: timed out after 0.2s (sample 0)"}
+    # The batch call overran, then each sample's: each time the process was killed, and a new one started for the
+    # next call.
+    assert runner.child.starts == 3 and runner.child.pid is None
 
 
-def test_async_functions_are_awaited_with_the_same_timeout():
-    runner = RewardRunner([spec("async_length"), spec("async_slow")], timeout_s=0.3)
-    started = time.monotonic()
+def test_async_functions_are_awaited_with_the_same_timeouts():
+    runner = RewardRunner([spec("async_length"), spec("async_slow")], timeout_s=0.3, sample_timeout_s=0.2)
     result = runner.score(PROMPTS, COMPLETIONS, {})
-    assert time.monotonic() - started < reward_fixtures.SLOW_SECONDS / 2
     assert result.per_function == {"async_length": [1.0, 3.0], "async_slow": [None, None]}
-    assert result.first_errors == {"async_slow": "async_slow: timed out after 0.3s"}
+    assert result.first_errors == {"async_slow": "async_slow: timed out after 0.2s (sample 0)"}
 
 
 @pytest.mark.parametrize(
@@ -522,10 +522,9 @@ def test_conversational_datasets_get_messages_and_trl_examples_read_them():
     prompts = [[{"role": "system", "content": "Think first."}, {"role": "user", "content": f"What is {n} + 1?"}]
                for n in (1, 2)]
     completions = ["<think>1 + 1 is 2.</think><answer>2</answer>", "It is 3."]
-    reward_fixtures.CALLS.clear()
     result = runner.score(prompts, completions, pool_columns(completions, answer=["2", "3"]), completion_ids=[[1], [2]])
     assert result.per_function["format_reward_func"] == [1.0, 0.0]
-    (call,) = reward_fixtures.CALLS
+    call = result.extras["recording/call"][0]
     assert call["prompts"] == prompts and call["prompts"] is not prompts  # a copy of its own
     assert call["completions"] == [[{"role": "assistant", "content": text}] for text in completions]
 
@@ -534,11 +533,10 @@ def test_every_call_passes_the_same_keywords_as_trl_plus_the_pool_columns():
     from rlpipe.rewards import TrainerState
 
     runner = RewardRunner([spec("recording", answer=["from config", "from config"])], columns=["answer", "entry"])
-    reward_fixtures.CALLS.clear()
     state = {"global_step": 3, "max_steps": 10, "epoch": 0.5, "run_name": "r", "mode": "train"}
-    runner.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, answer=["1", "2"], entry=[{}, {}]),
-                 completion_ids=[[5], [6, 7, 8]], trainer_state=state)
-    (call,) = reward_fixtures.CALLS
+    result = runner.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, answer=["1", "2"], entry=[{}, {}]),
+                          completion_ids=[[5], [6, 7, 8]], trainer_state=state)
+    call = result.extras["recording/call"][0]
     assert set(call) == {"prompts", "completions", "completion_ids", "trainer_state", "answer", "entry",
                          "completion_tokens", "finish_reason", "max_tokens"}
     assert call["prompts"] == PROMPTS and call["completions"] == COMPLETIONS  # plain text for a text dataset
@@ -564,11 +562,10 @@ def test_trainer_state_reaches_a_curriculum_reward_and_defaults_to_a_start():
 
 def test_group_functions_get_each_groups_share_of_every_per_sample_argument():
     runner = RewardRunner([{**spec("recording"), "group": True}], columns=["answer"])
-    reward_fixtures.CALLS.clear()
     completions = ["a", "b", "c"]
-    runner.score(["p", "p", "q"], completions, pool_columns(completions, answer=["1", "1", "2"]), group_sizes=[2, 1],
-                 completion_ids=[[1], [2], [3]])
-    first, second = reward_fixtures.CALLS
+    result = runner.score(["p", "p", "q"], completions, pool_columns(completions, answer=["1", "1", "2"]),
+                          group_sizes=[2, 1], completion_ids=[[1], [2], [3]])
+    first, _, second = result.extras["recording/call"]
     assert (first["prompts"], first["completion_ids"], first["answer"]) == (["p", "p"], [[1], [2]], ["1", "1"])
     assert (second["completions"], second["finish_reason"], second["max_tokens"]) == (["c"], ["stop"], [64])
     assert first["trainer_state"] == second["trainer_state"]
@@ -727,3 +724,133 @@ def test_verl_adapter_defaults_to_verls_own_compute_score():
         pytest.skip("verl is installed here")
     with pytest.raises(RewardConfigError, match="cannot import module 'verl.utils.reward_score'"):
         RewardRunner([{"name": "verl"}])
+
+
+# --------------------------------------------------------------------------- #
+# isolation: one sample's failure costs only itself; every call ends in time
+# --------------------------------------------------------------------------- #
+
+
+def test_a_function_stuck_in_c_is_killed_with_its_process_and_only_its_sample_is_unscored():
+    # math-verify hands 9^(9^(9^9)) to sympy, which computes the power in C and never returns to the interpreter.
+    runner = RewardRunner([{"name": "numeric_answer"}], timeout_s=1, sample_timeout_s=1)
+    completions = [r"so \boxed{\frac{1}{2}}", r"\boxed{9^{9^{9^{9}}}}", r"\boxed{0.5}"]
+    result = runner.score(["q"] * 3, completions, {"answer": ["1/2"] * 3})
+    assert result.totals == [1.0, None, 1.0]
+    assert result.first_errors == {"numeric_answer": "numeric_answer: timed out after 1s (sample 1)"}
+    assert runner.child.starts == 3  # killed after the batch call and after sample 1: the next call starts anew
+    assert runner.score(["q"], completions[:1], {"answer": ["1/2"]}).totals == [1.0]
+
+
+@pytest.mark.parametrize("how, error", [
+    ("sleep", "timed out after 0.5s"),
+    ("spin", "timed out after 0.5s"),
+    ("exit", "the reward process exited with code 3 during the call"),
+])
+def test_a_function_that_never_returns_on_one_sample_leaves_its_neighbours_scored(how, error):
+    runner = RewardRunner([spec("stalls_on", how=how), spec("length")], timeout_s=0.5, sample_timeout_s=0.5)
+    result = runner.score(["p"] * 3, ["a", "a stall", "bc"], {})
+    assert result.per_function == {"stalls_on": [1.0, None, 1.0], "length": [1.0, 7.0, 2.0]}
+    assert result.totals == [2.0, None, 3.0]
+    assert result.failures == {"stalls_on": 1, "length": 0}
+    assert result.first_errors == {"stalls_on": f"stalls_on: {error} (sample 1)"}
+
+
+def test_the_deadline_bounds_a_whole_batch_of_stalling_samples():
+    runner = RewardRunner([spec("stalls_on")], timeout_s=0.3, sample_timeout_s=0.3, deadline_s=1.0)
+    result = runner.score(["p"] * 6, ["stall"] * 6, {})
+    assert result.totals == [None] * 6 and result.failures == {"stalls_on": 6}
+    # Without the deadline each of the 6 samples would have overrun its own limit, its process killed each time.
+    assert runner.child.starts < 1 + 6
+
+
+BAD_TEXTS = {"surrogate": "\ud800 is a lone surrogate", "nul": "a\x00b", "huge": "x" * 1_000_000}
+
+
+def test_one_bad_text_fails_only_its_own_sample():
+    completions = ["good", BAD_TEXTS["surrogate"], "also good"]
+    result = RewardRunner([spec("utf8_length")]).score(["p"] * 3, completions, {})
+    assert result.totals == [4.0, None, 9.0]
+    assert result.first_errors == {
+        "utf8_length": "utf8_length: UnicodeEncodeError: 'utf-8' codec can't encode character '\\ud800' in position "
+                       "0: surrogates not allowed (sample 1)"}
+
+
+def test_the_built_in_verifiers_score_the_good_rows_next_to_bad_texts(arithmetic_entries):
+    entry = arithmetic_entries[0]
+    good = f"so <answer>{entry['answer']}</answer>"
+    completions = [good, *BAD_TEXTS.values(), good]
+    runner = RewardRunner([
+        {"name": "numeric_answer"}, {"name": "exact_match"}, {"name": "reasoning_gym"}, {"name": "format_tags"},
+        {"name": "format_regex", "kwargs": {"pattern": r"\d"}},
+    ], sample_timeout_s=5)
+    size = len(completions)
+    result = runner.score(["q"] * size, completions, {"answer": [str(entry["answer"])] * size, "entry": [entry] * size})
+    for name in ("numeric_answer", "exact_match", "reasoning_gym", "format_regex"):
+        assert result.per_function[name][0] == result.per_function[name][-1] == 1.0, name
+    assert result.per_function["format_tags"][0] == result.per_function["format_tags"][-1] == 0.0
+
+
+def test_a_verl_row_with_an_unknown_data_source_is_the_only_one_unscored():
+    # verl's default_compute_score raises NotImplementedError for a data source it does not know, as this one does.
+    sources = ["toy/sum"] * 11
+    sources[6] = "someone/else"
+    completions = [f"the sum is {n}" for n in range(11)]
+    columns = {"data_source": sources, "reward_model": [{"ground_truth": str(n)} for n in range(11)]}
+    result = RewardRunner([verl_spec()], columns=sorted(columns)).score(
+        [[{"role": "user", "content": "q"}]] * 11, completions, pool_columns(completions, **columns))
+    assert result.totals == [1.0] * 6 + [None] + [1.0] * 4
+    assert result.failures == {"verl": 1}
+    assert result.first_errors["verl"] == (
+        "verl: NotImplementedError: reward function is not implemented for data_source='someone/else' (sample 6)")
+
+
+def test_a_program_with_a_lone_surrogate_fails_only_its_own_code_test():
+    problem = {"test": "def check(f):\n    assert f(2) == 4\n", "entry_point": "double"}
+    good = "```python\ndef double(x):\n    return 2 * x\n```"
+    bad = "```python\ndef double(x):\n    '\ud800'\n    return 2 * x\n```"
+    columns = {key: [value] * 3 for key, value in problem.items()}
+    result = RewardRunner([{"name": "code_tests"}], columns=sorted(columns)).score(
+        ["def double(x):\n"] * 3, [good, bad, good], pool_columns([good, bad, good], **columns))
+    assert result.per_function["code_tests"][0] == result.per_function["code_tests"][2] == 1.0
+    assert result.per_function["code_tests"][1] in (None, 0.0)
+
+
+ADVERSARIAL = 1 << 20  # characters: a quadratic extractor would take hours on these, far past the call's limit
+
+
+@pytest.mark.parametrize("text", [
+    "\\boxed{" * (ADVERSARIAL // 7) + "\\boxed{42}",  # every unclosed box scanned to the end, once each
+    "\\boxed{42}" + "\\fbox{" * (ADVERSARIAL // 6),
+    "<answer>" * (ADVERSARIAL // 8) + "<answer>42</answer>",
+    "<answer>" * (ADVERSARIAL // 8) + " so 42",
+    "1," * (ADVERSARIAL // 2) + " and 42",
+    " " * ADVERSARIAL + "#### 42",
+], ids=["boxes", "fboxes-after", "answer-tags", "answer-tags-unclosed", "number-list", "spaces"])
+def test_extraction_is_linear_in_the_text(text):
+    runner = RewardRunner([{"name": "exact_match"}], timeout_s=60, sample_timeout_s=60)
+    result = runner.score(["q"], [text], {"answer": ["42"]})
+    assert result.first_errors == {} and result.totals == [1.0]
+
+
+@pytest.mark.parametrize("answer, score, by_value", [
+    ("50", 1.0, 1.0), (" 50 ", 1.0, 1.0), ("50.", 1.0, 1.0), ("$50", 1.0, 1.0), ("50.0", 0.0, 1.0), ("5E1", 0.0, 1.0),
+    ("5e1", 0.0, 1.0), ("0x32", 0.0, 0.0), ("50/1", 0.0, 1.0), (r"\frac{100}{2}", 0.0, 1.0),
+])
+def test_an_integer_reference_takes_an_integer_written_plainly_only(answer, score, by_value):
+    assert numeric_answer(completions=[f"\\boxed{{{answer}}}"], answer=["50"]) == [score]
+    # Compared by value (math-verify), every spelling but the hexadecimal one is 50.
+    assert numeric_answer(completions=[f"\\boxed{{{answer}}}"], answer=["50"], strict_integers=False) == [by_value]
+    assert numeric_answer(completions=[f"the answer is {answer}"], answer=["5"]) == [0.0]  # never the 5 of 5E1
+
+
+def test_reasoning_gym_integer_answers_refuse_other_spellings_of_the_value():
+    reasoning_gym = pytest.importorskip("reasoning_gym")
+    entry = next(e for e in reasoning_gym.create_dataset("chain_sum", size=5, seed=1) if int(e["answer"]) > 1)
+    gold = int(entry["answer"])
+    spellings = [f"{gold}", f"so it is {gold}.", f"<answer>{gold}.0</answer>", f"{gold:.1e}", f"{gold}.0",
+                 f"it is {gold:.1e}"]
+    assert verifier(completions=spellings, entry=[entry] * 6) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    # The scorer itself compares floats: without the check it takes every spelling it is given (the last one's line
+    # is more than a number, and its number runs on into an exponent, so none is).
+    assert verifier(completions=spellings, entry=[entry] * 6, strict_integers=False) == [1.0] * 5 + [0.0]
