@@ -8,9 +8,13 @@ What a sandboxed program gets, each from the kernel rather than from Python:
   program's files (/sandbox); one writable folder, /tmp, its working directory, a tmpfs of `scratch_mb`. No shell,
   no home, no checkout, no Ray session folder; /proc shows its own processes only;
 - no network: a loopback device of its own;
-- a seccomp filter (libseccomp via `pyseccomp`) refusing ptrace, mount, bpf, keyrings, io_uring and the like;
-- rlimits on CPU time, address space, file size and process count; output read as it comes and cut to
-  `output_kb`; at the wall limit bwrap's process group is killed, which takes the PID namespace and everything in it.
+- a seccomp filter (libseccomp via `pyseccomp`) refusing ptrace, mount, bpf, keyrings, io_uring and the like, and
+  the kernel memory no rlimit counts: memfd, SysV shared memory, message queues and semaphores, sockets;
+- rlimits on CPU time, address space, file size, open files and process count; output read as it comes and cut to
+  `output_kb`; at the wall limit bwrap's process group is killed, which takes the PID namespace and everything in it;
+- where this process may make cgroups (root, or a delegated cgroup v2 subtree): one cgroup per call, under this
+  process's own, holding the whole sandbox: `memory_mb` for all its memory together (its processes, its /tmp files
+  and their inodes, pipes and other kernel memory) and `processes` for all its tasks (`cgroup_support()` says which).
 
 `missing_isolation()` checks all of that once per process with a probe program; `run` refuses (SandboxUnavailable)
 where it does not hold, unless called with `isolated=False`, the explicit opt-out: a plain subprocess with the same
@@ -41,6 +45,9 @@ SANDBOX_UID = 65534  # "nobody": owns nothing on the host
 REPORT_FD = 3
 """A program's report channel: what it writes to this descriptor comes back as Outcome.report. Only the process
 `run` starts holds it; code_harness.py keeps it from the model's program."""
+INPUT_FD = 4
+"""`private_input`, readable on this descriptor by the process `run` starts only: bwrap's init, which lives as long
+as the sandbox, closes it (its stdin it keeps, so stdin is readable by every process inside through /proc/1/fd/0)."""
 _REPORT_CAP = 4096
 _KILL_GRACE_S = 2.0  # after the wall limit: how long to wait for the killed processes' pipes to close
 
@@ -54,6 +61,10 @@ _REFUSED_SYSCALLS = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff",
     "syslog", "acct", "quotactl", "ioperm", "iopl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
     "vhangup", "uselib",
+    # Memory that is neither address space nor a file in /tmp, so no rlimit or tmpfs size bounds it.
+    "memfd_create", "memfd_secret", "shmget", "msgget", "semget",
+    # Sockets: no network to reach, and their buffers are kernel memory outside every bound (cgroup v1 included).
+    "socket", "socketpair",
 )
 
 
@@ -65,10 +76,11 @@ class SandboxUnavailable(RuntimeError):
 class Limits:
     cpu_s: int = 5
     wall_s: float = 10.0
-    memory_mb: int = 512  # address space, per process
+    memory_mb: int = 512  # address space, per process; with a cgroup also all the sandbox's memory together
     file_mb: int = 16  # largest file
     scratch_mb: int = 32  # all files together (the /tmp tmpfs)
     processes: int = 32  # processes and threads
+    open_files: int = 64  # per process: bounds the pipes it can fill
     output_kb: int = 64  # stdout and stderr kept, each
 
 
@@ -97,13 +109,18 @@ class _Python:
 # program does afterwards can raise them (no capabilities).
 _BOOT = """
 import json, os, resource, runpy, sys
-limits, report_fd, main = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import fcntl
+limits, channels, main = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 for name, value in limits.items():
     resource.setrlimit(getattr(resource, name), tuple(value))
-if report_fd != 3:
-    os.dup2(report_fd, 3)
-    os.close(report_fd)
-del json, os, resource, limits, report_fd
+# Each channel to its fixed number; moved above them first, so that none overwrites another on the way.
+moved = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd, target in channels}
+for fd, _ in channels:
+    os.close(fd)
+for target, fd in moved.items():
+    os.dup2(fd, target)
+    os.close(fd)
+del json, os, resource, fcntl, limits, channels, moved
 sys.argv = [main]
 runpy.run_path(main, run_name="__main__")
 """
@@ -115,26 +132,37 @@ def run(
     stdin: str | bytes = "",
     files: Mapping[str, str] | None = None,
     isolated: bool = True,
+    private_input: str | bytes = b"",
 ) -> Outcome:
     """Run `main` (Python source) in the sandbox, with `files` ({name: text}) beside it in the read-only /sandbox
-    folder; never raises for what the code does. `isolated=False` is the unsafe opt-out (see the module doc)."""
-    return _run(main, limits, stdin, files or {}, _checked_python() if isolated else None)
+    folder; never raises for what the code does. `private_input` is readable on INPUT_FD by `main`'s process only
+    (see INPUT_FD). `isolated=False` is the unsafe opt-out (see the module doc)."""
+    return _run(main, limits, stdin, files or {}, _checked_python() if isolated else None, private_input)
 
 
-def _run(main: str, limits: Limits, stdin: str | bytes, files: Mapping[str, str], python: _Python | None) -> Outcome:
+def _run(
+    main: str,
+    limits: Limits,
+    stdin: str | bytes,
+    files: Mapping[str, str],
+    python: _Python | None,
+    private_input: str | bytes = b"",
+) -> Outcome:
     workdir = tempfile.mkdtemp(prefix="rlpipe-sandbox-")
     report_read, report_write = os.pipe()
     process = None
+    cgroup = _Cgroup.make(limits) if python is not None else None
     try:
         os.chmod(workdir, 0o755)  # bwrap runs as SANDBOX_UID and must read it, whatever the umask
         for name, text in {**files, "main.py": main}.items():
             Path(workdir, name).write_text(text, encoding="utf-8")
             Path(workdir, name).chmod(0o644)
-        # Input from an unlinked file rather than a pipe: nothing to block on, nothing of it in /sandbox.
-        with tempfile.TemporaryFile() as stdin_file:
-            stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
-            stdin_file.seek(0)
-            process = _start(python, workdir, limits, stdin_file, report_write)
+        # Input from unlinked files rather than pipes: nothing to block on, nothing of it in /sandbox.
+        with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as private_file:
+            for file, data in ((stdin_file, stdin), (private_file, private_input)):
+                file.write(data.encode() if isinstance(data, str) else data)
+                file.seek(0)
+            process = _start(python, workdir, limits, stdin_file, report_write, private_file.fileno(), cgroup)
         os.close(report_write)
         report_write = -1
         return _collect(process, report_read, limits)
@@ -145,6 +173,8 @@ def _run(main: str, limits: Limits, stdin: str | bytes, files: Mapping[str, str]
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
+        if cgroup is not None:
+            cgroup.remove()
 
 
 def missing_isolation() -> str | None:
@@ -238,33 +268,67 @@ def _candidate_pythons() -> list[_Python]:
     return pythons
 
 
-def _start(python: _Python | None, workdir: str, limits: Limits, stdin, report_write: int) -> subprocess.Popen:
-    boot = [json.dumps(_rlimits(limits, isolated=python is not None)), str(report_write)]
+def _start(
+    python: _Python | None,
+    workdir: str,
+    limits: Limits,
+    stdin,
+    report_write: int,
+    private_read: int,
+    cgroup: _Cgroup | None,
+) -> subprocess.Popen:
+    channels = [[report_write, REPORT_FD], [private_read, INPUT_FD]]
+    boot = [json.dumps(_rlimits(limits, isolated=python is not None)), json.dumps(channels)]
     common = dict(stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, start_new_session=True)
     if python is None:  # the unsafe opt-out
         command = [sys.executable, "-I", "-S", "-c", _BOOT, *boot, str(Path(workdir, "main.py"))]
-        return subprocess.Popen(command, cwd=workdir, pass_fds=(report_write,), **common)
+        return subprocess.Popen(command, cwd=workdir, pass_fds=(report_write, private_read), **common)
     seccomp = _seccomp_program()
     seccomp_read, seccomp_write = os.pipe()
+    # With a cgroup, bwrap says its sandbox's first process (--info-fd) and waits (--block-fd) until both are in it:
+    # everything the program starts is then born inside.
+    block_read, block_write, info_read, info_write = (*os.pipe(), *os.pipe()) if cgroup else (-1,) * 4
     command = [
         *_bwrap_arguments(python, workdir, limits, seccomp_read),
+        *(["--block-fd", str(block_read), "--info-fd", str(info_write)] if cgroup else []),
         python.executable, "-I", "-S", "-c", _BOOT, *boot, "/sandbox/main.py",
     ]
     # As root, bwrap runs as SANDBOX_UID: the user namespace it makes maps the program to that uid on the host.
     as_root = os.geteuid() == 0
     user = dict(user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[]) if as_root else {}
+    passed = [fd for fd in (report_write, private_read, seccomp_read, block_read, info_write) if fd >= 0]
     try:
         os.write(seccomp_write, seccomp)  # a few hundred bytes: fits the pipe's buffer
         os.close(seccomp_write)
         seccomp_write = -1
-        return subprocess.Popen(command, cwd="/", pass_fds=(report_write, seccomp_read), **user, **common)
-    except OSError as err:
-        as_user = f" as uid {SANDBOX_UID} (needs CAP_SETUID and CAP_SETGID)" if as_root else ""
-        raise SandboxUnavailable(f"cannot start {command[0]}{as_user}: {err.strerror}") from err
+        try:
+            process = subprocess.Popen(command, cwd="/", pass_fds=passed, **user, **common)
+        except OSError as err:
+            as_user = f" as uid {SANDBOX_UID} (needs CAP_SETUID and CAP_SETGID)" if as_root else ""
+            raise SandboxUnavailable(f"cannot start {command[0]}{as_user}: {err.strerror}") from err
+        if cgroup:
+            os.close(info_write)
+            info_write = -1
+            try:
+                cgroup.enter(process.pid, _read_child_pid(info_read))
+            except BaseException:
+                _kill_group(process.pid)
+                process.wait()
+                raise
+            os.write(block_write, b"go")
+        return process
     finally:
-        for fd in (seccomp_read, seccomp_write):
+        for fd in (seccomp_read, seccomp_write, block_read, block_write, info_read, info_write):
             if fd >= 0:
                 os.close(fd)
+
+
+def _read_child_pid(info_read: int) -> int | None:
+    """The host pid of the sandbox's first process, from bwrap's --info-fd JSON; None when bwrap ended before."""
+    info = bytearray()
+    while chunk := os.read(info_read, 4096):
+        info += chunk
+    return json.loads(info)["child-pid"] if info else None
 
 
 def _bwrap_arguments(python: _Python, workdir: str, limits: Limits, seccomp_fd: int) -> list[str]:
@@ -333,6 +397,7 @@ def _rlimits(limits: Limits, isolated: bool) -> dict[str, tuple[int, int]]:
         "RLIMIT_AS": (limits.memory_mb * 2**20,) * 2,
         "RLIMIT_FSIZE": (limits.file_mb * 2**20,) * 2,
         "RLIMIT_CORE": (0, 0),
+        "RLIMIT_NOFILE": (limits.open_files,) * 2,
     }
     if isolated:  # counted per user namespace: the sandbox's own processes; outside one, all of the user's
         rlimits["RLIMIT_NPROC"] = (limits.processes,) * 2
@@ -388,6 +453,100 @@ def _collect(process: subprocess.Popen, report_read: int, limits: Limits) -> Out
         timed_out,
         bytes(report),
     )
+
+
+_CGROUP_V1 = "/sys/fs/cgroup"
+_CGROUP_REMOVE_S = 2.0  # how long the killed sandbox's processes may take to leave its cgroup
+
+
+class _Cgroup:
+    """One call's cgroup: in cgroup v1's memory and pids hierarchies, under this process's own cgroup there (so the
+    worker's own limits still hold), a folder per hierarchy with the call's limits."""
+
+    def __init__(self, folders: list[str]):
+        self.folders = folders
+
+    @classmethod
+    def make(cls, limits: Limits) -> _Cgroup | None:
+        parents, _ = _cgroup_parents()
+        if parents is None:
+            return None
+        name = f"rlpipe-sandbox-{os.getpid()}-{os.urandom(6).hex()}"
+        cgroup = cls([])
+        memory = str(limits.memory_mb * 2**20)
+        settings = {
+            # memsw (memory and swap together) after memory: it may never be the lower of the two.
+            "memory": [("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)],
+            "pids": [("pids.max", str(limits.processes + 2))],  # and bwrap's two: its monitor and the PID 1
+        }
+        try:
+            for controller, parent in parents.items():
+                folder = os.path.join(parent, name)
+                os.mkdir(folder)
+                cgroup.folders.append(folder)
+                for file, value in settings[controller]:
+                    if os.path.exists(os.path.join(folder, file)):  # no memsw where swap is not accounted
+                        Path(folder, file).write_text(value)
+        except OSError as err:
+            cgroup.remove()
+            raise SandboxUnavailable(f"cannot set up the sandbox's cgroup: {err}") from err
+        return cgroup
+
+    def enter(self, *pids: int | None) -> None:
+        for folder in self.folders:
+            for pid in pids:
+                if pid is None:
+                    continue
+                try:
+                    Path(folder, "cgroup.procs").write_text(str(pid))
+                except ProcessLookupError:  # ended already: nothing left to bound
+                    pass
+
+    def remove(self) -> None:
+        deadline = time.monotonic() + _CGROUP_REMOVE_S
+        for folder in self.folders:
+            while True:
+                try:
+                    os.rmdir(folder)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY: the killed processes are still leaving
+                    if time.monotonic() > deadline:
+                        logger.warning("code sandbox: cannot remove %s, processes remain in it", folder)
+                        break
+                    time.sleep(0.01)
+        self.folders = []
+
+
+def cgroup_support() -> str:
+    """One line: the cgroup each call gets here, or why there is none (the sandbox then holds without it; each
+    process's rlimits and the seccomp filter still bound it)."""
+    parents, problem = _cgroup_parents()
+    return problem if parents is None else "a cgroup per call, under " + ", ".join(parents.values())
+
+
+@cache
+def _cgroup_parents() -> tuple[dict[str, str] | None, str | None]:
+    """This process's cgroup in cgroup v1's memory and pids hierarchies, where it may make cgroups."""
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(","):
+            own[controller] = path
+    parents = {}
+    for controller in ("memory", "pids"):
+        if controller not in own or not os.path.isdir(os.path.join(_CGROUP_V1, controller)):
+            return None, f"no cgroup v1 {controller} hierarchy (cgroup v2 is not used yet)"
+        parents[controller] = os.path.join(_CGROUP_V1, controller) + own[controller].rstrip("/")
+    probe = f"rlpipe-sandbox-probe-{os.getpid()}"
+    for controller, parent in parents.items():
+        try:
+            os.mkdir(os.path.join(parent, probe))
+            os.rmdir(os.path.join(parent, probe))
+        except OSError as err:
+            return None, f"cannot make cgroups in {parent}: {err.strerror}"
+    return parents, None
 
 
 def _kill_group(pid: int) -> None:
