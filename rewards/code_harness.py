@@ -1,10 +1,12 @@
 """The harness `rlpipe.rewards.code` runs in the sandbox: the tests in one process, the model's program in another.
 
-Test side (`python main.py`): reads the tests from stdin, makes itself non-dumpable (so that no other process of
-the same uid can read its memory or open its descriptors through /proc), starts the program side, and runs the
-tests with every function the program defined replaced by a stub that calls it in the program's process. Only
-when every test held does it write `passed` to descriptor 3, the sandbox's report channel, which the program's
-process never has.
+Test side (`python main.py`): makes itself non-dumpable (so that no other process of the same uid can read its
+memory or open its descriptors through /proc), reads the tests from descriptor 4 (the sandbox's private input,
+which no other process inside holds) and closes it, then starts the program side. The tests run in a namespace of
+their own: the task's own code from the prompt (its imports and helpers, run here from the dataset's text, never
+the program's versions of them) and the entry point, a stub that calls the program's function in the program's
+process. Only when every test held does it write `passed` to descriptor 3, the sandbox's report channel, which the
+program's process never has.
 
 Program side (`python main.py program R W`): runs program.py, sends the names it defined, then answers calls.
 Arguments and results cross as marshal data (numbers, strings, bytes, lists, tuples, dicts, sets, None), so the
@@ -25,6 +27,7 @@ import sys
 import traceback
 
 REPORT_FD = 3
+INPUT_FD = 4
 MAX_MESSAGE = 16 * 2**20
 
 
@@ -97,25 +100,35 @@ class Remote:
 
 
 def run_tests():
-    spec = json.load(sys.stdin)
-    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0, before the tests are in this process's memory
+    with os.fdopen(INPUT_FD, "rb") as spec_file:
+        spec = json.loads(spec_file.read())
     requests_read, requests_write = os.pipe()
     replies_read, replies_write = os.pipe()
     program = subprocess.Popen(
         [sys.executable, "-I", "-S", os.path.abspath(__file__), "program", str(requests_read), str(replies_write)],
         pass_fds=(requests_read, replies_write),
         stdin=subprocess.DEVNULL,
-    )  # close_fds: the program's process gets neither the report channel nor this one's stdin
+    )  # close_fds: the program's process gets none of this one's descriptors but these two
     os.close(requests_read)
     os.close(replies_write)
     first = receive(replies_read)
     if first[0] != "defined":
         raise RuntimeError(f"the program failed: {first[1]}")
-    namespace = {name: Remote(name, requests_write, replies_read) for name in first[1]}
-    namespace["__name__"] = "__tests__"
+    defined = set(first[1])
+    namespace = {"__name__": "__tests__"}
+    exec(compile(spec.get("task_code", ""), "prompt.py", "exec"), namespace)
+    entry_point = spec.get("entry_point")
+    if entry_point:
+        if entry_point not in defined:
+            raise RuntimeError(f"the program defines no {entry_point}")
+        namespace[entry_point] = Remote(entry_point, requests_write, replies_read)
+    else:  # tests that name the program's functions: those that neither the task's code nor Python itself defines
+        for name in defined - set(namespace) - set(dir(builtins)):
+            namespace[name] = Remote(name, requests_write, replies_read)
     exec(compile(spec["test"], "tests.py", "exec"), namespace)
-    if spec.get("entry_point"):
-        namespace["check"](namespace[spec["entry_point"]])
+    if entry_point:
+        namespace["check"](namespace[entry_point])
     os.write(REPORT_FD, b"passed")
     program.kill()
 
