@@ -9,9 +9,9 @@ process. Only when every test held does it write `passed` to descriptor 3, the s
 program's process never has.
 
 Program side (`python main.py program R W`): runs program.py, sends the names it defined, then answers calls.
-Arguments and results cross as marshal data (numbers, strings, bytes, lists, tuples, dicts, sets, None), so the
-tests only ever see plain values: no object the program made runs in the test process (an `__eq__` that always
-says yes is not a value). Whatever the program does to its own interpreter (exits, patched builtins, a forged
+Arguments and results cross as marshal data (numbers, strings, bytes, lists, tuples, dicts, sets, None; a result
+is checked to be only that on arrival), so the tests only ever see plain values: no object the program made runs
+in the test process (an `__eq__` that always says yes is not a value). Whatever the program does to its own interpreter (exits, patched builtins, a forged
 line on stdout) stays there.
 
 Kept to the standard library and to what the sandbox's interpreter (3.8 or later) has.
@@ -80,6 +80,24 @@ def serve(requests, replies):
         send(replies, reply)
 
 
+PLAIN = (int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set, frozenset)
+
+
+def plain(value):
+    """`value` if it holds plain data only; marshal can also make code objects, which the program's raw bytes on the
+    reply pipe could ask for."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if type(item) not in PLAIN:
+            raise TypeError(f"the program returned a {type(item).__name__}, not plain data")
+        if isinstance(item, dict):
+            pending += [*item.keys(), *item.values()]
+        elif isinstance(item, (tuple, list, set, frozenset)):
+            pending += item
+    return value
+
+
 class Remote:
     """Stands in for a function of the program: calls it in the program's process, returns plain data."""
 
@@ -91,7 +109,7 @@ class Remote:
         send(self._requests, (self.__name__, args, kwargs))
         reply = receive(self._replies)
         if reply[0] == "returned":
-            return reply[1]
+            return plain(reply[1])
         _, kind, message = reply
         error = getattr(builtins, kind, None)
         if isinstance(error, type) and issubclass(error, Exception):

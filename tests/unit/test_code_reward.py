@@ -94,6 +94,11 @@ def test_tests_receive_plain_values_only(tests_pass):
     returns_object = "    return object()\n"
     assert load_reward("code_tests")(prompts=[PROMPT] * 2, completions=[raising, returns_object], test=[tests] * 2,
                                      entry_point=["add"] * 2) == [1.0, 0.0]
+    # marshal also carries code objects: one never reaches the tests, even where they only call the function.
+    calls_only = "def check(candidate):\n    candidate(0, 0)\n"
+    returns_code = "    return compile('1', 'crafted', 'eval')\n"
+    assert load_reward("code_tests")(prompts=[PROMPT] * 2, completions=["    return 0\n", returns_code],
+                                     test=[calls_only] * 2, entry_point=["add"] * 2) == [1.0, 0.0]
 
 
 def test_the_reward_pool_refuses_to_start_without_the_sandbox(monkeypatch, caplog):
