@@ -150,9 +150,9 @@ def _run(
 ) -> Outcome:
     workdir = tempfile.mkdtemp(prefix="rlpipe-sandbox-")
     report_read, report_write = os.pipe()
-    process = None
-    cgroup = _Cgroup.make(limits) if python is not None else None
+    process = cgroup = None
     try:
+        cgroup = _Cgroup.make(limits) if python is not None else None
         os.chmod(workdir, 0o755)  # bwrap runs as SANDBOX_UID and must read it, whatever the umask
         for name, text in {**files, "main.py": main}.items():
             Path(workdir, name).write_text(text, encoding="utf-8")
@@ -201,6 +201,7 @@ def _probe() -> tuple[_Python | None, str | None]:
         if problem is None:
             for seen, executables in problems.items():
                 logger.info("code sandbox: %s with %s; programs run with %s", seen, executables[0], python.executable)
+            logger.info("code sandbox: %s", cgroup_support())
             return python, None
         problems.setdefault(problem, []).append(python.executable)
     described = (f"{problem} (with {', '.join(executables)})" for problem, executables in problems.items())
