@@ -5,15 +5,17 @@ What a sandboxed program gets, each from the kernel rather than from Python:
 - uid 65534, no capabilities, no_new_privs. When the worker is root, bwrap itself is started as uid 65534, so the
   program is not root on the host either: a program that maps to host root may write /proc/sys (measured);
 - a read-only root holding only the shared libraries, one Python interpreter with its standard library and the
-  program's files (/sandbox); one writable folder, /tmp, its working directory, a tmpfs of `scratch_mb`. No shell,
-  no home, no checkout, no Ray session folder; /proc shows its own processes only;
+  program's files (/sandbox); one writable folder, /tmp, its working directory, a tmpfs of `scratch_mb` and
+  `scratch_files` inodes (bwrap cannot count inodes: _BOOT mounts it, holding CAP_SYS_ADMIN in the sandbox's own
+  user namespace only, and drops every capability before the program runs). No shell, no home, no checkout, no Ray
+  session folder; /proc shows its own processes only;
 - no network: a loopback device of its own;
 - a seccomp filter (libseccomp via `pyseccomp`) refusing ptrace, mount, bpf, keyrings, io_uring and the like, and
   the kernel memory no rlimit counts: memfd, SysV shared memory, message queues and semaphores, sockets;
 - rlimits on CPU time, address space, file size, open files and process count; output read as it comes and cut to
   `output_kb`; at the wall limit bwrap's process group is killed, which takes the PID namespace and everything in it;
-- where this process may make cgroups (root, or a delegated cgroup v2 subtree): one cgroup per call, under this
-  process's own, holding the whole sandbox: `memory_mb` for all its memory together (its processes, its /tmp files
+- where this process may make cgroups (cgroup v1's memory and pids hierarchies, as root): one cgroup per call,
+  under this process's own, holding the whole sandbox: `memory_mb` for all its memory together (its processes, its /tmp files
   and their inodes, pipes and other kernel memory) and `processes` for all its tasks (`cgroup_support()` says which).
 
 `missing_isolation()` checks all of that once per process with a probe program; `run` refuses (SandboxUnavailable)
@@ -80,6 +82,7 @@ class Limits:
     file_mb: int = 16  # largest file
     scratch_mb: int = 32  # all files together (the /tmp tmpfs)
     processes: int = 32  # processes and threads
+    scratch_files: int = 4096  # files and folders in /tmp: each an inode, kernel memory the tmpfs size does not count
     open_files: int = 64  # per process: bounds the pipes it can fill
     output_kb: int = 64  # stdout and stderr kept, each
 
@@ -110,7 +113,35 @@ class _Python:
 _BOOT = """
 import json, os, resource, runpy, sys
 import fcntl
-limits, channels, main = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+limits, channels, scratch, main = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+if scratch is not None:
+    # Isolated: bwrap left this process CAP_SYS_ADMIN and CAP_SETPCAP in the sandbox's user namespace, and nothing
+    # but this interpreter's start-up has run. /tmp with an inode count (bwrap's tmpfs has none), then every
+    # capability dropped, then the seccomp filter.
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    def call(result, what):
+        if result != 0:
+            raise OSError(ctypes.get_errno(), f"sandbox set-up: {what}")
+    options = f"size={scratch['bytes']},nr_inodes={scratch['files']},mode=0700".encode()
+    # A mount namespace of its own: bwrap's belongs to an outer user namespace, where these capabilities do not hold.
+    call(libc.unshare(0x00020000), "a mount namespace")  # CLONE_NEWNS
+    call(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", ctypes.c_ulong(2 | 4), options), "mount /tmp")  # nosuid, nodev
+    os.chdir("/tmp")
+    call(libc.prctl(47, 4, 0, 0, 0), "clear the ambient capabilities")  # PR_CAP_AMBIENT_CLEAR_ALL
+    for capability in range(64):
+        libc.prctl(24, capability, 0, 0, 0)  # PR_CAPBSET_DROP; past the kernel's last one: EINVAL
+    header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # version 3, this process: none
+    call(libc.capset(header, data), "drop the capabilities")
+    call(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+    program = b""
+    while chunk := os.read(scratch["seccomp_fd"], 65536):
+        program += chunk
+    os.close(scratch["seccomp_fd"])
+    class Filter(ctypes.Structure):
+        _fields_ = [("length", ctypes.c_ushort), ("instructions", ctypes.c_char_p)]
+    call(libc.prctl(22, 2, ctypes.byref(Filter(len(program) // 8, program)), 0, 0), "seccomp")  # MODE_FILTER
+    del ctypes, libc, call, options, capability, header, data, program, chunk, Filter
 for name, value in limits.items():
     resource.setrlimit(getattr(resource, name), tuple(value))
 # Each channel to its fixed number; moved above them first, so that none overwrites another on the way.
@@ -120,7 +151,7 @@ for fd, _ in channels:
 for target, fd in moved.items():
     os.dup2(fd, target)
     os.close(fd)
-del json, os, resource, fcntl, limits, channels, moved
+del json, os, resource, fcntl, limits, channels, scratch, moved
 sys.argv = [main]
 runpy.run_path(main, run_name="__main__")
 """
@@ -221,6 +252,9 @@ print(json.dumps({
     "uid": os.getuid(),
     "pid": os.getpid(),
     "capabilities": int(status["CapEff"], 16),
+    "bounding capabilities": int(status["CapBnd"], 16) | int(status["CapAmb"], 16) | int(status["CapPrm"], 16),
+    "scratch inodes": [option for line in open("/proc/self/mountinfo") if line.split()[4] == "/tmp"
+                       for option in line.split()[-1].split(",") if option.startswith("nr_inodes=")][-1:],
     "seccomp": int(status["Seccomp"]),
     "network": sorted(line.split(":")[0].strip() for line in open("/proc/self/net/dev").readlines()[2:]),
     "processes": sorted(int(name) for name in os.listdir("/proc") if name.isdigit()),
@@ -241,6 +275,8 @@ def _probe_with(python: _Python) -> str | None:
         "uid": (SANDBOX_UID, "no user namespace"),
         "pid": (2, "no PID namespace"),
         "capabilities": (0, "capabilities not dropped"),
+        "bounding capabilities": (0, "capabilities left to regain"),
+        "scratch inodes": ([f"nr_inodes={Limits().scratch_files}"], "no inode count on /tmp"),
         "seccomp": (2, "no seccomp filter"),
         "network": (["lo"], "no network namespace"),
         "processes": ([1, 2], "other processes visible"),
@@ -282,17 +318,18 @@ def _start(
     boot = [json.dumps(_rlimits(limits, isolated=python is not None)), json.dumps(channels)]
     common = dict(stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, start_new_session=True)
     if python is None:  # the unsafe opt-out
-        command = [sys.executable, "-I", "-S", "-c", _BOOT, *boot, str(Path(workdir, "main.py"))]
+        command = [sys.executable, "-I", "-S", "-c", _BOOT, *boot, "null", str(Path(workdir, "main.py"))]
         return subprocess.Popen(command, cwd=workdir, pass_fds=(report_write, private_read), **common)
     seccomp = _seccomp_program()
     seccomp_read, seccomp_write = os.pipe()
+    scratch = {"bytes": limits.scratch_mb * 2**20, "files": limits.scratch_files, "seccomp_fd": seccomp_read}
     # With a cgroup, bwrap says its sandbox's first process (--info-fd) and waits (--block-fd) until both are in it:
     # everything the program starts is then born inside.
     block_read, block_write, info_read, info_write = (*os.pipe(), *os.pipe()) if cgroup else (-1,) * 4
     command = [
-        *_bwrap_arguments(python, workdir, limits, seccomp_read),
+        *_bwrap_arguments(python, workdir, limits),
         *(["--block-fd", str(block_read), "--info-fd", str(info_write)] if cgroup else []),
-        python.executable, "-I", "-S", "-c", _BOOT, *boot, "/sandbox/main.py",
+        python.executable, "-I", "-S", "-c", _BOOT, *boot, json.dumps(scratch), "/sandbox/main.py",
     ]
     # As root, bwrap runs as SANDBOX_UID: the user namespace it makes maps the program to that uid on the host.
     as_root = os.geteuid() == 0
@@ -332,11 +369,13 @@ def _read_child_pid(info_read: int) -> int | None:
     return json.loads(info)["child-pid"] if info else None
 
 
-def _bwrap_arguments(python: _Python, workdir: str, limits: Limits, seccomp_fd: int) -> list[str]:
+def _bwrap_arguments(python: _Python, workdir: str, limits: Limits) -> list[str]:
     arguments = [
         _bwrap_path(),
         "--unshare-all", "--unshare-user", "--disable-userns",  # every namespace, none to be made inside
-        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL",
+        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+        # Only for _BOOT, which mounts /tmp with an inode count, then drops both and loads the seccomp filter.
+        "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP",
         "--new-session", "--die-with-parent",
     ]
     for path in ("/usr/lib", "/usr/lib64", "/lib", "/lib64"):
@@ -354,7 +393,6 @@ def _bwrap_arguments(python: _Python, workdir: str, limits: Limits, seccomp_fd: 
         "--perms", "0700", "--size", str(limits.scratch_mb * 2**20), "--tmpfs", "/tmp",
         "--chdir", "/tmp",
         "--remount-ro", "/dev", "--remount-ro", "/",  # bwrap's own tmpfs folders would be writable, without a cap
-        "--seccomp", str(seccomp_fd),
     ]
 
 

@@ -258,6 +258,7 @@ def test_the_probe_shows_every_layer():
     seen = json.loads(outcome.stdout)
     assert seen["uid"] == sandbox.SANDBOX_UID and seen["pid"] == 2 and seen["seccomp"] == 2
     assert seen["network"] == ["lo"] and not seen["sysctl writable"]
+    assert seen["bounding capabilities"] == 0 and seen["scratch inodes"] == [f"nr_inodes={Limits().scratch_files}"]
 
 
 def test_memory_no_rlimit_counts_is_refused():
@@ -301,12 +302,23 @@ def test_memory_is_bounded_for_the_sandbox_as_a_whole():
 
 def test_many_empty_files_stop_at_the_memory_limit():
     # Empty files cost no tmpfs blocks, only inodes and directory entries: kernel memory (250k of them: 215-260 MiB
-    # in a 32 MB /tmp). The call's cgroup counts it.
+    # in a 32 MB /tmp). The call's cgroup counts it too.
     _whole_sandbox_bound()
     outcome = attack(
         "made = 0\nwhile made < 300_000:\n    open(f'f{made}', 'w').close()\n    made += 1\n"
         "    if made % 10_000 == 0:\n        print(made, flush=True)\n",
-        limits=Limits(cpu_s=20, wall_s=20, memory_mb=64),
+        limits=Limits(cpu_s=20, wall_s=20, memory_mb=64, scratch_files=1_000_000),  # no inode count to stop it first
     )
     made = [int(line) for line in outcome.stdout.split()]
-    assert not outcome.passed and max(made, default=0) < 150_000, outcome
+    assert outcome.returncode == 128 + 9 and max(made, default=0) < 150_000, outcome  # killed: out of memory
+
+
+def test_many_empty_files_stop_at_the_inode_count():
+    # Whether or not there is a call cgroup: /tmp's own inode count (bwrap's tmpfs has none: 300,000 empty files,
+    # about 250 MiB of kernel memory, fitted in its 32 MB).
+    outcome = attack(
+        "import errno\nmade = 0\ntry:\n    while made < 300_000:\n        open(f'f{made}', 'w').close()\n"
+        "        made += 1\nexcept OSError as error:\n    print(errno.errorcode[error.errno])\nprint(made)\n",
+        limits=Limits(cpu_s=5, wall_s=10, scratch_files=1000),
+    )
+    assert outcome.stdout.split() == ["ENOSPC", "999"], outcome  # the folder itself is the thousandth
