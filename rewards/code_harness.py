@@ -11,8 +11,8 @@ program's process never has.
 Program side (`python main.py program R W`): runs program.py, sends the names it defined, then answers calls.
 Arguments and results cross as marshal data (numbers, strings, bytes, lists, tuples, dicts, sets, None; a result
 is checked to be only that on arrival), so the tests only ever see plain values: no object the program made runs
-in the test process (an `__eq__` that always says yes is not a value). Whatever the program does to its own interpreter (exits, patched builtins, a forged
-line on stdout) stays there.
+in the test process (an `__eq__` that always says yes is not a value). Whatever the program does to its own
+interpreter (exits, patched builtins, a forged line on stdout) stays there.
 
 Kept to the standard library and to what the sandbox's interpreter (3.8 or later) has.
 """

@@ -15,8 +15,9 @@ What a sandboxed program gets, each from the kernel rather than from Python:
 - rlimits on CPU time, address space, file size, open files and process count; output read as it comes and cut to
   `output_kb`; at the wall limit bwrap's process group is killed, which takes the PID namespace and everything in it;
 - where this process may make cgroups (cgroup v1's memory and pids hierarchies, as root): one cgroup per call,
-  under this process's own, holding the whole sandbox: `memory_mb` for all its memory together (its processes, its /tmp files
-  and their inodes, pipes and other kernel memory) and `processes` for all its tasks (`cgroup_support()` says which).
+  under this process's own, holding the whole sandbox: `memory_mb` for all its memory together (its processes, its
+  /tmp files and their inodes, pipes and other kernel memory) and `processes` for all its tasks (`cgroup_support()`
+  says which).
 
 `missing_isolation()` checks all of that once per process with a probe program; `run` refuses (SandboxUnavailable)
 where it does not hold, unless called with `isolated=False`, the explicit opt-out: a plain subprocess with the same

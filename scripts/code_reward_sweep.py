@@ -27,7 +27,8 @@ SOLVES_NOTHING = "    return None\n"
 def helpers(problem: dict) -> list[str]:
     """The functions the prompt defines besides the entry point (HumanEval/32's poly, 38's encode_cyclic, ...)."""
     tree = ast.parse(problem["prompt"])
-    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name != problem["entry_point"]]
+    functions = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)]
+    return [name for name in functions if name != problem["entry_point"]]
 
 
 def fenced(code: str) -> str:

@@ -153,7 +153,7 @@ import glob, os, sys
 seen = [sys.stdin.read()]
 paths = [path for path in glob.glob('/proc/*/fd/*') + glob.glob('/proc/*/cmdline') + glob.glob('/proc/*/environ')
          + glob.glob('/sandbox/*') + glob.glob('/tmp/*') + ['/dev/stdin']
-         if path.split('/')[2] not in (str(os.getpid()), 'self', 'thread-self')]  # not its own: the pipes it is called by
+         if path.split('/')[2] not in (str(os.getpid()), 'self', 'thread-self')]  # not its own: its call pipes
 for path in paths:
     try:  # without blocking: a pipe opened here may be empty
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
