@@ -257,6 +257,7 @@ print(json.dumps({
     "scratch inodes": [option for line in open("/proc/self/mountinfo") if line.split()[4] == "/tmp"
                        for option in line.split()[-1].split(",") if option.startswith("nr_inodes=")][-1:],
     "seccomp": int(status["Seccomp"]),
+    "init seccomp": int(dict(line.split(":", 1) for line in open("/proc/1/status"))["Seccomp"]),
     "network": sorted(line.split(":")[0].strip() for line in open("/proc/self/net/dev").readlines()[2:]),
     "processes": sorted(int(name) for name in os.listdir("/proc") if name.isdigit()),
     "root writable": writable("/probe"),
@@ -279,6 +280,7 @@ def _probe_with(python: _Python) -> str | None:
         "bounding capabilities": (0, "capabilities left to regain"),
         "scratch inodes": ([f"nr_inodes={Limits().scratch_files}"], "no inode count on /tmp"),
         "seccomp": (2, "no seccomp filter"),
+        "init seccomp": (2, "no seccomp filter on bwrap's init"),
         "network": (["lo"], "no network namespace"),
         "processes": ([1, 2], "other processes visible"),
         "root writable": (False, "a writable root"),
@@ -321,25 +323,30 @@ def _start(
     if python is None:  # the unsafe opt-out
         command = [sys.executable, "-I", "-S", "-c", _BOOT, *boot, "null", str(Path(workdir, "main.py"))]
         return subprocess.Popen(command, cwd=workdir, pass_fds=(report_write, private_read), **common)
-    seccomp = _seccomp_program()
+    # Two filters: bwrap loads the first for every process inside (its init too, which a program can write into
+    # through /proc/1/mem), refusing all but what _BOOT needs; _BOOT adds the full one before the program runs.
+    seccomp, boot_seccomp = _seccomp_program(), _seccomp_program(_BOOT_SYSCALLS)
     seccomp_read, seccomp_write = os.pipe()
+    boot_seccomp_read, boot_seccomp_write = os.pipe()
     scratch = {"bytes": limits.scratch_mb * 2**20, "files": limits.scratch_files, "seccomp_fd": seccomp_read}
     # With a cgroup, bwrap says its sandbox's first process (--info-fd) and waits (--block-fd) until both are in it:
     # everything the program starts is then born inside.
     block_read, block_write, info_read, info_write = (*os.pipe(), *os.pipe()) if cgroup else (-1,) * 4
     command = [
-        *_bwrap_arguments(python, workdir, limits),
+        *_bwrap_arguments(python, workdir, limits), "--seccomp", str(boot_seccomp_read),
         *(["--block-fd", str(block_read), "--info-fd", str(info_write)] if cgroup else []),
         python.executable, "-I", "-S", "-c", _BOOT, *boot, json.dumps(scratch), "/sandbox/main.py",
     ]
     # As root, bwrap runs as SANDBOX_UID: the user namespace it makes maps the program to that uid on the host.
     as_root = os.geteuid() == 0
     user = dict(user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[]) if as_root else {}
-    passed = [fd for fd in (report_write, private_read, seccomp_read, block_read, info_write) if fd >= 0]
+    passed = [fd for fd in (report_write, private_read, seccomp_read, boot_seccomp_read, block_read, info_write)
+              if fd >= 0]
     try:
-        os.write(seccomp_write, seccomp)  # a few hundred bytes: fits the pipe's buffer
-        os.close(seccomp_write)
-        seccomp_write = -1
+        for write, program in ((seccomp_write, seccomp), (boot_seccomp_write, boot_seccomp)):
+            os.write(write, program)  # a few hundred bytes: fits the pipe's buffer
+            os.close(write)
+        seccomp_write = boot_seccomp_write = -1
         try:
             process = subprocess.Popen(command, cwd="/", pass_fds=passed, **user, **common)
         except OSError as err:
@@ -357,7 +364,8 @@ def _start(
             os.write(block_write, b"go")
         return process
     finally:
-        for fd in (seccomp_read, seccomp_write, block_read, block_write, info_read, info_write):
+        for fd in (seccomp_read, seccomp_write, boot_seccomp_read, boot_seccomp_write, block_read, block_write,
+                   info_read, info_write):
             if fd >= 0:
                 os.close(fd)
 
@@ -411,16 +419,19 @@ def _bwrap_path() -> str:
         raise SandboxUnavailable(str(err)) from err
 
 
+_BOOT_SYSCALLS = ("mount", "unshare")  # what _BOOT needs before it loads the full filter
+
+
 @cache
-def _seccomp_program() -> bytes:
-    """The filter, compiled to BPF by libseccomp: allow everything but _REFUSED_SYSCALLS. System calls of another
-    architecture (32-bit ones on x86-64) kill the process, libseccomp's default."""
+def _seccomp_program(allowed: tuple[str, ...] = ()) -> bytes:
+    """The filter, compiled to BPF by libseccomp: allow everything but _REFUSED_SYSCALLS (and of those, `allowed`).
+    System calls of another architecture (32-bit ones on x86-64) kill the process, libseccomp's default."""
     try:
         import pyseccomp as seccomp
     except (ImportError, RuntimeError) as err:  # RuntimeError: the module is there but libseccomp.so is not
         raise SandboxUnavailable(f"no seccomp filter: {err} (pip install pyseccomp; apt install libseccomp2)") from err
     rules = seccomp.SyscallFilter(seccomp.ALLOW)
-    for name in _REFUSED_SYSCALLS:
+    for name in (name for name in _REFUSED_SYSCALLS if name not in allowed):
         try:
             rules.add_rule(seccomp.ERRNO(1), name)  # EPERM
         except (OSError, ValueError, RuntimeError):  # a name this libseccomp or kernel does not know

@@ -259,6 +259,7 @@ def test_the_probe_shows_every_layer():
     assert seen["uid"] == sandbox.SANDBOX_UID and seen["pid"] == 2 and seen["seccomp"] == 2
     assert seen["network"] == ["lo"] and not seen["sysctl writable"]
     assert seen["bounding capabilities"] == 0 and seen["scratch inodes"] == [f"nr_inodes={Limits().scratch_files}"]
+    assert seen["init seccomp"] == 2  # bwrap's init: a program can write into its memory (same uid, dumpable)
 
 
 def test_memory_no_rlimit_counts_is_refused():
