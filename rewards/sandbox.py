@@ -118,7 +118,7 @@ limits, channels, scratch, main = json.loads(sys.argv[1]), json.loads(sys.argv[2
 if scratch is not None:
     # Isolated: bwrap left this process CAP_SYS_ADMIN and CAP_SETPCAP in the sandbox's user namespace, and nothing
     # but this interpreter's start-up has run. /tmp with an inode count (bwrap's tmpfs has none), then every
-    # capability dropped, then the seccomp filter.
+    # capability dropped, then the full seccomp filter (bwrap's lets mount and unshare through, for this).
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     def call(result, what):

@@ -131,7 +131,10 @@ HUMANEVAL_FEW = ("HumanEval/0", "HumanEval/32", "HumanEval/33", "HumanEval/37", 
 @pytest.mark.parametrize("case", sorted(_sweep().CASES))
 def test_humaneval_canonical_solutions_score_one_and_programs_that_solve_nothing_zero(tests_pass, case):
     sweep = _sweep()
+    imported = set(sys.modules)
     problems = [problem for problem in sweep.load_problems() if problem["task_id"] in HUMANEVAL_FEW]
+    for name in set(sys.modules) - imported:  # as it was: other tests hide the package to see the missing extra
+        del sys.modules[name]
     expected, make_completion = sweep.CASES[case]
     assert sweep.score(problems, make_completion) == [expected] * len(HUMANEVAL_FEW)
 
