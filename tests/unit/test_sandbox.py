@@ -258,3 +258,68 @@ def test_the_probe_shows_every_layer():
     seen = json.loads(outcome.stdout)
     assert seen["uid"] == sandbox.SANDBOX_UID and seen["pid"] == 2 and seen["seccomp"] == 2
     assert seen["network"] == ["lo"] and not seen["sysctl writable"]
+    assert seen["bounding capabilities"] == 0 and seen["scratch inodes"] == [f"nr_inodes={Limits().scratch_files}"]
+    assert seen["init seccomp"] == 2  # bwrap's init: a program can write into its memory (same uid, dumpable)
+
+
+def test_memory_no_rlimit_counts_is_refused():
+    # memfd, SysV shared memory, message queues and semaphores, socket buffers: kernel memory outside the address
+    # space and /tmp; a program once held 960 MiB in memfds with a 509 MiB limit.
+    outcome = attack(
+        "import ctypes, errno, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "def attempt(name, call):\n    try:\n        result = call()\n"
+        "        print(name, result, errno.errorcode.get(ctypes.get_errno()) if result == -1 else 'made')\n"
+        "    except OSError as error:\n        print(name, -1, errno.errorcode[error.errno])\n"
+        "attempt('memfd', lambda: os.memfd_create('hog'))\n"
+        "attempt('shmget', lambda: libc.shmget(0, 2**27, 0o1600))\n"
+        "attempt('msgget', lambda: libc.msgget(0, 0o1600))\n"
+        "attempt('semget', lambda: libc.semget(0, 1, 0o1600))\n"
+        "attempt('socketpair', lambda: socket.socketpair())\n"
+        "attempt('socket', lambda: socket.socket())\n"
+    )
+    refused = [f"{name} -1 EPERM" for name in ("memfd", "shmget", "msgget", "semget", "socketpair", "socket")]
+    assert outcome.stdout.splitlines() == refused, outcome
+
+
+def _whole_sandbox_bound():
+    parents, problem = sandbox._cgroup_parents()
+    if parents is None:
+        pytest.fail(f"no cgroup per call here ({problem}); as root on this machine there is one")
+
+
+def test_memory_is_bounded_for_the_sandbox_as_a_whole():
+    # Four processes of 120 MiB each, every one within its own address-space limit: together past memory_mb.
+    _whole_sandbox_bound()
+    outcome = attack(
+        "import os, time\nfor index in range(4):\n    if os.fork() == 0:\n"
+        "        hog = bytearray(120 * 2**20)\n        print('allocated', index, flush=True)\n"
+        "        time.sleep(3)\n        os._exit(0)\n"
+        "finished = sum(os.waitstatus_to_exitcode(os.wait()[1]) == 0 for _ in range(4))\nprint('finished', finished)\n",
+        limits=Limits(cpu_s=5, wall_s=8, memory_mb=256, processes=16),
+    )
+    finished = [line for line in outcome.stdout.splitlines() if line.startswith("finished")]
+    assert finished != ["finished 4"] and outcome.stdout.count("allocated") < 4, outcome
+
+
+def test_many_empty_files_stop_at_the_memory_limit():
+    # Empty files cost no tmpfs blocks, only inodes and directory entries: kernel memory (250k of them: 215-260 MiB
+    # in a 32 MB /tmp). The call's cgroup counts it too.
+    _whole_sandbox_bound()
+    outcome = attack(
+        "made = 0\nwhile made < 300_000:\n    open(f'f{made}', 'w').close()\n    made += 1\n"
+        "    if made % 10_000 == 0:\n        print(made, flush=True)\n",
+        limits=Limits(cpu_s=20, wall_s=20, memory_mb=64, scratch_files=1_000_000),  # no inode count to stop it first
+    )
+    made = [int(line) for line in outcome.stdout.split()]
+    assert outcome.returncode == 128 + 9 and max(made, default=0) < 150_000, outcome  # killed: out of memory
+
+
+def test_many_empty_files_stop_at_the_inode_count():
+    # Whether or not there is a call cgroup: /tmp's own inode count (bwrap's tmpfs has none: 300,000 empty files,
+    # about 250 MiB of kernel memory, fitted in its 32 MB).
+    outcome = attack(
+        "import errno\nmade = 0\ntry:\n    while made < 300_000:\n        open(f'f{made}', 'w').close()\n"
+        "        made += 1\nexcept OSError as error:\n    print(errno.errorcode[error.errno])\nprint(made)\n",
+        limits=Limits(cpu_s=5, wall_s=10, scratch_files=1000),
+    )
+    assert outcome.stdout.split() == ["ENOSPC", "999"], outcome  # the folder itself is the thousandth
