@@ -269,10 +269,9 @@ def test_checksum_notices_any_changed_word_and_length():
      (6, "float32", False), (1 << 20, "float32", False), (1 << 20, "float32", True)],
 )
 def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, chunk_bytes, dtype, use_native):
-    # The checksum is summed chunk by chunk (or piece by piece in the native loop) as the buffer fills; chunks
-    # of 3 or 5 values and bf16 pieces end off the 8-byte word grid, and the result must still be the checksum
-    # of the finished buffer. bfloat16 casts; float32 is the plain-copy path.
-    monkeypatch.setattr(codec, "_PACK_CHUNK_BYTES", chunk_bytes)
+    # The checksum is hashed chunk by chunk as the buffer fills; chunks of 3 or 5 values end off any word grid, and
+    # the result must still be the checksum of the finished part. bfloat16 casts; float32 is the plain-copy path.
+    monkeypatch.setattr(codec, "CHUNK_BYTES", chunk_bytes)
     if use_native:
         assert native.copy_checksum() is not None, "no C compiler for the native copy-and-checksum loop"
     else:
@@ -284,7 +283,9 @@ def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, c
         local = _local_shards(full, rank, 3)
         for bucket in plan.buckets:
             buffer = np.full(bucket.part_bytes(rank), 0xAB, dtype=np.uint8)
-            assert pack_part(bucket, rank, local, plan.torch_dtype, buffer) == checksum(buffer)
+            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, version=5)
+            assert digest == codec.part_checksum(bucket, rank, buffer, version=5) == checksum(
+                buffer, codec.part_seed(5, bucket.index, rank))
             for piece in bucket.parts[rank]:
                 packed = torch.from_numpy(buffer[piece.offset : piece.offset + piece.nbytes]).view(plan.torch_dtype)
                 assert torch.equal(packed, local[piece.name].to(plan.torch_dtype).reshape(-1)), piece.name
@@ -302,25 +303,29 @@ def test_native_copy_checksum_equals_the_numpy_arithmetic():
             source = source_block[source_shift : source_shift + length]
             target_block = np.zeros(length + 80, dtype=np.uint8)
             target = target_block[target_shift : target_shift + length]
-            expected = codec._positional_sum(source, position)
+            expected = _positional_sum(source, position)
             assert fused(source, target, position) == expected, (length, source_shift, target_shift, position)
             assert np.array_equal(target, source)
             assert not target_block[:target_shift].any() and not target_block[target_shift + length :].any()
 
 
+def _positional_sum(data: np.ndarray, position: int) -> int:
+    """The native loop's arithmetic: each byte shifted into its place in a little-endian 64-bit word."""
+    return sum(int(byte) << 8 * ((position + i) % 8) for i, byte in enumerate(data.tolist())) & ((1 << 64) - 1)
+
+
 @pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize("adopt", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 @pytest.mark.parametrize("whole", [False, True], ids=["parts", "whole-buckets"])
-def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, adopt, experts, whole):
+def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, experts, whole):
     """With experts: stacked [E, ...] tensors whose expert dimension (4) splits 2 + 2 or 2 + 2 + 0 over the ranks.
     `whole`: every rank writes its rows into one buffer per bucket, as over shared memory."""
     shapes = {**_hf_shapes(kv_heads=2), **(_moe_shapes() if experts else {})}
     full = _full_tensors(shapes)
     layout = _moe_layout(1, dtype=dtype) if experts else _layout(1, 2, dtype)
     plan = plan_sync(shapes, ranks, layout, 30_000)
-    staging = Staging(plan, version=1, adopt_buffers=adopt, whole_buckets=whole)
+    staging = Staging(plan, version=1, whole_buckets=whole)
     shared = {bucket.index: np.full(bucket.nbytes, 0xAB, dtype=np.uint8) for bucket in plan.buckets}
     for rank in reversed(range(ranks)):  # arrival order does not matter
         local = _local_shards(full, rank, ranks)
@@ -328,16 +333,19 @@ def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, adopt, ex
             if not bucket.part_bytes(rank):
                 continue
             buffer = shared[bucket.index] if whole else np.empty(bucket.part_bytes(rank), dtype=np.uint8)
-            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, whole_bucket=whole)
+            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, whole_bucket=whole, version=1)
             staging.add(bucket.index, rank, buffer, digest)
     assembled = staging.complete()
     assert list(assembled) == list(plan.shapes)
     for name, tensor in full.items():
         torch.testing.assert_close(assembled[name], tensor.to(getattr(torch, dtype)), rtol=0, atol=0)
-    # Adopted tensors are the received buffers themselves; only tensors split over ranks into separate parts
-    # are copied.
-    split = {name for name, shape in shapes.items() if shape[0] > 1 and ranks > 1 and not whole}
-    assert set(staging.owned) == (split if adopt else set(shapes))
+    # Every tensor is the engine's own copy, checked as it was copied: nothing views a transport buffer.
+    assert set(staging.owned) == set(shapes)
+    for buffer in shared.values():
+        buffer[:] = 0
+    torch.testing.assert_close(assembled[next(iter(shapes))], full[next(iter(shapes))].to(getattr(torch, dtype)),
+                               rtol=0, atol=0)
+    assert staging.verify() is None
     reused = Staging(plan, version=2, reuse=staging.owned)
     if staging.owned:
         name = next(iter(staging.owned))
@@ -350,7 +358,7 @@ def test_a_corrupt_short_or_missing_part_is_refused():
     plan = plan_sync(shapes, 2, _layout(1, 2), 30_000)
     bucket = plan.buckets[1]
     buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
-    digest = pack_part(bucket, 0, _local_shards(full, 0, 2), torch.float32, buffer)
+    digest = pack_part(bucket, 0, _local_shards(full, 0, 2), torch.float32, buffer, version=3)
     corrupt = buffer.copy()
     corrupt[len(corrupt) // 2] ^= 1
     staging = Staging(plan, version=3)
@@ -371,16 +379,17 @@ def test_in_a_shared_bucket_each_ranks_rows_are_checked_on_their_own():
     plan = plan_sync(shapes, 2, _layout(1, 2), 30_000)
     bucket = next(b for b in plan.buckets if b.part_bytes(0) and b.part_bytes(1))
     buffer = np.zeros(bucket.nbytes, dtype=np.uint8)
-    digests = [pack_part(bucket, rank, _local_shards(full, rank, 2), torch.float32, buffer, whole_bucket=True)
+    digests = [pack_part(bucket, rank, _local_shards(full, rank, 2), torch.float32, buffer, whole_bucket=True,
+                         version=4)
                for rank in range(2)]
     assert buffer.any()
     piece = bucket.parts[1][0]
     buffer[piece.bucket_offset + piece.nbytes // 2] ^= 1  # in rank 1's rows
-    staging = Staging(plan, version=4, adopt_buffers=True, whole_buckets=True)
+    staging = Staging(plan, version=4, whole_buckets=True)
     staging.add(bucket.index, 0, buffer, digests[0])
     with pytest.raises(SyncError, match=f"bucket {bucket.index} from learner rank 1 is corrupt"):
         staging.add(bucket.index, 1, buffer, digests[1])
-    assert not set(bucket.names) & set(staging.tensors)  # nothing of a half-checked bucket is used
+    assert (bucket.index, 1) in staging.missing()  # a part that failed its check never counts as arrived
 
 
 def test_a_shard_that_does_not_match_the_plan_is_refused():
@@ -400,11 +409,10 @@ def _receive_all(transport_name, parts, plan, results, connect=None):
         transport = make_transport(transport_name)
         if connect:
             transport.connect(*connect)
-        staging = Staging(plan, 1, adopt_buffers=transport.stable_receive_buffers, whole_buckets=transport.whole_buckets)
+        staging = Staging(plan, 1, whole_buckets=transport.whole_buckets)
         for bucket, rank, handle, nbytes, digest in parts:
             with transport.receive(handle, rank, nbytes) as buffer:
                 staging.add(bucket, rank, buffer, digest)
-        # copies: the adopted tensors are views of the transport's buffers, which go when this function returns
         results.put({name: t.numpy().copy() for name, t in staging.complete().items()})
     except Exception as err:
         results.put(repr(err))
@@ -453,7 +461,7 @@ def test_transport_carries_every_bucket_to_another_process(transport_name, ranks
         parts = []
         for bucket in plan.buckets:
             buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
-            parts.append((bucket.index, 0, None, len(buffer), pack_part(bucket, 0, full, torch.float32, buffer)))
+            parts.append((bucket.index, 0, None, len(buffer), pack_part(bucket, 0, full, torch.float32, buffer, version=1)))
         port = find_free_port()
         sent = context.Queue()
         sender_proc = context.Process(target=_send_over_gloo, args=(port, plan, sent))
@@ -516,7 +524,7 @@ def test_shared_memory_sets_up_both_segment_sets_once_and_faults_them_in():
     try:
         for version in range(1, 6):
             full = _full_tensors(shapes, seed=version)
-            staging = Staging(plan, version, adopt_buffers=True, whole_buckets=True)
+            staging = Staging(plan, version, whole_buckets=True)
             for rank, sender in enumerate(senders):
                 for part in stream_parts(plan, rank, _local_shards(full, rank, 2), sender, version):
                     handles.setdefault(version % 2, set()).add(part.handle)
