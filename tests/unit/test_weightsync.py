@@ -15,6 +15,7 @@ from rlpipe.weightsync import codec, native
 from rlpipe.parallel.mesh import find_free_port
 from rlpipe.weightsync import (
     EngineLayout,
+    NonFiniteWeights,
     Staging,
     SyncError,
     checksum,
@@ -390,6 +391,103 @@ def test_in_a_shared_bucket_each_ranks_rows_are_checked_on_their_own():
     with pytest.raises(SyncError, match=f"bucket {bucket.index} from learner rank 1 is corrupt"):
         staging.add(bucket.index, 1, buffer, digests[1])
     assert (bucket.index, 1) in staging.missing()  # a part that failed its check never counts as arrived
+
+
+def _packed_bucket(dtype="float32", version=3, seed=0):
+    """One bucket part of rank 0 of 1, packed for `version`: (plan, bucket, buffer, checksum)."""
+    shapes = _hf_shapes(kv_heads=2)
+    plan = plan_sync(shapes, 1, _layout(1, 2, dtype), 1 << 20)
+    bucket = next(b for b in plan.buckets if "model.layers.0.self_attn.q_proj.weight" in b.names)
+    buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
+    digest = pack_part(bucket, 0, _full_tensors(shapes, seed=seed), plan.torch_dtype, buffer, version=version)
+    return plan, bucket, buffer, digest
+
+
+def _piece(bucket, name):
+    return next(piece for piece in bucket.parts[0] if piece.name == name)
+
+
+def _refused(plan, bucket, buffer, digest, version=3, rank=0):
+    with pytest.raises(SyncError, match="is corrupt"):
+        Staging(plan, version).add(bucket.index, rank, buffer, digest)
+
+
+def test_swapped_words_and_compensating_changes_fail_the_checksum():
+    plan, bucket, buffer, digest = _packed_bucket()
+    Staging(plan, 3).add(bucket.index, 0, buffer, digest)  # intact: accepted
+    words = buffer.view(np.uint64)
+    swapped = buffer.copy()
+    swapped.view(np.uint64)[[10, 11]] = words[[11, 10]]  # two words trade places: their sum stays
+    _refused(plan, bucket, swapped, digest)
+    compensated = buffer.copy()
+    compensated.view(np.uint64)[20] += np.uint64(1 << 40)
+    compensated.view(np.uint64)[30] -= np.uint64(1 << 40)  # one word up, another down by as much
+    _refused(plan, bucket, compensated, digest)
+
+
+def test_swapped_chunks_of_a_q_proj_weight_fail_the_checksum():
+    plan, bucket, buffer, digest = _packed_bucket("bfloat16")
+    piece = _piece(bucket, "model.layers.0.self_attn.q_proj.weight")
+    half = piece.nbytes // 2
+    swapped = buffer.copy()
+    q_proj = swapped[piece.offset : piece.offset + piece.nbytes]
+    q_proj[:half], q_proj[half:] = buffer[piece.offset + half : piece.offset + piece.nbytes], buffer[piece.offset : piece.offset + half]
+    assert not np.array_equal(swapped, buffer)
+    _refused(plan, bucket, swapped, digest, version=3)
+
+
+def test_a_bfloat16_weight_changed_to_a_huge_value_fails_the_checksum():
+    plan, bucket, buffer, digest = _packed_bucket("bfloat16")
+    piece = _piece(bucket, "model.layers.0.self_attn.q_proj.weight")
+    corrupt = buffer.copy()
+    values = torch.from_numpy(corrupt[piece.offset : piece.offset + piece.nbytes]).view(torch.bfloat16)
+    values[5] = 6.4e36  # one weight of ~0.02 becomes 6.4e36: a single changed exponent
+    _refused(plan, bucket, corrupt, digest)
+
+
+def test_a_part_labelled_with_another_version_bucket_or_rank_fails_the_checksum():
+    plan, bucket, buffer, digest = _packed_bucket(version=3)
+    # The previous version's intact part, with its own checksum, replayed as version 4 (a stale buffer).
+    with pytest.raises(SyncError, match="v4: bucket .* is corrupt"):
+        Staging(plan, 4).add(bucket.index, 0, buffer, digest)
+    # The same bytes and checksum relabelled as another bucket of the same size, or another rank's part.
+    equal_plan = plan_sync({"a.weight": (8, 16), "b.weight": (8, 16)}, 2, _layout(1, 2), 8 * 16 * 4)
+    first, second = equal_plan.buckets[0], equal_plan.buckets[1]
+    assert first.part_bytes(0) == second.part_bytes(0) == first.part_bytes(1)
+    local = _local_shards(_full_tensors({"a.weight": (8, 16), "b.weight": (8, 16)}), 0, 2)
+    part = np.empty(first.part_bytes(0), dtype=np.uint8)
+    first_digest = pack_part(first, 0, local, torch.float32, part, version=3)
+    with pytest.raises(SyncError, match=f"bucket {second.index} from learner rank 0 is corrupt"):
+        Staging(equal_plan, 3).add(second.index, 0, part, first_digest)
+    with pytest.raises(SyncError, match=f"bucket {first.index} from learner rank 1 is corrupt"):
+        Staging(equal_plan, 3).add(first.index, 1, part, first_digest)
+    Staging(equal_plan, 3).add(first.index, 0, part, first_digest)  # where it belongs: accepted
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_never_leave_the_learner(dtype, bad):
+    shapes = _hf_shapes(kv_heads=2)
+    plan = plan_sync(shapes, 1, _layout(1, 2, dtype), 1 << 20)
+    weights = _full_tensors(shapes)
+    weights["model.layers.0.mlp.down_proj.weight"].view(-1)[77] = bad
+    transport = make_transport("ray")
+    with pytest.raises(NonFiniteWeights, match=r"v6: model\.layers\.0\.mlp\.down_proj\.weight holds NaN or inf "
+                                              r"\(element 77 of learner rank 0's rows\); the training step that "
+                                              r"produced version 6 diverged"):
+        for _ in stream_parts(plan, 0, weights, transport, version=6):
+            pass
+    assert not issubclass(NonFiniteWeights, SyncError)  # a transfer fault is worth repeating; this is not
+
+
+def test_the_finiteness_check_finds_the_first_bad_value_in_every_float_dtype():
+    for dtype in [torch.float32, torch.bfloat16, torch.float16, torch.float64]:
+        values = torch.linspace(-3e4, 3e4, 1000, dtype=torch.float32).to(dtype)
+        assert codec.first_non_finite(values.view(torch.uint8).numpy(), dtype) is None, dtype
+        for bad in [float("nan"), float("inf"), -float("inf")]:
+            broken = values.clone()
+            broken[[613, 900]] = bad
+            assert codec.first_non_finite(broken.view(torch.uint8).numpy(), dtype) == 613, (dtype, bad)
 
 
 def test_a_shard_that_does_not_match_the_plan_is_refused():
