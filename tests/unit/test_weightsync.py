@@ -799,3 +799,24 @@ def test_a_decoded_probe_is_compared_up_to_where_the_continuations_part():
     parted = DecodedProbe([5, 6, 9, 1], [-0.5, -0.25, -1.5, -9.0])
     assert decoded_gaps(parted, learner) == [0.0, 0.0, 0.5]
     assert decoded_gaps(DecodedProbe([4, 6, 7, 8], [-3.0, -0.25, -1.0, -2.0]), learner) == [2.5]
+
+
+def test_the_engine_finds_each_given_tensor_where_its_model_holds_it():
+    from rlpipe.vllm_worker import _held_rows
+
+    prefix = "model.layers.0.self_attn"
+    given = {f"{prefix}.q_proj.weight": torch.randn(8, 4), f"{prefix}.k_proj.weight": torch.randn(2, 4),
+             f"{prefix}.v_proj.weight": torch.randn(2, 4), "model.embed_tokens.weight": torch.randn(10, 4),
+             "model.norm.weight": torch.randn(4), "model.layers.0.mlp.experts.0.up_proj.weight": torch.randn(3, 4)}
+    params = {f"{prefix}.qkv_proj.weight": torch.cat([given[f"{prefix}.{p}_proj.weight"] for p in "qkv"]),
+              "model.embed_tokens.weight": torch.cat([given["model.embed_tokens.weight"], torch.zeros(6, 4)]),
+              "model.norm.weight": given["model.norm.weight"].clone()}
+    fused = {part: ("qkv_proj", ["q_proj", "k_proj", "v_proj"]) for part in ["q_proj", "k_proj", "v_proj"]}
+    rows = {name: tensor.shape[0] for name, tensor in given.items()}
+    for name, start in [(f"{prefix}.q_proj.weight", 0), (f"{prefix}.k_proj.weight", 8), (f"{prefix}.v_proj.weight", 10),
+                        ("model.embed_tokens.weight", 0), ("model.norm.weight", 0)]:
+        held, at = _held_rows(name, given[name], params, fused, rows)
+        assert at == start and torch.equal(held, given[name]), name  # vocabulary padding rows are left out
+    assert _held_rows("model.layers.0.mlp.experts.0.up_proj.weight", given["model.layers.0.mlp.experts.0.up_proj.weight"],
+                      params, fused, rows) == (None, 0)  # not held as given: not compared
+    assert _held_rows("model.norm.weight", given["model.norm.weight"].to(torch.bfloat16), params, fused, rows) == (None, 0)
