@@ -5,6 +5,7 @@ pauses generation, so the same receiver serves every engine and the sync benchma
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import ContextManager, Protocol
@@ -147,6 +148,9 @@ class WeightReceiver:
             gap, statistic = (gap_max, "max") if self.exact else (gap_mean, "mean")
             if failure or not gap <= self.tolerance:  # `not <=` also catches NaN
                 self._spare_owned = staging.owned
+                if failure is None and not math.isfinite(gap):
+                    failure = ("after writing, the engine's probe logprobs are not finite (NaN or inf): the weights "
+                               "as written make the model's outputs overflow")
                 message = f"weight sync v{version}: " + (
                     failure
                     if failure

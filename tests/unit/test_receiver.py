@@ -168,3 +168,15 @@ def test_a_rollback_copy_changed_since_it_arrived_is_never_written_back(channel)
     assert len(engine.writes) == 2  # the corrupt copy was not written back
     assert receiving.unusable and "corrupt" in receiving.unusable
     receiving.close()
+
+
+def test_a_probe_that_comes_back_nan_says_so(channel):
+    shapes, engine, receiver, send = channel
+    engine.probe = lambda tokens: [0.0] + [float("nan")] * (len(tokens) - 1)
+    receiving = receiver()
+    weights = _full_tensors(shapes, seed=1)
+    send(receiving, 1, weights)
+    with pytest.raises(SyncError, match=r"v1: after writing, the engine's probe logprobs are not finite \(NaN or inf\)"
+                                        r".* rolled back to version 0"):
+        receiving.commit(1, PROBE, expected_for(weights))
+    receiving.close()
