@@ -133,4 +133,5 @@ class Staging:
                 f"weight sync v{self.version}: {len(missing)} bucket parts never arrived "
                 f"(first: bucket {missing[0][0]} from rank {missing[0][1]}); the engine keeps its weights"
             )
+        self._reuse = {}  # what it did not use is the receiver's to hand on or free
         return {name: self.tensors[name] for name in self.plan.shapes}
