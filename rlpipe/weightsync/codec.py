@@ -49,6 +49,9 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
+# The exponent bits of each float dtype the weights travel in, for the native loop: all set means inf or NaN.
+_EXPONENT_BITS = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00,
+                  torch.float64: 0x7FF0000000000000}
 # numpy's float dtypes, checked with its vectorized isfinite; bfloat16, which numpy lacks, by its exponent bits.
 _NUMPY_FLOATS = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
 _BF16_MAGNITUDE, _BF16_INF = np.uint16(0x7FFF), np.uint16(0x7F80)
@@ -93,7 +96,7 @@ def pack_part(
     assigns it. `out` is the rank's part (part_bytes long), or with `whole_bucket` the buffer every rank writes its
     rows into (bucket.nbytes long, the whole tensors end to end): then the rows go to their place in their tensor and
     the checksum covers just them (`part_checksum`). Raises `NonFiniteWeights` on a NaN or inf, naming the tensor."""
-    streaming_copy = native.copy_checksum()
+    copy_check = native.copy_check()
     hasher = part_hasher(version, bucket.index, rank)
     for piece in bucket.parts[rank]:
         shard = local[piece.name]
@@ -108,21 +111,22 @@ def pack_part(
         span = out[position : position + piece.nbytes]
         if source.dtype == dtype:
             # numpy and the native loop run on this thread: torch's copy_ would wake its OpenMP threads, whose
-            # spinning takes the cores the receiver needs. The source chunk is hashed and checked first, which
-            # brings it into cache for the copy; the native loop's streaming stores then skip reading `span`.
+            # spinning takes the cores the receiver needs. The source chunk is hashed first, which brings it into
+            # cache; the native loop then copies it with streaming stores (no read of `span`) and checks its values.
             source_bytes = source.view(torch.uint8).numpy()
             step = max(1, CHUNK_BYTES // dtype.itemsize) * dtype.itemsize  # whole values, for the finiteness check
+            exponent = _EXPONENT_BITS.get(dtype, 0)
             for start in range(0, len(source_bytes), step):
-                chunk = source_bytes[start : start + step]
+                chunk, target = source_bytes[start : start + step], span[start : start + step]
                 hasher.update(memoryview(chunk))
-                bad = first_non_finite(chunk, dtype)
-                if bad is not None:
-                    _refuse_non_finite(piece.name, start // dtype.itemsize + bad, rank, version)
-                target = span[start : start + step]
-                if streaming_copy is not None:
-                    streaming_copy(chunk, target, 0)
+                if copy_check is not None:
+                    suspect = copy_check(chunk, target, dtype.itemsize if exponent else 0, exponent)
                 else:
                     np.copyto(target, chunk)
+                    suspect = True
+                bad = first_non_finite(chunk, dtype) if suspect else None
+                if bad is not None:
+                    _refuse_non_finite(piece.name, start // dtype.itemsize + bad, rank, version)
             continue
         target = torch.from_numpy(span).view(dtype)
         step = max(1, CHUNK_BYTES // dtype.itemsize)

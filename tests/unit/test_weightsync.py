@@ -274,9 +274,9 @@ def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, c
     # the result must still be the checksum of the finished part. bfloat16 casts; float32 is the plain-copy path.
     monkeypatch.setattr(codec, "CHUNK_BYTES", chunk_bytes)
     if use_native:
-        assert native.copy_checksum() is not None, "no C compiler for the native copy-and-checksum loop"
+        assert native.copy_check() is not None, "no C compiler for the native copy-and-check loop"
     else:
-        monkeypatch.setattr(native, "copy_checksum", lambda: None)
+        monkeypatch.setattr(native, "copy_check", lambda: None)
     shapes = _hf_shapes(kv_heads=2)
     full = _full_tensors(shapes)
     plan = plan_sync(shapes, 3, _layout(1, 2, dtype), 30_000)
@@ -292,27 +292,31 @@ def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, c
                 assert torch.equal(packed, local[piece.name].to(plan.torch_dtype).reshape(-1)), piece.name
 
 
-def test_native_copy_checksum_equals_the_numpy_arithmetic():
-    # Every alignment case of the C loop: heads and tails off the 64-byte and 8-byte grids, empty and
-    # sub-word spans, a destination whose part does not start 8-aligned (the byte-wise path), a long body.
-    fused = native.copy_checksum()
-    assert fused is not None, "no C compiler for the native copy-and-checksum loop"
-    rng = np.random.default_rng(1)
-    source_block = rng.integers(0, 256, size=(1 << 20) + 300, dtype=np.uint8)
-    for length in [0, 1, 7, 8, 63, 64, 65, 127, 128, 129, 1000, (1 << 20) + 13]:
-        for source_shift, target_shift, position in [(0, 0, 0), (3, 0, 0), (0, 5, 5), (1, 12, 4), (0, 3, 0), (7, 0, 9)]:
-            source = source_block[source_shift : source_shift + length]
-            target_block = np.zeros(length + 80, dtype=np.uint8)
-            target = target_block[target_shift : target_shift + length]
-            expected = _positional_sum(source, position)
-            assert fused(source, target, position) == expected, (length, source_shift, target_shift, position)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_native_loop_copies_exactly_and_finds_every_nan_and_inf(dtype):
+    # Every alignment case of the C loop: heads and tails off the 32-byte grid, empty and one-value spans, a
+    # destination off the values' grid (stored through the cache), a long body; a bad value in the head, the body
+    # and the tail.
+    copy_check = native.copy_check()
+    assert copy_check is not None, "no C compiler for the native copy-and-check loop"
+    exponent = codec._EXPONENT_BITS[dtype]
+    size = dtype.itemsize
+    values = torch.linspace(-100, 100, (1 << 16) + 40, dtype=torch.float32).to(dtype)
+    source_block = values.view(torch.uint8).numpy()
+    for count in [0, 1, 3, 16, 17, 64, 1000, 1 << 16]:
+        for target_shift in [0, size, 3 * size, 1]:
+            source = source_block[: count * size]
+            target_block = np.zeros(count * size + 80, dtype=np.uint8)
+            target = target_block[target_shift : target_shift + count * size]
+            assert not copy_check(source, target, size, exponent), (count, target_shift)
             assert np.array_equal(target, source)
-            assert not target_block[:target_shift].any() and not target_block[target_shift + length :].any()
-
-
-def _positional_sum(data: np.ndarray, position: int) -> int:
-    """The native loop's arithmetic: each byte shifted into its place in a little-endian 64-bit word."""
-    return sum(int(byte) << 8 * ((position + i) % 8) for i, byte in enumerate(data.tolist())) & ((1 << 64) - 1)
+            assert not target_block[:target_shift].any() and not target_block[target_shift + count * size :].any()
+            for index in sorted({0, count // 2, count - 1}) if count else []:
+                for bad in [float("nan"), float("inf"), -float("inf")]:
+                    broken = values[:count].clone()
+                    broken[index] = bad
+                    assert copy_check(broken.view(torch.uint8).numpy(), target, size, exponent), (count, index, bad)
+                    assert not copy_check(broken.view(torch.uint8).numpy(), target, 0, 0)  # width 0: copy only
 
 
 @pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe"])
@@ -464,9 +468,13 @@ def test_a_part_labelled_with_another_version_bucket_or_rank_fails_the_checksum(
     Staging(equal_plan, 3).add(first.index, 0, part, first_digest)  # where it belongs: accepted
 
 
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "numpy"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_weights_never_leave_the_learner(dtype, bad):
+def test_non_finite_weights_never_leave_the_learner(monkeypatch, dtype, bad, use_native):
+    # float32 is the plain-copy path (checked in the native loop, or by numpy), bfloat16 the casting one.
+    if not use_native:
+        monkeypatch.setattr(native, "copy_check", lambda: None)
     shapes = _hf_shapes(kv_heads=2)
     plan = plan_sync(shapes, 1, _layout(1, 2, dtype), 1 << 20)
     weights = _full_tensors(shapes)
