@@ -46,8 +46,8 @@ class SyncConfig:
     def probe_tolerance_for(self, rollout_dtype: str) -> float:
         if self.probe_tolerance is not None:
             return self.probe_tolerance
-        # bf16: clean syncs of the test models and SmolLM2-135M stay at or below a mean of 0.10, a single corrupt
-        # weight, two swapped chunks of a q_proj or the previous version's weights move it by 0.23 or more
+        # bf16: clean syncs of the test models and SmolLM2-135M stay well below a mean of 0.15; one corrupt weight,
+        # two swapped chunks of a q_proj or the previous version's weights move it further (docs/weight-sync.md)
         return 1e-4 if rollout_dtype == "float32" else 0.15
 
     def check(self) -> None:
