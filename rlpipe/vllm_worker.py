@@ -35,16 +35,47 @@ class WeightWriter:
         """Apply a complete set of weights: where each lies in the engine's shared host copy (workers on its host;
         `SharedWeights.message()`), safetensors bytes (workers elsewhere) or the tensors themselves (an in-process
         engine). `in_place` (sync.engine_write) writes into the tensors the engine computes with, where its layers
-        allow (`_writes_in_place`); otherwise vLLM's in-place reload builds each layer anew."""
+        allow (`_writes_in_place`); otherwise vLLM's in-place reload builds each layer anew. Then what the model
+        holds is compared with what it was given (`_check_written`)."""
         if SharedWeights.is_message(weights):
             weights = SharedWeights.from_message(weights)
             # Read tensor by tensor from the one copy every worker of the engine maps, each copied into this
             # worker's own tensors by its loaders; no copy of the version of this worker's own.
             with read_shared_weights(weights) as tensors:
-                return self._rlpipe_apply(tensors, weights.names, in_place)
+                written = self._rlpipe_apply(tensors, weights.names, in_place)
+            with read_shared_weights(weights) as tensors:
+                self._check_written(tensors)
+            return written
         if isinstance(weights, bytes):
             weights = list(decode_weights(weights).items())
-        return self._rlpipe_apply(iter(weights), [name for name, _ in weights], in_place)
+        written = self._rlpipe_apply(iter(weights), [name for name, _ in weights], in_place)
+        self._check_written(iter(weights))
+        return written
+
+    def _check_written(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Compare every tensor of the version with where the model now holds it, whatever tokens the probe sees:
+        raises a `SyncError` naming the first that differs. A tensor is found under its own name, or as its rows
+        of the parameter vLLM fuses it into (q/k/v into qkv_proj, gate/up into gate_up_proj, in that order);
+        embedding rows past the version's (vocabulary padding) are not compared. Skipped where the engine does not
+        hold the tensor as it was given: tensor-parallel slices, layers whose plain weight vLLM dropped after
+        packing it (a reload on CPU), other dtypes or shapes, stacked experts, TPU engines (transposed)."""
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if vllm_platform() == "torchtpu" or get_tensor_model_parallel_world_size() != 1:
+            return
+        model = self.model_runner.get_model()
+        params = dict(model.named_parameters())
+        fused = {part: (whole, parts) for whole, parts in getattr(model, "packed_modules_mapping", {}).items()
+                 for part in parts}
+        given = list(weights)
+        rows = {name: tensor.shape[0] if tensor.dim() else 1 for name, tensor in given}
+        for name, tensor in given:
+            held, start = _held_rows(name, tensor, params, fused, rows)
+            if held is None:
+                continue
+            if not torch.equal(held, tensor):
+                raise SyncError(f"after the write the engine's model does not hold {name} as it was given "
+                                f"(rows {start}-{start + rows[name]} of its parameter differ); the write went wrong")
 
     def _rlpipe_apply(self, weights: Iterator[tuple[str, torch.Tensor]], names: list[str], in_place: bool) -> int:
         if vllm_platform() == "torchtpu":
@@ -190,6 +221,28 @@ class WeightWriter:
             return  # untied, or rlpipe's model, whose output projection reads the embedding itself
         model.lm_head.weight = model.model.embed_tokens.weight
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def _held_rows(name: str, tensor: torch.Tensor, params: dict[str, torch.Tensor], fused: dict[str, tuple[str, list[str]]],
+               rows: dict[str, int]) -> tuple[torch.Tensor | None, int]:
+    """Where the model holds the version's tensor `name` as it was given, and at which row of its parameter; None
+    where it does not hold it that way (see `WeightWriter._check_written`)."""
+    module, start = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else "", 0
+    param = params.get(name)
+    if param is None and module in fused:
+        whole, parts = fused[module]
+        siblings = [name.replace(f".{module}.", f".{part}.") for part in parts]
+        if not all(sibling in rows for sibling in siblings):
+            return None, 0
+        param = params.get(name.replace(f".{module}.", f".{whole}."))
+        start = sum(rows[sibling] for sibling in siblings[: parts.index(module)])
+    if param is None or param.dtype != tensor.dtype or param.numel() == 0:
+        return None, 0
+    if tensor.dim() == 0 or param.dim() != tensor.dim() or param.shape[1:] != tensor.shape[1:]:
+        return (param, 0) if param.shape == tensor.shape else (None, 0)
+    if param.shape[0] < start + tensor.shape[0]:
+        return None, 0
+    return param.data[start : start + tensor.shape[0]], start
 
 
 def _packs_its_gemm(module: torch.nn.Module) -> bool:

@@ -21,7 +21,7 @@ class SyncConfig:
         None,
         "allowed |engine - learner| logprob on the probe after a sync, else it is rolled back: the max over tokens "
         "for a float32 rollout, the mean for bf16 (its kernels differ from the float32 learner on every token); "
-        "null: 1e-4 (float32) or 0.5 (bf16)",
+        "null: 1e-4 (float32) or 0.15 (bf16)",
     )
     probe: Literal["auto", "replay", "decode"] = key(
         "auto",
@@ -46,7 +46,9 @@ class SyncConfig:
     def probe_tolerance_for(self, rollout_dtype: str) -> float:
         if self.probe_tolerance is not None:
             return self.probe_tolerance
-        return 1e-4 if rollout_dtype == "float32" else 0.5
+        # bf16: clean syncs of the test models and SmolLM2-135M stay well below a mean of 0.15; one corrupt weight,
+        # two swapped chunks of a q_proj or the previous version's weights move it further (docs/weight-sync.md)
+        return 1e-4 if rollout_dtype == "float32" else 0.15
 
     def check(self) -> None:
         require(self.bucket_mb > 0, "sync.bucket_mb: must be > 0")

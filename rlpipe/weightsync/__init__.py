@@ -5,7 +5,7 @@ through one `Transport` (transport.py); the plan (layout.py) and the routes (rou
 """
 
 from rlpipe.weightsync.codec import checksum, pack_part
-from rlpipe.weightsync.errors import SyncError
+from rlpipe.weightsync.errors import NonFiniteWeights, SyncError
 from rlpipe.weightsync.probe import DECODE_TOKENS, DecodedProbe, decoded_gaps, probe_gaps
 from rlpipe.weightsync.layout import (
     Bucket,
@@ -29,6 +29,7 @@ __all__ = [
     "Destination",
     "EngineLayout",
     "OutgoingPart",
+    "NonFiniteWeights",
     "Piece",
     "Staging",
     "SyncError",

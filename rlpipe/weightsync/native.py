@@ -1,13 +1,13 @@
-"""Copy-and-checksum in one pass, in C, compiled on first use with this host's C compiler.
+"""Copy-and-check in one pass, in C, compiled on first use with this host's C compiler.
 
-Packing a bucket part is most of a sync's cost on the sender. In numpy it is two passes (copy a chunk, then sum it
-while it is in cache) and the copy's stores go through the cache, which first reads every destination line. This
-loop reads each source word once, adds it to the checksum and writes it with a streaming store that skips that read,
-which beats numpy's copy alone and torch's multi-threaded one (docs/benchmarks.md). The result equals
-`codec.checksum`'s arithmetic exactly, so either side may use either path.
+Packing a bucket part is most of a sync's cost on the sender. In numpy the copy and the check for NaN and inf are two
+passes, and the copy's stores go through the cache, which first reads every destination line. This loop reads each
+source word once, checks its floats' exponent bits and writes it with a streaming store that skips that read, which
+beats numpy's copy alone and torch's multi-threaded one (docs/benchmarks.md). The checksum (XXH3, codec.py) is taken
+over each chunk just before it is copied, while the chunk is in cache.
 
 The compiler is the one torch's inductor already needs on CPU; the library is built once per source and machine
-under `$RLPIPE_CACHE/native`. Without a compiler (or with `RLPIPE_NATIVE=0`) `copy_checksum()` returns None and
+under `$RLPIPE_CACHE/native`. Without a compiler (or with `RLPIPE_NATIVE=0`) `copy_check()` returns None and
 the codec uses numpy.
 """
 
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-# copy_checksum(src, dst, n, position): copy n bytes and return the sum (mod 2^64) of every byte shifted into its
-# place in a little-endian 64-bit word, where byte i sits at `position + i` in the part: over a whole part that is
-# the sum of the part's 64-bit words. Works for any position; the fast body needs (dst - position) 8-aligned,
-# which holds whenever the part's buffer starts 8-aligned (numpy, shared memory and Ray buffers all do).
+# copy_check(src, dst, n, width, mask): copy n bytes; return 1 when some value among them, read as floats of `width`
+# bytes (2, 4 or 8; 0: no check) whose exponent bits are `mask`, has all of them set (inf or NaN), else 0. The values
+# start at src; the streaming stores need dst 32-byte aligned past a head that is a whole number of values (numpy,
+# shared memory and Ray buffers, and the plan's pieces, all give that), else the loop stores through the cache.
 _SOURCE = r"""
 #include <stddef.h>
 #include <stdint.h>
@@ -39,71 +39,61 @@ _SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-static uint64_t bytes_sum(const uint8_t *src, uint8_t *dst, size_t n, size_t position) {
-    uint64_t acc = 0;
-    for (size_t i = 0; i < n; i++) {
-        dst[i] = src[i];
-        acc += (uint64_t)src[i] << (8 * ((position + i) & 7));
+static int scalar_non_finite(const uint8_t *p, size_t n, int width, uint64_t mask) {
+    int bad = 0;
+    if (width == 0) return 0;
+    for (size_t i = 0; i + (size_t)width <= n; i += (size_t)width) {
+        uint64_t value = 0;
+        memcpy(&value, p + i, (size_t)width);
+        bad |= (value & mask) == mask;
     }
-    return acc;
+    return bad;
 }
 
 #ifdef __cplusplus
 extern "C"
 #endif
-uint64_t copy_checksum(const uint8_t *src, uint8_t *dst, size_t n, size_t position) {
-    if ((((uintptr_t)dst - position) & 7) != 0) return bytes_sum(src, dst, n, position);
-    /* head: up to the first 64-byte aligned destination address */
-    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
-    if (head > n) head = n;
-    uint64_t acc = bytes_sum(src, dst, head, position);
-    src += head; dst += head; n -= head; position += head;
-    size_t body = n & ~(size_t)63;
-#if defined(__AVX512F__)
-    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+int copy_check(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t mask) {
+    int bad = 0;
     size_t i = 0;
-    for (; i + 128 <= body; i += 128) {
-        __m512i x = _mm512_loadu_si512((const void *)(src + i));
-        __m512i y = _mm512_loadu_si512((const void *)(src + i + 64));
-        _mm512_stream_si512((__m512i *)(dst + i), x);
-        _mm512_stream_si512((__m512i *)(dst + i + 64), y);
-        a0 = _mm512_add_epi64(a0, x);
-        a1 = _mm512_add_epi64(a1, y);
-    }
-    for (; i < body; i += 64) {
-        __m512i x = _mm512_loadu_si512((const void *)(src + i));
-        _mm512_stream_si512((__m512i *)(dst + i), x);
-        a0 = _mm512_add_epi64(a0, x);
-    }
-    acc += (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
-    _mm_sfence();
-#elif defined(__AVX2__)
-    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-    for (size_t i = 0; i < body; i += 64) {
+#if defined(__AVX2__)
+    size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
+    int streaming = width == 0 || head % (size_t)width == 0;
+    if (!streaming) head = 0;
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    bad |= scalar_non_finite(src, head, width, mask);
+    i = head;
+    __m256i exponent = width == 2 ? _mm256_set1_epi16((short)mask)
+                     : width == 4 ? _mm256_set1_epi32((int)mask) : _mm256_set1_epi64x((long long)mask);
+    __m256i seen = _mm256_setzero_si256();
+    for (; i + 64 <= n; i += 64) {
         __m256i x = _mm256_loadu_si256((const __m256i *)(src + i));
         __m256i y = _mm256_loadu_si256((const __m256i *)(src + i + 32));
-        _mm256_stream_si256((__m256i *)(dst + i), x);
-        _mm256_stream_si256((__m256i *)(dst + i + 32), y);
-        a0 = _mm256_add_epi64(a0, x);
-        a1 = _mm256_add_epi64(a1, y);
+        if (streaming) {
+            _mm256_stream_si256((__m256i *)(dst + i), x);
+            _mm256_stream_si256((__m256i *)(dst + i + 32), y);
+        } else {
+            _mm256_storeu_si256((__m256i *)(dst + i), x);
+            _mm256_storeu_si256((__m256i *)(dst + i + 32), y);
+        }
+        __m256i ex = _mm256_and_si256(x, exponent), ey = _mm256_and_si256(y, exponent);
+        if (width == 2)
+            seen = _mm256_or_si256(seen, _mm256_or_si256(_mm256_cmpeq_epi16(ex, exponent), _mm256_cmpeq_epi16(ey, exponent)));
+        else if (width == 4)
+            seen = _mm256_or_si256(seen, _mm256_or_si256(_mm256_cmpeq_epi32(ex, exponent), _mm256_cmpeq_epi32(ey, exponent)));
+        else if (width == 8)
+            seen = _mm256_or_si256(seen, _mm256_or_si256(_mm256_cmpeq_epi64(ex, exponent), _mm256_cmpeq_epi64(ey, exponent)));
     }
-    uint64_t lanes[4];
-    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi64(a0, a1));
-    acc += lanes[0] + lanes[1] + lanes[2] + lanes[3];
     _mm_sfence();
-#else
-    for (size_t i = 0; i < body; i += 8) {
-        uint64_t word;
-        memcpy(&word, src + i, 8);
-        memcpy(dst + i, &word, 8);
-        acc += word;
-    }
+    bad |= !_mm256_testz_si256(seen, seen);
 #endif
-    return acc + bytes_sum(src + body, dst + body, n - body, position + body);
+    memcpy(dst + i, src + i, n - i);
+    return bad | scalar_non_finite(src + i, n - i, width, mask);
 }
 """
 
-CopyChecksum = Callable[[np.ndarray, np.ndarray, int], int]
+CopyCheck = Callable[[np.ndarray, np.ndarray, int, int], bool]
 
 
 def _cache_dir() -> Path:
@@ -115,12 +105,12 @@ def _cache_dir() -> Path:
 def _build(compiler: str) -> Path:
     flags = ["-O3", "-shared", "-fPIC"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
     key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, platform.machine(), platform.node()]).encode())
-    library = _cache_dir() / f"copy_checksum-{key.hexdigest()[:16]}.so"
+    library = _cache_dir() / f"copy_check-{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        source = Path(scratch) / "copy_checksum.c"
+        source = Path(scratch) / "copy_check.c"
         source.write_text(_SOURCE)
         built = Path(scratch) / library.name
         subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True, timeout=120)
@@ -129,27 +119,28 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
-def copy_checksum() -> CopyChecksum | None:
-    """`fn(source, target, position) -> int`: copy the uint8 array `source` into `target` (same length) and
-    return its checksum contribution at `position` in the part; None where no C compiler is available."""
+def copy_check() -> CopyCheck | None:
+    """`fn(source, target, width, mask) -> bool`: copy the uint8 array `source` into `target` (same length) and say
+    whether some value among them, read as floats of `width` bytes whose exponent bits are `mask`, is inf or NaN
+    (width 0: copy only); None where no C compiler is available."""
     if os.environ.get("RLPIPE_NATIVE", "1") == "0":
         return None
     compiler = next(filter(None, map(shutil.which, [os.environ.get("CC", "cc"), "gcc", "clang", "g++"])), None)
     if compiler is None:
         return None
     try:
-        function = ctypes.CDLL(str(_build(compiler))).copy_checksum
+        function = ctypes.CDLL(str(_build(compiler))).copy_check
     except (OSError, AttributeError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
-        warnings.warn(f"weight sync: building the copy-and-checksum loop failed ({error}; "
+        warnings.warn(f"weight sync: building the copy-and-check loop failed ({error}; "
                       f"{detail.decode(errors='replace').strip()[:200]}); packing uses numpy", stacklevel=2)
         return None
-    function.restype = ctypes.c_uint64
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64]
 
-    def run(source: np.ndarray, target: np.ndarray, position: int) -> int:
+    def run(source: np.ndarray, target: np.ndarray, width: int, mask: int) -> bool:
         if source.nbytes != target.nbytes or not (source.flags.c_contiguous and target.flags.c_contiguous):
-            raise ValueError("copy_checksum needs two contiguous arrays of the same size")
-        return function(source.ctypes.data, target.ctypes.data, source.nbytes, position)
+            raise ValueError("copy_check needs two contiguous arrays of the same size")
+        return bool(function(source.ctypes.data, target.ctypes.data, source.nbytes, width, mask))
 
     return run

@@ -5,6 +5,7 @@ pauses generation, so the same receiver serves every engine and the sync benchma
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import ContextManager, Protocol
@@ -46,10 +47,11 @@ class WeightReceiver:
     (`exact`) or its mean, is at most `tolerance`. Without `keep_previous` no copy is kept to roll back to, and a
     version that fails its check leaves the engine refusing to generate (`unusable`).
 
-    `host_memory()`, where given and not None (the engine's workers read a shared host copy), is where staging
-    assembles every version whose parts arrive as rows (all transports but shared memory's whole buckets): each
-    part is checked and copied into that memory as it arrives, the transport's buffer is never adopted (it goes when
-    `receive` returns), and the write hands the workers the staged tensors where they lie, copying nothing."""
+    Every part is copied out of the transport's buffer into the engine's own staging copy and checked there as it is
+    copied (`Staging`): the engine writes from the very bytes that were checked. `host_memory()`, where given and not
+    None (the engine's workers read a shared host copy), is where staging assembles every version, so the write
+    hands the workers the staged tensors where they lie, copying nothing. The version kept for rolling back is
+    checked again before it is written back."""
 
     def __init__(
         self,
@@ -71,10 +73,10 @@ class WeightReceiver:
         self.unusable: str | None = None  # why the engine must not generate: a failed version and nothing to go back to
         self._host_memory = host_memory
         self._staging: Staging | None = None
-        self._staged_into_host = False  # the version being received is assembled in `host_memory`
-        # The served version's tensors, for rolling back (they may be views of transport buffers), the memory its
-        # staging owns, and owned memory free for the next staging to write into.
+        # The served version's tensors, for rolling back, the staging that checked them, the memory it owns, and
+        # owned memory free for the next staging to write into.
         self._current_weights: Weights | None = None
+        self._current_staging: Staging | None = None
         self._current_owned: Weights = {}
         self._spare_owned: Weights = {}
 
@@ -85,17 +87,13 @@ class WeightReceiver:
         if self._staging is not None:  # an abandoned version: its memory is free again
             self._spare_owned, self._staging = self._staging.owned, None
         memory = self._host_memory() if self._host_memory is not None else None
-        into_host = memory is not None and not self.transport.whole_buckets
         reuse = self._spare_owned
-        if into_host and not _fills(reuse, plan, memory):
+        if memory is not None and not _fills(reuse, plan, memory):
             # Fresh shared memory for the whole version; the spare tensors (elsewhere, or of another plan) go.
             reuse = memory.staging_memory({name: tuple(shape) for name, shape in plan.shapes.items()},
                                           plan.torch_dtype)
         self._spare_owned = {}
-        self._staging = Staging(plan, version, reuse=reuse,
-                                adopt_buffers=self.transport.stable_receive_buffers and not into_host,
-                                whole_buckets=self.transport.whole_buckets)
-        self._staged_into_host = into_host
+        self._staging = Staging(plan, version, reuse=reuse, whole_buckets=self.transport.whole_buckets)
 
     def receive(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:
         """Take learner rank `rank`'s part of `bucket` from the transport and check it; returns its size."""
@@ -150,6 +148,9 @@ class WeightReceiver:
             gap, statistic = (gap_max, "max") if self.exact else (gap_mean, "mean")
             if failure or not gap <= self.tolerance:  # `not <=` also catches NaN
                 self._spare_owned = staging.owned
+                if failure is None and not math.isfinite(gap):
+                    failure = ("after writing, the engine's probe logprobs are not finite (NaN or inf): the weights "
+                               "as written make the model's outputs overflow")
                 message = f"weight sync v{version}: " + (
                     failure
                     if failure
@@ -159,11 +160,8 @@ class WeightReceiver:
                 if not self.keep_previous:
                     self.unusable = message + "; no previous weights were kept (sync.keep_previous: false)"
                     raise SyncError(self.unusable)
-                self._write(self._previous_weights())
-                raise SyncError(message + f"; the engine rolled back to version {self.policy_version}")
-            # A version staged in host memory is the engine's own copy, not a view of transport buffers: kept as it
-            # is for rolling back, even after a rehearsal.
-            self._keep(weights, staging, rehearsal and not self._staged_into_host)
+                self._roll_back(message)
+            self._keep(weights, staging)
             if not rehearsal:
                 self.policy_version = version
             self.unusable = None
@@ -175,23 +173,25 @@ class WeightReceiver:
                 "probe": probe,
             }
 
-    def _keep(self, weights: Weights, staging: Staging, rehearsal: bool) -> None:
-        """Keep what a rollback needs of the version now served, and recycle the memory it no longer needs."""
+    def _keep(self, weights: Weights, staging: Staging) -> None:
+        """Keep what a rollback needs of the version now served (staging's own memory: the engine's copy, never a
+        view of transport buffers), and recycle the memory the replaced version no longer needs."""
         if not self.keep_previous:
             self._spare_owned = staging.owned
-        elif rehearsal:
-            # The weights served now, kept for rolling back. Copied: adopted tensors view transport buffers that the
-            # next version may write.
-            self._spare_owned = staging.owned
-            self._current_owned = {name: torch.empty_like(t).copy_(t) for name, t in weights.items()}
-            self._current_weights = dict(self._current_owned)
-        else:
-            # The replaced version's memory receives the one after this, if this one needed memory of its own;
-            # where staging used every tensor in place (the shm transport, one rank through the object store) the
-            # next will too, and the rehearsal's rollback copy is freed rather than kept for the whole run.
-            self._spare_owned = self._current_owned if staging.owned else {}
-            self._current_owned = staging.owned
-            self._current_weights = weights
+            return
+        self._spare_owned = self._current_owned
+        self._current_owned, self._current_weights, self._current_staging = staging.owned, weights, staging
+
+    def _roll_back(self, failure: str) -> None:
+        """Write the previous version back, once it checks out against the checksums it arrived with; raises."""
+        previous = self._previous_weights()
+        changed = self._current_staging.verify() if self._current_staging is not None else None
+        if changed is not None:
+            self.unusable = (f"{failure}; the copy of version {self.policy_version} kept for rolling back is corrupt "
+                             f"({changed}), so the engine serves nothing until a version arrives whole")
+            raise SyncError(self.unusable)
+        self._write(previous)
+        raise SyncError(failure + f"; the engine rolled back to version {self.policy_version}")
 
     def _previous_weights(self) -> Weights:
         if self._current_weights is None:  # version 0: what the engine loaded

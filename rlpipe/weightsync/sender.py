@@ -33,7 +33,8 @@ def stream_parts(
     plan: SyncPlan, rank: int, local: Mapping[str, torch.Tensor], transport, version: int
 ) -> Iterator[OutgoingPart]:
     """This rank's non-empty parts in bucket order. While the caller ships one part, the next ones are being
-    packed (cast, copy, checksum) in a worker thread, so packing and transfer overlap."""
+    packed (cast, copy, checksum, the check for NaN and inf) in a worker thread, so packing and transfer overlap.
+    A tensor holding NaN or inf raises `NonFiniteWeights` before its bucket leaves the rank."""
     buckets = [bucket for bucket in plan.buckets if bucket.part_bytes(rank)]
     dtype = plan.torch_dtype
 
@@ -41,7 +42,7 @@ def stream_parts(
         bucket = buckets[index]
         whole = transport.whole_buckets
         buffer = transport.allocate(bucket.nbytes if whole else bucket.part_bytes(rank), bucket.index, version)
-        digest = pack_part(bucket, rank, local, dtype, buffer, whole_bucket=whole)
+        digest = pack_part(bucket, rank, local, dtype, buffer, whole_bucket=whole, version=version)
         handle, deliver = transport.send(buffer)
         return OutgoingPart(bucket.index, rank, buffer.nbytes, bucket.part_bytes(rank), digest, handle, deliver)
 

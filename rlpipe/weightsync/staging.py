@@ -3,16 +3,14 @@ tensors before anything is written to the engine."""
 
 from __future__ import annotations
 
-import math
 import threading
-import warnings
 
 import numpy as np
 import torch
 
-from rlpipe.weightsync.codec import part_checksum
+from rlpipe.weightsync.codec import copy_hashed, part_hasher
 from rlpipe.weightsync.errors import SyncError
-from rlpipe.weightsync.layout import SyncPlan
+from rlpipe.weightsync.layout import Bucket, SyncPlan
 
 
 class Staging:
@@ -21,16 +19,17 @@ class Staging:
     Nothing here touches the engine: a version is handed over only when complete and every checksum matched.
     Parts may arrive in any order and from several threads.
 
-    With `adopt_buffers` (the transport's received buffers stay valid and unchanged while this version may still be
-    needed), a tensor whose rows all arrive in one part is used in place, as a view of that buffer, instead of
-    being copied: with one learner rank that is every tensor, and the engine's side of the transfer is just the
-    checksum. Tensors assembled from several ranks' rows are copied into memory this staging owns (`owned`), which
-    a later staging may write over (`reuse`: fresh memory costs a page fault per 4 KiB). With `whole_buckets`
-    (the transport hands every rank's part of a bucket in one buffer, the rows already in place: shared memory)
-    the bucket's tensors are used in place once every rank's rows in it checked out, whatever the rank count.
-    Without `adopt_buffers`, and with `reuse` laid out for every tensor of the plan in shared memory (the engine's
-    host copy, `HostCopy.staging_memory`), each part is copied into that memory as it arrives and its buffer is
-    free as soon as `add` returns: the version is assembled where the engine's workers read it.
+    Every part is copied out of the transport's buffer into memory this staging owns (`owned`), a chunk at a time,
+    and its checksum is taken over each chunk as written there (`codec.copy_hashed`): what the engine later writes
+    from is exactly what was checked, whatever happens to the transport's buffer (shared memory the learner writes
+    into, the object store) after the part arrived. A later staging may write over the memory (`reuse`: fresh memory
+    costs a page fault per 4 KiB); with `reuse` laid out for every tensor of the plan in shared memory (the engine's
+    host copy, `HostCopy.staging_memory`), the version is assembled where the engine's workers read it. With
+    `whole_buckets` (the transport hands every rank's part of a bucket in one buffer, the rows already in place:
+    shared memory) each rank's rows are read where they lie in the bucket's whole tensors.
+
+    The checksums stay with the staging: `verify()` checks the assembled tensors against them again, before a
+    version kept for rolling back is written back.
     """
 
     def __init__(
@@ -38,12 +37,10 @@ class Staging:
         plan: SyncPlan,
         version: int,
         reuse: dict[str, torch.Tensor] | None = None,
-        adopt_buffers: bool = False,
         whole_buckets: bool = False,
     ):
         self.plan = plan
         self.version = version
-        self.adopt_buffers = adopt_buffers
         self.whole_buckets = whole_buckets
         self.tensors: dict[str, torch.Tensor] = {}
         self.owned: dict[str, torch.Tensor] = {}
@@ -51,7 +48,8 @@ class Staging:
         self._expected = {
             (bucket.index, rank) for bucket in plan.buckets for rank in range(plan.learner_ranks) if bucket.part_bytes(rank)
         }
-        self._received: set[tuple[int, int]] = set()
+        self._received: dict[tuple[int, int], int] = {}  # (bucket, rank) -> the checksum it matched
+        self._arriving: set[tuple[int, int]] = set()  # being copied in now
         self.bytes_received = 0
         self._lock = threading.Lock()
 
@@ -64,6 +62,12 @@ class Staging:
                 self.tensors[name] = self.owned[name]
             return self.owned[name]
 
+    def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """The bytes of rows [start, stop) of this staging's tensor `name`, as a writable uint8 array."""
+        target = self._owned_tensor(name)
+        rows = target if target.dim() == 0 else target[start:stop]
+        return rows.reshape(-1).view(torch.uint8).numpy()
+
     def add(self, bucket_index: int, rank: int, buffer: np.ndarray, expected_checksum: int) -> None:
         if not 0 <= bucket_index < len(self.plan.buckets) or not 0 <= rank < self.plan.learner_ranks:
             raise SyncError(f"weight sync v{self.version}: no bucket {bucket_index} from rank {rank} in the plan")
@@ -74,54 +78,53 @@ class Staging:
                 f"weight sync v{self.version}: bucket {bucket_index} from rank {rank} has {buffer.nbytes} bytes, "
                 f"the plan says {size}"
             )
-        actual = part_checksum(bucket, rank, buffer, self.whole_buckets)
+        with self._lock:
+            if (bucket_index, rank) in self._arriving or (bucket_index, rank) in self._received:
+                raise SyncError(f"weight sync v{self.version}: bucket {bucket_index} from rank {rank} arrived twice")
+            self._arriving.add((bucket_index, rank))
+        try:
+            actual = self._copy_in(bucket, rank, buffer)
+        finally:
+            with self._lock:
+                self._arriving.discard((bucket_index, rank))
         if actual != expected_checksum:
             raise SyncError(
                 f"weight sync v{self.version}: bucket {bucket_index} from learner rank {rank} is corrupt "
                 f"(checksum {actual:#018x}, sent {expected_checksum:#018x}); the engine keeps its weights"
             )
-        with warnings.catch_warnings():  # buffers from the object store are read-only; they are only read here
-            warnings.simplefilter("ignore", UserWarning)
-            source = torch.from_numpy(buffer.reshape(-1).view(np.uint8))
-        dtype = self.plan.torch_dtype
-        if self.whole_buckets:
-            self._arrived(bucket_index, rank, bucket.part_bytes(rank))
-            senders = {r for r in range(self.plan.learner_ranks) if bucket.part_bytes(r)}
-            with self._lock:
-                if not senders <= {r for b, r in self._received if b == bucket_index}:
-                    return
-            for name, offset in zip(bucket.names, bucket.tensor_offsets):
-                shape = tuple(self.plan.shapes[name])
-                whole = source[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                if self.adopt_buffers:
-                    with self._lock:
-                        self.tensors[name] = whole
-                else:
-                    self._owned_tensor(name).copy_(whole)
-            return
-        for piece in bucket.parts[rank]:
-            shape = tuple(self.plan.shapes[piece.name])
-            rows = source[piece.offset : piece.offset + piece.nbytes].view(dtype)
-            whole = not shape or (piece.start == 0 and piece.stop == shape[0])
-            if whole and self.adopt_buffers:
-                with self._lock:
-                    self.tensors[piece.name] = rows.view(shape)
-                continue
-            target = self._owned_tensor(piece.name)
-            part = target if target.dim() == 0 else target[piece.start : piece.stop]
-            part.copy_(rows.view(part.shape))
-        self._arrived(bucket_index, rank, size)
-
-    def _arrived(self, bucket_index: int, rank: int, nbytes: int) -> None:
         with self._lock:
-            if (bucket_index, rank) in self._received:
-                raise SyncError(f"weight sync v{self.version}: bucket {bucket_index} from rank {rank} arrived twice")
-            self._received.add((bucket_index, rank))
-            self.bytes_received += nbytes
+            self._received[(bucket_index, rank)] = expected_checksum
+            self.bytes_received += bucket.part_bytes(rank)
+
+    def _copy_in(self, bucket: Bucket, rank: int, buffer: np.ndarray) -> int:
+        """Copy `rank`'s rows of `bucket` from `buffer` into this staging's tensors; the checksum of what was written."""
+        data = buffer.reshape(-1).view(np.uint8)
+        hasher = part_hasher(self.version, bucket.index, rank)
+        for piece in bucket.parts[rank]:
+            position = piece.bucket_offset if self.whole_buckets else piece.offset
+            copy_hashed(data[position : position + piece.nbytes], self._rows(piece.name, piece.start, piece.stop),
+                        hasher)
+        return hasher.intdigest()
+
+    def verify(self) -> str | None:
+        """Check the assembled tensors against the checksums the parts matched on arrival; None if every part is
+        intact, else which part changed since. Reads the whole version once (used before a rollback writes it)."""
+        with self._lock:
+            received = dict(self._received)
+        for (bucket_index, rank), digest in sorted(received.items()):
+            bucket = self.plan.buckets[bucket_index]
+            hasher = part_hasher(self.version, bucket_index, rank)
+            for piece in bucket.parts[rank]:
+                hasher.update(memoryview(self._rows(piece.name, piece.start, piece.stop)))
+            if hasher.intdigest() != digest:
+                names = sorted({piece.name for piece in bucket.parts[rank]})
+                return (f"bucket {bucket_index} from learner rank {rank} of version {self.version} changed since it "
+                        f"was checked ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+        return None
 
     def missing(self) -> list[tuple[int, int]]:
         with self._lock:
-            return sorted(self._expected - self._received)
+            return sorted(self._expected - set(self._received))
 
     def complete(self) -> dict[str, torch.Tensor]:
         missing = self.missing()
@@ -130,4 +133,5 @@ class Staging:
                 f"weight sync v{self.version}: {len(missing)} bucket parts never arrived "
                 f"(first: bucket {missing[0][0]} from rank {missing[0][1]}); the engine keeps its weights"
             )
+        self._reuse = {}  # what it did not use is the receiver's to hand on or free
         return {name: self.tensors[name] for name in self.plan.shapes}

@@ -16,10 +16,8 @@ Buffers are kept per bucket and reused by later versions: touching freshly mappe
 Shared memory sets up both of its segment sets with the first version, faulted in on every side (see
 SharedMemoryTransport).
 
-`stable_receive_buffers`: what `receive` yields stays valid and unchanged until two versions later, so the engine
-may use it in place instead of copying it (see `Staging`). True for the object store (an object never changes
-and stays while referenced) and for shared memory (the sender alternates two segment sets by version parity, so
-version v+1 never writes the segments of version v, which the engine may still need to roll back to).
+An engine copies every part out of what `receive` yields, checking it as it copies (`Staging`): nothing it writes
+later is read from a transport's buffer.
 
 - `ray`:  the Ray object store (default; works across hosts). The handle is an object reference.
 - `shm`:  POSIX shared memory on one host. The learner packs straight into a named segment; the handle is its name.
@@ -134,7 +132,6 @@ class Transport(abc.ABC):
     """One end of the weight channel, on a learner rank (the sender) or an engine (the receiver)."""
 
     name: str
-    stable_receive_buffers: bool  # see the module's docstring
     whole_buckets = False  # every rank's part of a bucket arrives in one buffer, rows in place (shared memory)
 
     def set_routes(self, routes: list[str], whole_buckets: bool) -> None:
@@ -199,7 +196,6 @@ class RayTransport(_BufferPool):
     """ray.put copies the packed buffer into the object store, so the buffer is free for the next version."""
 
     name = "ray"
-    stable_receive_buffers = True
 
     def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
         import ray
@@ -225,7 +221,6 @@ class SharedMemoryTransport(Transport):
     rehearsal in a run, sets both sets up, and every later one takes no page fault."""
 
     name = "shm"
-    stable_receive_buffers = True
     whole_buckets = True
 
     def __init__(self) -> None:
@@ -382,7 +377,6 @@ class AutoTransport(Transport):
     segment name, the object reference); each engine reads it the way its route from that rank says."""
 
     name = "auto"
-    stable_receive_buffers = True
 
     def __init__(self) -> None:
         self._shm, self._ray = SharedMemoryTransport(), RayTransport()
@@ -442,7 +436,6 @@ class GlooTransport(_BufferPool):
     learners' own group so that neither knows about the other's collectives."""
 
     name = "gloo"
-    stable_receive_buffers = False  # received into one scratch buffer
 
     def __init__(self) -> None:
         super().__init__()

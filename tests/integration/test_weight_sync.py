@@ -6,6 +6,7 @@ import dataclasses
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,7 +57,13 @@ def _perturb(learner: Learner, seed: int) -> None:
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
 
 
-def _send(engine, learner, plan, version, corrupt_bucket=None):
+def _flip_middle_byte(buffer, bucket, plan):
+    buffer[len(buffer) // 2] ^= 0xFF
+
+
+def _send(engine, learner, plan, version, corrupt_bucket=None, fault=_flip_middle_byte):
+    """Sync the learner's weights as `version`; `fault(buffer, bucket, plan)` changes `corrupt_bucket`'s bytes in
+    the shared segment after the checksum was taken, as a fault in transit would."""
     transport = make_transport("shm")
     engine.sync.begin(plan, version)
     try:
@@ -65,7 +72,9 @@ def _send(engine, learner, plan, version, corrupt_bucket=None):
                 from multiprocessing import shared_memory
 
                 segment = shared_memory.SharedMemory(name=part.handle)
-                segment.buf[part.nbytes // 2] ^= 0xFF  # a fault in transit, after the checksum was taken
+                buffer = np.ndarray((part.nbytes,), dtype=np.uint8, buffer=segment.buf)
+                fault(buffer, plan.buckets[part.bucket], plan)
+                del buffer
                 segment.close()
             engine.sync.receive(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
             part.deliver()
@@ -103,6 +112,56 @@ def test_a_corrupt_bucket_is_detected_and_the_engine_keeps_its_version(setup):
     # The next clean sync goes through.
     _send(engine, learner, plan, version + 1)
     assert engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+
+
+def _swap_two_embedding_rows(buffer, bucket, plan):
+    """Rows 90 and 91 of the embedding trade places: tokens the probe never feeds the engine."""
+    name = "model.embed_tokens.weight"
+    offset = bucket.tensor_offsets[bucket.names.index(name)]
+    row = plan.shapes[name][1] * plan.torch_dtype.itemsize
+    first, second = offset + 90 * row, offset + 91 * row
+    kept = buffer[first : first + row].copy()
+    buffer[first : first + row] = buffer[second : second + row]
+    buffer[second : second + row] = kept
+
+
+def test_swapped_rows_of_tokens_the_probe_never_sees_are_refused_on_arrival(setup):
+    engine, learner, plan = setup
+    before, version = engine.sequence_logprobs(PROBE), engine.policy_version
+    assert not {90, 91} & set(PROBE)
+    bucket = next(b.index for b in plan.buckets if "model.embed_tokens.weight" in b.names)
+    _perturb(learner, 5)
+    with pytest.raises(SyncError, match=rf"v{version + 1}: bucket {bucket} from learner rank 0 is corrupt"):
+        _send(engine, learner, plan, version + 1, corrupt_bucket=bucket, fault=_swap_two_embedding_rows)
+    assert engine.policy_version == version
+    assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
+
+
+def test_a_write_that_leaves_a_tensor_the_probe_never_sees_wrong_is_rolled_back(setup, monkeypatch):
+    """The engine compares every tensor it holds after the write with what it was given: a loader that swapped two
+    embedding rows of tokens the probe never feeds it fails the sync, though the probe itself would pass."""
+    from rlpipe.vllm_worker import WeightWriter
+
+    engine, learner, plan = setup
+    before, version = engine.sequence_logprobs(PROBE), engine.policy_version
+    _perturb(learner, 6)
+    _send(engine, learner, plan, version + 1)
+    apply, faults = WeightWriter._rlpipe_apply, [1]
+
+    def faulty_apply(self, weights, names, in_place):
+        written = apply(self, weights, names, in_place)
+        if faults and faults.pop():  # the first write only: the rollback after it is intact
+            embedding = self.model_runner.get_model().get_parameter("model.embed_tokens.weight").data
+            embedding[[90, 91]] = embedding[[91, 90]].clone()
+        return written
+
+    monkeypatch.setattr(WeightWriter, "_rlpipe_apply", faulty_apply)
+    with pytest.raises(SyncError, match=rf"v{version + 1}: writing the weights failed .*does not hold "
+                                        rf"model\.embed_tokens\.weight as it was given .* rolled back to version "
+                                        rf"{version}"):
+        engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
+    assert engine.policy_version == version and not faults
+    assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
 
 
 def test_a_failed_probe_rolls_the_engine_back(setup):

@@ -216,7 +216,7 @@ def test_bad_sync_settings_name_their_key(override):
 
 def test_probe_tolerance_follows_the_rollout_dtype_unless_set():
     sync = load_config(None, []).sync
-    assert sync.probe_tolerance_for("float32") == 1e-4 and sync.probe_tolerance_for("bfloat16") == 0.5
+    assert sync.probe_tolerance_for("float32") == 1e-4 and sync.probe_tolerance_for("bfloat16") == 0.15
     assert load_config(None, ["sync.probe_tolerance=1e-5"]).sync.probe_tolerance_for("bfloat16") == 1e-5
 
 

@@ -89,9 +89,10 @@ def test_a_missing_copy_is_a_sync_error():
             list(tensors)
 
 
-def test_tensors_in_the_transports_segments_are_read_where_they_are():
-    """With the shm transport staging uses the learner's segments in place; the engine's workers read them there
-    and the engine copies nothing."""
+def test_a_version_over_shm_is_the_engines_own_checked_copy_whatever_the_segment_holds_later():
+    """Over the shm transport the engine copies each part out of the learner's segment into its host copy, checking
+    it as it copies: a bit changed in the segment after the part arrived (before the write) reaches nothing the
+    workers read."""
     from tests.unit.test_weightsync import _hf_shapes, _layout
 
     generator = torch.Generator().manual_seed(1)
@@ -101,22 +102,27 @@ def test_tensors_in_the_transports_segments_are_read_where_they_are():
     sender, receiver = make_transport("shm"), make_transport("shm")
     from rlpipe.weightsync.staging import Staging
 
-    staging = Staging(plan, 1, adopt_buffers=True, whole_buckets=True)
+    host = HostCopy(locate_in(receiver.shared_segments))
+    memory = host.staging_memory(dict(plan.shapes), plan.torch_dtype)
+    staging = Staging(plan, 1, reuse=memory, whole_buckets=True)
     try:
         for part in stream_parts(plan, 0, weights, sender, 1):
             with receiver.receive(part.handle, part.rank, part.nbytes) as buffer:
                 staging.add(part.bucket, part.rank, buffer, part.checksum)
             part.deliver()
+        assert receiver.shared_segments()
+        for _, view in receiver._attached.values():
+            view[:] ^= 0x01  # every byte of the learner's segments changes after arrival
         staged = staging.complete()
-        host = HostCopy(locate_in(receiver.shared_segments))
+        assert staging.verify() is None
         with host.publish(staged) as shared:
-            assert host.bytes_copied == 0 and host.bytes_referenced == sum(t.nbytes for t in shared.tensors)
-            assert all(t.path.startswith("/dev/shm/rlpipe-") and "-host-" not in t.path for t in shared.tensors)
+            assert host.bytes_copied == 0  # staged where the workers read it
+            assert all("-host-" in t.path for t in shared.tensors)
             with read_shared_weights(shared) as tensors:
                 assert all(torch.equal(tensor, weights[name]) for name, tensor in tensors)
-            assert _ours(host, "/dev/shm") == []  # nothing of the engine's own was made
-        del staged, staging
+        del staged, staging, memory
     finally:
+        host.close()
         receiver.close()
         sender.close()
 

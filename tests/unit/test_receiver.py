@@ -148,3 +148,35 @@ def test_every_transport_implements_the_whole_interface(name):
     transport.select([0])
     transport.release()
     transport.close()
+
+
+def test_a_rollback_copy_changed_since_it_arrived_is_never_written_back(channel):
+    shapes, engine, receiver, send = channel
+    receiving = receiver()
+    first, second = _full_tensors(shapes, seed=1), _full_tensors(shapes, seed=2)
+    served = []
+    write = receiving._write
+    receiving._write = lambda weights: (served.append(weights), write(weights))
+    send(receiving, 1, first)
+    receiving.commit(1, PROBE, expected_for(first))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    served[0][name].view(torch.int32).view(-1)[7] ^= 1 << 30  # a bit of the kept copy flips while version 1 serves
+    send(receiving, 2, second)
+    with pytest.raises(SyncError, match=r"v2: .*differ.* copy of version 1 kept for rolling back is corrupt "
+                                        r"\(bucket \d+ from learner rank \d+ of version 1 changed .*q_proj"):
+        receiving.commit(2, PROBE, expected_for(first))
+    assert len(engine.writes) == 2  # the corrupt copy was not written back
+    assert receiving.unusable and "corrupt" in receiving.unusable
+    receiving.close()
+
+
+def test_a_probe_that_comes_back_nan_says_so(channel):
+    shapes, engine, receiver, send = channel
+    engine.probe = lambda tokens: [0.0] + [float("nan")] * (len(tokens) - 1)
+    receiving = receiver()
+    weights = _full_tensors(shapes, seed=1)
+    send(receiving, 1, weights)
+    with pytest.raises(SyncError, match=r"v1: after writing, the engine's probe logprobs are not finite \(NaN or inf\)"
+                                        r".* rolled back to version 0"):
+        receiving.commit(1, PROBE, expected_for(weights))
+    receiving.close()

@@ -81,7 +81,7 @@ def test_each_engine_receives_every_bucket_by_its_own_route(local_ray, hosts):
             receiver.set_routes(routes.from_ranks(engine), routes.whole_buckets)
         parts = [p for rank, sender in enumerate(senders) for p in stream_parts(plan, rank, _local_shards(full, rank, ranks), sender, 1)]
         for engine, receiver in enumerate(receivers):
-            staging = Staging(plan, 1, adopt_buffers=True, whole_buckets=receiver.whole_buckets)
+            staging = Staging(plan, 1, whole_buckets=receiver.whole_buckets)
             for part in parts:
                 # Each handle carries only what its sender's routes need.
                 assert set(part.handle) == set(routes.to_engines(part.rank))

@@ -15,6 +15,7 @@ from rlpipe.weightsync import codec, native
 from rlpipe.parallel.mesh import find_free_port
 from rlpipe.weightsync import (
     EngineLayout,
+    NonFiniteWeights,
     Staging,
     SyncError,
     checksum,
@@ -269,14 +270,13 @@ def test_checksum_notices_any_changed_word_and_length():
      (6, "float32", False), (1 << 20, "float32", False), (1 << 20, "float32", True)],
 )
 def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, chunk_bytes, dtype, use_native):
-    # The checksum is summed chunk by chunk (or piece by piece in the native loop) as the buffer fills; chunks
-    # of 3 or 5 values and bf16 pieces end off the 8-byte word grid, and the result must still be the checksum
-    # of the finished buffer. bfloat16 casts; float32 is the plain-copy path.
-    monkeypatch.setattr(codec, "_PACK_CHUNK_BYTES", chunk_bytes)
+    # The checksum is hashed chunk by chunk as the buffer fills; chunks of 3 or 5 values end off any word grid, and
+    # the result must still be the checksum of the finished part. bfloat16 casts; float32 is the plain-copy path.
+    monkeypatch.setattr(codec, "CHUNK_BYTES", chunk_bytes)
     if use_native:
-        assert native.copy_checksum() is not None, "no C compiler for the native copy-and-checksum loop"
+        assert native.copy_check() is not None, "no C compiler for the native copy-and-check loop"
     else:
-        monkeypatch.setattr(native, "copy_checksum", lambda: None)
+        monkeypatch.setattr(native, "copy_check", lambda: None)
     shapes = _hf_shapes(kv_heads=2)
     full = _full_tensors(shapes)
     plan = plan_sync(shapes, 3, _layout(1, 2, dtype), 30_000)
@@ -284,43 +284,53 @@ def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, c
         local = _local_shards(full, rank, 3)
         for bucket in plan.buckets:
             buffer = np.full(bucket.part_bytes(rank), 0xAB, dtype=np.uint8)
-            assert pack_part(bucket, rank, local, plan.torch_dtype, buffer) == checksum(buffer)
+            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, version=5)
+            assert digest == codec.part_checksum(bucket, rank, buffer, version=5) == checksum(
+                buffer, codec.part_seed(5, bucket.index, rank))
             for piece in bucket.parts[rank]:
                 packed = torch.from_numpy(buffer[piece.offset : piece.offset + piece.nbytes]).view(plan.torch_dtype)
                 assert torch.equal(packed, local[piece.name].to(plan.torch_dtype).reshape(-1)), piece.name
 
 
-def test_native_copy_checksum_equals_the_numpy_arithmetic():
-    # Every alignment case of the C loop: heads and tails off the 64-byte and 8-byte grids, empty and
-    # sub-word spans, a destination whose part does not start 8-aligned (the byte-wise path), a long body.
-    fused = native.copy_checksum()
-    assert fused is not None, "no C compiler for the native copy-and-checksum loop"
-    rng = np.random.default_rng(1)
-    source_block = rng.integers(0, 256, size=(1 << 20) + 300, dtype=np.uint8)
-    for length in [0, 1, 7, 8, 63, 64, 65, 127, 128, 129, 1000, (1 << 20) + 13]:
-        for source_shift, target_shift, position in [(0, 0, 0), (3, 0, 0), (0, 5, 5), (1, 12, 4), (0, 3, 0), (7, 0, 9)]:
-            source = source_block[source_shift : source_shift + length]
-            target_block = np.zeros(length + 80, dtype=np.uint8)
-            target = target_block[target_shift : target_shift + length]
-            expected = codec._positional_sum(source, position)
-            assert fused(source, target, position) == expected, (length, source_shift, target_shift, position)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_native_loop_copies_exactly_and_finds_every_nan_and_inf(dtype):
+    # Every alignment case of the C loop: heads and tails off the 32-byte grid, empty and one-value spans, a
+    # destination off the values' grid (stored through the cache), a long body; a bad value in the head, the body
+    # and the tail.
+    copy_check = native.copy_check()
+    assert copy_check is not None, "no C compiler for the native copy-and-check loop"
+    exponent = codec._EXPONENT_BITS[dtype]
+    size = dtype.itemsize
+    values = torch.linspace(-100, 100, (1 << 16) + 40, dtype=torch.float32).to(dtype)
+    source_block = values.view(torch.uint8).numpy()
+    for count in [0, 1, 3, 16, 17, 64, 1000, 1 << 16]:
+        for target_shift in [0, size, 3 * size, 1]:
+            source = source_block[: count * size]
+            target_block = np.zeros(count * size + 80, dtype=np.uint8)
+            target = target_block[target_shift : target_shift + count * size]
+            assert not copy_check(source, target, size, exponent), (count, target_shift)
             assert np.array_equal(target, source)
-            assert not target_block[:target_shift].any() and not target_block[target_shift + length :].any()
+            assert not target_block[:target_shift].any() and not target_block[target_shift + count * size :].any()
+            for index in sorted({0, count // 2, count - 1}) if count else []:
+                for bad in [float("nan"), float("inf"), -float("inf")]:
+                    broken = values[:count].clone()
+                    broken[index] = bad
+                    assert copy_check(broken.view(torch.uint8).numpy(), target, size, exponent), (count, index, bad)
+                    assert not copy_check(broken.view(torch.uint8).numpy(), target, 0, 0)  # width 0: copy only
 
 
 @pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize("adopt", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 @pytest.mark.parametrize("whole", [False, True], ids=["parts", "whole-buckets"])
-def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, adopt, experts, whole):
+def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, experts, whole):
     """With experts: stacked [E, ...] tensors whose expert dimension (4) splits 2 + 2 or 2 + 2 + 0 over the ranks.
     `whole`: every rank writes its rows into one buffer per bucket, as over shared memory."""
     shapes = {**_hf_shapes(kv_heads=2), **(_moe_shapes() if experts else {})}
     full = _full_tensors(shapes)
     layout = _moe_layout(1, dtype=dtype) if experts else _layout(1, 2, dtype)
     plan = plan_sync(shapes, ranks, layout, 30_000)
-    staging = Staging(plan, version=1, adopt_buffers=adopt, whole_buckets=whole)
+    staging = Staging(plan, version=1, whole_buckets=whole)
     shared = {bucket.index: np.full(bucket.nbytes, 0xAB, dtype=np.uint8) for bucket in plan.buckets}
     for rank in reversed(range(ranks)):  # arrival order does not matter
         local = _local_shards(full, rank, ranks)
@@ -328,16 +338,19 @@ def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, adopt, ex
             if not bucket.part_bytes(rank):
                 continue
             buffer = shared[bucket.index] if whole else np.empty(bucket.part_bytes(rank), dtype=np.uint8)
-            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, whole_bucket=whole)
+            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, whole_bucket=whole, version=1)
             staging.add(bucket.index, rank, buffer, digest)
     assembled = staging.complete()
     assert list(assembled) == list(plan.shapes)
     for name, tensor in full.items():
         torch.testing.assert_close(assembled[name], tensor.to(getattr(torch, dtype)), rtol=0, atol=0)
-    # Adopted tensors are the received buffers themselves; only tensors split over ranks into separate parts
-    # are copied.
-    split = {name for name, shape in shapes.items() if shape[0] > 1 and ranks > 1 and not whole}
-    assert set(staging.owned) == (split if adopt else set(shapes))
+    # Every tensor is the engine's own copy, checked as it was copied: nothing views a transport buffer.
+    assert set(staging.owned) == set(shapes)
+    for buffer in shared.values():
+        buffer[:] = 0
+    torch.testing.assert_close(assembled[next(iter(shapes))], full[next(iter(shapes))].to(getattr(torch, dtype)),
+                               rtol=0, atol=0)
+    assert staging.verify() is None
     reused = Staging(plan, version=2, reuse=staging.owned)
     if staging.owned:
         name = next(iter(staging.owned))
@@ -350,7 +363,7 @@ def test_a_corrupt_short_or_missing_part_is_refused():
     plan = plan_sync(shapes, 2, _layout(1, 2), 30_000)
     bucket = plan.buckets[1]
     buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
-    digest = pack_part(bucket, 0, _local_shards(full, 0, 2), torch.float32, buffer)
+    digest = pack_part(bucket, 0, _local_shards(full, 0, 2), torch.float32, buffer, version=3)
     corrupt = buffer.copy()
     corrupt[len(corrupt) // 2] ^= 1
     staging = Staging(plan, version=3)
@@ -371,16 +384,118 @@ def test_in_a_shared_bucket_each_ranks_rows_are_checked_on_their_own():
     plan = plan_sync(shapes, 2, _layout(1, 2), 30_000)
     bucket = next(b for b in plan.buckets if b.part_bytes(0) and b.part_bytes(1))
     buffer = np.zeros(bucket.nbytes, dtype=np.uint8)
-    digests = [pack_part(bucket, rank, _local_shards(full, rank, 2), torch.float32, buffer, whole_bucket=True)
+    digests = [pack_part(bucket, rank, _local_shards(full, rank, 2), torch.float32, buffer, whole_bucket=True,
+                         version=4)
                for rank in range(2)]
     assert buffer.any()
     piece = bucket.parts[1][0]
     buffer[piece.bucket_offset + piece.nbytes // 2] ^= 1  # in rank 1's rows
-    staging = Staging(plan, version=4, adopt_buffers=True, whole_buckets=True)
+    staging = Staging(plan, version=4, whole_buckets=True)
     staging.add(bucket.index, 0, buffer, digests[0])
     with pytest.raises(SyncError, match=f"bucket {bucket.index} from learner rank 1 is corrupt"):
         staging.add(bucket.index, 1, buffer, digests[1])
-    assert not set(bucket.names) & set(staging.tensors)  # nothing of a half-checked bucket is used
+    assert (bucket.index, 1) in staging.missing()  # a part that failed its check never counts as arrived
+
+
+def _packed_bucket(dtype="float32", version=3, seed=0):
+    """One bucket part of rank 0 of 1, packed for `version`: (plan, bucket, buffer, checksum)."""
+    shapes = _hf_shapes(kv_heads=2)
+    plan = plan_sync(shapes, 1, _layout(1, 2, dtype), 1 << 20)
+    bucket = next(b for b in plan.buckets if "model.layers.0.self_attn.q_proj.weight" in b.names)
+    buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
+    digest = pack_part(bucket, 0, _full_tensors(shapes, seed=seed), plan.torch_dtype, buffer, version=version)
+    return plan, bucket, buffer, digest
+
+
+def _piece(bucket, name):
+    return next(piece for piece in bucket.parts[0] if piece.name == name)
+
+
+def _refused(plan, bucket, buffer, digest, version=3, rank=0):
+    with pytest.raises(SyncError, match="is corrupt"):
+        Staging(plan, version).add(bucket.index, rank, buffer, digest)
+
+
+def test_swapped_words_and_compensating_changes_fail_the_checksum():
+    plan, bucket, buffer, digest = _packed_bucket()
+    Staging(plan, 3).add(bucket.index, 0, buffer, digest)  # intact: accepted
+    words = buffer.view(np.uint64)
+    swapped = buffer.copy()
+    swapped.view(np.uint64)[[10, 11]] = words[[11, 10]]  # two words trade places: their sum stays
+    _refused(plan, bucket, swapped, digest)
+    compensated = buffer.copy()
+    compensated.view(np.uint64)[20] += np.uint64(1 << 40)
+    compensated.view(np.uint64)[30] -= np.uint64(1 << 40)  # one word up, another down by as much
+    _refused(plan, bucket, compensated, digest)
+
+
+def test_swapped_chunks_of_a_q_proj_weight_fail_the_checksum():
+    plan, bucket, buffer, digest = _packed_bucket("bfloat16")
+    piece = _piece(bucket, "model.layers.0.self_attn.q_proj.weight")
+    half = piece.nbytes // 2
+    swapped = buffer.copy()
+    q_proj = swapped[piece.offset : piece.offset + piece.nbytes]
+    q_proj[:half], q_proj[half:] = buffer[piece.offset + half : piece.offset + piece.nbytes], buffer[piece.offset : piece.offset + half]
+    assert not np.array_equal(swapped, buffer)
+    _refused(plan, bucket, swapped, digest, version=3)
+
+
+def test_a_bfloat16_weight_changed_to_a_huge_value_fails_the_checksum():
+    plan, bucket, buffer, digest = _packed_bucket("bfloat16")
+    piece = _piece(bucket, "model.layers.0.self_attn.q_proj.weight")
+    corrupt = buffer.copy()
+    values = torch.from_numpy(corrupt[piece.offset : piece.offset + piece.nbytes]).view(torch.bfloat16)
+    values[5] = 6.4e36  # one weight of ~0.02 becomes 6.4e36: a single changed exponent
+    _refused(plan, bucket, corrupt, digest)
+
+
+def test_a_part_labelled_with_another_version_bucket_or_rank_fails_the_checksum():
+    plan, bucket, buffer, digest = _packed_bucket(version=3)
+    # The previous version's intact part, with its own checksum, replayed as version 4 (a stale buffer).
+    with pytest.raises(SyncError, match="v4: bucket .* is corrupt"):
+        Staging(plan, 4).add(bucket.index, 0, buffer, digest)
+    # The same bytes and checksum relabelled as another bucket of the same size, or another rank's part.
+    equal_plan = plan_sync({"a.weight": (8, 16), "b.weight": (8, 16)}, 2, _layout(1, 2), 8 * 16 * 4)
+    first, second = equal_plan.buckets[0], equal_plan.buckets[1]
+    assert first.part_bytes(0) == second.part_bytes(0) == first.part_bytes(1)
+    local = _local_shards(_full_tensors({"a.weight": (8, 16), "b.weight": (8, 16)}), 0, 2)
+    part = np.empty(first.part_bytes(0), dtype=np.uint8)
+    first_digest = pack_part(first, 0, local, torch.float32, part, version=3)
+    with pytest.raises(SyncError, match=f"bucket {second.index} from learner rank 0 is corrupt"):
+        Staging(equal_plan, 3).add(second.index, 0, part, first_digest)
+    with pytest.raises(SyncError, match=f"bucket {first.index} from learner rank 1 is corrupt"):
+        Staging(equal_plan, 3).add(first.index, 1, part, first_digest)
+    Staging(equal_plan, 3).add(first.index, 0, part, first_digest)  # where it belongs: accepted
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "numpy"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_never_leave_the_learner(monkeypatch, dtype, bad, use_native):
+    # float32 is the plain-copy path (checked in the native loop, or by numpy), bfloat16 the casting one.
+    if not use_native:
+        monkeypatch.setattr(native, "copy_check", lambda: None)
+    shapes = _hf_shapes(kv_heads=2)
+    plan = plan_sync(shapes, 1, _layout(1, 2, dtype), 1 << 20)
+    weights = _full_tensors(shapes)
+    weights["model.layers.0.mlp.down_proj.weight"].view(-1)[77] = bad
+    transport = make_transport("ray")
+    with pytest.raises(NonFiniteWeights, match=r"v6: model\.layers\.0\.mlp\.down_proj\.weight holds NaN or inf "
+                                              r"\(element 77 of learner rank 0's rows\); the training step that "
+                                              r"produced version 6 diverged"):
+        for _ in stream_parts(plan, 0, weights, transport, version=6):
+            pass
+    assert not issubclass(NonFiniteWeights, SyncError)  # a transfer fault is worth repeating; this is not
+
+
+def test_the_finiteness_check_finds_the_first_bad_value_in_every_float_dtype():
+    for dtype in [torch.float32, torch.bfloat16, torch.float16, torch.float64]:
+        values = torch.linspace(-3e4, 3e4, 1000, dtype=torch.float32).to(dtype)
+        assert codec.first_non_finite(values.view(torch.uint8).numpy(), dtype) is None, dtype
+        for bad in [float("nan"), float("inf"), -float("inf")]:
+            broken = values.clone()
+            broken[[613, 900]] = bad
+            assert codec.first_non_finite(broken.view(torch.uint8).numpy(), dtype) == 613, (dtype, bad)
 
 
 def test_a_shard_that_does_not_match_the_plan_is_refused():
@@ -400,11 +515,10 @@ def _receive_all(transport_name, parts, plan, results, connect=None):
         transport = make_transport(transport_name)
         if connect:
             transport.connect(*connect)
-        staging = Staging(plan, 1, adopt_buffers=transport.stable_receive_buffers, whole_buckets=transport.whole_buckets)
+        staging = Staging(plan, 1, whole_buckets=transport.whole_buckets)
         for bucket, rank, handle, nbytes, digest in parts:
             with transport.receive(handle, rank, nbytes) as buffer:
                 staging.add(bucket, rank, buffer, digest)
-        # copies: the adopted tensors are views of the transport's buffers, which go when this function returns
         results.put({name: t.numpy().copy() for name, t in staging.complete().items()})
     except Exception as err:
         results.put(repr(err))
@@ -453,7 +567,7 @@ def test_transport_carries_every_bucket_to_another_process(transport_name, ranks
         parts = []
         for bucket in plan.buckets:
             buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
-            parts.append((bucket.index, 0, None, len(buffer), pack_part(bucket, 0, full, torch.float32, buffer)))
+            parts.append((bucket.index, 0, None, len(buffer), pack_part(bucket, 0, full, torch.float32, buffer, version=1)))
         port = find_free_port()
         sent = context.Queue()
         sender_proc = context.Process(target=_send_over_gloo, args=(port, plan, sent))
@@ -516,7 +630,7 @@ def test_shared_memory_sets_up_both_segment_sets_once_and_faults_them_in():
     try:
         for version in range(1, 6):
             full = _full_tensors(shapes, seed=version)
-            staging = Staging(plan, version, adopt_buffers=True, whole_buckets=True)
+            staging = Staging(plan, version, whole_buckets=True)
             for rank, sender in enumerate(senders):
                 for part in stream_parts(plan, rank, _local_shards(full, rank, 2), sender, version):
                     handles.setdefault(version % 2, set()).add(part.handle)
@@ -693,3 +807,24 @@ def test_a_decoded_probe_is_compared_up_to_where_the_continuations_part():
     parted = DecodedProbe([5, 6, 9, 1], [-0.5, -0.25, -1.5, -9.0])
     assert decoded_gaps(parted, learner) == [0.0, 0.0, 0.5]
     assert decoded_gaps(DecodedProbe([4, 6, 7, 8], [-3.0, -0.25, -1.0, -2.0]), learner) == [2.5]
+
+
+def test_the_engine_finds_each_given_tensor_where_its_model_holds_it():
+    from rlpipe.vllm_worker import _held_rows
+
+    prefix = "model.layers.0.self_attn"
+    given = {f"{prefix}.q_proj.weight": torch.randn(8, 4), f"{prefix}.k_proj.weight": torch.randn(2, 4),
+             f"{prefix}.v_proj.weight": torch.randn(2, 4), "model.embed_tokens.weight": torch.randn(10, 4),
+             "model.norm.weight": torch.randn(4), "model.layers.0.mlp.experts.0.up_proj.weight": torch.randn(3, 4)}
+    params = {f"{prefix}.qkv_proj.weight": torch.cat([given[f"{prefix}.{p}_proj.weight"] for p in "qkv"]),
+              "model.embed_tokens.weight": torch.cat([given["model.embed_tokens.weight"], torch.zeros(6, 4)]),
+              "model.norm.weight": given["model.norm.weight"].clone()}
+    fused = {part: ("qkv_proj", ["q_proj", "k_proj", "v_proj"]) for part in ["q_proj", "k_proj", "v_proj"]}
+    rows = {name: tensor.shape[0] for name, tensor in given.items()}
+    for name, start in [(f"{prefix}.q_proj.weight", 0), (f"{prefix}.k_proj.weight", 8), (f"{prefix}.v_proj.weight", 10),
+                        ("model.embed_tokens.weight", 0), ("model.norm.weight", 0)]:
+        held, at = _held_rows(name, given[name], params, fused, rows)
+        assert at == start and torch.equal(held, given[name]), name  # vocabulary padding rows are left out
+    assert _held_rows("model.layers.0.mlp.experts.0.up_proj.weight", given["model.layers.0.mlp.experts.0.up_proj.weight"],
+                      params, fused, rows) == (None, 0)  # not held as given: not compared
+    assert _held_rows("model.norm.weight", given["model.norm.weight"].to(torch.bfloat16), params, fused, rows) == (None, 0)
