@@ -291,3 +291,35 @@ def test_a_host_copy_truncated_under_a_worker_is_an_error_not_sigbus(tmp_path):
             with pytest.raises(SyncError, match="b.weight lies past the end"):
                 next(tensors)
     host.close()
+
+
+# ---------------------------------------------------------------- what `rlpipe train` shows
+
+
+def test_a_sync_that_keeps_failing_ends_rlpipe_train_in_one_line_and_auto_resume_restarts_the_run(
+    tmp_path, monkeypatch, capsys
+):
+    import rlpipe.controller
+    from rlpipe.cli import main
+
+    failed = WorkerLost("weight sync v7 failed 3 times (sync.retries=2), the last time: weight sync v7: the probe "
+                        "differs")
+    hung = CallTimeout("a learner rank", "train_step", 3600, "learner.call_timeout_s")
+    outcomes: list = []
+
+    def train(cfg, resume):
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(rlpipe.controller, "train", train)
+    args = ["train", f"run.output_dir={tmp_path}", "train.max_auto_resumes=2"]
+    outcomes[:] = [failed]
+    assert main(args) == 1
+    assert capsys.readouterr().err.splitlines() == [f"rlpipe: {failed}"]  # no traceback, nothing after it
+    outcomes[:] = [failed, hung, {"done": True}]
+    assert main([*args, "--auto-resume"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "weight sync v7 failed" in lines[0] and "did not answer train_step" in lines[1]
+    assert all("restarting from the beginning (no checkpoint yet)" in line for line in lines)
