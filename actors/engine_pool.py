@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import ray
 
-from rlpipe.actors.calls import WorkerLost
+from rlpipe.actors.calls import CallTimeout, WorkerLost
 from rlpipe.actors.cluster import compute_env
 from rlpipe.actors.placement import PlacedRole
 from rlpipe.actors.rollout import RolloutActor
@@ -39,10 +39,14 @@ class Generation:
     n: int
     sampling: dict
     parts: list[Part]
+    started: float = field(default_factory=time.monotonic)  # rollout.generate_timeout_s counts from here
 
 
 class EnginePool:
-    """`cfg.rollout.num_engines` engines in `placement`, one slot each. `note` reports an engine started again."""
+    """`cfg.rollout.num_engines` engines in `placement`, one slot each. `note` reports an engine started again.
+
+    An engine that does not answer a call within its deadline (`rollout.generate_timeout_s` for what may wait on a
+    generation) is replaced like one that died."""
 
     def __init__(
         self,
@@ -85,12 +89,19 @@ class EnginePool:
         if self.restarts[index] > limit:
             raise WorkerLost(f"rollout engine {index} died more than rollout.max_restarts={limit} times "
                              f"({first_line(error)})")
-        self.note(f"rollout engine {index} died ({first_line(error)}); starting it again "
+        what = "stopped answering" if isinstance(error, CallTimeout) else "died"
+        self.note(f"rollout engine {index} {what} ({first_line(error)}); starting it again "
                   f"(restart {self.restarts[index]} of at most {limit})")
         self._wait_for_room(index, dead)
         ray.kill(dead, no_restart=True)
         self.engines[index] = self._start(index)
-        ray.get(self.engines[index].policy_version.remote())  # started: the model is loaded
+        started = self.engines[index].policy_version.remote()  # answered once the model is loaded
+        timeout_s = self.cfg.ray.start_timeout_s
+        try:
+            ray.get(started, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise CallTimeout(f"restarted rollout engine {index}", "its start", timeout_s,
+                              "ray.start_timeout_s") from None
         return True
 
     def _wait_for_room(self, index: int, dead) -> None:
@@ -118,32 +129,33 @@ class EnginePool:
                 f"{resources}) within {timeout_s:g} s (ray.placement_timeout_s)"
             )
 
-    def dead(self, indexes: list[int]) -> list[int]:
-        """Those of the engines `indexes` that no longer answer."""
-        found = []
-        for index in indexes:
-            try:
-                ray.get(self.engines[index].held_version.remote(), timeout=60)
-            except ray.exceptions.RayActorError:
-                found.append(index)
-        return found
-
     def seed(self, step: int) -> list[int]:
         """Seed every engine's sampling for this step (see RolloutEngine.seed); returns the engines that had died
         and were started again, which the caller admits to the weight sync and then seeds (`seed_engine`)."""
         calls = [(index, engine, engine.seed.remote(self._seed(step, index)))
                  for index, engine in enumerate(self.engines)]
+        # A seed waits for the engine's generation in flight (asynchronous mode).
+        deadline = time.monotonic() + self.cfg.rollout.generate_timeout_s
         replaced = []
         for index, engine, call in calls:
             try:
-                ray.get(call)
-            except ray.exceptions.RayActorError as err:  # died since the last step
+                self._get(call, index, "seed", deadline)
+            except (ray.exceptions.RayActorError, CallTimeout) as err:  # died (or hung) since the last step
                 if self.replace(index, engine, err):
                     replaced.append(index)
         return replaced
 
     def seed_engine(self, index: int, step: int) -> None:
-        ray.get(self.engines[index].seed.remote(self._seed(step, index)))
+        call = self.engines[index].seed.remote(self._seed(step, index))
+        self._get(call, index, "seed", time.monotonic() + self.cfg.rollout.generate_timeout_s)
+
+    def _get(self, call, index: int, name: str, deadline: float):
+        """The result of engine `index`'s `call`, or CallTimeout past `deadline` (rollout.generate_timeout_s)."""
+        try:
+            return ray.get(call, timeout=max(deadline - time.monotonic(), 0.0))
+        except ray.exceptions.GetTimeoutError:
+            raise CallTimeout(f"rollout engine {index}", name, self.cfg.rollout.generate_timeout_s,
+                              "rollout.generate_timeout_s") from None
 
     def _seed(self, step: int, index: int) -> int:
         return self.cfg.run.seed * 1_000_003 + step * 1009 + index
@@ -163,11 +175,12 @@ class EnginePool:
         an engine's death lost, or whose requests a weight sync aborted, comes back with none: send it again."""
         completions: list[list[Completion]] = [[] for _ in generation.prompts]
         replaced = []
+        deadline = generation.started + self.cfg.rollout.generate_timeout_s
         for part in generation.parts:
             try:
-                for index, group in zip(part.prompts, ray.get(part.future)):
+                for index, group in zip(part.prompts, self._get(part.future, part.engine_index, "generate", deadline)):
                     completions[index] = group
-            except ray.exceptions.RayActorError as err:
+            except (ray.exceptions.RayActorError, CallTimeout) as err:
                 if self.replace(part.engine_index, part.engine, err):
                     replaced.append(part.engine_index)
         return completions, replaced

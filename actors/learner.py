@@ -7,7 +7,7 @@ import os
 import ray
 import torch
 
-from rlpipe.actors.calls import get_all
+from rlpipe.actors.calls import get_all, settle
 from rlpipe.checkpoint import set_torch_rng_text, torch_rng_text
 from rlpipe.config import Config
 from rlpipe.device import learner_processes
@@ -19,25 +19,39 @@ from rlpipe.weightsync import SyncPlan, make_transport, stream_parts
 
 # Parts of this many buckets may be in flight per engine before the sender waits for receipts.
 _BUCKETS_IN_FLIGHT = 2
+# After a failed part, how long the parts still in flight are waited for.
+_SETTLE_S = 30.0
 
 
-def send_parts(plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], transport, engines: list, version: int) -> int:
+def send_parts(
+    plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], transport, engines: list, version: int,
+    timeout_s: float | None = None,
+) -> int:
     """Stream `rank`'s parts of every bucket to the engines' `receive_part`; returns the bytes sent per engine.
-    Each engine is told about a part before it is delivered (a gloo send waits for its receiver)."""
+    Each engine is told about a part before it is delivered (a gloo send waits for its receiver). Every receipt has
+    the deadline `timeout_s` (sync.timeout_s). After a failed receipt the parts still in flight are waited for and
+    their errors dropped: they fail only because the version was abandoned."""
     receipts: list[list] = []
     sent = 0
-    for part in stream_parts(plan, rank, local, transport, version):
-        receipts.append(
-            [
-                engine.receive_part.remote(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
-                for engine in engines
-            ]
-        )
-        part.deliver()
-        sent += part.sent_bytes
-        if len(receipts) > _BUCKETS_IN_FLIGHT:  # bounds what the object store holds for this sync
-            get_all(receipts[-_BUCKETS_IN_FLIGHT - 1])
-    get_all([ref for refs in receipts for ref in refs])
+    try:
+        for part in stream_parts(plan, rank, local, transport, version):
+            receipts.append(
+                [
+                    engine.receive_part.remote(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
+                    for engine in engines
+                ]
+            )
+            part.deliver()
+            sent += part.sent_bytes
+            if len(receipts) > _BUCKETS_IN_FLIGHT:  # bounds what the object store holds for this sync
+                get_all(receipts[-_BUCKETS_IN_FLIGHT - 1], timeout_s, "a rollout engine", "receive_part",
+                        "sync.timeout_s")
+        get_all([ref for refs in receipts for ref in refs], timeout_s, "a rollout engine", "receive_part",
+                "sync.timeout_s")
+    except BaseException:
+        # Bounded apart from the deadline: a part an engine never answers raises nothing later either.
+        settle([ref for refs in receipts for ref in refs], min(timeout_s or _SETTLE_S, _SETTLE_S))
+        raise
     return sent
 
 
@@ -91,7 +105,8 @@ class LearnerActor:
         """Stream this rank's parts of every bucket to `engines` (the pool's engines `engine_indexes`); returns the
         bytes sent to each engine."""
         self.transport.select(engine_indexes)
-        return send_parts(plan, self.learner.rank, self.learner.local_weights(), self.transport, engines, version)
+        return send_parts(plan, self.learner.rank, self.learner.local_weights(), self.transport, engines, version,
+                          self.cfg.sync.timeout_s)
 
     def release_weights(self) -> None:
         self.transport.release()

@@ -2,7 +2,9 @@
 
 Generation goes to the engine pool (actors/engine_pool.py), scoring to the reward pool (actors/reward_pool.py),
 training, checkpoints and export to the learner ranks; the weight sync (actors/sync_channel.py) owns everything
-between the learner and the engines and admits any engine the pool starts again.
+between the learner and the engines and admits any engine the pool starts again. Every call to an actor has a
+deadline (`ray.start_timeout_s` for the start-up, `learner.call_timeout_s` for the learner's work, the engine pool's
+and the sync's own); one passed stops the run as a lost worker (CallTimeout), which `--auto-resume` restarts.
 """
 
 from __future__ import annotations
@@ -77,7 +79,11 @@ class Roles:
         rewarders = self._place("reward", cfg.reward.num_workers)
         self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log)
         # Before any actor starts: a route the cluster cannot take fails here.
-        self.sync = SyncChannel(cfg.sync, cfg.rollout.max_model_len, learners.hosts(), self.pool, self.note)
+        # In asynchronous mode an engine's commit may first let the generation in flight finish.
+        finish_first = cfg.train.max_staleness > 0 and cfg.sync.on_generation == "finish"
+        generation_wait_s = cfg.rollout.generate_timeout_s if finish_first else 0.0
+        self.sync = SyncChannel(cfg.sync, cfg.rollout.max_model_len, learners.hosts(), self.pool, self.note,
+                                generation_wait_s)
         env = compute_env() | learner_env(cfg.learner.device, cfg.learner.ranks)
         self.learners = [
             LearnerActor.options(**learners.options(rank, env)).remote(
@@ -100,20 +106,29 @@ class Roles:
             self.rewarders, cfg.rollout.max_tokens, restarts, cfg.reward.deadline_s, reward_names(specs)
         )
         # Surface a bad model folder or reward path now rather than at the first step.
-        get_all(
+        self._starting(
             [learner.policy_version.remote() for learner in self.learners]
             + [e.policy_version.remote() for e in self.pool.engines]
-            + [r.names.remote() for r in self.rewarders]
+            + [r.names.remote() for r in self.rewarders], "the roles", "their start (model load)",
         )
-        address, port = ray.get(self.learners[0].rendezvous_address.remote())
-        get_all([learner.join_process_group.remote(address, port) for learner in self.learners])
+        address, port = self._starting([self.learners[0].rendezvous_address.remote()], "learner rank 0",
+                                       "rendezvous_address")[0]
+        self._starting([learner.join_process_group.remote(address, port) for learner in self.learners],
+                       "a learner rank", "join_process_group")
         version = 0
         if resume is not None:
             rngs = resume["rng"] if len(resume["rng"] or []) == ranks else [None] * ranks  # other M: fresh RNG
-            version = get_all(
-                [learner.load_checkpoint.remote(resume["learner"], rng) for learner, rng in zip(self.learners, rngs)]
+            version = self._starting(
+                [learner.load_checkpoint.remote(resume["learner"], rng) for learner, rng in zip(self.learners, rngs)],
+                "a learner rank", "load_checkpoint",
             )[0]
         self.sync.open(self.learners, version)
+
+    def _starting(self, refs: list, role: str, call: str) -> list:
+        return get_all(refs, self.cfg.ray.start_timeout_s, role, call, "ray.start_timeout_s")
+
+    def _learning(self, refs: list, call: str) -> list:
+        return get_all(refs, self.cfg.learner.call_timeout_s, "a learner rank", call, "learner.call_timeout_s")
 
     def _log_setup(self, role: str, index: int) -> LogSetup | None:
         return None if self.log is None else replace(self.log, who=f"{role}-{index}")
@@ -180,7 +195,8 @@ class Roles:
 
     def _ask_every_actor(self, question) -> dict[str, list]:
         roles = {"learner": self.learners, "rollout": self.pool.engines, "reward": self.rewarders}
-        return {role: get_all([h.__ray_call__.remote(question) for h in handles]) for role, handles in roles.items()}
+        return {role: self._starting([h.__ray_call__.remote(question) for h in handles], f"the {role} role", "a question")
+                for role, handles in roles.items()}
 
     # ------------------------------------------------------------------ generation
 
@@ -221,7 +237,8 @@ class Roles:
     def train(self, batch: TrainBatch) -> dict[str, float]:
         batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
         try:
-            return combine_rank_metrics(get_all([learner.train_step.remote(batch_ref) for learner in self.learners]))
+            return combine_rank_metrics(self._learning([learner.train_step.remote(batch_ref) for learner in self.learners],
+                                                       "train_step"))
         except ray.exceptions.RayActorError as err:  # the other ranks cannot go on without it: the step stops
             raise WorkerLost(f"a learner rank died during a training step ({first_line(err)})") from err
 
@@ -230,12 +247,13 @@ class Roles:
         return self.sync.push(probe)
 
     def export(self, out_dir: str) -> str:
-        return get_all([learner.export.remote(out_dir) for learner in self.learners])[0]
+        return self._learning([learner.export.remote(out_dir) for learner in self.learners], "export")[0]
 
     def save_checkpoint(self, directory: str) -> list[str]:
         """Every learner rank writes its part of the learner state (in parallel); returns their RNG states."""
         try:
-            return get_all([learner.save_checkpoint.remote(directory) for learner in self.learners])
+            return self._learning([learner.save_checkpoint.remote(directory) for learner in self.learners],
+                                  "save_checkpoint")
         except ray.exceptions.RayActorError as err:  # the save is abandoned; a restart from the last one may go on
             raise WorkerLost(f"a learner rank died while writing a checkpoint ({first_line(err)})") from err
 

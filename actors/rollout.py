@@ -1,12 +1,21 @@
 """Ray actor owning one vLLM engine (rlpipe/rollout.py does the work).
 
 Generation and weight sync run in separate concurrency groups (one thread each), so buckets of the next version
-arrive while the engine generates, and a sync requested mid-generation is handled per `sync.on_generation`.
+arrive while the engine generates, and a sync requested mid-generation is handled per `sync.on_generation`. A third
+group answers the driver's liveness check while both are busy.
+
+An engine that can no longer serve — its vLLM process or a worker process died, or a write was cut short by a
+BaseException — ends this actor's process: the driver then finds the actor dead and replaces it as any lost engine
+(actors/engine_pool.py), instead of waiting on a call vLLM will never answer.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import threading
+import time
 from dataclasses import replace
 
 import ray
@@ -15,12 +24,38 @@ from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig
 from rlpipe.logs import LogSetup, configure_worker
 from rlpipe.tpu_env import keep_only_given_tpu_env
 from rlpipe.models.hf import read_hf_config
-from rlpipe.rollout import RolloutEngine
+from rlpipe.rollout import RolloutEngine, workers_in_process
 from rlpipe.types import Completion, Prompt
 from rlpipe.weightsync import SyncPlan
 
+logger = logging.getLogger("rlpipe.rollout")
 
-@ray.remote(concurrency_groups={"sync": 1})
+# How often the watchdog looks at the engine's processes.
+_WATCH_INTERVAL_S = 0.5
+
+
+def engine_failure(llm) -> str | None:
+    """Why the vLLM engine `llm` can no longer answer, or None while it can. vLLM 0.32 marks an engine-core process
+    that died (`MPClient.resources.engine_dead`, set by its monitor thread) and a multiprocess executor whose worker
+    died (`MultiprocExecutor.is_failed`), but a call already waiting on either is never answered."""
+    client = llm.llm_engine.engine_core
+    resources = getattr(client, "resources", None)
+    if resources is not None and resources.engine_dead:
+        return "its vLLM engine process died"
+    executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
+    if getattr(executor, "is_failed", False):
+        return "a vLLM worker process died"
+    return None
+
+
+def end_process(why: str) -> None:
+    """End this actor's process at once (no cleanup that could wait on the dead engine): the driver replaces it."""
+    logger.error("rollout engine: %s; this engine's actor exits so that it is replaced", why)
+    logging.shutdown()
+    os._exit(1)
+
+
+@ray.remote(concurrency_groups={"sync": 1, "watch": 1})
 class RolloutActor:
     def __init__(
         self,
@@ -40,6 +75,18 @@ class RolloutActor:
         self.engine = RolloutEngine(
             model_path, cfg, seed, tokenizer_path, sync, kernels=kernels, progress_bars=progress_bars
         )
+        if not workers_in_process(cfg):  # vLLM's processes may die under a live actor
+            threading.Thread(target=self._watch, daemon=True, name="rlpipe-engine-watch").start()
+
+    def _watch(self) -> None:
+        while (why := engine_failure(self.engine.llm)) is None:
+            time.sleep(_WATCH_INTERVAL_S)
+        end_process(why)
+
+    @ray.method(concurrency_group="watch")
+    def alive(self) -> bool:
+        """Whether the engine can still serve; answered even while generation and a sync are both busy."""
+        return engine_failure(self.engine.llm) is None and not self.engine.sync.unusable
 
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[list[Completion]]:
         return self.engine.generate(prompts, n, **sampling)
@@ -91,4 +138,9 @@ class RolloutActor:
         so that Ray hands the reference over instead of waiting for it before the write starts)."""
         if isinstance(expected, list) and len(expected) == 1 and isinstance(expected[0], ray.ObjectRef):
             expected = functools.partial(ray.get, expected[0], timeout=self.engine.sync_cfg.timeout_s)
-        return self.engine.sync.commit(version, probe_tokens, expected, rehearsal)
+        try:
+            return self.engine.sync.commit(version, probe_tokens, expected, rehearsal)
+        except Exception:
+            raise
+        except BaseException as err:  # the write broke off with layers of two versions: this engine must go
+            end_process(f"writing weight version {version} broke off ({type(err).__name__})")

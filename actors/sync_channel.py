@@ -6,6 +6,11 @@ One version's path: the driver asks every engine to `begin_sync`; every learner 
 bucket, through its transport and tells each engine about each part (`receive_part`, checked on arrival); the
 learner ranks compute their answer to the probe; each engine `commit`s (writes, probes, keeps or rolls back); the
 learner ranks release the version's buffers. See docs/architecture.md.
+
+Every call of a sync has a deadline derived from `sync.timeout_s`. An attempt that fails (an error, or a deadline
+passed) asks every engine whether it still serves (`alive`, answered apart from the sync): one that is dead, does
+not answer or cannot serve is replaced and brought to the version; otherwise the attempt is repeated up to
+`sync.retries` times, and then the run stops as a lost worker (`rlpipe train --auto-resume` restarts it).
 """
 
 from __future__ import annotations
@@ -15,23 +20,32 @@ from collections.abc import Callable
 
 import ray
 
-from rlpipe.actors.calls import WorkerLost, get_all
+from rlpipe.actors.calls import CallTimeout, WorkerLost, get_all, reason, settle
 from rlpipe.actors.engine_pool import EnginePool
-from rlpipe.config import ConfigError, SyncConfig, first_line
+from rlpipe.config import ConfigError, SyncConfig
 from rlpipe.types import Group
 from rlpipe.weightsync import DECODE_TOKENS, SyncError, SyncPlan, plan_routes, plan_sync
+
+# After a failed attempt, how long its calls still running are waited for (their errors are dropped).
+_SETTLE_S = 10.0
+# The longest wait for an engine's answer to the liveness check after a failed attempt.
+_ALIVE_S = 60.0
 
 
 class SyncChannel:
     """Made when the roles are placed, before any actor starts (a route the cluster cannot take fails there);
     `open` sets it up once the learner ranks and the engines run. `cfg` is the `sync` section; `max_model_len`
-    the engines' context (a decoded probe must fit in it). `version` is the policy version every engine serves."""
+    the engines' context (a decoded probe must fit in it). `version` is the policy version every engine serves.
+    `generation_wait_s`: how long an engine's commit may wait for a generation in flight before it writes (the
+    engines generate during a sync in asynchronous mode, and `sync.on_generation: finish` lets them finish)."""
 
     def __init__(
         self, cfg: SyncConfig, max_model_len: int, learner_hosts: list[str], pool: EnginePool,
-        note: Callable[[str], None],
+        note: Callable[[str], None], generation_wait_s: float = 0.0,
     ):
         self.cfg, self.max_model_len, self.pool, self.note = cfg, max_model_len, pool, note
+        self.generation_wait_s = generation_wait_s
+        self.buckets = 1  # buckets of the plan, each sent within sync.timeout_s
         self.learner_hosts = learner_hosts
         self.routes = plan_routes(cfg.transport, learner_hosts, pool.hosts())
         self.learners: list = []
@@ -46,8 +60,10 @@ class SyncChannel:
         `version`, and send that version through it once (see `_rehearse`); returns the rehearsal's metrics."""
         self.learners, self.version = learners, version
         # Engines that cannot replay a sequence check each sync by decoding (rlpipe/weightsync/probe.py).
-        self.probe_by_decoding = ray.get(self.pool.engines[0].probe_by_decoding.remote())
+        self.probe_by_decoding = self._wait([self.pool.engines[0].probe_by_decoding.remote()], "rollout engine 0",
+                                            "probe_by_decoding")[0]
         plan = self._plan()
+        self.buckets = len(plan.buckets)
         self.plan = ray.put(plan)
         self._set_routes()
         self._share_buffers()
@@ -60,8 +76,8 @@ class SyncChannel:
     def _plan(self) -> SyncPlan:
         """The transfer plan, computed once; checked against every engine's parameters so that a layout the
         engine does not expect fails here, before any weight is written."""
-        shapes = ray.get(self.learners[0].weight_shapes.remote())
-        layouts = get_all([engine.layout.remote() for engine in self.pool.engines])
+        shapes = self._wait([self.learners[0].weight_shapes.remote()], "learner rank 0", "weight_shapes")[0]
+        layouts = self._wait([engine.layout.remote() for engine in self.pool.engines], "a rollout engine", "layout")
         plan = plan_sync(shapes, len(self.learners), layouts[0][0], int(self.cfg.bucket_mb * 2**20))
         for index, (layout, params) in enumerate(layouts):
             unknown = sorted(plan.engine_params() - set(params))
@@ -85,26 +101,29 @@ class SyncChannel:
         indexes = range(len(self.pool.engines)) if engines is None else engines
         calls += [self.pool.engines[index].set_sync_routes.remote(self.routes.from_ranks(index), whole)
                   for index in indexes]
-        get_all(calls)
+        self._wait(calls, "a learner rank or rollout engine", "set_sync_routes")
 
     def _share_buffers(self) -> None:
         """Every learner rank writes into the buffers rank 0 names, where the transport shares them (shared memory
         with every pair on one host)."""
-        prefix = ray.get(self.learners[0].sync_buffer_prefix.remote())
-        get_all([learner.share_sync_buffers.remote(prefix) for learner in self.learners])
+        prefix = self._wait([self.learners[0].sync_buffer_prefix.remote()], "learner rank 0", "sync_buffer_prefix")[0]
+        self._wait([learner.share_sync_buffers.remote(prefix) for learner in self.learners], "a learner rank",
+                   "share_sync_buffers")
 
     def _connect(self) -> None:
         """The transport's own process group, where it has one (gloo): learner ranks, then engines. Formed again, by
         everyone, when an engine is replaced (a gloo group cannot take in a new member)."""
         ranks = len(self.learners)
-        address, port = ray.get(self.learners[0].rendezvous_address.remote())
+        address, port = self._wait([self.learners[0].rendezvous_address.remote()], "learner rank 0",
+                                   "rendezvous_address")[0]
         world = ranks + len(self.pool.engines)
-        get_all(
+        self._wait(
             [learner.join_sync_process_group.remote(address, port, world) for learner in self.learners]
             + [
                 engine.join_sync_process_group.remote(address, port, ranks + index, ranks, world)
                 for index, engine in enumerate(self.pool.engines)
-            ]
+            ],
+            "a learner rank or rollout engine", "join_sync_process_group",
         )
 
     def _join(self, index: int) -> None:
@@ -166,8 +185,10 @@ class SyncChannel:
 
     def _transfer(self, version: int, probe_tokens: list[int], rehearsal: bool = False, engines: list[int] | None = None):
         """Stream the learner's weights to the engines (all, or those indexed by `engines`) as `version`, then write
-        and check them there. An engine that dies on the way is replaced and the transfer repeated for the engines
-        that have not committed the version; the others keep it."""
+        and check them there. An engine that dies on the way (or stops answering, or can no longer serve) is
+        replaced and the transfer repeated for the engines that have not committed the version; the others keep it.
+        An attempt that fails with every engine alive is repeated up to `sync.retries` times, then the run stops
+        (WorkerLost)."""
         # The learner's probe logprobs (all ranks compute them: the model is sharded). Where no engine shares a host
         # with a learner rank they are computed during the first attempt, while the engines write; on a shared host
         # the two would compete for its cores, which costs more than one after the other (docs/benchmarks.md), so
@@ -176,52 +197,99 @@ class SyncChannel:
             probe_tokens = probe_tokens[: self.max_model_len - DECODE_TOKENS]
         expected = None
         if self.routes.shared_host:
-            expected = get_all([learner.probe_reference.remote(probe_tokens, self.probe_by_decoding)
-                                for learner in self.learners])[0]
+            expected = self._wait([learner.probe_reference.remote(probe_tokens, self.probe_by_decoding)
+                                   for learner in self.learners], "a learner rank", "probe_reference")[0]
         targets = list(range(len(self.pool.engines))) if engines is None else list(engines)
+        failures = 0
         while True:
             try:
                 metrics, results, expected = self._transfer_to(version, probe_tokens, expected, rehearsal, targets)
                 return metrics, results
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:  # the latter: a learner's send
-                dead = self.pool.dead(targets)
-                if not dead:
-                    if self._learners_alive():
-                        raise
-                    raise WorkerLost(f"a learner rank died during a weight sync ({first_line(err)})") from err
-                for index in dead:
-                    if self.pool.replace(index, self.pool.engines[index], err):
-                        self._join(index)  # the repeated transfer brings it to `version`
+            # RayTaskError: an engine refused the version (a checksum, the probe) or a learner's send failed.
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, CallTimeout) as err:
+                lost = self.lost_engines(targets)
+                if lost:
+                    for index in lost:
+                        if self.pool.replace(index, self.pool.engines[index], err):
+                            self._join(index)  # the repeated transfer brings it to `version`
+                elif not self._learners_alive():
+                    raise WorkerLost(f"a learner rank died or stopped answering during a weight sync "
+                                     f"({reason(err)})") from err
+                else:
+                    failures += 1
+                    if failures > self.cfg.retries:
+                        raise WorkerLost(f"weight sync v{version} failed {failures} times (sync.retries="
+                                         f"{self.cfg.retries}), the last time: {reason(err)}") from err
+                    self.note(f"weight sync v{version} failed ({reason(err)}); trying again "
+                              f"({failures} of {self.cfg.retries})")
                 if not rehearsal:
-                    held = get_all([self.pool.engines[index].held_version.remote() for index in targets])
+                    held = self._wait([self.pool.engines[index].held_version.remote() for index in targets],
+                                      "a rollout engine", "held_version")
                     targets = [index for index, version_held in zip(targets, held) if version_held < version]
+
+    def lost_engines(self, indexes: list[int]) -> list[int]:
+        """Those of the engines `indexes` that died, do not answer the liveness check (asked apart from the sync,
+        so a write that hangs does not hide it), or answer that their engine can no longer serve."""
+        calls = [(index, self.pool.engines[index].alive.remote()) for index in indexes]
+        deadline = time.monotonic() + min(self.cfg.timeout_s, _ALIVE_S)
+        lost = []
+        for index, call in calls:
+            try:
+                if not ray.get(call, timeout=max(deadline - time.monotonic(), 0.0)):
+                    lost.append(index)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                lost.append(index)
+        return lost
 
     def _learners_alive(self) -> bool:
         try:
-            ray.get([learner.policy_version.remote() for learner in self.learners], timeout=60)
-        except ray.exceptions.RayActorError:
+            ray.get([learner.policy_version.remote() for learner in self.learners],
+                    timeout=min(self.cfg.timeout_s, _ALIVE_S))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
         return True
+
+    def _wait(self, refs: list, role: str, call: str, timeout_s: float | None = None) -> list:
+        """The results of one step of the sync, within `timeout_s` (default sync.timeout_s)."""
+        return get_all(refs, timeout_s or self.cfg.timeout_s, role, call, "sync.timeout_s")
 
     def _transfer_to(self, version, probe_tokens, expected, rehearsal, targets: list[int]):
         """One attempt of `_transfer`; returns its metrics, the engines' results and the learner's probe logprobs.
         Without `expected` the learner ranks compute them after sending, and the engines wait for them only to check
         their own replay of the probe."""
         handles = [self.pool.engines[index] for index in targets]
-        get_all([engine.begin_sync.remote(self.plan, version) for engine in handles])
-        started = time.perf_counter()
+        timeout_s = self.cfg.timeout_s
+        calls: list = []  # every call of this attempt: on failure, those still running are waited for
+        done = False
         try:
+            calls += [engine.begin_sync.remote(self.plan, version) for engine in handles]
+            self._wait(calls, "a rollout engine", "begin_sync")
+            started = time.perf_counter()
             sends = [learner.send_weights.remote(self.plan, version, handles, targets) for learner in self.learners]
             probes = None if expected else [
                 learner.probe_reference.remote(probe_tokens, self.probe_by_decoding) for learner in self.learners
             ]
-            sent = get_all(sends)
+            calls += sends + (probes or [])
+            # Each bucket within sync.timeout_s (the learner ranks hold every receipt to it as well).
+            sent = self._wait(sends, "a learner rank", "send_weights", timeout_s * (self.buckets + 1))
             transfer_s = time.perf_counter() - started
             reference = expected or [probes[0]]
-            results = get_all([engine.commit.remote(version, probe_tokens, reference, rehearsal) for engine in handles])
-            expected = expected or get_all(probes)[0]
+            commits = [engine.commit.remote(version, probe_tokens, reference, rehearsal) for engine in handles]
+            calls += commits
+            # The write, the learner's probe reference, the probe and a rollback: each within sync.timeout_s; and the
+            # generation in flight that the engine lets finish first.
+            results = self._wait(commits, "a rollout engine", "commit (write and probe)",
+                                 3 * timeout_s + self.generation_wait_s)
+            expected = expected or self._wait(probes, "a learner rank", "probe_reference")[0]
+            done = True
         finally:
-            get_all([learner.release_weights.remote() for learner in self.learners])
+            if not done:  # their errors follow from the one raised; unwaited, Ray would print each
+                settle(calls, _SETTLE_S)
+            releases = [learner.release_weights.remote() for learner in self.learners]
+            if done:
+                self._wait(releases, "a learner rank", "release_weights")
+            else:
+                settle(releases, _SETTLE_S)
         metrics = {
             **self.routes.counts(),
             "sync/probe_max_abs": max(result["probe_max_abs"] for result in results),

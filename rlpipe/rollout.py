@@ -282,12 +282,13 @@ class RolloutEngine:
         """Every worker writes its part of `weights`. Workers in child processes on this host read one shared host
         copy (rlpipe/weightsync/hostcopy.py): the RPC carries where each tensor lies, never its bytes."""
         in_place = self.sync_cfg.engine_write == "in_place"
+        deadline = self.sync_cfg.timeout_s  # vLLM's executors otherwise wait forever on a worker that died mid-write
         if workers_in_process(self.cfg):  # the worker is this process: the tensors themselves
-            self.llm.collective_rpc("rlpipe_load_weights", args=(list(weights.items()), in_place))
+            self.llm.collective_rpc("rlpipe_load_weights", timeout=deadline, args=(list(weights.items()), in_place))
         elif self._workers_share_memory():
             with self.host_copy.publish(weights) as shared:
-                self.llm.collective_rpc("rlpipe_load_weights", args=(shared.message(), in_place))
+                self.llm.collective_rpc("rlpipe_load_weights", timeout=deadline, args=(shared.message(), in_place))
         else:  # some worker does not see this host's /dev/shm (vLLM's Ray executor may place them elsewhere)
-            self.llm.collective_rpc("rlpipe_load_weights", args=(encode_weights(weights), in_place))
+            self.llm.collective_rpc("rlpipe_load_weights", timeout=deadline, args=(encode_weights(weights), in_place))
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()

@@ -49,10 +49,14 @@ class LearnerConfig:
         "length_buckets)",
     )
     collective_timeout_s: float = key(300.0, "a collective waiting longer than this fails the step (dead rank)")
+    call_timeout_s: float = key(
+        3600.0, "a training step, checkpoint save or export not finished within this stops the run as a lost worker"
+    )
 
     def check(self) -> None:
         require(self.ranks >= 1, "learner.ranks: must be >= 1")
         require(self.collective_timeout_s > 0, "learner.collective_timeout_s: must be > 0")
+        require(self.call_timeout_s > 0, "learner.call_timeout_s: must be > 0")
         packed = self.packed_buckets
         require(
             packed is None or (packed and all(b >= 1 for b in packed)),

@@ -41,6 +41,9 @@ class RolloutConfig:
         "vllm",
         "the model code the engine runs: vLLM's own, or rlpipe's (the learner's modules; vLLM's paged attention)",
     )
+    generate_timeout_s: float = key(
+        3600.0, "an engine that has not returned a step's completions within this is replaced like a dead one"
+    )
     max_restarts: int = key(
         3, "an engine that dies is started again (current weights pushed, its prompts regenerated), this many times"
     )
@@ -59,6 +62,7 @@ class RolloutConfig:
             "rollout.kv_block_size: must be a positive multiple of 32 (what vLLM's CPU attention takes)",
         )
         require(self.max_restarts >= 0, "rollout.max_restarts: must be >= 0")
+        require(self.generate_timeout_s > 0, "rollout.generate_timeout_s: must be > 0")
         require(self.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
 
 

@@ -35,7 +35,12 @@ class SyncConfig:
     keep_previous: bool = key(
         True, "engines keep the previous version's weights (one extra copy) so a failed check rolls back"
     )
-    timeout_s: float = key(300.0, "a transfer waiting longer than this fails the sync")
+    timeout_s: float = key(
+        300.0,
+        "deadline of each step of a sync (begin, every send and receipt, the engine's write and probe, the liveness "
+        "check of an engine): one passing it fails the attempt, and an engine that does not answer is replaced",
+    )
+    retries: int = key(2, "a failed sync is tried again this many times, then the run stops as a lost worker")
     engine_write: Literal["in_place", "reload"] = key(
         "in_place",
         "how a CPU engine applies a version: in_place (copy into the weights it keeps beside its packed GEMM copies, "
@@ -54,3 +59,4 @@ class SyncConfig:
         require(self.bucket_mb > 0, "sync.bucket_mb: must be > 0")
         require(self.probe_tolerance is None or self.probe_tolerance > 0, "sync.probe_tolerance: must be > 0 or null")
         require(self.timeout_s > 0, "sync.timeout_s: must be > 0")
+        require(self.retries >= 0, "sync.retries: must be >= 0")

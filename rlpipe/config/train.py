@@ -23,7 +23,9 @@ class TrainConfig:
     betas: list[float] = key([0.9, 0.999], "AdamW betas")
     adam_eps: float = key(1e-8, "AdamW epsilon")
     grad_clip: float = key(1.0, "max gradient norm (0: off)")
-    checkpoint_every: int = key(0, "save a training-state checkpoint every this many steps (0: only at the end)")
+    checkpoint_every: int = key(
+        5, "save a training-state checkpoint every this many steps, and at the end (0: only at the end)"
+    )
     keep_checkpoints: int = key(2, "checkpoints kept in <run_dir>/checkpoints (older ones are deleted)")
     max_auto_resumes: int = key(
         3, "with `rlpipe train --auto-resume`: restarts from the latest checkpoint after a worker dies, at most"

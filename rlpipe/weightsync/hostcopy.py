@@ -322,7 +322,8 @@ def read_shared_weights(shared: SharedWeights) -> Iterator[Iterator[tuple[str, t
                     raise SyncError(f"weight sync: the shared copy {item.path} is gone (the engine's "
                                     "workers must run on its host)") from err
             dtype, nbytes = getattr(torch, item.dtype), item.nbytes
-            if item.offset + nbytes > mapping.bytes.nbytes:
+            # The file's size now, not when it was mapped: a page past the end of a truncated file is SIGBUS.
+            if item.offset + nbytes > min(mapping.bytes.nbytes, os.stat(item.path).st_size):
                 raise SyncError(f"weight sync: {item.name} lies past the end of {item.path}")
             if pending >= shared.chunk_bytes:
                 for each in mappings.values():

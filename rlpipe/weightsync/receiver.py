@@ -135,6 +135,9 @@ class WeightReceiver:
                 measured = self._probe(probe_tokens)
             except Exception as err:  # a write that broke off may have left some layers new and some old
                 failure = f"writing the weights failed ({type(err).__name__}: {err})"
+            except BaseException as err:  # no rollback runs now: the engine may hold layers of two versions
+                self.unusable = f"weight sync v{version}: the write broke off ({type(err).__name__})"
+                raise
             write_s = time.perf_counter() - started
             if failure is None:
                 try:

@@ -50,6 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlpipe.weightsync.errors import SyncError
+
 TRANSPORTS = ("auto", "ray", "shm", "gloo")
 
 
@@ -314,7 +316,13 @@ class SharedMemoryTransport(Transport):
             # The bucket's other parity carries the next version: mapped and faulted in now, with this one.
             with contextlib.suppress(FileNotFoundError, ValueError):  # a sender that made one parity only
                 self._attach(_other_parity(handle))
-        yield self._attached[handle][1][:nbytes]
+        segment, view = self._attached[handle]
+        # Reading a mapped page past the file's end (a segment truncated since it was mapped) is SIGBUS.
+        size = os.fstat(segment._fd).st_size
+        if size < nbytes:
+            raise SyncError(f"weight sync: shared-memory segment {handle} holds {size} bytes, {nbytes} expected "
+                            "(truncated under the receiver)")
+        yield view[:nbytes]
 
     def _attach(self, name: str) -> None:
         if name in self._attached:

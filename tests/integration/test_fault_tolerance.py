@@ -1,5 +1,6 @@
-"""Workers killed for real (SIGKILL) in a running pool: rollout engines at three points of a step; a learner rank
-under `rlpipe train --auto-resume`, then the driver itself, resumed by `rlpipe train --resume`."""
+"""Workers killed for real (SIGKILL) in a running pool: rollout engines at three points of a step, and the vLLM
+process of an engine running in a child process in the middle of a weight write; a learner rank under
+`rlpipe train --auto-resume`, then the driver itself, resumed by `rlpipe train --resume`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +147,70 @@ def test_a_killed_rollout_engine_is_replaced_and_only_its_prompts_are_generated_
         _kill_while_generating(pid)
         with pytest.raises(WorkerLost, match=r"rollout engine 1 died more than rollout.max_restarts=3 times"):
             roles.finish_generation(generation)
+    finally:
+        roles.shutdown()
+
+
+def _vllm_process(actor_pid: int) -> int:
+    """The pid of the engine-core process vLLM started under the actor (`rollout.in_process: false`)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent == actor_pid and b"EngineCore" in (entry / "cmdline").read_bytes():
+                    return int(entry.name)
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+    raise AssertionError(f"no vLLM engine-core process under the engine actor {actor_pid}")
+
+
+def _kill_when_committing(actor_pid: int, victim: int, killed: list[bool]) -> None:
+    """SIGKILL `victim` once the engine actor runs its commit (the write, then the probe)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if b"RolloutActor.commit" in Path(f"/proc/{actor_pid}/cmdline").read_bytes():
+            os.kill(victim, signal.SIGKILL)
+            killed.append(True)
+            return
+        time.sleep(0.002)
+
+
+def test_an_engine_whose_vllm_process_dies_mid_write_is_replaced_and_the_sync_completes(tiny_qwen3, ray_cluster):
+    """An engine in a child process (`rollout.in_process: false`, how tensor-parallel engines run): its vLLM process
+    is killed while the engine writes a version. The engine's actor notices and exits instead of waiting on vLLM
+    forever; the sync replaces the engine, hands it the version, and the step goes on."""
+    import ray
+
+    from rlpipe.actors.cluster import start_ray
+    from rlpipe.actors.roles import Roles
+
+    start_ray(load_config(None, ["ray.num_cpus=4"]))
+    cfg = load_config(None, [
+        f"model.path={tiny_qwen3}", "rollout.in_process=false", f"rollout.group_size={GROUP_SIZE}",
+        "rollout.max_tokens=16", "rollout.max_model_len=128", "data.max_prompt_tokens=64",
+        "train.prompts_per_step=2", "train.micro_batch_size=4", "train.lr=1e-3", "sync.probe_tolerance=1e-5",
+        *TRANSPORT,
+    ])
+    notes: list[str] = []
+    roles = Roles(cfg, tiny_qwen3, note=notes.append)
+    try:
+        prompts = _prompts(500, count=2)
+        groups = roles.generate(prompts, GROUP_SIZE)
+        actor_pid = _pid(roles.engines[0])
+        killed: list[bool] = []
+        killer = threading.Thread(target=_kill_when_committing,
+                                  args=(actor_pid, _vllm_process(actor_pid), killed), daemon=True)
+        killer.start()
+        metrics = _train_and_sync(roles, groups)
+        killer.join(timeout=5)
+        assert killed, "the engine never started writing"
+        assert roles.engine_restarts == [1] and roles.policy_version == 1
+        assert "rollout engine 0 died" in notes[-1]
+        assert metrics["sync/probe_max_abs"] < 1e-5
+        assert ray.get(roles.engines[0].held_version.remote()) == 1
+        _engine_matches_learner(roles, 0)
+        prompts = _prompts(600, count=2)
+        _check_groups(roles.generate(prompts, GROUP_SIZE), prompts, version=1)
     finally:
         roles.shutdown()
 
