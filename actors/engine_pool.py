@@ -12,13 +12,14 @@ from dataclasses import dataclass, field, replace
 
 import ray
 
-from rlpipe.actors.calls import CallTimeout, WorkerLost
+from rlpipe.actors.calls import CallTimeout, WorkerLost, reason
 from rlpipe.actors.cluster import compute_env
 from rlpipe.actors.placement import PlacedRole
 from rlpipe.actors.rollout import RolloutActor
-from rlpipe.config import Config, first_line
+from rlpipe.config import Config
 from rlpipe.logs import LogSetup
 from rlpipe.types import Completion, Prompt
+from rlpipe.weightsync import SyncError
 
 
 @dataclass
@@ -88,9 +89,9 @@ class EnginePool:
         limit = self.cfg.rollout.max_restarts
         if self.restarts[index] > limit:
             raise WorkerLost(f"rollout engine {index} died more than rollout.max_restarts={limit} times "
-                             f"({first_line(error)})")
+                             f"({reason(error)})")
         what = "stopped answering" if isinstance(error, CallTimeout) else "died"
-        self.note(f"rollout engine {index} {what} ({first_line(error)}); starting it again "
+        self.note(f"rollout engine {index} {what} ({reason(error)}); starting it again "
                   f"(restart {self.restarts[index]} of at most {limit})")
         self._wait_for_room(index, dead)
         ray.kill(dead, no_restart=True)
@@ -140,7 +141,9 @@ class EnginePool:
         for index, engine, call in calls:
             try:
                 self._get(call, index, "seed", deadline)
-            except (ray.exceptions.RayActorError, CallTimeout) as err:  # died (or hung) since the last step
+            except Exception as err:  # died (or hung, or can no longer serve) since the last step
+                if not engine_gone(err):
+                    raise
                 if self.replace(index, engine, err):
                     replaced.append(index)
         return replaced
@@ -180,10 +183,20 @@ class EnginePool:
             try:
                 for index, group in zip(part.prompts, self._get(part.future, part.engine_index, "generate", deadline)):
                     completions[index] = group
-            except (ray.exceptions.RayActorError, CallTimeout) as err:
+            except Exception as err:
+                if not engine_gone(err):
+                    raise
                 if self.replace(part.engine_index, part.engine, err):
                     replaced.append(part.engine_index)
         return completions, replaced
+
+
+def engine_gone(err: Exception) -> bool:
+    """Whether a failed call means its engine must be replaced: the actor died or passed its deadline, or it can no
+    longer serve (a write broke off, or its rollback failed: its calls refuse with a SyncError)."""
+    if isinstance(err, (ray.exceptions.RayActorError, CallTimeout)):
+        return True
+    return isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, SyncError)
 
 
 def split(items: list, parts: int) -> list[list]:

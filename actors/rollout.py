@@ -103,9 +103,9 @@ class RolloutActor:
     def seed(self, seed: int) -> None:
         self.engine.seed(seed)
 
-    @ray.method(concurrency_group="sync")
+    @ray.method(concurrency_group="watch")
     def held_version(self) -> int:
-        """The policy version, answered even while a generation runs (a liveness check as well)."""
+        """The policy version, answered even while a generation or a sync's call runs."""
         return self.engine.policy_version
 
     @ray.method(concurrency_group="sync")

@@ -24,7 +24,7 @@ from rlpipe.actors.calls import CallTimeout, WorkerLost, get_all, reason, settle
 from rlpipe.actors.engine_pool import EnginePool
 from rlpipe.config import ConfigError, SyncConfig
 from rlpipe.types import Group
-from rlpipe.weightsync import DECODE_TOKENS, SyncError, SyncPlan, plan_routes, plan_sync
+from rlpipe.weightsync import DECODE_TOKENS, NonFiniteWeights, SyncError, SyncPlan, plan_routes, plan_sync
 
 # After a failed attempt, how long its calls still running are waited for (their errors are dropped).
 _SETTLE_S = 10.0
@@ -207,6 +207,8 @@ class SyncChannel:
                 return metrics, results
             # RayTaskError: an engine refused the version (a checksum, the probe) or a learner's send failed.
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, CallTimeout) as err:
+                if isinstance(getattr(err, "cause", None), NonFiniteWeights):  # the same weights would fail again
+                    raise NonFiniteWeights(reason(err)) from None
                 lost = self.lost_engines(targets)
                 if lost:
                     for index in lost:
@@ -226,6 +228,8 @@ class SyncChannel:
                     held = self._wait([self.pool.engines[index].held_version.remote() for index in targets],
                                       "a rollout engine", "held_version")
                     targets = [index for index, version_held in zip(targets, held) if version_held < version]
+                    if not targets:  # every engine serves the version, yet a step after their commits failed
+                        raise WorkerLost(f"weight sync v{version} failed after every engine took it: {reason(err)}")
 
     def lost_engines(self, indexes: list[int]) -> list[int]:
         """Those of the engines `indexes` that died, do not answer the liveness check (asked apart from the sync,

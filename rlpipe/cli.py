@@ -334,10 +334,13 @@ def main(argv: list[str] | None = None) -> int:
             print(format_plan(result))
             return 0 if result.ok else 1
         from rlpipe.actors.calls import WorkerLost
+        from rlpipe.weightsync import NonFiniteWeights
 
         try:
             train_with_restarts(cfg, args.resume, args.auto_resume)
-        except WorkerLost as err:  # mid-run: the checkpoints written so far stay
+        # mid-run: the checkpoints written so far stay. Diverged weights are not a lost worker: a restart from the
+        # last checkpoint would take the same steps again.
+        except (WorkerLost, NonFiniteWeights) as err:
             print(f"rlpipe: {err}", file=sys.stderr)
             return 1
         return 0

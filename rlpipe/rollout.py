@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig, torchtpu_refusal
+from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig, first_line, torchtpu_refusal
 from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.types import Completion, Prompt
 from rlpipe.vllm_worker import encode_weights, vllm_platform
@@ -55,6 +55,12 @@ def decoding_params():
     from vllm import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True, logprobs=0)
+
+
+class WriteTimedOut(BaseException):
+    """vLLM gave up waiting for a worker's write. Its executor matches replies to calls by order, so nothing more may
+    go through it (a rollback's write would take the late reply as its own): like a write that broke off, it leaves
+    the engine unusable, and the engine is replaced."""
 
 
 class RolloutEngine:
@@ -273,6 +279,19 @@ class RolloutEngine:
                 self._shared_with_workers = all(self.llm.collective_rpc("rlpipe_sees_file", args=marker))
         return self._shared_with_workers
 
+    def _load_weights(self, message, in_place: bool) -> None:
+        """Every worker writes `message`'s tensors, within sync.timeout_s: vLLM's executors otherwise wait forever on
+        a worker that died mid-write."""
+        try:
+            self.llm.collective_rpc("rlpipe_load_weights", timeout=self.sync_cfg.timeout_s, args=(message, in_place))
+        except Exception as err:
+            # vLLM's own timeout (a TimeoutError here, or its engine process's message): the executor matches replies
+            # to calls by order, so a late reply would answer the next call, a rollback's write included.
+            if isinstance(err, TimeoutError) or "timed out" in str(err):
+                raise WriteTimedOut(f"a worker did not finish writing within sync.timeout_s "
+                                    f"{self.sync_cfg.timeout_s:g} s ({first_line(err)})") from err
+            raise
+
     def _staging_memory(self) -> HostCopy | None:
         """Where staging assembles a version: in the host copy's shared memory when the workers read it (then the
         write copies nothing), else (an in-process engine, workers elsewhere) in plain memory of the engine's."""
@@ -282,13 +301,12 @@ class RolloutEngine:
         """Every worker writes its part of `weights`. Workers in child processes on this host read one shared host
         copy (rlpipe/weightsync/hostcopy.py): the RPC carries where each tensor lies, never its bytes."""
         in_place = self.sync_cfg.engine_write == "in_place"
-        deadline = self.sync_cfg.timeout_s  # vLLM's executors otherwise wait forever on a worker that died mid-write
         if workers_in_process(self.cfg):  # the worker is this process: the tensors themselves
-            self.llm.collective_rpc("rlpipe_load_weights", timeout=deadline, args=(list(weights.items()), in_place))
+            self._load_weights(list(weights.items()), in_place)
         elif self._workers_share_memory():
             with self.host_copy.publish(weights) as shared:
-                self.llm.collective_rpc("rlpipe_load_weights", timeout=deadline, args=(shared.message(), in_place))
+                self._load_weights(shared.message(), in_place)
         else:  # some worker does not see this host's /dev/shm (vLLM's Ray executor may place them elsewhere)
-            self.llm.collective_rpc("rlpipe_load_weights", timeout=deadline, args=(encode_weights(weights), in_place))
+            self._load_weights(encode_weights(weights), in_place)
         # Cached prefixes hold keys/values computed by the old weights.
         self.llm.reset_prefix_cache()

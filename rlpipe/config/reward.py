@@ -25,7 +25,9 @@ class RewardConfig:
         30.0, "time limit of a function's call on a worker's whole share (or one group); past it, or when it raises, "
         "the function is called once per sample"
     )
-    sample_timeout_s: float = key(10.0, "time limit of each of those per-sample calls")
+    sample_timeout_s: float = key(
+        20.0, "time limit of each of those per-sample calls (above the code reward's own wall_s 10 plus its start)"
+    )
     deadline_s: float = key(
         300.0, "the longest the driver waits for a reward worker's share of a step; what is not scored by then is "
         "unscored, and a worker that has not answered is restarted"

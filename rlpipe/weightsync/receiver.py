@@ -12,6 +12,7 @@ from typing import ContextManager, Protocol
 
 import torch
 
+from rlpipe.config import first_line
 from rlpipe.weightsync.errors import SyncError
 from rlpipe.weightsync.layout import SyncPlan
 from rlpipe.weightsync.probe import DecodedProbe, probe_gaps
@@ -193,7 +194,12 @@ class WeightReceiver:
             self.unusable = (f"{failure}; the copy of version {self.policy_version} kept for rolling back is corrupt "
                              f"({changed}), so the engine serves nothing until a version arrives whole")
             raise SyncError(self.unusable)
-        self._write(previous)
+        try:
+            self._write(previous)
+        except Exception as err:  # layers of two versions again, and nothing left to write back
+            self.unusable = (f"{failure}; writing version {self.policy_version} back failed too "
+                             f"({type(err).__name__}: {first_line(err)})")
+            raise SyncError(self.unusable) from None
         raise SyncError(failure + f"; the engine rolled back to version {self.policy_version}")
 
     def _previous_weights(self) -> Weights:

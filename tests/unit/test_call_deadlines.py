@@ -21,7 +21,8 @@ from rlpipe.actors.rollout import engine_failure
 from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import SyncConfig, load_config
 from rlpipe.types import Prompt
-from rlpipe.weightsync import SyncError, make_transport
+from rlpipe.rollout import RolloutEngine, WriteTimedOut
+from rlpipe.weightsync import NonFiniteWeights, SyncError, make_transport
 from rlpipe.weightsync.hostcopy import HostCopy, read_shared_weights
 from tests.unit.test_receiver import PROBE, channel, expected_for  # noqa: F401 - channel is a fixture
 from tests.unit.test_weightsync import _full_tensors
@@ -159,6 +160,38 @@ def test_a_retried_sync_succeeds_and_only_engines_without_the_version_are_sent_i
     assert metrics == {"sync/bytes": 1.0} and attempts == [[0, 1], [1]] and len(notes) == 1
 
 
+def test_diverged_weights_stop_the_sync_at_once_naming_the_tensor():
+    sync, notes = _channel(retries=2)
+    attempts = []
+    diverged = NonFiniteWeights("weight sync v3: model.norm.weight holds NaN or inf (element 5 of learner rank 0's "
+                                "rows); the training step that produced version 3 diverged, so its weights are not sent")
+
+    def send_fails(version, tokens, expected, rehearsal, targets):
+        attempts.append(list(targets))
+        raise ray.exceptions.RayTaskError("LearnerActor.send_weights", "Traceback ...", diverged)
+
+    sync._transfer_to, sync.lost_engines = send_fails, lambda indexes: []
+    with pytest.raises(NonFiniteWeights) as raised:
+        sync._transfer(3, PROBE)
+    assert len(attempts) == 1 and notes == []  # the same weights would fail again: no retry
+    assert str(raised.value) == str(diverged) and not isinstance(raised.value, WorkerLost)  # no auto-resume either
+
+
+def test_a_failure_after_every_engine_took_the_version_stops_in_one_line_rather_than_retrying_nothing():
+    sync, notes = _channel(retries=2)
+
+    def commits_then_fails(version, tokens, expected, rehearsal, targets):
+        for index in targets:
+            sync.pool.engines[index] = _Engine(version)
+        raise CallTimeout("a learner rank", "release_weights", 300, "sync.timeout_s")
+
+    sync._transfer_to, sync.lost_engines = commits_then_fails, lambda indexes: []
+    with pytest.raises(WorkerLost) as raised:
+        sync._transfer(5, PROBE)
+    assert str(raised.value) == ("weight sync v5 failed after every engine took it: a learner rank did not answer "
+                                 "release_weights within 300 s (sync.timeout_s)")
+
+
 def test_an_engine_that_stops_answering_mid_sync_is_replaced_and_sent_the_version_without_using_a_retry():
     sync, notes = _channel(retries=0)
     attempts = []
@@ -220,6 +253,48 @@ def test_a_generation_past_its_deadline_replaces_the_engine_and_its_prompts_come
     assert str(error) == "rollout engine 1 did not answer generate within 5 s (rollout.generate_timeout_s)"
 
 
+def test_an_engine_that_can_no_longer_serve_is_replaced_and_other_errors_are_raised(monkeypatch):
+    cfg = load_config(None, ["rollout.num_engines=2"])
+    pool = EnginePool.__new__(EnginePool)
+    pool.cfg, pool.engines = cfg, ["engine-0", "engine-1"]
+    replaced = []
+    pool.replace = lambda index, dead, error: replaced.append(index) or True
+    prompts = [Prompt(i, f"q{i}", [1, 2], {}) for i in range(2)]
+    failures = {
+        "unusable": ray.exceptions.RayTaskError("RolloutActor.generate", "Traceback ...", SyncError(
+            "weight sync v2: the write broke off (KeyboardInterrupt)")),
+        "bug": ray.exceptions.RayTaskError("RolloutActor.generate", "Traceback ...", ValueError("a bug")),
+    }
+
+    def get(future, timeout):
+        if future in failures:
+            raise failures[future]
+        return [["done"]]
+
+    monkeypatch.setattr("rlpipe.actors.engine_pool.ray.get", get)
+    generation = Generation(prompts, 2, {}, [Part(0, "engine-0", range(0, 1), "fine"),
+                                             Part(1, "engine-1", range(1, 2), "unusable")])
+    assert pool.collect(generation) == ([["done"], []], [1]) and replaced == [1]
+    generation.parts[1] = Part(1, "engine-1", range(1, 2), "bug")
+    with pytest.raises(ray.exceptions.RayTaskError):  # not an engine's loss: the step fails as before
+        pool.collect(generation)
+
+
+def test_a_write_vllm_gave_up_on_leaves_the_engine_to_be_replaced():
+    # vLLM's executor answers calls in order: after its own timeout nothing more may go through it, a rollback's
+    # write included, so the timeout is a BaseException the receiver marks the engine unusable for.
+    engine = RolloutEngine.__new__(RolloutEngine)
+    engine.sync_cfg, engine.cfg = SyncConfig(timeout_s=7), SimpleNamespace()
+
+    def collective_rpc(method, timeout, args):
+        assert timeout == 7
+        raise Exception("Call to collective_rpc method failed: RPC call to rlpipe_load_weights timed out.")
+
+    engine.llm = SimpleNamespace(collective_rpc=collective_rpc)
+    with pytest.raises(WriteTimedOut, match="within sync.timeout_s 7 s"):
+        engine._load_weights([], True)
+
+
 # ---------------------------------------------------------------- an engine whose vLLM process died
 
 
@@ -260,6 +335,25 @@ def test_a_write_cut_short_by_a_base_exception_leaves_the_engine_unusable(channe
         receiving.commit(1, PROBE, expected_for(engine.initial))
     assert receiving.unusable == "weight sync v1: the write broke off (_Interrupted)"
     assert receiving.policy_version == 0
+    receiving.close()
+
+
+def test_a_rollback_whose_write_fails_leaves_the_engine_unusable(channel):  # noqa: F811
+    shapes, engine, receiver, send = channel
+    receiving = receiver()
+    send(receiving, 1, _full_tensors(shapes, seed=1))
+    writes = []
+
+    def every_write_fails(weights):
+        writes.append(weights)
+        raise RuntimeError("a worker refused the tensors")
+
+    receiving._write = every_write_fails
+    with pytest.raises(SyncError) as raised:
+        receiving.commit(1, PROBE, expected_for(engine.initial))
+    assert len(writes) == 2  # the new version, then the previous one back
+    assert receiving.unusable == str(raised.value)
+    assert "writing version 0 back failed too (RuntimeError: a worker refused the tensors)" in receiving.unusable
     receiving.close()
 
 
