@@ -95,7 +95,8 @@ class ChildProcess:
             self._await_ready(start_deadline)
         if self._load_error is not None:
             raise CallFailed(self._load_error)
-        deadline = time.monotonic() + timeout_s
+        # A child that took long to start leaves the call only what remains of the caller's own deadline.
+        deadline = min(time.monotonic() + timeout_s, start_deadline)
         try:
             _write_message(self._requests, pickle.dumps((name, kwargs)), deadline)
             reply = pickle.loads(_read_message(self._replies, deadline))
@@ -201,6 +202,8 @@ def _wait(fd: int, deadline: float, for_writing: bool) -> None:
 def serve(request_fd: int, reply_fd: int, parent_pid: int) -> None:
     """The child's loop: load the functions, then answer calls until the parent closes the request pipe."""
     _die_with_parent(parent_pid)
+    for fd in (request_fd, reply_fd):  # a reward function's own subprocesses do not inherit the pipes
+        os.set_inheritable(fd, False)
     requests, replies = os.fdopen(request_fd, "rb"), os.fdopen(reply_fd, "wb")
     names = pickle.loads(_receive(requests))
     functions, load_error = {}, None

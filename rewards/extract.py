@@ -83,11 +83,27 @@ def last_line(text: str) -> str | None:
     return _ANSWER_PREFIX.sub("", lines[-1], count=1).strip()
 
 
+def _without_unit(text: str) -> str:
+    """`text` less a final `\\text{...}` (or `\\mbox`, `\\mathrm`) holding no braces; found by position, not a
+    backtracking pattern, so that a long text costs one pass."""
+    stripped = text.rstrip()
+    if stripped.endswith("}"):
+        for command in ("\\text{", "\\mbox{", "\\mathrm{"):
+            start = stripped.rfind(command)
+            inside = stripped[start + len(command):-1]
+            if start >= 0 and "{" not in inside and "}" not in inside:
+                return stripped[:start]
+    return text
+
+
 def integer_literal(text: str) -> str | None:
     """The integer `text` writes plainly, as canonical digits ("-50"): digits with an optional sign, thousands
     separators, dollar signs, surrounding whitespace and a full stop ending a sentence ("50", " 50 ", "$1,000",
     "+7", "50."). None for anything else, other spellings of an integer's value among them ("50.0", "5E1",
     "0x32", "50/1", "\\frac{100}{2}"): an integer answer is expected to be written as one."""
+    # LaTeX's thousands separators ("1{,}000", "1,\\!000", "1\\,000") read as plain commas; a unit after the number
+    # ("18 \\text{ dollars}") is not part of it.
+    text = _without_unit(text.replace("{,}", ",").replace(",\\!", ",").replace("\\,", ","))
     match = _INTEGER_LITERAL.fullmatch(text.replace("\\$", "").replace("$", "").strip())
     if match is None:
         return None

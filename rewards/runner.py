@@ -88,7 +88,7 @@ class RewardRunner:
         timeout_s: float = 30.0,
         columns: list[str] | None = None,
         *,
-        sample_timeout_s: float = 10.0,
+        sample_timeout_s: float = 20.0,
         deadline_s: float = 300.0,
     ):
         limits = {"timeout_s": timeout_s, "sample_timeout_s": sample_timeout_s, "deadline_s": deadline_s}

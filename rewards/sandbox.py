@@ -180,7 +180,8 @@ def _run(
     python: _Python | None,
     private_input: str | bytes = b"",
 ) -> Outcome:
-    workdir = tempfile.mkdtemp(prefix="rlpipe-sandbox-")
+    _sweep_once(tempfile.gettempdir(), shutil.rmtree)
+    workdir = tempfile.mkdtemp(prefix=f"{_LEFTOVER_PREFIX}{os.getpid()}-")
     report_read, report_write = os.pipe()
     process = cgroup = None
     try:
@@ -510,6 +511,41 @@ _CGROUP_V1 = "/sys/fs/cgroup"
 _CGROUP_REMOVE_S = 2.0  # how long the killed sandbox's processes may take to leave its cgroup
 
 
+# A call's work folder and cgroups are named after the process that made them. One killed mid-call (a reward call
+# past its time limit ends its whole process) leaves them behind; the next process to make one removes those of
+# processes that are gone, once per folder they lie in.
+_LEFTOVER_PREFIX = "rlpipe-sandbox-"
+_swept: set[str] = set()
+
+
+def _sweep_once(folder: str, remove) -> None:
+    if folder in _swept:
+        return
+    _swept.add(folder)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_LEFTOVER_PREFIX):].split("-", 1)[0]
+        if not name.startswith(_LEFTOVER_PREFIX) or not pid.isdigit() or _process_exists(int(pid)):
+            continue
+        try:
+            remove(os.path.join(folder, name))
+        except OSError:  # in use after all (a reused pid), or not ours to remove
+            pass
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 class _Cgroup:
     """One call's cgroup: in cgroup v1's memory and pids hierarchies, under this process's own cgroup there (so the
     worker's own limits still hold), a folder per hierarchy with the call's limits."""
@@ -522,7 +558,9 @@ class _Cgroup:
         parents, _ = _cgroup_parents()
         if parents is None:
             return None
-        name = f"rlpipe-sandbox-{os.getpid()}-{os.urandom(6).hex()}"
+        for parent in parents.values():
+            _sweep_once(parent, os.rmdir)
+        name = f"{_LEFTOVER_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
         cgroup = cls([])
         memory = str(limits.memory_mb * 2**20)
         settings = {

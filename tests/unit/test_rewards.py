@@ -844,6 +844,12 @@ def test_an_integer_reference_takes_an_integer_written_plainly_only(answer, scor
     assert numeric_answer(completions=[f"the answer is {answer}"], answer=["5"]) == [0.0]  # never the 5 of 5E1
 
 
+@pytest.mark.parametrize("answer", [r"1{,}000", r"1,\!000", r"1\,000", r"1,000 \text{ dollars}", r"1000\mbox{cm}"])
+def test_latex_thousands_separators_and_a_unit_after_an_integer_are_its_plain_spelling(answer):
+    assert numeric_answer(completions=[f"\\boxed{{{answer}}}"], answer=["1000"]) == [1.0]
+    assert numeric_answer(completions=[f"\\boxed{{{answer}}}"], answer=["100"]) == [0.0]
+
+
 def test_reasoning_gym_integer_answers_refuse_other_spellings_of_the_value():
     reasoning_gym = pytest.importorskip("reasoning_gym")
     entry = next(e for e in reasoning_gym.create_dataset("chain_sum", size=5, seed=1) if int(e["answer"]) > 1)

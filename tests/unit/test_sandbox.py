@@ -323,3 +323,23 @@ def test_many_empty_files_stop_at_the_inode_count():
         limits=Limits(cpu_s=5, wall_s=10, scratch_files=1000),
     )
     assert outcome.stdout.split() == ["ENOSPC", "999"], outcome  # the folder itself is the thousandth
+
+
+def test_what_a_process_killed_mid_call_left_behind_is_removed_by_the_next(monkeypatch):
+    # A reward call past its time limit ends its whole process, the sandbox's cleanup with it: its work folder and
+    # its call's cgroups stay. Named after that process, they are removed by the next process that makes some.
+    _whole_sandbox_bound()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process holds now
+    monkeypatch.setattr(sandbox, "_swept", set())
+    parents, _ = sandbox._cgroup_parents()
+    temp = Path(sandbox.tempfile.gettempdir())
+    left = [temp / f"rlpipe-sandbox-{gone.pid}-{uuid.uuid4().hex[:12]}"] + [
+        Path(parent, f"rlpipe-sandbox-{gone.pid}-{uuid.uuid4().hex[:12]}") for parent in parents.values()]
+    mine = temp / f"rlpipe-sandbox-{os.getpid()}-{uuid.uuid4().hex[:12]}"  # a live process's: kept
+    for folder in left + [mine]:
+        folder.mkdir()
+    (left[0] / "main.py").write_text("print('the program of a killed call')")
+    assert attack("print('ok')").stdout == "ok\n"
+    assert [folder for folder in left if folder.exists()] == [] and mine.exists()
+    mine.rmdir()
