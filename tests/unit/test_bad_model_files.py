@@ -14,23 +14,10 @@ from pathlib import Path
 import pytest
 
 from rlpipe.cli import main
+# tripwire is autouse: here too it stops a case whose input slips through before Ray starts
+from tests.unit.test_bad_input import GOOD_ROWS as ROWS, ReachedRay, tripwire  # noqa: F401
 
-ROWS = [{"question": f"Calculate {a} + {b}.", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (5, 6), (7, 8))]
 RUN_NAME = "bad-model-files"
-
-
-class ReachedRay(AssertionError):
-    """The inputs passed every check and train() went on to start Ray."""
-
-
-@pytest.fixture(autouse=True)
-def tripwire(monkeypatch):
-    import rlpipe.actors.cluster
-
-    def start_ray(cfg):
-        raise ReachedRay(f"start_ray reached with run dir {cfg.run_dir}")
-
-    monkeypatch.setattr(rlpipe.actors.cluster, "start_ray", start_ray)
 
 
 # ---------------------------------------------------------------- how files are broken
