@@ -26,7 +26,7 @@ from rlpipe.weightsync import (
     WeightReceiver,
     make_transport,
 )
-from rlpipe.weightsync.hostcopy import HostCopy, locate_in
+from rlpipe.weightsync.hostcopy import HostCopy
 
 
 def workers_in_process(cfg: RolloutConfig) -> bool:
@@ -133,9 +133,9 @@ class RolloutEngine:
         self._sync_waiting = False
         self._abort_generation = False
         transport = make_transport(sync.transport)
-        # The version the workers read: where the transport's shared segments hold a tensor, there; else one copy
-        # of this engine's, for the length of the write.
-        self.host_copy = HostCopy(locate_in(transport.shared_segments), chunk_bytes=int(sync.bucket_mb * 2**20))
+        # The version the workers read: staging's own segment where they share this host's memory (see
+        # _staging_memory); else one copy of this engine's, for the length of the write.
+        self.host_copy = HostCopy(chunk_bytes=int(sync.bucket_mb * 2**20))
         self._shared_with_workers: bool | None = None
         if not workers_in_process(cfg):  # asked now, while the engine is idle: staging asks at every sync
             self._workers_share_memory()

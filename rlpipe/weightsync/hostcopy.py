@@ -5,15 +5,11 @@ each of them the whole version through vLLM's RPC would place one full copy per 
 serialized one. Instead the engine publishes the version once in shared memory and sends every worker a
 `SharedWeights`: for each tensor only the file that holds it, its offset, dtype and shape — no tensor bytes.
 
-- Tensors the engine already holds in a named shared-memory segment (the `shm` transport's buckets, which staging
-  uses in place) are referenced where they are (`locate`): no copy at all.
-- Where the workers read a host copy and parts arrive as rows (the object store, gloo), staging assembles each
-  version straight into a segment of the engine's (`HostCopy.staging_memory`, made when the version begins): its
+- Where the workers read a host copy, staging assembles each version straight into a segment of the engine's (`HostCopy.staging_memory`, made when the version begins): its
   tensors are found there too, and nothing is copied. Such a segment lives while staging or the rollback copy
   uses its tensors (the engine's receiver reuses it for later versions), and is unlinked when the last goes or at
   `HostCopy.close`.
-- The others (the weights the engine loaded, for a rollback to version 0; a copy kept at a rehearsal) are written
-  once into a segment of the engine's own, which lives only for the write: created, filled, read by the workers,
+- The others (the weights the engine loaded, for a rollback to version 0) are written once into a segment of the engine's own, which lives only for the write: created, filled, read by the workers,
   unlinked when the write returns or fails (`HostCopy.publish`).
 
 Every segment's name carries the engine process's id, so one left by an engine that died is removed by the next
@@ -34,7 +30,7 @@ import mmap
 import os
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,18 +94,11 @@ class SharedWeights:
         return sum(t.nbytes for t in self.tensors)
 
 
-Locate = Callable[[torch.Tensor], "tuple[str, int] | None"]
-
-
-def _nowhere(tensor: torch.Tensor) -> None:
-    return None
-
-
 class HostCopy:
     """The engine's side: publishes a version for its workers (see the module's docstring)."""
 
-    def __init__(self, locate: Locate = _nowhere, chunk_bytes: int = 64 * 2**20, directory: str = SHM_DIR):
-        self._locate, self.chunk_bytes, self.directory = locate, max(1, int(chunk_bytes)), directory
+    def __init__(self, chunk_bytes: int = 64 * 2**20, directory: str = SHM_DIR):
+        self.chunk_bytes, self.directory = max(1, int(chunk_bytes)), directory
         self._cleaned = False
         self._staging: dict[str, tuple[int, int]] = {}  # staging segments alive: path -> (address, size)
         self.bytes_copied = 0  # by the last publish: what did not already lie in shared memory
@@ -193,7 +182,7 @@ class HostCopy:
             dtype = str(tensor.dtype).removeprefix("torch.")
             where = None
             if tensor.is_contiguous() and tensor.device.type == "cpu":
-                where = self._in_staging(tensor) or self._locate(tensor)
+                where = self._in_staging(tensor)
             if where is not None:
                 placed[name] = SharedTensor(name, where[0], where[1], dtype, tuple(tensor.shape))
             else:
@@ -266,20 +255,6 @@ def sees_file(path: str, device: int, inode: int) -> bool:
     except OSError:
         return False
     return (stat.st_dev, stat.st_ino) == (device, inode)
-
-
-def locate_in(segments: Callable[[], "list[tuple[str, int, int]]"]) -> Locate:
-    """A `locate` over named segments mapped in this process: `segments()` lists (file path, address, size)."""
-
-    def locate(tensor: torch.Tensor) -> tuple[str, int] | None:
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
-        for path, address, nbytes in segments():
-            if address <= start and end <= address + nbytes:
-                return path, start - address
-        return None
-
-    return locate
 
 
 class _Mapping:

@@ -165,11 +165,6 @@ class Transport(abc.ABC):
     def receive(self, handle: Any, source_rank: int, nbytes: int) -> contextlib.AbstractContextManager[np.ndarray]:
         """The bytes `handle` names, sent by learner rank `source_rank`, readable inside the context."""
 
-    def shared_segments(self) -> list[tuple[str, int, int]]:
-        """The named shared-memory files this receiver has mapped, as (path, address, size): an engine's workers
-        read tensors that lie in them where they are (rlpipe/weightsync/hostcopy.py). None but for `shm`."""
-        return []
-
     def release(self) -> None:
         """The version was committed: its buffers may be reused."""
 
@@ -339,10 +334,6 @@ class SharedMemoryTransport(Transport):
         self.segments_opened += 1
         self._attached[name] = (segment, np.ndarray((segment.size,), dtype=np.uint8, buffer=segment.buf))
 
-    def shared_segments(self) -> list[tuple[str, int, int]]:
-        return [(os.path.join("/dev/shm", name), view.ctypes.data, segment.size)
-                for name, (segment, view) in self._attached.items()]
-
     def release(self) -> None:
         """The version is done; its segments are reused by the one after next (close() frees them). Segments
         another rank created are faulted in now, when their creator has surely finished allocating them: done
@@ -426,9 +417,6 @@ class AutoTransport(Transport):
         route = self._routes[source_rank]
         with (self._shm if route == "shm" else self._ray).receive(handle[route], source_rank, nbytes) as buffer:
             yield buffer
-
-    def shared_segments(self) -> list[tuple[str, int, int]]:
-        return self._shm.shared_segments()
 
     def release(self) -> None:
         self._shm.release()
