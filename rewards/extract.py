@@ -21,6 +21,8 @@ _NUMBER = re.compile(
     r"|(?<![\w.])-?\.\d+)"
     r"(?!\.?\d|,\d|[eE][+-]?\d|[xXbBoO][0-9a-fA-F])"
 )
+# Any numeral, plain or not ("1.5e3", "0x32" too): the last one is the text's final number, or there is none.
+_NUMERAL = re.compile(r"(?<![\w.])-?(?:0[xXbBoO][0-9a-fA-F]+|\d[\d,]*(?:\.\d+)?(?:[eE][+-]?\d+)?|\.\d+)")
 # An integer written plainly: digits, a sign, thousands separators, a full stop ending the sentence.
 _INTEGER_LITERAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d+)\.?")
 _ANSWER_PREFIX = re.compile(
@@ -70,9 +72,19 @@ def last_answer_tag(text: str) -> str | None:
 
 
 def last_number(text: str) -> str | None:
-    """The last number in the text, with thousands separators removed ("1,234" -> "1234")."""
-    numbers = _NUMBER.findall(text)
-    return numbers[-1].replace(",", "") if numbers else None
+    """The last number in the text, with thousands separators removed ("1,234" -> "1234"). None when the text's last
+    numeral is not a plain number ("... 500 each, so 1.5e3"): never a number written before it."""
+    last = None
+    for last in _NUMBER.finditer(text):
+        pass
+    if last is None:
+        return None
+    final = None
+    for final in _NUMERAL.finditer(text, last.start()):
+        pass
+    if final is not None and final.start() > last.start():
+        return None
+    return last.group().replace(",", "")
 
 
 def last_line(text: str) -> str | None:

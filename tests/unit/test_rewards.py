@@ -55,6 +55,9 @@ def test_last_boxed_balances_braces(text, expected):
         ("x2 is not a number but .5 is", ".5"),
         ("1,234,567 people", "1234567"),
         ("no digits", None),
+        # The final numeral is not a plain number: there is none, never one written before it.
+        ("Each of the 3 boxes holds 500, so the total is 1.5e3", None),
+        ("x = 50, so 0x32", None),
     ],
 )
 def test_last_number(text, expected):
