@@ -29,6 +29,7 @@ import traceback
 import weakref
 from typing import Any
 
+from rlpipe.logs import configure_inherited
 from rlpipe.rewards.registry import describe_error, load_reward
 
 _HEADER = struct.Struct("<Q")
@@ -202,6 +203,7 @@ def _wait(fd: int, deadline: float, for_writing: bool) -> None:
 def serve(request_fd: int, reply_fd: int, parent_pid: int) -> None:
     """The child's loop: load the functions, then answer calls until the parent closes the request pipe."""
     _die_with_parent(parent_pid)
+    configure_inherited()  # a function's log records reach the run's log file and the terminal as the worker's do
     for fd in (request_fd, reply_fd):  # a reward function's own subprocesses do not inherit the pipes
         os.set_inheritable(fd, False)
     requests, replies = os.fdopen(request_fd, "rb"), os.fdopen(reply_fd, "wb")
