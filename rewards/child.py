@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import inspect
+import logging
 import os
 import pickle
 import select
@@ -29,7 +30,6 @@ import traceback
 import weakref
 from typing import Any
 
-from rlpipe.logs import configure_inherited
 from rlpipe.rewards.registry import describe_error, load_reward
 
 _HEADER = struct.Struct("<Q")
@@ -203,7 +203,8 @@ def _wait(fd: int, deadline: float, for_writing: bool) -> None:
 def serve(request_fd: int, reply_fd: int, parent_pid: int) -> None:
     """The child's loop: load the functions, then answer calls until the parent closes the request pipe."""
     _die_with_parent(parent_pid)
-    configure_inherited()  # a function's log records reach the run's log file and the terminal as the worker's do
+    # A function's warnings and errors reach the terminal (the worker's stderr) in the run's console format.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
     for fd in (request_fd, reply_fd):  # a reward function's own subprocesses do not inherit the pipes
         os.set_inheritable(fd, False)
     requests, replies = os.fdopen(request_fd, "rb"), os.fdopen(reply_fd, "wb")

@@ -25,7 +25,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 LOG_FILE = "logs/run.log"  # under the run directory
@@ -177,22 +177,10 @@ def logging_config(setup: LogSetup) -> dict:
     }
 
 
-_INHERITED_SETUP = "RLPIPE_LOG_SETUP"
-
-
-def configure_inherited() -> None:
-    """Log as the process that started this one does, where it set up its logging with `configure_worker`."""
-    inherited = os.environ.get(_INHERITED_SETUP)
-    if inherited:
-        configure_worker(LogSetup(**json.loads(inherited)))
-
-
 def configure_worker(setup: LogSetup, vllm: bool = False) -> None:
     """Set up logging in an actor process, before its work starts (and, with `vllm`, before vLLM is imported): INFO
     to the run's log file, WARNING and above to stderr. A log file that cannot be written (the run directory is not
-    shared with this node) leaves the process logging to stderr only, saying so once. Processes this one starts for
-    the run's work (a reward worker's child) log the same way (`configure_inherited`)."""
-    os.environ[_INHERITED_SETUP] = json.dumps(asdict(setup))
+    shared with this node) leaves the process logging to stderr only, saying so once."""
     try:
         Path(setup.file).parent.mkdir(parents=True, exist_ok=True)
         with open(setup.file, "a", encoding="utf-8"):
