@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import inspect
+import json
 import logging
+import logging.config
 import os
 import pickle
 import select
@@ -203,8 +205,13 @@ def _wait(fd: int, deadline: float, for_writing: bool) -> None:
 def serve(request_fd: int, reply_fd: int, parent_pid: int) -> None:
     """The child's loop: load the functions, then answer calls until the parent closes the request pipe."""
     _die_with_parent(parent_pid)
-    # A function's warnings and errors reach the terminal (the worker's stderr) in the run's console format.
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
+    # A function's records go where the worker's do (its logging configuration, handed down), else its warnings and
+    # errors to the worker's stderr.
+    inherited = os.environ.get("RLPIPE_LOGGING_CONFIG")
+    if inherited:
+        logging.config.dictConfig(json.loads(inherited))
+    else:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
     for fd in (request_fd, reply_fd):  # a reward function's own subprocesses do not inherit the pipes
         os.set_inheritable(fd, False)
     requests, replies = os.fdopen(request_fd, "rb"), os.fdopen(reply_fd, "wb")

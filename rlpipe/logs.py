@@ -194,6 +194,7 @@ def configure_worker(setup: LogSetup, vllm: bool = False) -> None:
         return
     config = logging_config(setup)
     logging.config.dictConfig(config)
+    os.environ["RLPIPE_LOGGING_CONFIG"] = json.dumps(config)  # a reward worker's child process logs the same way
     logging.captureWarnings(True)  # Python warnings: to the log file too
     if not setup.verbose:
         quiet_known_python_warnings()
