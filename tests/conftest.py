@@ -15,6 +15,10 @@ __all__ = ["CHATML", "SPECIALS", "build_tiny_model", "build_tokenizer"]
 # vLLM engines, find processes by name, or leave a dead process's shared memory behind all go to one worker, one
 # after another: the integration tests, and any test marked with this group.
 MACHINE_WIDE = pytest.mark.xdist_group("machine-wide")
+# Integration modules that start no Ray actor and kill no process, and whose shared memory stays their own (named by
+# their engine's prefix, freed by live processes): they run as a second group, beside the first on the other worker,
+# which would otherwise sit idle once the unit tests are done.
+BESIDE_MACHINE_WIDE = {"test_weight_sync.py", "test_tpu_contract.py"}
 # Ray starts its worker processes (every actor) at niceness 15, which with the other worker's tests running would
 # starve them; at 0 they share the cores evenly. Read by every Ray node the tests start, in-process or `ray start`.
 os.environ.setdefault("RAY_worker_niceness", "0")
@@ -24,7 +28,8 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("integration"):
-            item.add_marker(MACHINE_WIDE)
+            beside = item.path.name in BESIDE_MACHINE_WIDE
+            item.add_marker(pytest.mark.xdist_group("engines") if beside else MACHINE_WIDE)
 
 
 @pytest.fixture(scope="session")
