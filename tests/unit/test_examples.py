@@ -340,6 +340,16 @@ def test_every_trl_name_in_the_mapping_page_exists_in_trl():
                 assert name in known, f"{name} is not a {table.split()[0]} {table.split()[1]} in trl {trl.__version__}"
 
 
+def test_the_mapping_page_covers_every_field_grpo_config_declares():
+    """Every field of TRL's GRPOConfig class itself (its own and the TrainingArguments fields it gives GRPO defaults)
+    has a row: mapped, different or not supported (—)."""
+    trl = pytest.importorskip("trl")
+    declared = set(trl.GRPOConfig.__annotations__)
+    on_page = {name for row in mapping_tables(TRL_PAGE)["GRPOConfig field"] for name in spans(row[0])}
+    assert len(declared) >= 79
+    assert not declared - on_page, f"GRPOConfig fields missing from {TRL_PAGE.name}: {sorted(declared - on_page)}"
+
+
 def trl_script_calls() -> tuple[dict, dict]:
     """The keyword arguments train_trl.py passes to GRPOConfig and GRPOTrainer, read from its source (TRL not needed):
     literal values as they are, names (variables, functions) as their text."""
