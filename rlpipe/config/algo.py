@@ -68,6 +68,10 @@ class AlgoConfig:
         )
         require(self.kl_beta >= 0, "algo.kl_beta: must be >= 0")
         require(
+            not self.kl_bias_correction or self.kl_beta > 0,
+            "algo.kl_bias_correction: weights the KL term, and algo.kl_beta=0 has none (set algo.kl_beta > 0)",
+        )
+        require(
             self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
             "algo.router_aux_loss_coef: must be >= 0 or null",
         )
