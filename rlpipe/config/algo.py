@@ -36,7 +36,8 @@ class AlgoConfig:
     kl_beta: float = key(0.0, "weight of the KL penalty to a frozen reference model (0: no reference model)")
     kl_estimator: Literal["k1", "k2", "k3"] = key("k3", "KL estimator")
     kl_bias_correction: bool = key(
-        False, "multiply the KL estimate by the importance ratio p / p_old (TRL's use_bias_correction_kl, its default)"
+        False, "multiply the KL estimate by the importance ratio p / p_old (TRL's use_bias_correction_kl, its "
+        "default); nothing to correct while algo.kl_beta is 0"
     )
     mask_truncated_completions: bool = key(
         False, "leave completions that reached rollout.max_tokens without ending out of the loss (their tokens "
@@ -67,10 +68,6 @@ class AlgoConfig:
             f"algo.loss_agg: only grpo takes an aggregation; {self.loss} fixes its own (set it to null)",
         )
         require(self.kl_beta >= 0, "algo.kl_beta: must be >= 0")
-        require(
-            not self.kl_bias_correction or self.kl_beta > 0,
-            "algo.kl_bias_correction: weights the KL term, and algo.kl_beta=0 has none (set algo.kl_beta > 0)",
-        )
         require(
             self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
             "algo.router_aux_loss_coef: must be >= 0 or null",

@@ -195,7 +195,6 @@ def test_mini_and_micro_batches_that_divide_are_accepted():
 
 def test_the_trl_knobs_are_checked():
     assert _error("train.num_iterations=0").startswith("train.num_iterations")
-    assert _error("algo.kl_bias_correction=true").startswith("algo.kl_bias_correction")
     assert _error("algo.advantage_std=sample").startswith("algo.advantage_std")
     assert _error("train.lr_schedule=polynomial").startswith("train.lr_schedule")
     cfg = load_config(None, ["algo.kl_beta=0.04", "algo.kl_bias_correction=true", "algo.mask_truncated_completions=true",
