@@ -17,10 +17,6 @@ from rlpipe.controller import make_train_batch
 from rlpipe.train_engine import lr_factor
 from rlpipe.types import Completion, Group, LossInputs, ModelOutputs, Prompt
 
-trl = pytest.importorskip("trl")
-from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
-from trl.trainer.utils import nanstd  # noqa: E402
-
 B, T = 6, 7
 
 
@@ -38,6 +34,7 @@ class _Identity:
 
 def _trl_loss(logprobs, inputs: dict, *, loss_type, beta, bias_correction, eps_low, eps_high, level="token"):
     """TRL 1.16's GRPO loss of one micro-batch (no gradient accumulation, one process, no vLLM correction)."""
+    GRPOTrainer = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
     trainer = types.SimpleNamespace(
         loss_type=loss_type, beta=beta, epsilon_low=eps_low, epsilon_high=eps_high, importance_sampling_level=level,
         args=types.SimpleNamespace(use_bias_correction_kl=bias_correction, delta=None),
@@ -122,6 +119,7 @@ def test_the_bias_correction_changes_the_gradient_even_on_the_first_pass():
 
 @pytest.mark.parametrize("scale", ["group", "batch"])
 def test_unbiased_advantages_equal_trls(scale):
+    nanstd = pytest.importorskip("trl.trainer.utils").nanstd
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.25, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.3], dtype=torch.float64)
     ours = group_advantages(rewards, 4, scale, eps=1e-4, std="unbiased")
     # TRL 1.16's _generate_and_score_completions, one reward function. Its nanstd takes Bessel's factor n / (n - 1)
