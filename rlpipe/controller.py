@@ -236,7 +236,7 @@ def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[Tra
     """Group-relative advantages; unscored samples and (optionally) signal-free groups are left out."""
     rewards = torch.tensor([math.nan if r is None else r for g in groups for r in g.rewards], dtype=torch.float32)
     advantage_scale, drop_uniform_groups = loss_defaults(cfg.algo)
-    advantages = group_advantages(rewards, cfg.rollout.group_size, advantage_scale)
+    advantages = group_advantages(rewards, cfg.rollout.group_size, advantage_scale, std=cfg.algo.advantage_std)
     keep = ~rewards.isnan()
     if drop_uniform_groups:
         keep &= ~uniform_groups(rewards, cfg.rollout.group_size).repeat_interleave(cfg.rollout.group_size)
@@ -255,6 +255,12 @@ def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[Tra
         advantages[chosen].tolist(),
         pad_id=pad_id,
     )
+    if cfg.algo.mask_truncated_completions:
+        # Their rewards stay in their groups' statistics; their tokens leave the loss and its token count, and
+        # advantage 0 lets the learner skip the rows (they still count as sequences, as TRL counts them).
+        truncated = torch.tensor([samples[i][1].finish_reason == "length" for i in chosen])
+        batch.completion_mask[truncated] = False
+        batch.advantages[truncated] = 0.0
     return batch, stats
 
 

@@ -31,6 +31,7 @@ class Learner:
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.optimizer_steps_per_batch = samples_per_step // (train.mini_batch_size or samples_per_step)
+        self.num_iterations = train.num_iterations  # passes over a step's mini-batches
         config = model_architecture(read_hf_config(model_path))
         moe = None
         if config.moe_layers:
@@ -39,7 +40,7 @@ class Learner:
         self.objective = build_objective(algo, max_tokens=max_tokens, moe=moe)
         self.engine = TrainEngine(
             model_path, model, learner, train, loss=self.objective,
-            total_steps=train.steps * self.optimizer_steps_per_batch,
+            total_steps=train.steps * self.optimizer_steps_per_batch * self.num_iterations,
             step_rows=samples_per_step // self.optimizer_steps_per_batch,
             # vLLM reports log-probs after temperature; greedy decoding (0) has no temperature to divide by.
             temperature=temperature or 1.0, rank=rank, world_size=world_size,
@@ -90,14 +91,14 @@ class Learner:
         return batch.take(rows) if len(rows) else None
 
     def train_step(self, batch: TrainBatch) -> dict[str, float | list]:
-        """One GRPO update on a step's samples: a mini-batch per optimizer step. Returns this rank's sums (floats,
-        and nested lists of them for the router's per-expert counts); `combine_rank_metrics` turns every rank's
-        sums into the step's metrics."""
+        """One GRPO update on a step's samples: a mini-batch per optimizer step, every mini-batch once per iteration
+        (train.num_iterations). Returns this rank's sums (floats, and nested lists of them for the router's
+        per-expert counts); `combine_rank_metrics` turns every rank's sums into the step's metrics."""
         engine = self.engine
         engine.ready()
         # With one optimizer step per batch the policy cannot move before every token has been seen, so the "old"
         # log-probs are the training forward's own (detached) and a separate pass is waste.
-        several_steps = self.optimizer_steps_per_batch > 1
+        several_steps = self.optimizer_steps_per_batch * self.num_iterations > 1
         mini_batches: list[tuple[TrainBatch | None, LossInputs | None]] = []
         for first, last in self._mini_batches(len(batch)):
             rows = self._rows_to_run(batch, first, last)
@@ -119,7 +120,7 @@ class Learner:
             for rows, inputs in running:
                 inputs.ref_logprobs = engine.logprobs(rows, self.reference)
         sums: dict[str, float | list] = defaultdict(float)
-        for rows, inputs in mini_batches:
+        for rows, inputs in mini_batches * self.num_iterations:
             out = engine.optimizer_step(rows, inputs)
             for count in ("compiles", "graph_breaks"):  # running counts, not per-step amounts
                 if count in out:

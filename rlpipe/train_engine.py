@@ -16,7 +16,9 @@ engine slices, pads and moves with each micro-batch without reading them.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +35,30 @@ from rlpipe.weightsync.probe import DecodedProbe
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based): a linear warm-up whose first step
+    already trains (lr / warmup), then transformers' schedule of that name (`linear` to 0 at `total`, `cosine` to
+    `min_ratio` at `total`, held there beyond it)."""
     if step < warmup:
         return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return float(_decay(schedule, warmup, total, min_ratio)(min(step, total)))
+
+
+@functools.lru_cache(maxsize=8)
+def _decay(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """transformers' multiplier function of `schedule`, as its LambdaLR holds it (the engine's functional AdamW is
+    no torch optimizer, so a placeholder one carries the scheduler)."""
+    from transformers import get_scheduler
+
+    name, kwargs = {
+        "constant": ("constant", {}),
+        "linear": ("linear", {}),
+        "cosine": ("cosine_with_min_lr", {"min_lr_rate": min_ratio}),
+    }[schedule]
+    placeholder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = get_scheduler(
+        name, placeholder, num_warmup_steps=warmup, num_training_steps=total, scheduler_specific_kwargs=kwargs
+    )
+    return scheduler.lr_lambdas[0]
 
 
 class TrainEngine:

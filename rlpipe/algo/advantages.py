@@ -8,11 +8,11 @@ A reward of NaN means "this sample could not be scored" (verifier crash, timeout
 ...). Such samples are not evidence about the prompt, so they are left out of every
 statistic and receive advantage 0 (no gradient signal either way).
 
-All standard deviations here are *population* standard deviations
-(``unbiased=False``, divide by the number of valid samples ``n`` rather than
-``n - 1``): with small groups (e.g. 4) the Bessel correction changes the scale
-noticeably, and the population form is what "normalise the group to unit variance"
-means literally.
+Standard deviations are either *population* ones (divide by the number of valid
+samples ``n``: what "normalise the group to unit variance" means literally) or
+*unbiased* ones (Bessel's ``n - 1``, as ``torch.std``, TRL and verl compute them).
+With small groups the choice matters: unbiased advantages are ``sqrt((n - 1) / n)``
+times the population ones (0.935x at n = 8, 0.866x at n = 4).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import Tensor
 __all__ = ["group_advantages", "uniform_groups"]
 
 _SCALES = ("group", "batch", "none")
+_STDS = ("population", "unbiased")
 
 
 def _grouped(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
@@ -71,7 +72,7 @@ def uniform_groups(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def group_advantages(
-    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-6
+    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-6, std: str = "population"
 ) -> Tensor:
     """GRPO advantages: each reward minus its group's mean, optionally rescaled.
 
@@ -81,14 +82,16 @@ def group_advantages(
             its group's mean/std and from the batch std.
         group_size: completions per prompt.
         scale: how the centred reward ``r - mean(group)`` is divided:
-            ``"group"``: by (population std of the group's valid rewards + eps) --
-            the original GRPO normalisation;
-            ``"batch"``: by (population std of *all* valid rewards in the batch +
-            eps) -- a single scale for the whole batch, so easy/hard prompts are
-            not re-weighted against each other;
+            ``"group"``: by (std of the group's valid rewards + eps) -- the
+            original GRPO normalisation;
+            ``"batch"``: by (std of *all* valid rewards in the batch + eps) -- a
+            single scale for the whole batch, so easy/hard prompts are not
+            re-weighted against each other;
             ``"none"``: no division (Dr. GRPO, which removes the per-group std
             because it biases updates towards low-variance prompts).
         eps: added to the std before dividing, for numerical safety.
+        std: ``"population"`` (divide the squared deviations by ``n``) or
+            ``"unbiased"`` (by ``n - 1``), ``n`` the valid rewards in scope.
 
     Returns:
         ``[N]`` advantages in the rewards' floating dtype (detached). Exactly 0 for
@@ -98,10 +101,13 @@ def group_advantages(
         (e.g. ``mean([0.1] * 3) != 0.1``) by a tiny std.
 
     Raises:
-        ValueError: unknown ``scale``, bad shape/group_size, or infinite rewards.
+        ValueError: unknown ``scale`` or ``std``, bad shape/group_size, or infinite rewards.
     """
     if scale not in _SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; expected one of {_SCALES}")
+    if std not in _STDS:
+        raise ValueError(f"unknown advantage std {std!r}; expected one of {_STDS}")
+    bessel = 1 if std == "unbiased" else 0
     grouped, valid = _grouped(rewards, group_size)
     zeros = torch.zeros_like(grouped)
 
@@ -114,14 +120,15 @@ def group_advantages(
     if scale == "none":
         adv = centred
     else:
+        # A scope with fewer than 2 valid rewards has every centred value 0 already; the clamp only avoids 0/0.
         if scale == "group":
-            std = (centred.square().sum(dim=-1, keepdim=True) / safe_count).sqrt()
+            spread = (centred.square().sum(dim=-1, keepdim=True) / (count - bessel).clamp_min(1)).sqrt()
         else:  # "batch": one std over every valid reward in the batch
             flat, flat_valid = grouped.reshape(-1), valid.reshape(-1)
-            n = flat_valid.sum().clamp_min(1)
-            b_mean = torch.where(flat_valid, flat, 0.0).sum() / n
-            std = (torch.where(flat_valid, flat - b_mean, 0.0).square().sum() / n).sqrt()
-        denom = std + eps
+            n = flat_valid.sum()
+            b_mean = torch.where(flat_valid, flat, 0.0).sum() / n.clamp_min(1)
+            spread = (torch.where(flat_valid, flat - b_mean, 0.0).square().sum() / (n - bessel).clamp_min(1)).sqrt()
+        denom = spread + eps
         # denom can only be 0 with eps=0 and a zero std, i.e. when every centred
         # value in its scope is already 0; divide by 1 there instead of 0 -> NaN.
         adv = centred / torch.where(denom > 0, denom, torch.ones_like(denom))

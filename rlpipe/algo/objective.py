@@ -54,6 +54,10 @@ class GRPOLoss:
         )
         return self.aggregate(per_token, mask, inputs), stats["clip_fraction"]
 
+    def importance_ratio(self, logprobs: Tensor, old: Tensor, mask: Tensor) -> Tensor:
+        """[B, T] p / p_old as this loss takes it, with its gradient: each token's own."""
+        return torch.exp(logprobs - old.detach())
+
     def aggregate(self, per_token: Tensor, mask: Tensor, inputs: LossInputs) -> Tensor:
         """Reduce a [B, T] per-token quantity as this loss reduces its own (additive terms use it too)."""
         return aggregate(
@@ -105,6 +109,13 @@ class GSPOLoss:
         fraction = (clipped.to(tokens.dtype) * tokens).sum() / tokens.sum().clamp_min(1.0)
         return loss, fraction
 
+    def importance_ratio(self, logprobs: Tensor, old: Tensor, mask: Tensor) -> Tensor:
+        """[B, T] p / p_old as this loss takes it, with its gradient: the sequence's geometric mean on each token."""
+        valid = mask.bool()
+        log_ratio = torch.where(valid, logprobs - old.detach(), torch.zeros_like(logprobs))
+        per_sequence = log_ratio.sum(-1) / valid.sum(-1).clamp_min(1).to(logprobs.dtype)
+        return torch.exp(per_sequence)[:, None].expand_as(logprobs)
+
     def aggregate(self, per_token: Tensor, mask: Tensor, inputs: LossInputs) -> Tensor:
         """Length-normalised per sequence, then the mean over sequences, as the ratio itself is."""
         return aggregate(per_token, mask, "seq-mean-token-mean", total_seqs=inputs.total_seqs)
@@ -145,10 +156,14 @@ class MaskedImportance:
 
 @dataclass
 class KLPenalty:
-    """beta x KL(policy || reference), estimated per token (k1/k2/k3), reduced as the policy loss reduces."""
+    """beta x KL(policy || reference), estimated per token (k1/k2/k3), reduced as the policy loss reduces. With
+    `bias_correction` the estimate is weighted by the policy loss's importance ratio p / p_old (TRL's
+    use_bias_correction_kl): the tokens were sampled from the old policy, so the plain estimate is biased once the
+    policy moves; the ratio's gradient flows, so the gradient differs even where the ratio is 1."""
 
     beta: float
     estimator: str = "k3"
+    bias_correction: bool = False
     every_row_counts: ClassVar[bool] = True  # a sample with advantage 0 still has a KL gradient
     needs_reference: ClassVar[bool] = True
 
@@ -156,6 +171,8 @@ class KLPenalty:
         mask = inputs.mask
         kl = kl_penalty(outputs.logprobs, inputs.ref_logprobs, self.estimator)
         stats.kl = torch.where(mask, kl.detach(), torch.zeros_like(kl)).sum()
+        if self.bias_correction:
+            kl = kl * policy.importance_ratio(outputs.logprobs, old_logprobs(outputs, inputs), mask)
         return self.beta * policy.aggregate(kl, mask, inputs)
 
 
@@ -209,8 +226,7 @@ class Objective:
 
     def __call__(self, outputs: ModelOutputs, inputs: LossInputs) -> tuple[Tensor, LossStats]:
         mask, logprobs = inputs.mask, outputs.logprobs
-        # With one optimizer step per batch the policy has not moved yet: its own detached log-probs are "old".
-        old = inputs.old_logprobs if inputs.old_logprobs is not None else logprobs.detach()
+        old = old_logprobs(outputs, inputs)
         zeros = torch.zeros_like(old)
         rollout = inputs.rollout_logprobs
         gap = torch.where(mask, (old - rollout).abs(), zeros)
@@ -231,6 +247,12 @@ class Objective:
         for term in self.terms:
             loss = loss + term(outputs, inputs, self.policy, stats)
         return loss, stats
+
+
+def old_logprobs(outputs: ModelOutputs, inputs: LossInputs) -> Tensor:
+    """The log-probs of the policy that generated the rows, as the importance ratio's denominator. With one optimizer
+    step per batch the policy has not moved yet: its own detached log-probs are "old"."""
+    return inputs.old_logprobs if inputs.old_logprobs is not None else outputs.logprobs.detach()
 
 
 def loss_defaults(algo) -> tuple[str, bool]:
@@ -257,7 +279,7 @@ def build_objective(algo, *, max_tokens: int, moe=None) -> Objective:
         corrections.append(MaskedImportance(algo.mis_threshold, algo.mis_level))
     terms = []
     if algo.kl_beta > 0:
-        terms.append(KLPenalty(algo.kl_beta, algo.kl_estimator))
+        terms.append(KLPenalty(algo.kl_beta, algo.kl_estimator, algo.kl_bias_correction))
     if moe is not None:
         experts_per_token, coef = moe
         terms.append(RouterBalance(coef, experts_per_token))

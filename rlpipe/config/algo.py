@@ -20,6 +20,9 @@ class AlgoConfig:
         None, "divide advantages by the group's std, the batch's std, or nothing (null: the loss's own: none for "
         "dr_grpo, group for the others)"
     )
+    advantage_std: Literal["unbiased", "population"] = key(
+        "unbiased", "the std advantages are divided by: unbiased (Bessel's n - 1, as TRL and verl) or population (n)"
+    )
     clip_low: float | None = key(
         None, "clip epsilon below 1 (null: the loss's own: 0.2; gspo 3e-4)"
     )
@@ -32,6 +35,14 @@ class AlgoConfig:
     )
     kl_beta: float = key(0.0, "weight of the KL penalty to a frozen reference model (0: no reference model)")
     kl_estimator: Literal["k1", "k2", "k3"] = key("k3", "KL estimator")
+    kl_bias_correction: bool = key(
+        False, "multiply the KL estimate by the importance ratio p / p_old (TRL's use_bias_correction_kl, its "
+        "default); nothing to correct while algo.kl_beta is 0"
+    )
+    mask_truncated_completions: bool = key(
+        False, "leave completions that reached rollout.max_tokens without ending out of the loss (their tokens "
+        "do not train; their rewards still count in their group's advantages)"
+    )
     tis_cap: float | None = key(2.0, "cap of the truncated importance weight learner/rollout (null: off)")
     mis_threshold: float | None = key(
         None, "masked importance sampling: drop tokens whose learner/rollout ratio is outside [1/t, t] (null: off)"

@@ -16,9 +16,15 @@ class TrainConfig:
     mini_batch_size: int | None = key(None, "samples per optimizer step (null: the whole step's samples)")
     micro_batch_size: int = key(8, "samples per forward/backward (gradient accumulation)")
     lr: float = key(1e-6, "peak learning rate")
-    lr_schedule: Literal["constant", "cosine"] = key("constant", "after warm-up")
+    lr_schedule: Literal["constant", "linear", "cosine"] = key(
+        "constant", "after warm-up: constant, linear decay to 0 (TRL's default), or cosine to min_lr_ratio of lr"
+    )
     warmup_steps: int = key(0, "optimizer steps of linear warm-up")
     min_lr_ratio: float = key(0.1, "cosine floor as a fraction of lr")
+    num_iterations: int = key(
+        1, "passes over a step's samples, each taking every mini-batch's optimizer step (TRL's num_iterations, "
+        "PPO's epochs); the ratio is taken against the policy that generated them"
+    )
     weight_decay: float = key(0.0, "AdamW weight decay")
     betas: list[float] = key([0.9, 0.999], "AdamW betas")
     adam_eps: float = key(1e-8, "AdamW epsilon")
@@ -42,6 +48,7 @@ class TrainConfig:
         require(self.max_auto_resumes >= 0, "train.max_auto_resumes: must be >= 0")
         require(self.max_staleness >= 0, "train.max_staleness: must be >= 0")
         require(self.steps >= 0, "train.steps: must be >= 0")
+        require(self.num_iterations >= 1, "train.num_iterations: must be >= 1")
         require(self.micro_batch_size >= 1, "train.micro_batch_size: must be >= 1")
         require(self.lr > 0, "train.lr: must be > 0")
         require(len(self.betas) == 2, "train.betas: needs two values")

@@ -69,7 +69,7 @@ def test_the_trl_example_recipe_takes_a_grpo_step(tmp_path, tiny_qwen3, examples
         "rollout.dtype=float32",  # the tiny model's probe tolerance is float32's
         "learner.param_dtype=null",
     ])
-    assert cfg.algo.kl_beta > 0  # the recipe's KL to a reference model runs too
+    assert cfg.algo.kl_beta > 0 and cfg.algo.kl_bias_correction  # the recipe's KL (TRL's) to a reference model runs too
     train(cfg)
     record, groups = read_step(tmp_path / "runs" / cfg.run.name)
     assert record["reward/failures/correctness_reward"] == 0 and record["reward/failures/format_reward"] == 0

@@ -193,6 +193,15 @@ def test_mini_and_micro_batches_that_divide_are_accepted():
     assert (cfg.train.mini_batch_size, cfg.train.micro_batch_size) == (16, 4)
 
 
+def test_the_trl_knobs_are_checked():
+    assert _error("train.num_iterations=0").startswith("train.num_iterations")
+    assert _error("algo.advantage_std=sample").startswith("algo.advantage_std")
+    assert _error("train.lr_schedule=polynomial").startswith("train.lr_schedule")
+    cfg = load_config(None, ["algo.kl_beta=0.04", "algo.kl_bias_correction=true", "algo.mask_truncated_completions=true",
+                             "train.num_iterations=2", "train.lr_schedule=linear", "algo.advantage_std=population"])
+    assert (cfg.algo.kl_bias_correction, cfg.algo.mask_truncated_completions, cfg.train.num_iterations) == (True, True, 2)
+
+
 def test_group_size_one():
     assert _error("rollout.group_size=1").startswith("rollout.group_size")
 

@@ -340,6 +340,16 @@ def test_every_trl_name_in_the_mapping_page_exists_in_trl():
                 assert name in known, f"{name} is not a {table.split()[0]} {table.split()[1]} in trl {trl.__version__}"
 
 
+def test_the_mapping_page_covers_every_field_grpo_config_declares():
+    """Every field of TRL's GRPOConfig class itself (its own and the TrainingArguments fields it gives GRPO defaults)
+    has a row: mapped, different or not supported (—)."""
+    trl = pytest.importorskip("trl")
+    declared = set(trl.GRPOConfig.__annotations__)
+    on_page = {name for row in mapping_tables(TRL_PAGE)["GRPOConfig field"] for name in spans(row[0])}
+    assert len(declared) >= 79
+    assert not declared - on_page, f"GRPOConfig fields missing from {TRL_PAGE.name}: {sorted(declared - on_page)}"
+
+
 def trl_script_calls() -> tuple[dict, dict]:
     """The keyword arguments train_trl.py passes to GRPOConfig and GRPOTrainer, read from its source (TRL not needed):
     literal values as they are, names (variables, functions) as their text."""
@@ -365,7 +375,7 @@ def test_the_trl_recipe_says_what_the_trl_script_says():
     steps_per_generation = args.get("steps_per_generation", args.get("gradient_accumulation_steps", 1))
     generation_batch = args["per_device_train_batch_size"] * steps_per_generation  # one device
     aggregation = {"dapo": ("grpo", "token-mean"), "grpo": ("grpo", "seq-mean-token-mean"), "dr_grpo": ("dr_grpo", None)}
-    schedule = {"constant_with_warmup": "constant", "cosine": "cosine"}
+    schedule = {"constant_with_warmup": "constant", "linear": "linear", "cosine": "cosine"}
     assert {
         "run": (f"{cfg.run.output_dir}/{cfg.run.name}", cfg.run.seed),
         "model": Path(cfg.model.path).name,
@@ -376,9 +386,11 @@ def test_the_trl_recipe_says_what_the_trl_script_says():
         "steps": cfg.train.steps,
         "sampling": (cfg.rollout.max_tokens, cfg.rollout.temperature, cfg.rollout.top_p),
         "optimizer": (cfg.train.lr, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.grad_clip),
-        "loss": (cfg.algo.loss, cfg.algo.loss_agg, cfg.algo.advantage_scale),
+        "loss": (cfg.algo.loss, cfg.algo.loss_agg, cfg.algo.advantage_scale, cfg.algo.advantage_std),
         "clip": (cfg.algo.clip_low, cfg.algo.clip_high),
-        "kl": (cfg.algo.kl_beta, cfg.algo.kl_estimator),
+        "kl": (cfg.algo.kl_beta, cfg.algo.kl_estimator, cfg.algo.kl_bias_correction),
+        "passes": cfg.train.num_iterations,
+        "truncated": cfg.algo.mask_truncated_completions,
         "rewards": [(f.name, f.weight) for f in cfg.reward.functions],
         "precision": (cfg.model.dtype, cfg.learner.param_dtype),
         "activation checkpointing": cfg.learner.activation_checkpointing,
@@ -397,9 +409,11 @@ def test_the_trl_recipe_says_what_the_trl_script_says():
         "sampling": (args["max_completion_length"], args["temperature"], args["top_p"]),
         "optimizer": (args["learning_rate"], schedule[args["lr_scheduler_type"]], args["warmup_steps"],
                       args["max_grad_norm"]),
-        "loss": (*aggregation[args["loss_type"]], args["scale_rewards"]),
+        "loss": (*aggregation[args["loss_type"]], args["scale_rewards"], "unbiased"),  # TRL's nanstd is Bessel's
         "clip": (epsilon, args.get("epsilon_high") or epsilon),
-        "kl": (args["beta"], "k3"),
+        "kl": (args["beta"], "k3", args.get("use_bias_correction_kl", True)),
+        "passes": args.get("num_iterations", 1),
+        "truncated": args.get("mask_truncated_completions", False),
         "rewards": [(f"gsm8k_rewards:{name}", weight) for name, weight in zip(trainer["reward_funcs"],
                                                                                 args["reward_weights"], strict=True)],
         "precision": ("float32", "bfloat16" if args["bf16"] else None),

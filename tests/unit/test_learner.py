@@ -81,6 +81,25 @@ def test_mini_batches_take_several_optimizer_steps(tiny_qwen3):
     assert metrics["clip_fraction"] >= 0.0 and math.isfinite(metrics["loss"])
 
 
+def test_num_iterations_passes_over_the_batch_again_against_the_policy_that_generated_it(tiny_qwen3):
+    """Two passes over a batch are the two mini-batches of the batch given twice: both take their ratio against
+    the log-probs computed before the first update."""
+    twice = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "train.num_iterations=2", "train.adam_eps=1"))
+    metrics = _step(twice, _batch())
+    assert twice.engine.optimizer_steps_taken == 2 and twice.policy_version == 1
+    assert twice.engine.total_steps == 2 * 4  # the schedule spans every pass
+    doubled = Learner.from_config(tiny_qwen3, _config(
+        tiny_qwen3, "train.prompts_per_step=4", "train.mini_batch_size=4", "train.adam_eps=1"))
+    expected = _step(doubled, _batch().take(torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])))
+    assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    assert metrics["clip_fraction"] == pytest.approx(expected["clip_fraction"])
+    once = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "train.adam_eps=1"))
+    _step(once, _batch())
+    for name, tensor in twice.model.state_dict().items():
+        torch.testing.assert_close(tensor, doubled.model.state_dict()[name], atol=1e-7, rtol=0)
+    assert any(not torch.equal(tensor, once.model.state_dict()[name]) for name, tensor in twice.model.state_dict().items())
+
+
 def test_reference_model_only_with_a_kl_term(tiny_qwen3):
     assert Learner.from_config(tiny_qwen3, _config(tiny_qwen3)).reference is None
     learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "algo.kl_beta=0.1"))
@@ -166,6 +185,8 @@ def test_lr_schedule():
     assert lr_factor(2, 2, 10, "cosine", 0.1) == pytest.approx(1.0)
     assert lr_factor(6, 2, 10, "cosine", 0.1) == pytest.approx(0.55)
     assert lr_factor(10, 2, 10, "cosine", 0.1) == pytest.approx(0.1)
+    assert [lr_factor(s, 2, 10, "linear", 0.1) for s in (0, 1, 2, 6, 9, 10, 11)] == pytest.approx(
+        [0.5, 1.0, 1.0, 0.5, 0.125, 0.0, 0.0])
 
 
 def _groups(rewards: list[list[float | None]]) -> list[Group]:
@@ -181,7 +202,8 @@ def test_train_batch_leaves_out_unscored_samples_and_optionally_uniform_groups(t
     cfg = _config(tiny_qwen3, "rollout.group_size=3", "train.micro_batch_size=3")
     batch, stats = make_train_batch(_groups([[1.0, 0.0, None], [1.0, 1.0, 1.0]]), cfg, pad_id=0)
     assert len(batch) == 5 and stats["samples_trained"] == 5
-    assert batch.advantages.tolist()[:2] == pytest.approx([1.0, -1.0], abs=1e-4)
+    # Two scored samples, 1 and 0: +-0.5 over the unbiased std, sqrt(0.5) (the population std, 0.5, gives +-1).
+    assert batch.advantages.tolist()[:2] == pytest.approx([0.5 ** 0.5, -(0.5 ** 0.5)], abs=1e-4)
     cfg = _config(tiny_qwen3, "rollout.group_size=3", "train.micro_batch_size=3", "algo.drop_uniform_groups=true")
     batch, stats = make_train_batch(_groups([[1.0, 0.0, None], [1.0, 1.0, 1.0]]), cfg, pad_id=0)
     assert len(batch) == 2
