@@ -59,10 +59,10 @@ def copy_bandwidth(nbytes: int) -> Callable[[int], tuple[float, float | None]]:
     from rlpipe.weightsync import native
 
     source, target = torch.empty(nbytes, dtype=torch.uint8).fill_(1), torch.empty(nbytes, dtype=torch.uint8)
-    streaming = native.copy_check()
+    streaming = native.copy_hash()
     copies = {"memcpy": lambda: target.copy_(source)}
     if streaming is not None:
-        copies["streaming"] = lambda: streaming(source.numpy(), target.numpy(), 0, 0)
+        copies["streaming"] = lambda: streaming(source.numpy(), target.numpy(), 0, 0, 0, 0)
     for copy in copies.values():
         copy()  # first touch
 
