@@ -12,7 +12,7 @@ sending rank) and the word's byte position in the part, passed through MurmurHas
 mix), and the results summed modulo 2^64; the sum, with the part's length and the seed, goes through the finalizer
 once more (`PartHash`). A single changed word always changes the sum (the mix is a bijection); swapped words,
 compensating changes, a truncation, and a buffer labelled with another bucket, rank or version (a stale one
-replayed) change it but with probability 2^-64. It guards against faults, stale and misrouted buffers, not against
+replayed) change it but for a chance of about 2^-64. It guards against faults, stale and misrouted buffers, not against
 an adversary: whoever knows the seed can forge a sum. Summed word by word, it is taken in the same pass as the copy
 on both sides, while each word is in a register (`native.copy_hash`): the sender while packing, the engine while
 copying the part out of the transport's buffer into its own staging copy, the memory the engine writes from. Without
