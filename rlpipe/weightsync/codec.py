@@ -8,9 +8,10 @@ tensors, and its part is those spans.
 
 The checksum is a word hash keyed with the part's identity: every 8-byte word of each piece (the piece's last one
 zero-padded) is XORed with a key made of the seed (`part_seed`: XXH3-64 of the version, the bucket index and the
-sending rank) and the word's byte position in the part, passed through MurmurHash3's 64-bit finalizer (a bijective
-mix), and the results summed modulo 2^64; the sum, with the part's length and the seed, goes through the finalizer
-once more (`PartHash`). A single changed word always changes the sum (the mix is a bijection); swapped words,
+sending rank) and the word's byte position in the part, passed through a bijective mix (xorshift, multiply by an odd
+constant, xorshift: half of MurmurHash3's 64-bit finalizer, one multiply a word), and the results summed modulo
+2^64; the sum, with the part's length and the seed, is mixed once more (`PartHash`). A single changed word always
+changes the sum (the mix is a bijection); swapped words,
 compensating changes, a truncation, and a buffer labelled with another bucket, rank or version (a stale one
 replayed) change it but for a chance of about 2^-64. It guards against faults, stale and misrouted buffers, not against
 an adversary: whoever knows the seed can forge a sum. Summed word by word, it is taken in the same pass as the copy
@@ -39,7 +40,7 @@ from rlpipe.weightsync.layout import Bucket
 CHUNK_BYTES = 1 << 20
 
 _MASK64 = (1 << 64) - 1
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
+_GOLDEN, _MIX = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD
 
 
 def part_seed(version: int, bucket: int, rank: int) -> int:
@@ -47,27 +48,24 @@ def part_seed(version: int, bucket: int, rank: int) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack("<4sQQQ", b"rlws", version, bucket, rank))
 
 
-def _fmix(x: int) -> int:
-    """MurmurHash3's 64-bit finalizer, on a Python int (the same steps as `_fmix_words` and native.py's fmix64)."""
-    x ^= x >> 33
-    x = (x * _MIX1) & _MASK64
-    x ^= x >> 33
-    x = (x * _MIX2) & _MASK64
-    return x ^ (x >> 33)
+def _mix(x: int) -> int:
+    """A bijective 64-bit mix (xorshift, odd multiply, xorshift), on a Python int: the steps of `_mix_words` and
+    native.py's mix64."""
+    x ^= x >> 32
+    x = (x * _MIX) & _MASK64
+    return x ^ (x >> 29)
 
 
-def _fmix_words(x: np.ndarray) -> np.ndarray:
-    """`_fmix` of every uint64 in `x`, in place (numpy's uint64 arithmetic wraps modulo 2^64)."""
-    x ^= x >> np.uint64(33)
-    x *= np.uint64(_MIX1)
-    x ^= x >> np.uint64(33)
-    x *= np.uint64(_MIX2)
-    x ^= x >> np.uint64(33)
+def _mix_words(x: np.ndarray) -> np.ndarray:
+    """`_mix` of every uint64 in `x`, in place (numpy's uint64 arithmetic wraps modulo 2^64)."""
+    x ^= x >> np.uint64(32)
+    x *= np.uint64(_MIX)
+    x ^= x >> np.uint64(29)
     return x
 
 
 def word_sum(data: np.ndarray, seed: int, position: int) -> int:
-    """The sum modulo 2^64 of fmix64(word ^ (seed + (position + 8 i) * GOLDEN)) over the 8-byte little-endian
+    """The sum modulo 2^64 of mix(word ^ (seed + (position + 8 i) * GOLDEN)) over the 8-byte little-endian
     words of the uint8 array `data` (the last zero-padded), where `data` starts at byte `position` of its part.
     Additive over spans that start on the word grid: a part is summed piece by piece, chunk by chunk."""
     whole = len(data) // 8 * 8
@@ -80,7 +78,7 @@ def word_sum(data: np.ndarray, seed: int, position: int) -> int:
     keys *= np.uint64(8 * _GOLDEN & _MASK64)
     keys += np.uint64((seed + position * _GOLDEN) & _MASK64)
     words ^= keys
-    return int(_fmix_words(words).sum(dtype=np.uint64))
+    return int(_mix_words(words).sum(dtype=np.uint64))
 
 
 def _hash_only(data: np.ndarray, seed: int, position: int) -> int:
@@ -114,7 +112,7 @@ class PartHash:
         self.add(_hash_only(data, self.seed, position))
 
     def digest(self) -> int:
-        return _fmix(self.total ^ _fmix((self.seed + self.nbytes * _GOLDEN) & _MASK64))
+        return _mix(_mix(self.total ^ _mix((self.seed + self.nbytes * _GOLDEN) & _MASK64)))
 
 
 def checksum(buffer: np.ndarray, seed: int = 0) -> int:

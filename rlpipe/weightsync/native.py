@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 # copy_hash(src, dst, n, width, mask, seed, position, bad): copy n bytes from src to dst (dst NULL: hash only) and
-# return the sum mod 2^64, over the 8-byte words of src (the last zero-padded), of fmix64(word ^ key) where key =
+# return the sum mod 2^64, over the 8-byte words of src (the last zero-padded), of mix64(word ^ key) where key =
 # seed + (position + offset of the word) * GOLDEN: codec.py's word hash. *bad is set to 1 when some value, read as
 # floats of `width` bytes (2, 4 or 8; 0: no check) whose exponent bits are `mask`, has all of them set (inf or NaN).
 # Streaming stores need dst 32-byte aligned past a head of whole words (numpy, torch, shared memory and Ray buffers,
@@ -43,15 +43,12 @@ _SOURCE = r"""
 #endif
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
-#define MIX1 0xFF51AFD7ED558CCDULL
-#define MIX2 0xC4CEB9FE1A85EC53ULL
+#define MIX 0xFF51AFD7ED558CCDULL
 
-static inline uint64_t fmix64(uint64_t x) {
-    x ^= x >> 33;
-    x *= MIX1;
-    x ^= x >> 33;
-    x *= MIX2;
-    x ^= x >> 33;
+static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 32;
+    x *= MIX;
+    x ^= x >> 29;
     return x;
 }
 
@@ -71,7 +68,7 @@ static uint64_t scalar_words(const uint8_t *src, uint8_t *dst, size_t i, size_t 
         uint64_t word = 0;
         memcpy(&word, src + i, length);
         if (dst) memcpy(dst + i, src + i, length);
-        total += fmix64(word ^ (seed + (position + i) * GOLDEN));
+        total += mix64(word ^ (seed + (position + i) * GOLDEN));
         *bad |= word_non_finite(word, width, mask);
     }
     return total;
@@ -79,12 +76,10 @@ static uint64_t scalar_words(const uint8_t *src, uint8_t *dst, size_t i, size_t 
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
 #define WIDE 1
-static inline __m512i fmix512(__m512i x, __m512i mix1, __m512i mix2) {
-    x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
-    x = _mm512_mullo_epi64(x, mix1);
-    x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
-    x = _mm512_mullo_epi64(x, mix2);
-    return _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
+static inline __m512i mix512(__m512i x, __m512i mix) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 32));
+    x = _mm512_mullo_epi64(x, mix);
+    return _mm512_xor_si512(x, _mm512_srli_epi64(x, 29));
 }
 #elif defined(__AVX2__)
 static inline __m256i mul64(__m256i a, __m256i b) {
@@ -94,12 +89,10 @@ static inline __m256i mul64(__m256i a, __m256i b) {
     return _mm256_add_epi64(low, _mm256_slli_epi64(cross, 32));
 }
 
-static inline __m256i fmix256(__m256i x, __m256i mix1, __m256i mix2) {
-    x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 33));
-    x = mul64(x, mix1);
-    x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 33));
-    x = mul64(x, mix2);
-    return _mm256_xor_si256(x, _mm256_srli_epi64(x, 33));
+static inline __m256i mix256(__m256i x, __m256i mix) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 32));
+    x = mul64(x, mix);
+    return _mm256_xor_si256(x, _mm256_srli_epi64(x, 29));
 }
 #endif
 
@@ -112,7 +105,7 @@ uint64_t copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64
     int bad = 0;
     size_t i = 0;
 #if defined(WIDE)
-    /* 64 bytes a step in one 512-bit register: the multiplies of the mix are one instruction each. */
+    /* 64 bytes a step in one 512-bit register: the mix's multiply is one instruction. */
     size_t head = dst ? (64 - ((uintptr_t)dst & 63)) & 63 : 0;
     int streaming = dst != NULL && head % 8 == 0;
     if (!streaming) head = 0;
@@ -122,7 +115,7 @@ uint64_t copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64
         __m512i exponent = width == 2 ? _mm512_set1_epi16((short)mask)
                          : width == 4 ? _mm512_set1_epi32((int)mask) : _mm512_set1_epi64((long long)mask);
         __m512i sums = _mm512_setzero_si512();
-        __m512i mix1 = _mm512_set1_epi64((long long)MIX1), mix2 = _mm512_set1_epi64((long long)MIX2);
+        __m512i mix = _mm512_set1_epi64((long long)MIX);
         uint64_t key = seed + (position + i) * GOLDEN;
         __m512i keys = _mm512_add_epi64(_mm512_set1_epi64((long long)key),
                                         _mm512_mullo_epi64(_mm512_set_epi64(56, 48, 40, 32, 24, 16, 8, 0),
@@ -135,7 +128,7 @@ uint64_t copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64
                 _mm512_stream_si512((void *)(dst + i), x);
             else if (dst)
                 _mm512_storeu_si512((void *)(dst + i), x);
-            sums = _mm512_add_epi64(sums, fmix512(_mm512_xor_si512(x, keys), mix1, mix2));
+            sums = _mm512_add_epi64(sums, mix512(_mm512_xor_si512(x, keys), mix));
             keys = _mm512_add_epi64(keys, step);
             __m512i ex = _mm512_and_si512(x, exponent);
             if (width == 2) seen |= _mm512_cmpeq_epi16_mask(ex, exponent);
@@ -156,7 +149,7 @@ uint64_t copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64
         __m256i exponent = width == 2 ? _mm256_set1_epi16((short)mask)
                          : width == 4 ? _mm256_set1_epi32((int)mask) : _mm256_set1_epi64x((long long)mask);
         __m256i seen = _mm256_setzero_si256(), sums = _mm256_setzero_si256();
-        __m256i mix1 = _mm256_set1_epi64x((long long)MIX1), mix2 = _mm256_set1_epi64x((long long)MIX2);
+        __m256i mix = _mm256_set1_epi64x((long long)MIX);
         uint64_t key = seed + (position + i) * GOLDEN;
         __m256i keys_x = _mm256_set_epi64x((long long)(key + 24 * GOLDEN), (long long)(key + 16 * GOLDEN),
                                            (long long)(key + 8 * GOLDEN), (long long)key);
@@ -172,8 +165,8 @@ uint64_t copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64
                 _mm256_storeu_si256((__m256i *)(dst + i + 32), y);
             }
             __m256i keys_y = _mm256_add_epi64(keys_x, half);
-            sums = _mm256_add_epi64(sums, fmix256(_mm256_xor_si256(x, keys_x), mix1, mix2));
-            sums = _mm256_add_epi64(sums, fmix256(_mm256_xor_si256(y, keys_y), mix1, mix2));
+            sums = _mm256_add_epi64(sums, mix256(_mm256_xor_si256(x, keys_x), mix));
+            sums = _mm256_add_epi64(sums, mix256(_mm256_xor_si256(y, keys_y), mix));
             keys_x = _mm256_add_epi64(keys_x, step);
             if (width) {
                 __m256i ex = _mm256_and_si256(x, exponent), ey = _mm256_and_si256(y, exponent);
