@@ -472,6 +472,21 @@ def test_a_part_labelled_with_another_version_bucket_or_rank_fails_the_checksum(
     Staging(equal_plan, 3).add(first.index, 0, part, first_digest)  # where it belongs: accepted
 
 
+def test_a_sender_and_an_engine_agree_whichever_has_the_native_loop(monkeypatch):
+    assert native.copy_hash() is not None, "no C compiler for the native copy-and-hash loop"
+    plan, bucket, native_packed, native_digest = _packed_bucket()
+    with monkeypatch.context() as without_native:
+        without_native.setattr(native, "copy_hash", lambda: None)
+        Staging(plan, 3).add(bucket.index, 0, native_packed, native_digest)  # the engine hashes with numpy
+        _, _, numpy_packed, numpy_digest = _packed_bucket()  # the sender packs with numpy
+        corrupt = numpy_packed.copy()
+        corrupt[100] ^= 4
+        _refused(plan, bucket, corrupt, numpy_digest)
+    assert numpy_digest == native_digest and np.array_equal(numpy_packed, native_packed)
+    Staging(plan, 3).add(bucket.index, 0, numpy_packed, numpy_digest)
+    _refused(plan, bucket, corrupt, numpy_digest)
+
+
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "numpy"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
