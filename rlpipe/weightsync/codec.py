@@ -11,13 +11,13 @@ zero-padded) is XORed with a key made of the seed (`part_seed`: XXH3-64 of the v
 sending rank) and the word's byte position in the part, passed through a bijective mix (xorshift, multiply by an odd
 constant, xorshift: half of MurmurHash3's 64-bit finalizer, one multiply a word), and the results summed modulo
 2^64; the sum, with the part's length and the seed, is mixed once more (`PartHash`). A single changed word always
-changes the sum (the mix is a bijection); swapped words,
-compensating changes, a truncation, and a buffer labelled with another bucket, rank or version (a stale one
-replayed) change it but for a chance of about 2^-64. It guards against faults, stale and misrouted buffers, not against
-an adversary: whoever knows the seed can forge a sum. Summed word by word, it is taken in the same pass as the copy
-on both sides, while each word is in a register (`native.copy_hash`): the sender while packing, the engine while
-copying the part out of the transport's buffer into its own staging copy, the memory the engine writes from. Without
-the native loop numpy computes the same value (`word_sum`), so sender and engine agree whichever each has.
+changes the sum (the mix is a bijection); swapped words, compensating changes, a truncation, and a buffer labelled
+with another bucket, rank or version (a stale one replayed) change it but for a chance of about 2^-64. It guards
+against faults, stale and misrouted buffers, not against an adversary: whoever knows the seed can forge a sum.
+Summed word by word, it is taken in the same pass as the copy on both sides, while each word is in a register
+(`native.copy_hash`): the sender while packing, the engine while copying the part out of the transport's buffer into
+its own staging copy, the memory the engine writes from. Without the native loop numpy computes the same value
+(`word_sum`), so sender and engine agree whichever each has.
 
 Packing also refuses non-finite values (`NonFiniteWeights`): a diverged step's weights never leave the learner.
 """
