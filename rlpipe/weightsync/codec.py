@@ -6,18 +6,18 @@ sits, so both sides compute the layout and only bytes and a checksum travel. Whe
 one buffer per bucket (shared memory), each rank instead writes its rows where they belong in the bucket's whole
 tensors, and its part is those spans.
 
-The checksum is a word hash keyed with the part's identity: every 8-byte word of each piece (the piece's last one
-zero-padded) is XORed with a key made of the seed (`part_seed`: XXH3-64 of the version, the bucket index and the
-sending rank) and the word's byte position in the part, passed through a bijective mix (xorshift, multiply by an odd
-constant, xorshift: half of MurmurHash3's 64-bit finalizer, one multiply a word), and the results summed modulo
-2^64; the sum, with the part's length and the seed, is mixed once more (`PartHash`). A single changed word always
-changes the sum (the mix is a bijection); swapped words, compensating changes, a truncation, and a buffer labelled
-with another bucket, rank or version (a stale one replayed) change it but for a chance of about 2^-64. It guards
-against faults, stale and misrouted buffers, not against an adversary: whoever knows the seed can forge a sum.
-Summed word by word, it is taken in the same pass as the copy on both sides, while each word is in a register
+The checksum is keyed with the part's identity and built from two sums over the 8-byte words of each piece (the
+piece's last one zero-padded), both modulo 2^64: the words themselves, and for each word v = word XOR key, where the
+key is made of the seed (`part_seed`: XXH3-64 of the version, the bucket index and the sending rank) and the word's
+byte position in the part, the product of v's low and high 32 bits (XXH3's accumulator step). The two sums, the
+part's length and the seed are mixed into the checksum at the end (`PartHash`). A single changed word always changes
+the first sum; swapped words, compensating changes (which leave the first sum alone), a truncation, and a buffer
+labelled with another bucket, rank or version (a stale one replayed; other keys) change the second. The checksum
+then fails but for a small chance, estimated (not proven) at 2^-32 for the least favourable words. It guards against
+faults, stale and misrouted buffers, not against an adversary: whoever knows the seed can forge the sums. Summed word by word, it is taken in the same pass as the copy on both sides, while each word is in a register
 (`native.copy_hash`): the sender while packing, the engine while copying the part out of the transport's buffer into
-its own staging copy, the memory the engine writes from. Without the native loop numpy computes the same value
-(`word_sum`), so sender and engine agree whichever each has.
+its own staging copy, the memory the engine writes from. Without the native loop numpy computes the same sums
+(`word_sums`), so sender and engine agree whichever each has.
 
 Packing also refuses non-finite values (`NonFiniteWeights`): a diverged step's weights never leave the learner.
 """
@@ -41,6 +41,9 @@ CHUNK_BYTES = 1 << 20
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN, _MIX = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+Sums = tuple[int, int]  # (the words' sum, the keyed products' sum), each modulo 2^64
 
 
 def part_seed(version: int, bucket: int, rank: int) -> int:
@@ -49,44 +52,43 @@ def part_seed(version: int, bucket: int, rank: int) -> int:
 
 
 def _mix(x: int) -> int:
-    """A bijective 64-bit mix (xorshift, odd multiply, xorshift), on a Python int: the steps of `_mix_words` and
-    native.py's mix64."""
+    """A bijective 64-bit mix (xorshift, multiply by an odd constant, xorshift) of a Python int."""
     x ^= x >> 32
     x = (x * _MIX) & _MASK64
     return x ^ (x >> 29)
 
 
-def _mix_words(x: np.ndarray) -> np.ndarray:
-    """`_mix` of every uint64 in `x`, in place (numpy's uint64 arithmetic wraps modulo 2^64)."""
-    x ^= x >> np.uint64(32)
-    x *= np.uint64(_MIX)
-    x ^= x >> np.uint64(29)
-    return x
-
-
-def word_sum(data: np.ndarray, seed: int, position: int) -> int:
-    """The sum modulo 2^64 of mix(word ^ (seed + (position + 8 i) * GOLDEN)) over the 8-byte little-endian
-    words of the uint8 array `data` (the last zero-padded), where `data` starts at byte `position` of its part.
-    Additive over spans that start on the word grid: a part is summed piece by piece, chunk by chunk."""
+def word_sums(data: np.ndarray, seed: int, position: int) -> Sums:
+    """Over the 8-byte little-endian words of the uint8 array `data` (the last zero-padded), which starts at byte
+    `position` of its part: the sum of the words, and the sum of lo32(v) * hi32(v) where v = word ^ (seed +
+    (position + 8 i) * GOLDEN), both modulo 2^64. Additive over spans that start on the word grid: a part is summed
+    piece by piece, chunk by chunk."""
     whole = len(data) // 8 * 8
-    words = data[:whole].view("<u8").astype(np.uint64)  # a copy: aligned, native order, and free to mix in place
+    words = data[:whole].view("<u8").astype(np.uint64)  # a copy: aligned, native order, and free to change in place
     if whole < len(data):
         tail = np.zeros(8, dtype=np.uint8)
         tail[: len(data) - whole] = data[whole:]
         words = np.concatenate([words, tail.view("<u8").astype(np.uint64)])
-    keys = np.arange(len(words), dtype=np.uint64)
-    keys *= np.uint64(8 * _GOLDEN & _MASK64)
-    keys += np.uint64((seed + position * _GOLDEN) & _MASK64)
-    words ^= keys
-    return int(_mix_words(words).sum(dtype=np.uint64))
+    keyed = np.arange(len(words), dtype=np.uint64)
+    keyed *= np.uint64(8 * _GOLDEN & _MASK64)
+    keyed += np.uint64((seed + position * _GOLDEN) & _MASK64)
+    keyed ^= words
+    products = (keyed & _LOW32) * (keyed >> np.uint64(32))  # numpy's uint64 arithmetic wraps modulo 2^64
+    return int(words.sum(dtype=np.uint64)), int(products.sum(dtype=np.uint64))
 
 
-def _hash_only(data: np.ndarray, seed: int, position: int) -> int:
+def _add(a: Sums, b: Sums) -> Sums:
+    return (a[0] + b[0]) & _MASK64, (a[1] + b[1]) & _MASK64
+
+
+def _hash_only(data: np.ndarray, seed: int, position: int) -> Sums:
     hasher = native.copy_hash()
     if hasher is not None:
         return hasher(data, None, 0, 0, seed, position)[0]
-    return sum(word_sum(data[start : start + _chunk_bytes()], seed, position + start)
-               for start in range(0, len(data), _chunk_bytes()))
+    total = (0, 0)
+    for start in range(0, len(data), _chunk_bytes()):
+        total = _add(total, word_sums(data[start : start + _chunk_bytes()], seed, position + start))
+    return total
 
 
 def _chunk_bytes() -> int:
@@ -94,25 +96,27 @@ def _chunk_bytes() -> int:
 
 
 class PartHash:
-    """The checksum of one part, summed a span at a time: `add(total)` a span's `word_sum` (or `update` its bytes);
-    `digest()` folds in the part's length and seed."""
+    """The checksum of one part, summed a span at a time: `add(sums)` a span's `word_sums` (or `update` its bytes);
+    `digest()` mixes the sums with the part's length and seed."""
 
     def __init__(self, seed: int, nbytes: int):
-        self.seed, self.nbytes, self.total = seed, nbytes, 0
+        self.seed, self.nbytes, self.sums = seed, nbytes, (0, 0)
 
     @classmethod
     def of_part(cls, version: int, bucket: Bucket, rank: int) -> PartHash:
         return cls(part_seed(version, bucket.index, rank), bucket.part_bytes(rank))
 
-    def add(self, total: int) -> None:
-        self.total = (self.total + total) & _MASK64
+    def add(self, sums: Sums) -> None:
+        self.sums = _add(self.sums, sums)
 
     def update(self, data: np.ndarray, position: int) -> None:
         """Hash the uint8 array `data`, which lies at byte `position` of the part."""
         self.add(_hash_only(data, self.seed, position))
 
     def digest(self) -> int:
-        return _mix(_mix(self.total ^ _mix((self.seed + self.nbytes * _GOLDEN) & _MASK64)))
+        # For given products, a bijection of the words' sum: a single changed word always changes the checksum.
+        words, products = self.sums
+        return _mix(_mix(_mix((products + self.seed + self.nbytes * _GOLDEN) & _MASK64) ^ words))
 
 
 def checksum(buffer: np.ndarray, seed: int = 0) -> int:
@@ -188,9 +192,9 @@ def pack_part(
             # One pass on this thread (torch's copy_ would wake its OpenMP threads, whose spinning takes the cores
             # the receiver needs): each word is read once, hashed and checked, and stored without reading `span`.
             source_bytes = source.view(torch.uint8).numpy()
-            total, suspect = copy_hash(source_bytes, span, dtype.itemsize if exponent else 0, exponent,
-                                       hasher.seed, piece.offset)
-            hasher.add(total)
+            sums, suspect = copy_hash(source_bytes, span, dtype.itemsize if exponent else 0, exponent,
+                                      hasher.seed, piece.offset)
+            hasher.add(sums)
             bad = first_non_finite(source_bytes, dtype) if suspect else None
             if bad is not None:
                 _refuse_non_finite(piece.name, bad, rank, version)
@@ -212,19 +216,19 @@ def pack_part(
     return hasher.digest()
 
 
-def copy_hashed(source: np.ndarray, target: np.ndarray, seed: int, position: int) -> int:
-    """Copy the uint8 array `source` into `target` (same length) and return the `word_sum` of what was written
+def copy_hashed(source: np.ndarray, target: np.ndarray, seed: int, position: int) -> Sums:
+    """Copy the uint8 array `source` into `target` (same length) and return the `word_sums` of what was written
     (`source` lying at byte `position` of its part): in one pass with the native loop, else a chunk at a time, each
     hashed where it now lies while it is in cache."""
     copy_hash = native.copy_hash()
     if copy_hash is not None:
         return copy_hash(source, target, 0, 0, seed, position)[0]
-    total = 0
+    total = (0, 0)
     for start in range(0, len(source), _chunk_bytes()):
         written = target[start : start + _chunk_bytes()]
         np.copyto(written, source[start : start + _chunk_bytes()])
-        total += word_sum(written, seed, position + start)
-    return total & _MASK64
+        total = _add(total, word_sums(written, seed, position + start))
+    return total
 
 
 def part_checksum(bucket: Bucket, rank: int, buffer: np.ndarray, whole_bucket: bool = False, version: int = 0) -> int:

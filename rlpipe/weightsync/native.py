@@ -4,7 +4,7 @@ Packing a bucket part is most of a sync's cost on the sender, and copying it int
 of the engine's. In numpy the copy, the check for NaN and inf and the checksum are separate passes, and the copy's
 stores go through the cache, which first reads every destination line. This loop reads each source word once, hashes
 it and checks its floats' exponent bits while it is in a register, and writes it with a streaming store that skips
-that read. The hash is the word hash of codec.py (`word_sum`), which computes the same value with numpy where this
+that read. The hash is the one of codec.py (`word_sums`), which computes the same value with numpy where this
 loop is not available.
 
 The compiler is the one torch's inductor already needs on CPU; the library is built once per source and machine
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-# copy_hash(src, dst, n, width, mask, seed, position, bad): copy n bytes from src to dst (dst NULL: hash only) and
-# return the sum mod 2^64, over the 8-byte words of src (the last zero-padded), of mix64(word ^ key) where key =
-# seed + (position + offset of the word) * GOLDEN: codec.py's word hash. *bad is set to 1 when some value, read as
-# floats of `width` bytes (2, 4 or 8; 0: no check) whose exponent bits are `mask`, has all of them set (inf or NaN).
-# Streaming stores need dst 32-byte aligned past a head of whole words (numpy, torch, shared memory and Ray buffers,
-# and the plan's pieces, all give that), else the loop stores through the cache.
+# copy_hash(src, dst, n, width, mask, seed, position, sums): copy n bytes from src to dst (dst NULL: hash only) and add
+# to sums[0] the sum mod 2^64 of the 8-byte words of src (the last zero-padded), to sums[1] that of lo32(v) * hi32(v)
+# where v = word ^ (seed + (position + offset of the word) * GOLDEN): codec.py's word sums. Returns 1 when some value,
+# read as floats of `width` bytes (2, 4 or 8; 0: no check) whose exponent bits are `mask`, has all of them set (inf
+# or NaN), else 0. Streaming stores need dst aligned past a head of whole words (numpy, torch, shared memory and Ray
+# buffers, and the plan's pieces, all give that), else the loop stores through the cache.
 _SOURCE = r"""
 #include <stddef.h>
 #include <stdint.h>
@@ -43,14 +43,6 @@ _SOURCE = r"""
 #endif
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
-#define MIX 0xFF51AFD7ED558CCDULL
-
-static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 32;
-    x *= MIX;
-    x ^= x >> 29;
-    return x;
-}
 
 static int word_non_finite(uint64_t word, int width, uint64_t mask) {
     int bad = 0;
@@ -59,67 +51,48 @@ static int word_non_finite(uint64_t word, int width, uint64_t mask) {
     return bad;
 }
 
-/* Whole or partial (the last, zero-padded) words of [i, end): hashed, checked, copied. */
-static uint64_t scalar_words(const uint8_t *src, uint8_t *dst, size_t i, size_t end, int width, uint64_t mask,
-                             uint64_t seed, uint64_t position, int *bad) {
-    uint64_t total = 0;
+/* Whole or partial (the last, zero-padded) words of [i, end): summed, checked, copied. */
+static void scalar_words(const uint8_t *src, uint8_t *dst, size_t i, size_t end, int width, uint64_t mask,
+                         uint64_t seed, uint64_t position, uint64_t *sums, int *bad) {
     for (; i < end; i += 8) {
         size_t length = end - i < 8 ? end - i : 8;
         uint64_t word = 0;
         memcpy(&word, src + i, length);
         if (dst) memcpy(dst + i, src + i, length);
-        total += mix64(word ^ (seed + (position + i) * GOLDEN));
+        uint64_t keyed = word ^ (seed + (position + i) * GOLDEN);
+        sums[0] += word;
+        sums[1] += (keyed & 0xFFFFFFFFULL) * (keyed >> 32);
         *bad |= word_non_finite(word, width, mask);
     }
-    return total;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define WIDE 1
-static inline __m512i mix512(__m512i x, __m512i mix) {
-    x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 32));
-    x = _mm512_mullo_epi64(x, mix);
-    return _mm512_xor_si512(x, _mm512_srli_epi64(x, 29));
-}
-#elif defined(__AVX2__)
-static inline __m256i mul64(__m256i a, __m256i b) {
-    __m256i low = _mm256_mul_epu32(a, b);
-    __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b),
-                                     _mm256_mul_epu32(a, _mm256_srli_epi64(b, 32)));
-    return _mm256_add_epi64(low, _mm256_slli_epi64(cross, 32));
-}
-
-static inline __m256i mix256(__m256i x, __m256i mix) {
-    x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 32));
-    x = mul64(x, mix);
-    return _mm256_xor_si256(x, _mm256_srli_epi64(x, 29));
-}
 #endif
 
 #ifdef __cplusplus
 extern "C"
 #endif
-uint64_t copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t mask, uint64_t seed,
-                   uint64_t position, int *bad_out) {
-    uint64_t total = 0;
+int copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t mask, uint64_t seed, uint64_t position,
+              uint64_t *sums) {
     int bad = 0;
     size_t i = 0;
 #if defined(WIDE)
-    /* 64 bytes a step in one 512-bit register: the mix's multiply is one instruction. */
+    /* 64 bytes a step in one 512-bit register. */
     size_t head = dst ? (64 - ((uintptr_t)dst & 63)) & 63 : 0;
     int streaming = dst != NULL && head % 8 == 0;
     if (!streaming) head = 0;
     if (head + 64 <= n) {
-        total += scalar_words(src, dst, 0, head, width, mask, seed, position, &bad);
+        scalar_words(src, dst, 0, head, width, mask, seed, position, sums, &bad);
         i = head;
         __m512i exponent = width == 2 ? _mm512_set1_epi16((short)mask)
                          : width == 4 ? _mm512_set1_epi32((int)mask) : _mm512_set1_epi64((long long)mask);
-        __m512i sums = _mm512_setzero_si512();
-        __m512i mix = _mm512_set1_epi64((long long)MIX);
+        __m512i words = _mm512_setzero_si512(), products = _mm512_setzero_si512();
         uint64_t key = seed + (position + i) * GOLDEN;
-        __m512i keys = _mm512_add_epi64(_mm512_set1_epi64((long long)key),
-                                        _mm512_mullo_epi64(_mm512_set_epi64(56, 48, 40, 32, 24, 16, 8, 0),
-                                                           _mm512_set1_epi64((long long)GOLDEN)));
+        __m512i keys = _mm512_set_epi64((long long)(key + 56 * GOLDEN), (long long)(key + 48 * GOLDEN),
+                                        (long long)(key + 40 * GOLDEN), (long long)(key + 32 * GOLDEN),
+                                        (long long)(key + 24 * GOLDEN), (long long)(key + 16 * GOLDEN),
+                                        (long long)(key + 8 * GOLDEN), (long long)key);
         __m512i step = _mm512_set1_epi64((long long)(64 * GOLDEN));
         uint64_t seen = 0;
         for (; i + 64 <= n; i += 64) {
@@ -128,7 +101,9 @@ uint64_t copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64
                 _mm512_stream_si512((void *)(dst + i), x);
             else if (dst)
                 _mm512_storeu_si512((void *)(dst + i), x);
-            sums = _mm512_add_epi64(sums, mix512(_mm512_xor_si512(x, keys), mix));
+            __m512i keyed = _mm512_xor_si512(x, keys);
+            products = _mm512_add_epi64(products, _mm512_mul_epu32(keyed, _mm512_srli_epi64(keyed, 32)));
+            words = _mm512_add_epi64(words, x);
             keys = _mm512_add_epi64(keys, step);
             __m512i ex = _mm512_and_si512(x, exponent);
             if (width == 2) seen |= _mm512_cmpeq_epi16_mask(ex, exponent);
@@ -137,19 +112,19 @@ uint64_t copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64
         }
         if (streaming) _mm_sfence();
         bad |= seen != 0;
-        total += (uint64_t)_mm512_reduce_add_epi64(sums);
+        sums[0] += (uint64_t)_mm512_reduce_add_epi64(words);
+        sums[1] += (uint64_t)_mm512_reduce_add_epi64(products);
     }
 #elif defined(__AVX2__)
     size_t head = dst ? (32 - ((uintptr_t)dst & 31)) & 31 : 0;
     int streaming = dst != NULL && head % 8 == 0;
     if (!streaming) head = 0;
     if (head + 64 <= n) {
-        total += scalar_words(src, dst, 0, head, width, mask, seed, position, &bad);
+        scalar_words(src, dst, 0, head, width, mask, seed, position, sums, &bad);
         i = head;
         __m256i exponent = width == 2 ? _mm256_set1_epi16((short)mask)
                          : width == 4 ? _mm256_set1_epi32((int)mask) : _mm256_set1_epi64x((long long)mask);
-        __m256i seen = _mm256_setzero_si256(), sums = _mm256_setzero_si256();
-        __m256i mix = _mm256_set1_epi64x((long long)MIX);
+        __m256i seen = _mm256_setzero_si256(), words = _mm256_setzero_si256(), products = _mm256_setzero_si256();
         uint64_t key = seed + (position + i) * GOLDEN;
         __m256i keys_x = _mm256_set_epi64x((long long)(key + 24 * GOLDEN), (long long)(key + 16 * GOLDEN),
                                            (long long)(key + 8 * GOLDEN), (long long)key);
@@ -164,9 +139,10 @@ uint64_t copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64
                 _mm256_storeu_si256((__m256i *)(dst + i), x);
                 _mm256_storeu_si256((__m256i *)(dst + i + 32), y);
             }
-            __m256i keys_y = _mm256_add_epi64(keys_x, half);
-            sums = _mm256_add_epi64(sums, mix256(_mm256_xor_si256(x, keys_x), mix));
-            sums = _mm256_add_epi64(sums, mix256(_mm256_xor_si256(y, keys_y), mix));
+            __m256i kx = _mm256_xor_si256(x, keys_x), ky = _mm256_xor_si256(y, _mm256_add_epi64(keys_x, half));
+            products = _mm256_add_epi64(products, _mm256_mul_epu32(kx, _mm256_srli_epi64(kx, 32)));
+            products = _mm256_add_epi64(products, _mm256_mul_epu32(ky, _mm256_srli_epi64(ky, 32)));
+            words = _mm256_add_epi64(words, _mm256_add_epi64(x, y));
             keys_x = _mm256_add_epi64(keys_x, step);
             if (width) {
                 __m256i ex = _mm256_and_si256(x, exponent), ey = _mm256_and_si256(y, exponent);
@@ -181,18 +157,19 @@ uint64_t copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64
         if (streaming) _mm_sfence();
         bad |= !_mm256_testz_si256(seen, seen);
         uint64_t lanes[4];
-        _mm256_storeu_si256((__m256i *)lanes, sums);
-        total += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+        _mm256_storeu_si256((__m256i *)lanes, words);
+        sums[0] += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+        _mm256_storeu_si256((__m256i *)lanes, products);
+        sums[1] += lanes[0] + lanes[1] + lanes[2] + lanes[3];
     }
 #endif
-    total += scalar_words(src, dst, i, n, width, mask, seed, position, &bad);
-    *bad_out = bad;
-    return total;
+    scalar_words(src, dst, i, n, width, mask, seed, position, sums, &bad);
+    return bad;
 }
 """
 
-# (source, target or None, width, mask, seed, position) -> (word sum, whether some value is inf or NaN)
-CopyHash = Callable[[np.ndarray, "np.ndarray | None", int, int, int, int], tuple[int, bool]]
+# (source, target or None, width, mask, seed, position) -> ((word sum, product sum), whether some value is inf or NaN)
+CopyHash = Callable[[np.ndarray, "np.ndarray | None", int, int, int, int], tuple[tuple[int, int], bool]]
 _MASK64 = (1 << 64) - 1
 
 
@@ -220,8 +197,8 @@ def _build(compiler: str) -> Path:
 
 @functools.cache
 def copy_hash() -> CopyHash | None:
-    """`fn(source, target, width, mask, seed, position) -> (word_sum, non_finite)`: copy the uint8 array `source`
-    into `target` (same length; None: hash only), return its word sum (codec.word_sum: `seed`, and `source` starting
+    """`fn(source, target, width, mask, seed, position) -> (sums, non_finite)`: copy the uint8 array `source` into
+    `target` (same length; None: hash only), return its word sums (codec.word_sums: `seed`, and `source` starting
     at byte `position` of its part) and whether some value, read as floats of `width` bytes whose exponent bits are
     `mask`, is inf or NaN (width 0: no check); None where no C compiler is available."""
     if os.environ.get("RLPIPE_NATIVE", "1") == "0":
@@ -236,18 +213,18 @@ def copy_hash() -> CopyHash | None:
         warnings.warn(f"weight sync: building the copy-and-hash loop failed ({error}; "
                       f"{detail.decode(errors='replace').strip()[:200]}); packing and staging use numpy", stacklevel=2)
         return None
-    function.restype = ctypes.c_uint64
+    function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64,
-                         ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
+                         ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]
 
     def run(source: np.ndarray, target: np.ndarray | None, width: int, mask: int, seed: int,
-            position: int) -> tuple[int, bool]:
+            position: int) -> tuple[tuple[int, int], bool]:
         if not source.flags.c_contiguous or (target is not None and (
                 target.nbytes != source.nbytes or not target.flags.c_contiguous)):
             raise ValueError("copy_hash needs contiguous arrays of the same size")
-        bad = ctypes.c_int(0)
-        total = function(source.ctypes.data, None if target is None else target.ctypes.data, source.nbytes, width,
-                         mask, seed & _MASK64, position & _MASK64, ctypes.byref(bad))
-        return int(total), bool(bad.value)
+        sums = (ctypes.c_uint64 * 2)(0, 0)
+        bad = function(source.ctypes.data, None if target is None else target.ctypes.data, source.nbytes, width,
+                       mask, seed & _MASK64, position & _MASK64, sums)
+        return (int(sums[0]), int(sums[1])), bool(bad)
 
     return run

@@ -309,10 +309,10 @@ def test_the_native_loop_copies_exactly_hashes_as_numpy_does_and_finds_every_nan
             target_block = np.zeros(count * size + 80, dtype=np.uint8)
             target = target_block[target_shift : target_shift + count * size]
             position = 8 * (count + target_shift)
-            total, bad = copy_hash(source, target, size, exponent, 0xC0FFEE + count, position)
+            sums, bad = copy_hash(source, target, size, exponent, 0xC0FFEE + count, position)
             assert not bad, (count, target_shift)
-            assert total == codec.word_sum(source, 0xC0FFEE + count, position), (count, target_shift)
-            assert copy_hash(source, None, 0, 0, 0xC0FFEE + count, position)[0] == total
+            assert sums == codec.word_sums(source, 0xC0FFEE + count, position), (count, target_shift)
+            assert copy_hash(source, None, 0, 0, 0xC0FFEE + count, position)[0] == sums
             assert np.array_equal(target, source)
             assert not target_block[:target_shift].any() and not target_block[target_shift + count * size :].any()
             for index in sorted({0, count // 2, count - 1}) if count else []:
