@@ -54,15 +54,16 @@ def sync_model_shapes(name: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
 def copy_bandwidth(nbytes: int) -> Callable[[int], tuple[float, float | None]]:
     """A measurement of this host's copy bandwidth between two preallocated buffers of `nbytes`: called with a
     repeat count, it returns the best GB/s of torch's copy_ on all threads (the memcpy figure) and of the packing
-    loop's one-thread streaming copy (None without it), which here often beats copy_ and so is the
-    stricter yardstick. Measured again next to every timed sync, so both see the machine in the same state."""
+    loop's one-thread streaming copy, hashing every word as it copies (None without it), which here often beats
+    copy_ and so is the stricter yardstick. Measured again next to every timed sync, so both see the machine in the
+    same state."""
     from rlpipe.weightsync import native
 
     source, target = torch.empty(nbytes, dtype=torch.uint8).fill_(1), torch.empty(nbytes, dtype=torch.uint8)
-    streaming = native.copy_check()
+    streaming = native.copy_hash()
     copies = {"memcpy": lambda: target.copy_(source)}
     if streaming is not None:
-        copies["streaming"] = lambda: streaming(source.numpy(), target.numpy(), 0, 0)
+        copies["streaming"] = lambda: streaming(source.numpy(), target.numpy(), 0, 0, 0, 0)
     for copy in copies.values():
         copy()  # first touch
 

@@ -6,11 +6,18 @@ sits, so both sides compute the layout and only bytes and a checksum travel. Whe
 one buffer per bucket (shared memory), each rank instead writes its rows where they belong in the bucket's whole
 tensors, and its part is those spans.
 
-The checksum is XXH3-64 over the part's pieces in plan order, seeded with the version, the bucket index and the
-sending rank (`part_seed`): a changed, swapped or zeroed word, compensating changes, a truncation, and a buffer
-labelled with another bucket, rank or version (a stale one replayed) all change it. Each side takes it where it
-touches the bytes anyway, a chunk at a time while the chunk is in cache: the sender while packing, the engine while
-copying the part out of the transport's buffer into its own staging copy, the memory the engine writes from.
+The checksum is keyed with the part's identity and built from two sums over the 8-byte words of each piece (the
+piece's last one zero-padded), both modulo 2^64: the words themselves, and for each word v = word XOR key, where the
+key is made of the seed (`part_seed`: XXH3-64 of the version, the bucket index and the sending rank) and the word's
+byte position in the part, the product of v's low and high 32 bits (XXH3's accumulator step). The two sums, the
+part's length and the seed are mixed into the checksum at the end (`PartHash`). A single changed word always changes
+the first sum; swapped words, compensating changes (which leave the first sum alone), a truncation, and a buffer
+labelled with another bucket, rank or version (a stale one replayed; other keys) change the second. The checksum
+then fails but for a small chance, estimated (not proven) at 2^-32 for the least favourable words. It guards against
+faults, stale and misrouted buffers, not against an adversary: whoever knows the seed can forge the sums. Summed word by word, it is taken in the same pass as the copy on both sides, while each word is in a register
+(`native.copy_hash`): the sender while packing, the engine while copying the part out of the transport's buffer into
+its own staging copy, the memory the engine writes from. Without the native loop numpy computes the same sums
+(`word_sums`), so sender and engine agree whichever each has.
 
 Packing also refuses non-finite values (`NonFiniteWeights`): a diverged step's weights never leave the learner.
 """
@@ -28,8 +35,15 @@ from rlpipe.weightsync import native
 from rlpipe.weightsync.errors import NonFiniteWeights, SyncError
 from rlpipe.weightsync.layout import Bucket
 
-# Bytes copied and hashed at a time: the chunk just copied is hashed while it is still in a core's L2 cache.
+# Without the native loop, bytes copied and hashed at a time: the chunk just copied is hashed while it is still in a
+# core's L2 cache. Rounded down to whole words, so that every chunk but a piece's last starts and ends on the word grid.
 CHUNK_BYTES = 1 << 20
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN, _MIX = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+Sums = tuple[int, int]  # (the words' sum, the keyed products' sum), each modulo 2^64
 
 
 def part_seed(version: int, bucket: int, rank: int) -> int:
@@ -37,16 +51,80 @@ def part_seed(version: int, bucket: int, rank: int) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack("<4sQQQ", b"rlws", version, bucket, rank))
 
 
-def part_hasher(version: int, bucket: int, rank: int) -> xxhash.xxh3_64:
-    return xxhash.xxh3_64(seed=part_seed(version, bucket, rank))
+def _mix(x: int) -> int:
+    """A bijective 64-bit mix (xorshift, multiply by an odd constant, xorshift) of a Python int."""
+    x ^= x >> 32
+    x = (x * _MIX) & _MASK64
+    return x ^ (x >> 29)
+
+
+def word_sums(data: np.ndarray, seed: int, position: int) -> Sums:
+    """Over the 8-byte little-endian words of the uint8 array `data` (the last zero-padded), which starts at byte
+    `position` of its part: the sum of the words, and the sum of lo32(v) * hi32(v) where v = word ^ (seed +
+    (position + 8 i) * GOLDEN), both modulo 2^64. Additive over spans that start on the word grid: a part is summed
+    piece by piece, chunk by chunk."""
+    whole = len(data) // 8 * 8
+    words = data[:whole].view("<u8").astype(np.uint64)  # a copy: aligned, native order, and free to change in place
+    if whole < len(data):
+        tail = np.zeros(8, dtype=np.uint8)
+        tail[: len(data) - whole] = data[whole:]
+        words = np.concatenate([words, tail.view("<u8").astype(np.uint64)])
+    keyed = np.arange(len(words), dtype=np.uint64)
+    keyed *= np.uint64(8 * _GOLDEN & _MASK64)
+    keyed += np.uint64((seed + position * _GOLDEN) & _MASK64)
+    keyed ^= words
+    products = (keyed & _LOW32) * (keyed >> np.uint64(32))  # numpy's uint64 arithmetic wraps modulo 2^64
+    return int(words.sum(dtype=np.uint64)), int(products.sum(dtype=np.uint64))
+
+
+def _add(a: Sums, b: Sums) -> Sums:
+    return (a[0] + b[0]) & _MASK64, (a[1] + b[1]) & _MASK64
+
+
+def _hash_only(data: np.ndarray, seed: int, position: int) -> Sums:
+    hasher = native.copy_hash()
+    if hasher is not None:
+        return hasher(data, None, 0, 0, seed, position)[0]
+    total = (0, 0)
+    for start in range(0, len(data), _chunk_bytes()):
+        total = _add(total, word_sums(data[start : start + _chunk_bytes()], seed, position + start))
+    return total
+
+
+def _chunk_bytes() -> int:
+    return max(8, CHUNK_BYTES // 8 * 8)
+
+
+class PartHash:
+    """The checksum of one part, summed a span at a time: `add(sums)` a span's `word_sums` (or `update` its bytes);
+    `digest()` mixes the sums with the part's length and seed."""
+
+    def __init__(self, seed: int, nbytes: int):
+        self.seed, self.nbytes, self.sums = seed, nbytes, (0, 0)
+
+    @classmethod
+    def of_part(cls, version: int, bucket: Bucket, rank: int) -> PartHash:
+        return cls(part_seed(version, bucket.index, rank), bucket.part_bytes(rank))
+
+    def add(self, sums: Sums) -> None:
+        self.sums = _add(self.sums, sums)
+
+    def update(self, data: np.ndarray, position: int) -> None:
+        """Hash the uint8 array `data`, which lies at byte `position` of the part."""
+        self.add(_hash_only(data, self.seed, position))
+
+    def digest(self) -> int:
+        # For given products, a bijection of the words' sum: a single changed word always changes the checksum.
+        words, products = self.sums
+        return _mix(_mix(_mix((products + self.seed + self.nbytes * _GOLDEN) & _MASK64) ^ words))
 
 
 def checksum(buffer: np.ndarray, seed: int = 0) -> int:
-    return xxhash.xxh3_64_intdigest(_bytes_of(buffer), seed=seed)
-
-
-def _bytes_of(array: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    """The checksum of `buffer` as one part in one piece."""
+    data = np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)
+    hasher = PartHash(seed, data.nbytes)
+    hasher.update(data, 0)
+    return hasher.digest()
 
 
 # The exponent bits of each float dtype the weights travel in, for the native loop: all set means inf or NaN.
@@ -96,8 +174,9 @@ def pack_part(
     assigns it. `out` is the rank's part (part_bytes long), or with `whole_bucket` the buffer every rank writes its
     rows into (bucket.nbytes long, the whole tensors end to end): then the rows go to their place in their tensor and
     the checksum covers just them (`part_checksum`). Raises `NonFiniteWeights` on a NaN or inf, naming the tensor."""
-    copy_check = native.copy_check()
-    hasher = part_hasher(version, bucket.index, rank)
+    copy_hash = native.copy_hash()
+    hasher = PartHash.of_part(version, bucket, rank)
+    exponent = _EXPONENT_BITS.get(dtype, 0)
     for piece in bucket.parts[rank]:
         shard = local[piece.name]
         if shard.numel() * dtype.itemsize != piece.nbytes:
@@ -109,52 +188,55 @@ def pack_part(
         source = shard.detach().reshape(-1)
         position = piece.bucket_offset if whole_bucket else piece.offset
         span = out[position : position + piece.nbytes]
-        if source.dtype == dtype:
-            # numpy and the native loop run on this thread: torch's copy_ would wake its OpenMP threads, whose
-            # spinning takes the cores the receiver needs. The source chunk is hashed first, which brings it into
-            # cache; the native loop then copies it with streaming stores (no read of `span`) and checks its values.
+        if source.dtype == dtype and copy_hash is not None:
+            # One pass on this thread (torch's copy_ would wake its OpenMP threads, whose spinning takes the cores
+            # the receiver needs): each word is read once, hashed and checked, and stored without reading `span`.
             source_bytes = source.view(torch.uint8).numpy()
-            step = max(1, CHUNK_BYTES // dtype.itemsize) * dtype.itemsize  # whole values, for the finiteness check
-            exponent = _EXPONENT_BITS.get(dtype, 0)
-            for start in range(0, len(source_bytes), step):
-                chunk, target = source_bytes[start : start + step], span[start : start + step]
-                hasher.update(memoryview(chunk))
-                if copy_check is not None:
-                    suspect = copy_check(chunk, target, dtype.itemsize if exponent else 0, exponent)
-                else:
-                    np.copyto(target, chunk)
-                    suspect = True
-                bad = first_non_finite(chunk, dtype) if suspect else None
-                if bad is not None:
-                    _refuse_non_finite(piece.name, start // dtype.itemsize + bad, rank, version)
+            sums, suspect = copy_hash(source_bytes, span, dtype.itemsize if exponent else 0, exponent,
+                                      hasher.seed, piece.offset)
+            hasher.add(sums)
+            bad = first_non_finite(source_bytes, dtype) if suspect else None
+            if bad is not None:
+                _refuse_non_finite(piece.name, bad, rank, version)
             continue
+        # Cast (or numpy) a chunk at a time, each hashed and checked as written, while it is in cache.
         target = torch.from_numpy(span).view(dtype)
-        step = max(1, CHUNK_BYTES // dtype.itemsize)
+        step = _chunk_bytes() // dtype.itemsize
         for start in range(0, len(source), step):
-            target[start : start + step].copy_(source[start : start + step])
+            if source.dtype == dtype:  # numpy on this thread, as above
+                np.copyto(target[start : start + step].view(torch.uint8).numpy(),
+                          source[start : start + step].view(torch.uint8).numpy())
+            else:
+                target[start : start + step].copy_(source[start : start + step])
             written = span[start * dtype.itemsize : (start + step) * dtype.itemsize]
-            hasher.update(memoryview(written))
+            hasher.update(written, piece.offset + start * dtype.itemsize)
             bad = first_non_finite(written, dtype)
             if bad is not None:
                 _refuse_non_finite(piece.name, start + bad, rank, version)
-    return hasher.intdigest()
+    return hasher.digest()
 
 
-def copy_hashed(source: np.ndarray, target: np.ndarray, hasher: xxhash.xxh3_64) -> None:
-    """Copy the uint8 array `source` into `target` (same length) a chunk at a time, hashing each chunk as written
-    into `target`, while it is in cache: the digest covers the bytes where they now lie, not where they came from."""
-    for start in range(0, len(source), CHUNK_BYTES):
-        written = target[start : start + CHUNK_BYTES]
-        np.copyto(written, source[start : start + CHUNK_BYTES])
-        hasher.update(memoryview(written))
+def copy_hashed(source: np.ndarray, target: np.ndarray, seed: int, position: int) -> Sums:
+    """Copy the uint8 array `source` into `target` (same length) and return the `word_sums` of what was written
+    (`source` lying at byte `position` of its part): in one pass with the native loop, else a chunk at a time, each
+    hashed where it now lies while it is in cache."""
+    copy_hash = native.copy_hash()
+    if copy_hash is not None:
+        return copy_hash(source, target, 0, 0, seed, position)[0]
+    total = (0, 0)
+    for start in range(0, len(source), _chunk_bytes()):
+        written = target[start : start + _chunk_bytes()]
+        np.copyto(written, source[start : start + _chunk_bytes()])
+        total = _add(total, word_sums(written, seed, position + start))
+    return total
 
 
 def part_checksum(bucket: Bucket, rank: int, buffer: np.ndarray, whole_bucket: bool = False, version: int = 0) -> int:
     """The checksum of `rank`'s part of `bucket` in `version`: all of `buffer`, or with `whole_bucket` only that
     rank's rows in the shared buffer. Equal to what `pack_part` returned for intact bytes."""
-    hasher = part_hasher(version, bucket.index, rank)
+    hasher = PartHash.of_part(version, bucket, rank)
     data = buffer.reshape(-1).view(np.uint8)
     for piece in bucket.parts[rank]:
         position = piece.bucket_offset if whole_bucket else piece.offset
-        hasher.update(memoryview(data[position : position + piece.nbytes]))
-    return hasher.intdigest()
+        hasher.update(data[position : position + piece.nbytes], piece.offset)
+    return hasher.digest()

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import torch
 
-from rlpipe.weightsync.codec import copy_hashed, part_hasher
+from rlpipe.weightsync.codec import PartHash, copy_hashed
 from rlpipe.weightsync.errors import SyncError
 from rlpipe.weightsync.layout import Bucket, SyncPlan
 
@@ -19,8 +19,8 @@ class Staging:
     Nothing here touches the engine: a version is handed over only when complete and every checksum matched.
     Parts may arrive in any order and from several threads.
 
-    Every part is copied out of the transport's buffer into memory this staging owns (`owned`), a chunk at a time,
-    and its checksum is taken over each chunk as written there (`codec.copy_hashed`): what the engine later writes
+    Every part is copied out of the transport's buffer into memory this staging owns (`owned`), and its checksum is
+    taken in the same pass, over each word as it is written there (`codec.copy_hashed`): what the engine later writes
     from is exactly what was checked, whatever happens to the transport's buffer (shared memory the learner writes
     into, the object store) after the part arrived. A later staging may write over the memory (`reuse`: fresh memory
     costs a page fault per 4 KiB); with `reuse` laid out for every tensor of the plan in shared memory (the engine's
@@ -99,12 +99,12 @@ class Staging:
     def _copy_in(self, bucket: Bucket, rank: int, buffer: np.ndarray) -> int:
         """Copy `rank`'s rows of `bucket` from `buffer` into this staging's tensors; the checksum of what was written."""
         data = buffer.reshape(-1).view(np.uint8)
-        hasher = part_hasher(self.version, bucket.index, rank)
+        hasher = PartHash.of_part(self.version, bucket, rank)
         for piece in bucket.parts[rank]:
             position = piece.bucket_offset if self.whole_buckets else piece.offset
-            copy_hashed(data[position : position + piece.nbytes], self._rows(piece.name, piece.start, piece.stop),
-                        hasher)
-        return hasher.intdigest()
+            hasher.add(copy_hashed(data[position : position + piece.nbytes],
+                                   self._rows(piece.name, piece.start, piece.stop), hasher.seed, piece.offset))
+        return hasher.digest()
 
     def verify(self) -> str | None:
         """Check the assembled tensors against the checksums the parts matched on arrival; None if every part is
@@ -113,10 +113,10 @@ class Staging:
             received = dict(self._received)
         for (bucket_index, rank), digest in sorted(received.items()):
             bucket = self.plan.buckets[bucket_index]
-            hasher = part_hasher(self.version, bucket_index, rank)
+            hasher = PartHash.of_part(self.version, bucket, rank)
             for piece in bucket.parts[rank]:
-                hasher.update(memoryview(self._rows(piece.name, piece.start, piece.stop)))
-            if hasher.intdigest() != digest:
+                hasher.update(self._rows(piece.name, piece.start, piece.stop), piece.offset)
+            if hasher.digest() != digest:
                 names = sorted({piece.name for piece in bucket.parts[rank]})
                 return (f"bucket {bucket_index} from learner rank {rank} of version {self.version} changed since it "
                         f"was checked ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")

@@ -266,17 +266,18 @@ def test_checksum_notices_any_changed_word_and_length():
 
 @pytest.mark.parametrize(
     "chunk_bytes, dtype, use_native",
-    [(6, "bfloat16", False), (10, "bfloat16", False), (1 << 20, "bfloat16", False),
+    [(6, "bfloat16", False), (10, "bfloat16", True), (1 << 20, "bfloat16", False),
      (6, "float32", False), (1 << 20, "float32", False), (1 << 20, "float32", True)],
 )
 def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, chunk_bytes, dtype, use_native):
-    # The checksum is hashed chunk by chunk as the buffer fills; chunks of 3 or 5 values end off any word grid, and
-    # the result must still be the checksum of the finished part. bfloat16 casts; float32 is the plain-copy path.
+    # The checksum is hashed chunk by chunk as the buffer fills (chunks of 6 or 10 bytes round to one word), and the
+    # result must still be the checksum of the finished part, whose pieces (3 ranks' rows) end off the word grid.
+    # bfloat16 casts; float32 is the plain-copy path.
     monkeypatch.setattr(codec, "CHUNK_BYTES", chunk_bytes)
     if use_native:
-        assert native.copy_check() is not None, "no C compiler for the native copy-and-check loop"
+        assert native.copy_hash() is not None, "no C compiler for the native copy-and-hash loop"
     else:
-        monkeypatch.setattr(native, "copy_check", lambda: None)
+        monkeypatch.setattr(native, "copy_hash", lambda: None)
     shapes = _hf_shapes(kv_heads=2)
     full = _full_tensors(shapes)
     plan = plan_sync(shapes, 3, _layout(1, 2, dtype), 30_000)
@@ -285,38 +286,41 @@ def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, c
         for bucket in plan.buckets:
             buffer = np.full(bucket.part_bytes(rank), 0xAB, dtype=np.uint8)
             digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, version=5)
-            assert digest == codec.part_checksum(bucket, rank, buffer, version=5) == checksum(
-                buffer, codec.part_seed(5, bucket.index, rank))
+            assert digest == codec.part_checksum(bucket, rank, buffer, version=5)
             for piece in bucket.parts[rank]:
                 packed = torch.from_numpy(buffer[piece.offset : piece.offset + piece.nbytes]).view(plan.torch_dtype)
                 assert torch.equal(packed, local[piece.name].to(plan.torch_dtype).reshape(-1)), piece.name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_the_native_loop_copies_exactly_and_finds_every_nan_and_inf(dtype):
-    # Every alignment case of the C loop: heads and tails off the 32-byte grid, empty and one-value spans, a
-    # destination off the values' grid (stored through the cache), a long body; a bad value in the head, the body
-    # and the tail.
-    copy_check = native.copy_check()
-    assert copy_check is not None, "no C compiler for the native copy-and-check loop"
+def test_the_native_loop_copies_exactly_hashes_as_numpy_does_and_finds_every_nan_and_inf(dtype):
+    # Every alignment case of the C loop: heads and tails off the 64-byte grid, empty and one-value spans, a
+    # destination off the words' grid (stored through the cache), a long body; a bad value in the head, the body
+    # and the tail. Its word sum is numpy's, copying or not, wherever the span lies in its part.
+    copy_hash = native.copy_hash()
+    assert copy_hash is not None, "no C compiler for the native copy-and-hash loop"
     exponent = codec._EXPONENT_BITS[dtype]
     size = dtype.itemsize
     values = torch.linspace(-100, 100, (1 << 16) + 40, dtype=torch.float32).to(dtype)
     source_block = values.view(torch.uint8).numpy()
     for count in [0, 1, 3, 16, 17, 64, 1000, 1 << 16]:
-        for target_shift in [0, size, 3 * size, 1]:
+        for target_shift in [0, size, 3 * size, 8, 1]:
             source = source_block[: count * size]
             target_block = np.zeros(count * size + 80, dtype=np.uint8)
             target = target_block[target_shift : target_shift + count * size]
-            assert not copy_check(source, target, size, exponent), (count, target_shift)
+            position = 8 * (count + target_shift)
+            sums, bad = copy_hash(source, target, size, exponent, 0xC0FFEE + count, position)
+            assert not bad, (count, target_shift)
+            assert sums == codec.word_sums(source, 0xC0FFEE + count, position), (count, target_shift)
+            assert copy_hash(source, None, 0, 0, 0xC0FFEE + count, position)[0] == sums
             assert np.array_equal(target, source)
             assert not target_block[:target_shift].any() and not target_block[target_shift + count * size :].any()
             for index in sorted({0, count // 2, count - 1}) if count else []:
                 for bad in [float("nan"), float("inf"), -float("inf")]:
                     broken = values[:count].clone()
                     broken[index] = bad
-                    assert copy_check(broken.view(torch.uint8).numpy(), target, size, exponent), (count, index, bad)
-                    assert not copy_check(broken.view(torch.uint8).numpy(), target, 0, 0)  # width 0: copy only
+                    assert copy_hash(broken.view(torch.uint8).numpy(), target, size, exponent, 1, 0)[1], (count, index, bad)
+                    assert not copy_hash(broken.view(torch.uint8).numpy(), target, 0, 0, 1, 0)[1]  # width 0: no check
 
 
 @pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe"])
@@ -468,13 +472,28 @@ def test_a_part_labelled_with_another_version_bucket_or_rank_fails_the_checksum(
     Staging(equal_plan, 3).add(first.index, 0, part, first_digest)  # where it belongs: accepted
 
 
+def test_a_sender_and_an_engine_agree_whichever_has_the_native_loop(monkeypatch):
+    assert native.copy_hash() is not None, "no C compiler for the native copy-and-hash loop"
+    plan, bucket, native_packed, native_digest = _packed_bucket()
+    with monkeypatch.context() as without_native:
+        without_native.setattr(native, "copy_hash", lambda: None)
+        Staging(plan, 3).add(bucket.index, 0, native_packed, native_digest)  # the engine hashes with numpy
+        _, _, numpy_packed, numpy_digest = _packed_bucket()  # the sender packs with numpy
+        corrupt = numpy_packed.copy()
+        corrupt[100] ^= 4
+        _refused(plan, bucket, corrupt, numpy_digest)
+    assert numpy_digest == native_digest and np.array_equal(numpy_packed, native_packed)
+    Staging(plan, 3).add(bucket.index, 0, numpy_packed, numpy_digest)
+    _refused(plan, bucket, corrupt, numpy_digest)
+
+
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "numpy"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_weights_never_leave_the_learner(monkeypatch, dtype, bad, use_native):
     # float32 is the plain-copy path (checked in the native loop, or by numpy), bfloat16 the casting one.
     if not use_native:
-        monkeypatch.setattr(native, "copy_check", lambda: None)
+        monkeypatch.setattr(native, "copy_hash", lambda: None)
     shapes = _hf_shapes(kv_heads=2)
     plan = plan_sync(shapes, 1, _layout(1, 2, dtype), 1 << 20)
     weights = _full_tensors(shapes)
