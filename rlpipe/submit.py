@@ -3,7 +3,9 @@
 The recipe is checked here first, and the cluster's resources against it (a TPU learner needs TPU chips, the
 roles their CPUs), so a typo or the wrong cluster fails before anything is uploaded. The job runs
 `python -m rlpipe.cli train RECIPE OVERRIDES ray.address=auto` in the uploaded working directory, so the cluster
-runs this checkout's code; weights, run directories, virtual environments and git data are never uploaded.
+runs this checkout's code; weights, run directories, virtual environments and git data are never uploaded. Reward
+functions named by file path (`rewards.py:fn`) travel with the working directory: each must be inside it, and not
+left out of the upload.
 Authentication is Ray's own: with token authentication on (Ray's default), the client sends the token from
 RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as `ray job submit` does.
 
@@ -13,6 +15,7 @@ Like controller.py and cli.py, this module sits on top of the library and may im
 from __future__ import annotations
 
 import asyncio
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -20,7 +23,8 @@ from typing import Any, TextIO
 
 import yaml
 
-from rlpipe.config import load_config
+from rlpipe.config import Config, load_config
+from rlpipe.config.reward import VERL_ADAPTER_NAMES
 from rlpipe.preflight import check_cluster_resources
 
 # Never uploaded: the cluster has its own environment, and checkpoints or weights would dwarf the code.
@@ -58,6 +62,46 @@ def entrypoint(recipe: Path, working_dir: Path, overrides: list[str]) -> str:
         ) from None
     words = ["python", "-m", "rlpipe.cli", "train", relative.as_posix(), *overrides, "ray.address=auto"]
     return " ".join(shlex.quote(word) for word in words)
+
+
+def reward_files(cfg: Config) -> list[Path]:
+    """The files reward functions are loaded from (`path/to/file.py:fn`, made absolute by the config), the verl
+    adapter's `kwargs.function` included."""
+    references = [function.name for function in cfg.reward.functions]
+    references += [
+        function.kwargs.get("function") for function in cfg.reward.functions if function.name in VERL_ADAPTER_NAMES
+    ]
+    files = [ref.rpartition(":")[0] for ref in references if isinstance(ref, str)]
+    return [Path(file) for file in files if file.endswith(".py")]
+
+
+def check_reward_files_uploaded(files: list[Path], working_dir: Path, excludes: list[str]) -> None:
+    """Each reward file is inside the working directory and Ray uploads it: it matches none of `excludes`, Ray's
+    own default excludes, or a .gitignore / .rayignore on its way (Ray's rules, read with Ray's own matchers)."""
+    from ray._private import ray_constants
+    from ray._private.runtime_env.packaging import _get_excludes, get_excludes_from_ignore_files
+
+    root = working_dir.resolve()
+    include_gitignore = os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1"
+    for file in files:
+        try:
+            relative = file.resolve().relative_to(root)
+        except ValueError:
+            raise SubmitError(
+                f"reward file {file} is outside the uploaded working directory {working_dir} (--working-dir), so "
+                f"the cluster would not have it"
+            ) from None
+        matchers = [_get_excludes(root, [*ray_constants.get_runtime_env_default_excludes(), *excludes])]
+        path = root
+        for part in relative.parts:
+            # As Ray walks the tree: each folder's ignore files apply below it.
+            matchers += get_excludes_from_ignore_files(path, include_gitignore=include_gitignore)
+            path = path / part
+            if any(match(path) for match in matchers):
+                raise SubmitError(
+                    f"reward file {file} would not be uploaded: {path.relative_to(root)} is excluded (the runtime "
+                    f"env's excludes, or a .gitignore / .rayignore; RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 skips .gitignore)"
+                )
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
@@ -99,6 +143,7 @@ def submit(
             raise SubmitError(f"--runtime-env: {runtime_env_file} must hold a mapping")
     job_env = runtime_env(root, parse_env(list(env)), base)
     command = entrypoint(recipe_path, root, overrides)
+    check_reward_files_uploaded(reward_files(cfg), root, job_env["excludes"])
     # A cluster that cannot hold the roles (no TPU resource for a TPU learner, too few CPUs) fails here too.
     check_cluster_resources(cfg, cluster_resources(address), address)
     try:

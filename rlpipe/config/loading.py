@@ -15,11 +15,13 @@ from rlpipe.config.tree import Config
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Recipe file, then `a.b=value` overrides, then type checks and cross-key validation."""
-    tree = load_yaml(find_recipe(recipe)) if recipe else {}
+    recipe_path = find_recipe(recipe) if recipe else None
+    tree = load_yaml(recipe_path) if recipe_path else {}
     for text in overrides:
         path, value = _parse_override(text)
         _set_path(tree, path, value, text.split("=", 1)[0])
     config = build(Config, tree)
+    config.reward.resolve_files(recipe_path.parent if recipe_path else None)
     config.check()
     return config
 

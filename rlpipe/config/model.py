@@ -39,7 +39,8 @@ class KernelsConfig:
 class ModelConfig:
     path: str = key(
         "builtin:smollm2-135m-instruct",
-        "Hugging Face folder (config.json + safetensors + tokenizer), or builtin:smollm2-135m-instruct",
+        "Hugging Face folder (config.json + safetensors + tokenizer), a Hub id org/name[@revision] (downloaded into "
+        "the Hugging Face cache before the run starts), or builtin:smollm2-135m-instruct",
     )
     tokenizer: str | None = key(None, "tokenizer folder when it is not inside model.path")
     dtype: Literal["float32", "bfloat16"] = key("float32", "learner parameter and compute dtype")

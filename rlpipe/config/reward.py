@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from rlpipe.config.errors import require
+from rlpipe.config.errors import ConfigError, require
 from rlpipe.config.keys import key
+
+# The built-in verl adapter names its scorer in kwargs.function, which may be a file path too.
+VERL_ADAPTER_NAMES = ("verl", "rlpipe.rewards.verl:compute_score")
 
 
 @dataclass
 class RewardFunctionConfig:
-    name: str = key("rlpipe.rewards.reasoning_gym:verifier", "import path pkg.mod:fn, or a built-in name")
+    name: str = key(
+        "rlpipe.rewards.reasoning_gym:verifier",
+        "import path pkg.mod:fn, file path path/to/file.py:fn (from the recipe's folder, else the working directory), "
+        "or a built-in name",
+    )
     weight: float = key(1.0, "weight of this function in the total reward")
     kwargs: dict = key({}, "keyword arguments passed on every call")
     group: bool = key(False, "call the function once per group (it sees one prompt's completions together)")
@@ -51,3 +59,38 @@ class RewardConfig:
         require(self.sample_timeout_s > 0, "reward.sample_timeout_s: must be > 0")
         require(self.deadline_s > 0, "reward.deadline_s: must be > 0")
         require(len(self.functions) >= 1, "reward.functions: at least one reward function is needed")
+
+    def resolve_files(self, recipe_dir: Path | None) -> None:
+        """Make every `path/to/file.py:fn` absolute, so that reward workers (whatever their working directory) load
+        the file this config means: a relative path is looked up in the recipe's folder first, then in the working
+        directory. Also the verl adapter's `kwargs.function`."""
+        for index, function in enumerate(self.functions):
+            where = f"reward.functions[{index}]"
+            if _file_and_function(function.name):
+                function.name = _absolute_file_reference(function.name, recipe_dir, f"{where}.name")
+            scorer = function.kwargs.get("function") if isinstance(function.kwargs, dict) else None
+            if function.name in VERL_ADAPTER_NAMES and _file_and_function(scorer):
+                function.kwargs = {
+                    **function.kwargs,
+                    "function": _absolute_file_reference(scorer, recipe_dir, f"{where}.kwargs.function"),
+                }
+
+
+def _file_and_function(reference: object) -> tuple[str, str] | None:
+    """`("dir/file.py", "fn")` for a file reference `dir/file.py:fn` (the reward registry's rule; the registry itself
+    is not imported here, to keep loading a config light), else None."""
+    if not isinstance(reference, str):
+        return None
+    file_name, _, attribute = reference.strip().rpartition(":")
+    return (file_name, attribute) if file_name.endswith(".py") else None
+
+
+def _absolute_file_reference(reference: str, recipe_dir: Path | None, where: str) -> str:
+    file_name, attribute = _file_and_function(reference)
+    file = Path(file_name).expanduser()
+    candidates = [file] if file.is_absolute() else [*([recipe_dir / file] if recipe_dir else []), Path.cwd() / file]
+    for candidate in candidates:
+        if candidate.is_file():
+            return f"{candidate.resolve()}:{attribute}"
+    looked = " nor ".join(str(candidate.parent.resolve()) for candidate in candidates)
+    raise ConfigError(f"{where}: file {file_name} not found (looked in {looked})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -380,6 +381,7 @@ def test_trl_documentation_rewards_and_a_verl_compute_score_run_as_written(tmp_p
         return {"data_source": "toy/sum" if a % 2 else "toy/sum-detailed", "extra_info": {"index": a}}
 
     docs_path, verl_path = "tests.unit.trl_doc_rewards", "tests.unit.verl_style_rewards"
+    verl_file = Path(verl.__file__).resolve()  # verl's batch form, named by file path as verl names it
     text_rows = [{"question": f"Calculate {a} + 3.", "ground_truth": str(a + 3), **row(a)} for a in range(12)]
     record, groups = _one_step(tmp_path, tiny_qwen3, "trl-text", text_rows, [
         f"{{name: '{docs_path}:reward_len', weight: 0.01}}",
@@ -388,6 +390,7 @@ def test_trl_documentation_rewards_and_a_verl_compute_score_run_as_written(tmp_p
         f"{{name: '{docs_path}:async_reward_func'}}",
         f"{{name: '{docs_path}:logging_reward'}}",
         f"{{name: verl, kwargs: {{function: '{verl_path}:compute_score', ground_truth_column: ground_truth}}}}",
+        f"{{name: verl, kwargs: {{function: '{verl_file}:batch_compute_score', ground_truth_column: ground_truth}}}}",
         "{name: 'tests.unit.reward_fixtures:reads_trainer_state', weight: 0.0}",
     ])
     for group in groups:
@@ -403,6 +406,8 @@ def test_trl_documentation_rewards_and_a_verl_compute_score_run_as_written(tmp_p
     _scores_match(record, groups, "verl", lambda g: [
         verl.compute_score(g["row"]["data_source"], t, g["row"]["ground_truth"], g["row"]["extra_info"])
         for t in texts(g)])
+    _scores_match(record, groups, "verl_2", lambda g: [
+        verl.compute_score("toy/sum", t, g["row"]["ground_truth"]) for t in texts(g)])
     _scores_match(record, groups, "reads_trainer_state", lambda g: [0.0] * len(texts(g)))  # the first step: 0 updates
 
     # The conversational layout of verl's and TRL's datasets: chat-message prompts, reward_model.ground_truth.

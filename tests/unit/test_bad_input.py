@@ -678,6 +678,12 @@ def reward_module_does_not_import(d):
 
 
 @case
+def reward_file_does_not_exist(d):
+    return Case(["reward.functions=[{name: 'no_such_dir/scoring.py:fn'}]"],
+                ["reward.functions[0].name: file no_such_dir/scoring.py not found (looked in"])
+
+
+@case
 def reward_module_raises_on_import(d):
     module = d.reward_module("raise RuntimeError('broken at import')\n")
     return Case(

@@ -462,3 +462,29 @@ def test_each_prompt_source_carries_only_its_own_keys():
     assert file == FileSource("rows.jsonl", "train", None, "test", None)
     assert {f.name for f in fields(FileSource)}.isdisjoint({"task", "task_args", "size"})
     assert load_config(None, ["data.source=humaneval"]).data.prompt_source() == HumanEvalSource()
+
+
+def test_reward_files_resolve_from_the_recipes_folder_then_the_working_directory(tmp_path, monkeypatch):
+    recipes, elsewhere = tmp_path / "recipes", tmp_path / "elsewhere"
+    (recipes / "scoring").mkdir(parents=True)
+    elsewhere.mkdir()
+    (recipes / "scoring" / "mine.py").write_text("def fn(**kwargs): ...\n")
+    (elsewhere / "theirs.py").write_text("def compute_score(solution_str, ground_truth): ...\n")
+    recipe = recipes / "run.yaml"
+    recipe.write_text(yaml.safe_dump({"reward": {"functions": [
+        {"name": "scoring/mine.py:fn"},
+        {"name": "verl", "kwargs": {"function": "theirs.py:compute_score", "fixed_data_source": "x"}},
+        {"name": "rlpipe.rewards.math:numeric_answer"},
+    ]}}))
+    monkeypatch.chdir(elsewhere)
+    functions = load_config(recipe).reward.functions
+    assert [f.name for f in functions] == [
+        f"{recipes / 'scoring' / 'mine.py'}:fn", "verl", "rlpipe.rewards.math:numeric_answer"]
+    assert functions[1].kwargs == {"function": f"{elsewhere / 'theirs.py'}:compute_score", "fixed_data_source": "x"}
+
+
+def test_a_missing_reward_file_names_its_key_and_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, ['reward.functions=[{name: "nowhere/r.py:fn"}]'])
+    assert str(raised.value) == f"reward.functions[0].name: file nowhere/r.py not found (looked in {tmp_path / 'nowhere'})"

@@ -105,3 +105,15 @@ def test_the_tpu_pages_recipes_pass_rlpipe_plan_as_written(block, tmp_path, caps
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(_yaml_blocks(REPO / "docs" / "tpu.md")[block])
     assert main(["plan", str(recipe)]) == 0, capsys.readouterr()
+
+
+def test_the_readmes_first_reward_compares_the_answer_not_a_suffix(tmp_path):
+    """The README's `my_rewards.py`, run as a file-path reward: "I think 142" is wrong for 42."""
+    from rlpipe.rewards import load_reward
+
+    blocks = re.findall(r"```python\n(# my_rewards\.py.*?)```", README.read_text(), re.DOTALL)
+    assert len(blocks) == 1, "README.md's first custom reward (a python block starting '# my_rewards.py')"
+    (tmp_path / "my_rewards.py").write_text(blocks[0])
+    reward = load_reward(f"{tmp_path / 'my_rewards.py'}:answer_and_brevity")
+    scores = reward(completions=["I think 142", "I think 42", "42", "Roughly 42.5"], answer=["42"] * 4)
+    assert [score["score"] for score in scores] == [0.0, 1.0, 1.5, 0.0]

@@ -196,6 +196,31 @@ def test_load_reward_errors_are_one_line_naming_the_path(path, cause):
     assert cause in message
 
 
+def test_load_reward_from_a_file_path(tmp_path, monkeypatch):
+    (tmp_path / "scoring").mkdir()
+    file = tmp_path / "scoring" / "my_reward.py"
+    file.write_text("def fn(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    fn = load_reward(f"{file}:fn")
+    assert fn(completions=["ab", "c"]) == [2.0, 1.0]
+    assert load_reward(f"{file}:fn") is fn  # the file runs once per process
+    monkeypatch.chdir(tmp_path)
+    assert load_reward("scoring/my_reward.py:fn") is fn  # relative: from the working directory
+    (tmp_path / "broken.py").write_text("raise RuntimeError('no')\n")
+    for path, cause in [("missing.py:fn", "not found"), ("scoring/my_reward.py:", "malformed"),
+                        ("broken.py:fn", "failed: RuntimeError: no"), ("scoring/my_reward.py:other", "no attribute")]:
+        with pytest.raises(RewardConfigError) as raised:
+            load_reward(path)
+        assert repr(path) in str(raised.value) and cause in str(raised.value)
+
+
+def test_a_reward_file_runs_in_the_reward_process(tmp_path):
+    file = tmp_path / "my_reward.py"
+    file.write_text("def fn(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    runner = RewardRunner([{"name": f"{file}:fn"}], columns=[])
+    result = runner.score(["p", "q"], ["ab", "c"], pool_columns(["ab", "c"]))
+    assert result.first_errors == {} and result.per_function == {"fn": [2.0, 1.0]}
+
+
 def test_load_reward_finds_entry_points(monkeypatch):
     registered = EntryPoint(name="my_length", value=f"{FIXTURES}:length", group="rlpipe.rewards")
 
@@ -718,6 +743,52 @@ def test_verl_adapter_refuses_at_startup_what_would_fail_every_call(adapter_spec
     with pytest.raises(RewardConfigError) as raised:
         RewardRunner([adapter_spec], columns=columns)
     assert cause in str(raised.value) and "'verl'" in str(raised.value)
+
+
+def test_verl_batch_form_is_called_once_with_plural_keywords():
+    columns = pool_columns(VERL_COMPLETIONS, answer=["4", "7", "8"])
+    runner = RewardRunner([
+        verl_spec("batch_compute_score", fixed_data_source="toy/sum", ground_truth_column="answer",
+                  function_kwargs={"scale": 2.0}),
+        verl_spec("async_batch_compute_score", fixed_data_source="toy/sum", ground_truth_column="answer"),
+        verl_spec("batch_by_kwargs", fixed_data_source="toy/sum", ground_truth_column="answer", batch=True),
+    ], columns=["answer"])
+    result = runner.score(["q"] * 3, VERL_COMPLETIONS, columns)
+    assert result.first_errors == {}
+    assert result.per_function == {"verl": [2.0, 2.0, 0.0], "verl_2": [1.0, 1.0, 0.0], "verl_3": [9.0, 6.0, 7.0]}
+
+
+def test_verl_batch_form_is_detected_from_the_signature():
+    from rlpipe.rewards.verl import is_batch_form
+    from tests.unit import verl_style_rewards as verl
+
+    assert is_batch_form(verl.batch_compute_score) and not is_batch_form(verl.compute_score)
+    assert not is_batch_form(verl.batch_by_kwargs) and is_batch_form(verl.batch_by_kwargs, batch=True)
+
+
+def test_verl_extra_info_gets_num_turns_and_rollout_reward_scores():
+    from rlpipe.rewards.verl import compute_score, num_turns
+
+    chat = [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"},
+            {"role": "assistant", "content": "done"}]
+    assert [num_turns("text"), num_turns(chat[:1]), num_turns(chat)] == [2, 2, 4]  # verl's agent loops' counts
+    extra_info = [{"index": 3}, None]
+    scores = compute_score(["a", chat], function=f"{VERL}:turn_info", fixed_data_source="toy/sum",
+                           ground_truth_column="answer", answer=["1", "2"], extra_info=extra_info)
+    assert [(s["num_turns"], s["rollout_reward_scores"]) for s in scores] == [(2, {}), (4, {})]
+    assert extra_info == [{"index": 3}, None]  # the row itself is left as it was
+
+
+def test_verl_scorer_files_run_without_the_keywords_they_do_not_take():
+    runner = RewardRunner([verl_spec("scorer_file_form", fixed_data_source="openai/gsm8k",
+                                     ground_truth_column="answer")], columns=["answer"])
+    result = runner.score(["q"] * 3, VERL_COMPLETIONS, pool_columns(VERL_COMPLETIONS, answer=["4", "7", "8"]))
+    assert result.first_errors == {} and result.totals == [1.0, 1.0, 0.0]
+
+
+def test_verl_adapter_refuses_a_batch_flag_that_is_not_a_boolean():
+    with pytest.raises(RewardConfigError, match="kwargs.batch must be true, false or null"):
+        RewardRunner([verl_spec(batch="yes")], columns=["data_source", "reward_model"])
 
 
 def test_verl_adapter_defaults_to_verls_own_compute_score():
