@@ -351,6 +351,15 @@ def holds_adapters(stored: dict[str, tuple[int, ...]]) -> bool:
     return bool(stored) and all(map(is_adapter_key, stored))
 
 
+def check_trains_alike(path: Path, lora: bool) -> None:
+    """Refuse to resume a checkpoint of LoRA adapters in a run that trains every parameter (`lora` False), or the
+    reverse."""
+    adapters = holds_adapters(model_shapes(path / LEARNER_STATE))
+    if adapters != lora:
+        held, wanted = ("LoRA adapters", "set") if adapters else ("whole weights", "null")
+        raise CheckpointError(f"checkpoint {path}: it holds {held}; learner.lora must be {wanted} to resume from it")
+
+
 def read_metadata(directory: str | os.PathLike):
     """The `.metadata` of a torch.distributed.checkpoint directory. DCP stores it as a pickle, which could run any
     code while loading; it is unpickled here admitting only the types DCP writes there for a state of tensors

@@ -168,6 +168,9 @@ def test_a_checkpoint_holds_the_adapters_alone_resumes_exactly_and_exports_as_pe
     resumed.train_step(batches[1])
     for name, value in _adapters(resumed).items():
         torch.testing.assert_close(value.detach(), expected[name], atol=0, rtol=0)
+    checkpoint.check_trains_alike(saved, lora=True)
+    with pytest.raises(CheckpointError, match="it holds LoRA adapters; learner.lora must be set to resume from it"):
+        checkpoint.check_trains_alike(saved, lora=False)
     wider = {**resumed.weight_shapes(), "model.layers.1.mlp.down_proj.weight": (64, 999)}  # another model's
     with pytest.raises(CheckpointError, match="its weights do not fit another model: adapter .*down_proj"):
         checkpoint.check_fits(saved, wider, "another model")
