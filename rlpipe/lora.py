@@ -82,7 +82,7 @@ def add_adapters(model: nn.Module, lora) -> dict[str, torch.Tensor]:
     """Give every Linear `lora` (the learner.lora config section) targets an adapter and freeze everything else;
     returns the adapters' starting values under their state-dict names (on the CPU, from torch's generator, so
     ranks seeded alike start alike). `model` may be on `meta`: the values are then loaded with the base weights
-    (`with_adapters`)."""
+    (`WeightsWithAdapters`)."""
     chosen = targeted_modules(model, lora.target_modules)
     if not chosen:
         raise ValueError(f"learner.lora.target_modules: {lora.target_modules} matches no Linear layer of the model")
@@ -103,7 +103,7 @@ def add_adapters(model: nn.Module, lora) -> dict[str, torch.Tensor]:
     return initial
 
 
-class with_adapters:  # noqa: N801 - reads as the function it stands for
+class WeightsWithAdapters:
     """A model folder's weights (rlpipe/models/hf.py `CheckpointWeights`) plus the adapters' starting values, read
     the same way (whole, or rows of the first dimension), so every strategy loads a model with adapters as it loads
     one without."""

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from rlpipe.checkpoint import load_tensors, single_process_dcp
 from rlpipe.device import backend, step_boundary
 from rlpipe.forward import MicroBatch, Part, choose_forward, token_logprobs
-from rlpipe.lora import add_adapters, is_adapter_key, merged, merged_stream, save_adapter, scaling, with_adapters
+from rlpipe.lora import (
+    WeightsWithAdapters, add_adapters, is_adapter_key, merged, merged_stream, save_adapter, scaling,
+)
 from rlpipe.models import read_hf_config, save_state_dict
 from rlpipe.models.hf import CheckpointWeights, meta_model
 from rlpipe.parallel.graph_trainer import GraphTrainStep
@@ -92,7 +94,7 @@ class TrainEngine:
         model.use_kernels(rmsnorm=kernels.rmsnorm, attention=kernels.attention, experts=kernels.experts)
         weights = CheckpointWeights(self.model_path, model, self.dtype)
         if adapters:
-            weights = with_adapters(weights, add_adapters(model, self.lora))
+            weights = WeightsWithAdapters(weights, add_adapters(model, self.lora))
         if self.strategy.needs_process_group:
             self._unloaded.append((model, weights))
         else:

@@ -120,7 +120,8 @@ def test_export_is_a_peft_adapter_folder_that_peft_loads_with_the_same_logits(ti
     learner.export(str(folder))
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 2, 4.0)
-    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert config["target_modules"] == sorted(projections)
     from safetensors import safe_open
 
     with safe_open(str(folder / ADAPTER_WEIGHTS), "pt") as stored:
@@ -191,7 +192,8 @@ def test_adapter_shapes_are_checked_against_the_base():
     fits = {"q.lora_A.weight": (2, 4), "q.lora_B.weight": (8, 2)}
     assert adapter_shapes_problem(base, fits) is None
     assert "does not fit" in adapter_shapes_problem(base, {**fits, "q.lora_A.weight": (2, 5)})
-    assert "no linear weight" in adapter_shapes_problem(base, {"norm.lora_A.weight": (2, 4), "norm.lora_B.weight": (4, 2)})
+    on_a_norm = {"norm.lora_A.weight": (2, 4), "norm.lora_B.weight": (4, 2)}
+    assert "no linear weight" in adapter_shapes_problem(base, on_a_norm)
     assert "pair up" in adapter_shapes_problem(base, {**fits, "q.lora_B.weight": (8, 3)})
 
 
