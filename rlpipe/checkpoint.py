@@ -4,7 +4,8 @@ Layout under a run directory:
 
     checkpoints/
       step_000004/          a complete checkpoint (only complete ones ever carry this name)
-        learner/            model shards and optimizer state, torch.distributed.checkpoint (every rank writes its own)
+        learner/            model shards and optimizer state, torch.distributed.checkpoint (every rank writes its own);
+                            with learner.lora only the adapters and their optimizer state (the base is model.path's)
         trainer.json        step, policy version, sampler position, RNG states, the resolved config, the model
                             folder model.path resolved to, metrics so far
       latest                the name of the newest complete checkpoint (one line)
@@ -328,13 +329,35 @@ def model_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
 
 
 def check_fits(path: Path, shapes: dict[str, tuple[int, ...]], model: str) -> None:
-    """Refuse a checkpoint whose model weights, as its metadata lists them, are not exactly `shapes`: another
-    model's, found before any tensor is read."""
+    """Refuse a checkpoint whose model weights, as its metadata lists them, are not exactly `shapes` (or, for a
+    checkpoint of LoRA adapters, that do not fit weights of `shapes`): another model's, found before any tensor is
+    read."""
+    from rlpipe.lora import adapter_shapes_problem
     from rlpipe.models.hf import shape_mismatch
 
-    problem = shape_mismatch(shapes, model_shapes(path / LEARNER_STATE))
+    stored = model_shapes(path / LEARNER_STATE)
+    if holds_adapters(stored):
+        problem = adapter_shapes_problem(shapes, stored)
+    else:
+        problem = shape_mismatch(shapes, stored)
     if problem:
         raise CheckpointError(f"checkpoint {path}: its weights do not fit {model}: {problem}")
+
+
+def holds_adapters(stored: dict[str, tuple[int, ...]]) -> bool:
+    """Whether a checkpoint's model weights (`model_shapes`) are LoRA adapters alone."""
+    from rlpipe.lora import is_adapter_key
+
+    return bool(stored) and all(map(is_adapter_key, stored))
+
+
+def check_trains_alike(path: Path, lora: bool) -> None:
+    """Refuse to resume a checkpoint of LoRA adapters in a run that trains every parameter (`lora` False), or the
+    reverse."""
+    adapters = holds_adapters(model_shapes(path / LEARNER_STATE))
+    if adapters != lora:
+        held, wanted = ("LoRA adapters", "set") if adapters else ("whole weights", "null")
+        raise CheckpointError(f"checkpoint {path}: it holds {held}; learner.lora must be {wanted} to resume from it")
 
 
 def read_metadata(directory: str | os.PathLike):
@@ -488,10 +511,12 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def export(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def export(path: str | os.PathLike, out_dir: str | os.PathLike, merge: bool = False) -> Path:
     """Write a checkpoint's weights as a Hugging Face folder (safetensors, config, tokenizer, generation config),
     whatever number of ranks saved it. The model's architecture and tokenizer come from the folders the run's
-    `model.path` and `model.tokenizer` resolved to (recorded in the checkpoint; a Hub id's cached snapshot)."""
+    `model.path` and `model.tokenizer` resolved to (recorded in the checkpoint; a Hub id's cached snapshot).
+    A checkpoint of LoRA adapters is written as a PEFT adapter folder for that base, or with `merge` as a Hugging
+    Face folder of the base with the adapters merged in."""
     import torch
 
     from rlpipe.config import ConfigError
@@ -530,7 +555,39 @@ def export(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     except ModelFileError as err:
         raise CheckpointError(str(err)) from None
     check_fits(source, shapes, model_path)
-    state = {f"model.{name}": torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
+    stored = model_shapes(source / LEARNER_STATE)
+    adapters = holds_adapters(stored)
+    wanted = stored if adapters else shapes
+    state = {f"model.{name}": torch.empty(shape, dtype=torch.float32) for name, shape in wanted.items()}
     load_tensors(state, str(source / LEARNER_STATE), model_path, single_process=True)
     weights = {name[len("model.") :]: tensor for name, tensor in state.items()}
+    if adapters:
+        return _export_adapters(source, trainer, weights, model_path, tokenizer_path or model_path, out_dir, merge)
     return save_state_dict(weights, read_hf_config(model_path), out_dir, source_dir=tokenizer_path or model_path)
+
+
+def _export_adapters(
+    source: Path, trainer: dict, adapters: dict, model_path: str, tokenizer_path: str, out_dir: Path, merge: bool
+) -> Path:
+    """A LoRA checkpoint's adapters as a PEFT adapter folder, or merged into the base as a Hugging Face folder."""
+    import torch
+
+    from rlpipe.config.coerce import build
+    from rlpipe.config.errors import ConfigError
+    from rlpipe.config.learner import LoraConfig
+    from rlpipe.lora import merged, save_adapter, scaling
+    from rlpipe.models import read_hf_config, save_state_dict
+    from rlpipe.models.hf import load_model_weights
+
+    recorded = trainer["config"].get("learner", {}).get("lora")
+    try:
+        lora = build(LoraConfig, recorded, "learner.lora")
+        lora.check()
+    except (ConfigError, TypeError):
+        raise CheckpointError(f"{source / TRAINER_STATE}: the checkpoint holds LoRA adapters but its config has no "
+                              f"valid learner.lora ({json.dumps(recorded)[:60]})") from None
+    if not merge:
+        return save_adapter(adapters, lora, model_path, out_dir)
+    base = load_model_weights(model_path, torch.float32)
+    return save_state_dict(merged({**base, **adapters}, scaling(lora)), read_hf_config(model_path), out_dir,
+                           source_dir=tokenizer_path)

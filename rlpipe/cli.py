@@ -80,9 +80,13 @@ def _parser() -> argparse.ArgumentParser:
                       "for one run, required for several")
     plot.add_argument("--smooth", type=float, default=None, metavar="W",
                       help="weight of the moving average over steps, in [0, 1) (default 0.6; 0: raw values only)")
-    export = commands.add_parser("export", help="write a checkpoint's weights as a Hugging Face folder")
+    export = commands.add_parser(
+        "export", help="write a checkpoint's weights as a Hugging Face folder (LoRA adapters: a PEFT adapter folder)"
+    )
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest checkpoint)")
     export.add_argument("out_dir", help="the folder to create (never overwritten)")
+    export.add_argument("--merge", action="store_true",
+                        help="for LoRA adapters: the base with them merged in, instead of a PEFT adapter folder")
     bench = commands.add_parser("bench", help="benchmarks, as ratios against a baseline run alongside")
     benches = bench.add_subparsers(dest="what", required=True)
     learner = benches.add_parser("learner", help="train-step throughput: eager vs graph, 1 vs 2 ranks, MFU")
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         from rlpipe.checkpoint import export
 
         try:
-            print(f"exported to {export(args.checkpoint, args.out_dir)}")
+            print(f"exported to {export(args.checkpoint, args.out_dir, merge=args.merge)}")
         except CheckpointError as err:
             print(f"rlpipe: {err}", file=sys.stderr)
             return 2

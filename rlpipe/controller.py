@@ -67,6 +67,8 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
             f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, "
             f"probe max |engine - learner| {check['sync/probe_max_abs']:.1e}"
         )
+        if cfg.learner.lora is not None:  # the engines hold no adapter: each sync sends W + (alpha / rank) B A
+            log.note("weight sync: merged LoRA weights")
         summary = run.summary
         if not summary:
             with log.activity("held-out evaluation before training"):

@@ -229,6 +229,7 @@ def check_resume(
     source = checkpoint.resolve(cfg.run_dir if resume == "latest" else resume)
     state = checkpoint.read_trainer_state(source, needs=checkpoint.RESUME_FIELDS)
     checkpoint.check_fits(source, weight_shapes, f"model.path {cfg.model.path}")
+    checkpoint.check_trains_alike(source, lora=cfg.learner.lora is not None)
     newer = [p.name for p in checkpoint.list_checkpoints(cfg.run_dir) if p.name > checkpoint.step_name(state["step"])]
     if newer:  # continuing would have to overwrite them
         raise CheckpointError(

@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from rlpipe.checkpoint import load_tensors, single_process_dcp
 from rlpipe.device import backend, step_boundary
 from rlpipe.forward import MicroBatch, Part, choose_forward, token_logprobs
+from rlpipe.lora import (
+    WeightsWithAdapters, add_adapters, is_adapter_key, merged, merged_stream, save_adapter, scaling,
+)
 from rlpipe.models import read_hf_config, save_state_dict
 from rlpipe.models.hf import CheckpointWeights, meta_model
 from rlpipe.parallel.graph_trainer import GraphTrainStep
@@ -83,7 +86,8 @@ class TrainEngine:
         self.device = self.strategy.device
         self.frozen: list = []
         self._unloaded: list = []  # (model on meta, its weights) for a scheme that loads once its group exists
-        self.model = self._load()
+        self.lora = learner.lora  # adapters on a frozen base (rlpipe/lora.py), or None: every parameter trains
+        self.model = self._load(adapters=self.lora is not None)
         self.model.model.activation_checkpointing = learner.activation_checkpointing
         self.step_fn: GraphTrainStep | None = None
         self.optimizer_steps_taken = 0
@@ -100,13 +104,16 @@ class TrainEngine:
             lazy=self.backend.lazy, micro_batch_size=train.micro_batch_size, passes=passes,
         )
 
-    def _load(self):
+    def _load(self, adapters: bool = False):
         """The model, built on `meta`; its weights come straight from the checkpoint, each rank reading only what it
-        keeps (the strategy's `load`): now where no group is needed, else when the group forms."""
+        keeps (the strategy's `load`): now where no group is needed, else when the group forms. With `adapters`,
+        learner.lora's adapters on a frozen base."""
         kernels = self.kernels
         model = meta_model(self.model_path)
         model.use_kernels(rmsnorm=kernels.rmsnorm, attention=kernels.attention, experts=kernels.experts)
         weights = CheckpointWeights(self.model_path, model, self.dtype)
+        if adapters:
+            weights = WeightsWithAdapters(weights, add_adapters(model, self.lora))
         if self.strategy.needs_process_group:
             self._unloaded.append((model, weights))
         else:
@@ -248,17 +255,22 @@ class TrainEngine:
     # ------------------------------------------------------------------ weights, checkpoints, export
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole tensors under Hugging Face names, on the CPU (a collective when sharded: every rank calls it)."""
-        return self.strategy.full_state_dict(self.model)
+        """Whole tensors under Hugging Face names, on the CPU (a collective when sharded: every rank calls it); with
+        adapters, the base weights with the adapters merged in."""
+        return self._merged(self.strategy.full_state_dict(self.model))
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight's full shape under its Hugging Face name, in state-dict order. No communication."""
-        return {name: tuple(value.shape) for name, value in self.model.state_dict().items()}
+        return {name: tuple(value.shape) for name, value in self.model.state_dict().items() if not is_adapter_key(name)}
 
     def local_weights(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every weight (the whole tensor when unsharded), as weight sync reads them: no
-        gather. Rows follow `rlpipe.weightsync.shard_rows`."""
-        return self.strategy.local_weights(self.model)
+        gather. Rows follow `rlpipe.weightsync.shard_rows`. With adapters these are the merged weights: B's rows are
+        the weight's rows and A is whole on every rank, so each rank merges its own rows."""
+        return self._merged(self.strategy.local_weights(self.model))
+
+    def _merged(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return merged(state, scaling(self.lora)) if self.lora is not None else state
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """Everything a resumed engine needs, as tensors under stable names: the weights (`model.<HF name>`), AdamW's
@@ -267,10 +279,13 @@ class TrainEngine:
         another layout reshards (any number of ranks)."""
         self.ready()
         state = {f"model.{name}": value for name, value in self.model.state_dict().items()}
+        if self.lora is not None:  # the base is the model folder's, unchanged: only the adapters are state
+            state = {name: value for name, value in state.items() if is_adapter_key(name)}
         optimizer = self.step_fn.optimizer
         moments = {id(p): (m, v) for p, m, v in zip(self.step_fn.params, optimizer.exp_avg, optimizer.exp_avg_sq)}
         for name, param in self.model.named_parameters():
-            state[f"optim.{name}.exp_avg"], state[f"optim.{name}.exp_avg_sq"] = moments[id(param)]
+            if id(param) in moments:  # a frozen parameter has none
+                state[f"optim.{name}.exp_avg"], state[f"optim.{name}.exp_avg_sq"] = moments[id(param)]
         state["optim.step"] = optimizer.step
         state["learner.policy_version"] = torch.tensor(self.policy_version)
         return state
@@ -292,10 +307,18 @@ class TrainEngine:
         self.optimizer_steps_taken = int(state["optim.step"].item())
         self.policy_version = int(state["learner.policy_version"].item())
 
-    def export(self, out_dir: str) -> str:
+    def export(self, out_dir: str, merge: bool = False) -> str:
         """The policy as a Hugging Face folder (rank 0 writes; every rank calls it, each tensor's gather is
-        collective). Streamed: a whole tensor at a time on every rank, and a safetensors shard's worth on rank 0."""
+        collective). Streamed: a whole tensor at a time on every rank, and a safetensors shard's worth on rank 0.
+        With adapters: a PEFT adapter folder, or with `merge` a Hugging Face folder of the merged weights."""
         tensors = self.strategy.full_tensors(self.model)
+        if self.lora is not None and merge:
+            tensors = merged_stream(tensors, scaling(self.lora))
+        elif self.lora is not None:
+            adapters = {name: value for name, value in tensors if is_adapter_key(name)}
+            if self.rank == 0:
+                save_adapter(adapters, self.lora, self.model_path, out_dir)
+            return out_dir
         if self.rank == 0:
             save_state_dict(tensors, self.hf_config, out_dir, source_dir=self.model_section.tokenizer or self.model_path)
         else:

@@ -9,6 +9,34 @@ from rlpipe.config.errors import require
 from rlpipe.config.keys import key
 
 
+ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class LoraConfig:
+    """`learner.lora`: low-rank adapters on the policy's linear layers (PEFT's LoraConfig: r, lora_alpha,
+    lora_dropout, target_modules), the base weights frozen."""
+
+    rank: int = key(8, "adapter rank r (PEFT's default 8; rank 1 suffices for RL when every linear layer has one)")
+    alpha: float = key(8.0, "lora_alpha: the update is scaled by alpha / rank (PEFT's default 8)")
+    dropout: float = key(0.0, "lora_dropout on the adapters' input in the training forward (PEFT's default 0)")
+    target_modules: list[str] = key(
+        [ALL_LINEAR],
+        "the Linear layers that get adapters: [all-linear] (every attention and MLP projection, not the output "
+        "layer), or names of modules as PEFT matches them (a module whose name is or ends with .<name>)",
+    )
+
+    def check(self) -> None:
+        require(self.rank >= 1, "learner.lora.rank: must be >= 1")
+        require(self.alpha > 0, "learner.lora.alpha: must be > 0")
+        require(0 <= self.dropout < 1, "learner.lora.dropout: must be in [0, 1)")
+        targets = self.target_modules
+        require(
+            bool(targets) and all(targets) and (ALL_LINEAR not in targets or targets == [ALL_LINEAR]),
+            f"learner.lora.target_modules: [{ALL_LINEAR}] or a non-empty list of module names",
+        )
+
+
 @dataclass
 class LearnerConfig:
     ranks: int = key(1, "learner processes (Ray actors) in one torch.distributed group; >1 shards SimpleFSDP-style")
@@ -48,6 +76,11 @@ class LearnerConfig:
         "bucket; finer buckets compute less padding and may compile more (null: micro_batch_size x each of "
         "length_buckets)",
     )
+    lora: LoraConfig | None = key(
+        None,
+        "LoRA adapters {rank, alpha, dropout, target_modules} trained on a frozen base (null: every parameter "
+        "trains); see docs/learner.md",
+    )
     collective_timeout_s: float = key(300.0, "a collective waiting longer than this fails the step (dead rank)")
     call_timeout_s: float = key(
         3600.0, "a training step, checkpoint save or export not finished within this stops the run as a lost worker"
@@ -57,6 +90,10 @@ class LearnerConfig:
         require(self.ranks >= 1, "learner.ranks: must be >= 1")
         require(self.collective_timeout_s > 0, "learner.collective_timeout_s: must be > 0")
         require(self.call_timeout_s > 0, "learner.call_timeout_s: must be > 0")
+        if self.lora is not None:
+            self.lora.check()
+            # XLA's SPMD learner lays out every parameter and moment itself; adapters have not been run there.
+            require(self.device != "xla", "learner.lora: not supported with learner.device xla (use cpu, cuda or tpu)")
         packed = self.packed_buckets
         require(
             packed is None or (packed and all(b >= 1 for b in packed)),

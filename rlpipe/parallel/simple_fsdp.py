@@ -66,6 +66,10 @@ _sharded_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 
 _MIXED_PRECISION_ATTR = "_simple_fsdp_mixed_precision"
 
+# A parameter carrying this attribute (set True) is replicated on every rank instead of sharded: small parameters
+# that each rank needs whole outside forward (LoRA's A, rlpipe/lora.py). Its gradient is all-reduced.
+REPLICATED = "_simple_fsdp_replicated"
+
 
 @contextmanager
 def gathering_disabled() -> Iterator[None]:
@@ -106,7 +110,8 @@ def shard_model(
                 raise ValueError(f"parameter {name!r} of {type(module).__name__} is already a DTensor; shard once")
             if id(param) not in sharded_by_original:
                 # 0-dim parameters cannot be split; they are replicated and their gradient all-reduced.
-                param_placements = placements if param.dim() > 0 else [Replicate()] * mesh.ndim
+                whole = param.dim() == 0 or getattr(param, REPLICATED, False)
+                param_placements = [Replicate()] * mesh.ndim if whole else placements
                 with torch.no_grad():
                     if weights is None:
                         shards = distribute_tensor(param.detach(), mesh, param_placements)

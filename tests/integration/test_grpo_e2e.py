@@ -392,7 +392,12 @@ def test_trl_documentation_rewards_and_a_verl_compute_score_run_as_written(tmp_p
         f"{{name: verl, kwargs: {{function: '{verl_path}:compute_score', ground_truth_column: ground_truth}}}}",
         f"{{name: verl, kwargs: {{function: '{verl_file}:batch_compute_score', ground_truth_column: ground_truth}}}}",
         "{name: 'tests.unit.reward_fixtures:reads_trainer_state', weight: 0.0}",
-    ])
+    ], ["learner.lora.rank=1", "learner.lora.alpha=16"])
+    # Trained as a TRL run with a peft_config would be: rank-1 LoRA adapters on every linear layer. The engine gets
+    # the merged weights, and after the step (whose length rewards differ within groups, so B leaves zero) its
+    # probe matches the learner's adapted model.
+    assert record["grad_norm"] > 0 and record["sync/policy_shift"] > 0 and record["sync/probe_max_abs"] < 1e-5
+    assert "weight sync: merged LoRA weights" in (tmp_path / "runs" / "trl-text" / "logs" / "run.log").read_text()
     for group in groups:
         group["row"] = text_rows[group["sample_id"]]
     texts, truths = (lambda g: g["completions"]), (lambda g: [g["row"]["ground_truth"]] * len(g["completions"]))

@@ -1,0 +1,226 @@
+"""LoRA adapters on the learner (rlpipe/lora.py): a frozen base, adapters alone trained and in the optimizer, merged
+weights for the engines, PEFT's adapter format on export, checkpoints of adapters alone with exact resume, and
+two sharded ranks equal to one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rlpipe import checkpoint
+from rlpipe.checkpoint import CheckpointError
+from rlpipe.cli import main
+from rlpipe.config import ConfigError, load_config
+from rlpipe.learner import Learner, combine_rank_metrics
+from rlpipe.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_shapes_problem, is_adapter_key
+from rlpipe.models import load_model
+from rlpipe.parallel.mesh import find_free_port
+from rlpipe.weightsync import shard_rows
+from tests.batches import four_samples
+from tests.unit.test_learner_group import _batches, _config, _rank
+
+LORA = ("learner.lora.rank=2", "learner.lora.alpha=4")  # scaling 2
+SCALE = 2.0
+
+
+def _learner(model_path, *extra) -> Learner:
+    return Learner.from_config(model_path, _config(model_path, 1, False, *LORA, *extra))
+
+
+def _adapters(learner: Learner) -> dict[str, torch.nn.Parameter]:
+    return {name: param for name, param in learner.model.named_parameters() if is_adapter_key(name)}
+
+
+def _randomise_adapters(learner: Learner, seed: int = 1) -> None:
+    """Non-zero adapters (a fresh B is zero, which would make every comparison below trivially true)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in _adapters(learner).values():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def test_lora_keys_have_pefts_defaults_all_linear_targets_and_one_line_refusals():
+    lora = load_config(None, ["learner.lora.rank=1"]).learner.lora
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (1, 8.0, 0.0, ["all-linear"])
+    assert load_config(None, []).learner.lora is None  # full fine-tuning
+    assert load_config(None, ["learner.lora.target_modules=[q_proj,v_proj]"]).learner.lora.target_modules == [
+        "q_proj", "v_proj"
+    ]
+    for bad, message in [
+        ("learner.lora.rank=0", "learner.lora.rank: must be >= 1"),
+        ("learner.lora.dropout=1", "learner.lora.dropout"),
+        ("learner.lora.target_modules=[all-linear,q_proj]", "learner.lora.target_modules"),
+        ("learner.device=xla", "learner.lora: not supported with learner.device xla"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, ["learner.lora.rank=1", bad])
+
+
+def test_the_base_is_frozen_and_only_the_adapters_train_and_hold_optimizer_state(tiny_qwen3):
+    learner = _learner(tiny_qwen3)
+    start = load_model(tiny_qwen3).state_dict()
+    adapters = _adapters(learner)
+    # Every linear layer of every decoder layer (attention and MLP), not the output layer.
+    modules = {name.rpartition(".lora_")[0].split(".")[-1] for name in adapters}
+    assert modules == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert not any("lm_head" in name or "embed" in name for name in adapters)
+    step = learner.graph_step
+    assert {id(p) for p in step.params} == {id(p) for p in adapters.values()}
+    assert len(step.optimizer.exp_avg) == len(step.optimizer.exp_avg_sq) == len(adapters)
+    assert all(not torch.count_nonzero(p) for name, p in adapters.items() if name.endswith("lora_B.weight"))
+
+    for batch in _batches()[:2]:
+        learner.train_step(batch)
+    for name, param in learner.model.named_parameters():
+        if not is_adapter_key(name):
+            assert not param.requires_grad and param.grad is None, name
+            assert torch.equal(param, start[name]), name  # the base never moves
+    assert all(torch.count_nonzero(p) for p in adapters.values())  # B left zero, A moved once B did
+
+    # Gradients reach every adapter (A's only through a non-zero B) and no base weight.
+    ids = torch.tensor([[5, 9, 17, 33, 2]])
+    loss = learner.model(ids).logsumexp(-1).sum()
+    grads = torch.autograd.grad(loss, list(adapters.values()))
+    assert all(torch.count_nonzero(g) for g in grads)
+
+
+def test_engines_receive_the_merged_weights_which_give_the_adapted_models_logits(tiny_qwen3):
+    learner = _learner(tiny_qwen3)
+    _randomise_adapters(learner)
+    base = load_model(tiny_qwen3).state_dict()
+    adapters = {name: p.detach() for name, p in _adapters(learner).items()}
+    shapes = learner.weight_shapes()
+    assert shapes == {name: tuple(value.shape) for name, value in base.items()}  # what the sync plans for
+    sent = learner.local_weights()
+    assert sent.keys() == base.keys()
+    for name, value in sent.items():
+        module = name.removesuffix(".weight")
+        expected = base[name]
+        if f"{module}.lora_A.weight" in adapters:
+            expected = expected + SCALE * adapters[f"{module}.lora_B.weight"] @ adapters[f"{module}.lora_A.weight"]
+        torch.testing.assert_close(value, expected, atol=1e-6, rtol=0)
+    plain = load_model(tiny_qwen3)
+    plain.load_state_dict(sent)
+    ids = torch.tensor([[5, 9, 17, 33, 2, 40, 41]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids), learner.model(ids), atol=1e-5, rtol=0)
+
+
+def test_export_is_a_peft_adapter_folder_that_peft_loads_with_the_same_logits(tiny_qwen3, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    learner = _learner(tiny_qwen3)
+    _randomise_adapters(learner)
+    folder = tmp_path / "adapter"
+    learner.export(str(folder))
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 2, 4.0)
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert config["target_modules"] == sorted(projections)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / ADAPTER_WEIGHTS), "pt") as stored:
+        assert set(stored.keys()) == {PEFT_PREFIX + name for name in _adapters(learner)}
+
+    ids = torch.tensor([[5, 9, 17, 33, 2, 40, 41]])
+    with torch.no_grad():
+        ours = learner.model(ids)
+        hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
+        peft_model = peft.PeftModel.from_pretrained(hf, str(folder)).eval()
+        torch.testing.assert_close(peft_model(ids).logits, ours, atol=1e-5, rtol=0)
+
+        merged = tmp_path / "merged"
+        learner.engine.export(str(merged), merge=True)
+        hf_merged = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+        torch.testing.assert_close(hf_merged(ids).logits, ours, atol=1e-5, rtol=0)
+
+
+def _save(learner: Learner, run_dir, step: int):
+    partial = checkpoint.begin_save(run_dir, step)
+    learner.save_checkpoint(str(partial / checkpoint.LEARNER_STATE))
+    cfg = _config(learner.engine.model_path, 1, False, *LORA)
+    config = {"model": {"path": learner.engine.model_path, "tokenizer": None}, "learner": cfg.to_dict()["learner"]}
+    return checkpoint.finish_save(partial, {"step": step, "config": config}, 3)
+
+
+def test_a_checkpoint_holds_the_adapters_alone_resumes_exactly_and_exports_as_peft_or_merged(
+    tiny_qwen3, tmp_path, capsys
+):
+    batches = _batches()
+    learner = _learner(tiny_qwen3)
+    learner.train_step(batches[0])
+    saved = _save(learner, tmp_path / "run", 1)
+    stored = checkpoint.model_shapes(saved / checkpoint.LEARNER_STATE)
+    assert stored and all(map(is_adapter_key, stored))  # no base weight is written
+    optimizer_keys = [k for k in checkpoint.read_metadata(saved / checkpoint.LEARNER_STATE).state_dict_metadata
+                      if k.startswith("optim.") and k != "optim.step"]
+    assert len(optimizer_keys) == 2 * len(stored)
+    learner.train_step(batches[1])
+    expected = {name: p.detach().clone() for name, p in _adapters(learner).items()}
+
+    resumed = _learner(tiny_qwen3)
+    checkpoint.check_fits(saved, resumed.weight_shapes(), "the tiny qwen3")
+    resumed.load_checkpoint(str(saved / checkpoint.LEARNER_STATE))
+    resumed.train_step(batches[1])
+    for name, value in _adapters(resumed).items():
+        torch.testing.assert_close(value.detach(), expected[name], atol=0, rtol=0)
+    checkpoint.check_trains_alike(saved, lora=True)
+    with pytest.raises(CheckpointError, match="it holds LoRA adapters; learner.lora must be set to resume from it"):
+        checkpoint.check_trains_alike(saved, lora=False)
+    wider = {**resumed.weight_shapes(), "model.layers.1.mlp.down_proj.weight": (64, 999)}  # another model's
+    with pytest.raises(CheckpointError, match="its weights do not fit another model: adapter .*down_proj"):
+        checkpoint.check_fits(saved, wider, "another model")
+
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "adapter")]) == 0
+    assert (tmp_path / "adapter" / ADAPTER_CONFIG).exists() and (tmp_path / "adapter" / ADAPTER_WEIGHTS).exists()
+    assert main(["export", "--merge", str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
+    capsys.readouterr()
+    reloaded = _learner(tiny_qwen3)
+    reloaded.load_checkpoint(str(saved / checkpoint.LEARNER_STATE))
+    exported = load_model(tmp_path / "merged").state_dict()
+    for name, value in reloaded.full_state_dict().items():
+        torch.testing.assert_close(exported[name], value, atol=1e-6, rtol=0)
+
+
+def test_adapter_shapes_are_checked_against_the_base():
+    base = {"q.weight": (8, 4), "norm.weight": (4,)}
+    fits = {"q.lora_A.weight": (2, 4), "q.lora_B.weight": (8, 2)}
+    assert adapter_shapes_problem(base, fits) is None
+    assert "does not fit" in adapter_shapes_problem(base, {**fits, "q.lora_A.weight": (2, 5)})
+    on_a_norm = {"norm.lora_A.weight": (2, 4), "norm.lora_B.weight": (4, 2)}
+    assert "no linear weight" in adapter_shapes_problem(base, on_a_norm)
+    assert "pair up" in adapter_shapes_problem(base, {**fits, "q.lora_B.weight": (8, 3)})
+
+
+def test_two_sharded_ranks_train_the_adapters_as_one_rank_does(tiny_qwen3):
+    """SimpleFSDP over two ranks: the same losses, and the merged weights each rank sends (its own rows, merged
+    without a collective: lora_A is replicated) are the single rank's."""
+    single = _learner(tiny_qwen3)
+    single_metrics = [combine_rank_metrics([single.train_step(b)]) for b in _batches()]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = find_free_port()
+    procs = [context.Process(target=_rank, args=(r, 2, tiny_qwen3, port, False, results, LORA)) for r in range(2)]
+    for p in procs:
+        p.start()
+    outputs = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    local = {rank: shards for *_, rank, shards in outputs}
+    full = single.full_state_dict()
+    assert local[0].keys() == full.keys()
+    for name, value in full.items():
+        start, stop = shard_rows(value.shape[0], 0, 2)
+        together = torch.from_numpy(np.concatenate([local[0][name], local[1][name]]))
+        assert local[0][name].shape[0] == stop - start, name
+        torch.testing.assert_close(together, value, atol=1e-5, rtol=0)
+    for step in range(len(single_metrics)):
+        combined = combine_rank_metrics([sums[step] for sums, *_ in outputs])
+        for key in ("loss", "kl", "grad_norm"):
+            assert abs(combined[key] - single_metrics[step][key]) < 1e-5, (step, key)
