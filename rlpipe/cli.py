@@ -89,8 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     plot = commands.add_parser(
         "plot",
         help="draw a run's curves from its metrics.jsonl (to RUN_DIR/curves.png), or several runs overlaid (-o)",
-        description="Reward (mean, +-1 std band, smoothed), held-out accuracy before/after, loss, gradient norm, "
-        "response length, entropy, KL, the learner-vs-rollout log-prob gap and step time by phase, from each run's "
+        description="Reward (mean, +-1 std band, smoothed), held-out accuracy (mean@k, pass@k) at every evaluation, "
+        "loss, gradient norm, response length, entropy, KL, the learner-vs-rollout log-prob gap and step time by phase, from each run's "
         "metrics.jsonl and summary.json; panels whose metrics a run did not log are left out.",
     )
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (the one holding metrics.jsonl)")
