@@ -3,6 +3,7 @@ section; the held-out figures in a step's line and in the curves; `rlpipe eval`'
 
 import itertools
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -169,3 +170,23 @@ def test_eval_points_of_a_summary_are_read_leniently(tmp_path):
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
     (run_dir / "summary.json").write_text(json.dumps({"eval": [{"step": 0, "accuracy": None}, "x", {"step": 1}]}))
     assert read_run(run_dir).eval_points is None
+
+
+def test_the_summary_keeps_the_best_evaluation_and_the_checkpoint_kept_at_its_step(tmp_path):
+    from rlpipe.controller import summarize_evaluations
+
+    notes = []
+    run = SimpleNamespace(dir=tmp_path, log=SimpleNamespace(note=notes.append))
+    points = [{"step": 0, "accuracy": 0.25}, {"step": 2, "accuracy": 0.75}, {"step": 4, "accuracy": 0.5}]
+    summary = {"eval_before": 0.25, "eval": points}
+    summarize_evaluations(run, summary, last_step=4)
+    assert summary["eval_after"] == 0.5
+    assert summary["eval_best"] == {"step": 2, "accuracy": 0.75, "checkpoint": None}  # step 2's was not kept
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
+    summarize_evaluations(run, summary, last_step=4)
+    assert summary["eval_best"]["checkpoint"] == str(tmp_path / "checkpoints" / "step_000002")
+    assert notes[-1] == ("held-out accuracy after training: 0.5 (before: 0.25); best at step 2: 0.75 (greedy), "
+                         f"checkpoint {tmp_path / 'checkpoints' / 'step_000002'}")
+    empty = {"eval_before": None, "eval": []}
+    summarize_evaluations(run, empty, last_step=4)
+    assert empty["eval_after"] is None and empty["eval_best"] is None
