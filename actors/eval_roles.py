@@ -48,8 +48,9 @@ class EvalRoles:
     def _start(self, model_path: str, tokenizer_path: str | None, columns: list[str] | None, note) -> None:
         cfg = self.cfg
         timeout_s = cfg.ray.placement_timeout_s
+        share = slice_shares(cfg.placement).get("rollout")
         engines = place_role("rollout", cfg.placement.rollout, cfg.rollout.num_engines, timeout_s,
-                             chips_per_actor=cfg.rollout.tensor_parallel, share=slice_shares(cfg.placement).get("rollout"))
+                             chips_per_actor=cfg.rollout.tensor_parallel, share=share)
         self.placements.append(engines)
         rewarders = place_role("reward", cfg.placement.reward, cfg.reward.num_workers, timeout_s)
         self.placements.append(rewarders)

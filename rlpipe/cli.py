@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.run_commands["eval"] = evaluate
-    evaluate.add_argument("path", metavar="PATH", help="a run directory, a checkpoint directory or a Hugging Face folder")
+    evaluate.add_argument("path", metavar="PATH",
+                          help="a run directory, a checkpoint directory or a Hugging Face folder")
     evaluate.add_argument("recipe", nargs="?", help="YAML recipe (default: the checkpoint's config, else default.yaml)")
     evaluate.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     evaluate.add_argument("--out", metavar="FILE", help="where to write the figures (default: PATH's eval.json)")
@@ -90,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
         "plot",
         help="draw a run's curves from its metrics.jsonl (to RUN_DIR/curves.png), or several runs overlaid (-o)",
         description="Reward (mean, +-1 std band, smoothed), held-out accuracy (mean@k, pass@k) at every evaluation, "
-        "loss, gradient norm, response length, entropy, KL, the learner-vs-rollout log-prob gap and step time by phase, from each run's "
-        "metrics.jsonl and summary.json; panels whose metrics a run did not log are left out.",
+        "loss, gradient norm, response length, entropy, KL, the learner-vs-rollout log-prob gap and step time by "
+        "phase, from each run's metrics.jsonl and summary.json; panels whose metrics a run did not log are left out.",
     )
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (the one holding metrics.jsonl)")
     plot.add_argument("-o", "--out", help="the image to write (.png, .svg, .pdf ...); default RUN_DIR/curves.png "

@@ -124,7 +124,8 @@ class MetricsLogger:
         eta = elapsed / max(1, len(self.history)) * max(0, self.total_steps - step)
         parts = [f"step {step}/{self.total_steps}"]
         parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in self.SHOWN if key in metrics]
-        parts += [f"{key[5:]} {value:.2f}" for key, value in metrics.items() if key.startswith(("eval/mean@", "eval/pass@"))]
+        sampled = [key for key in metrics if key.startswith(("eval/mean@", "eval/pass@"))]  # the held-out mean@k, pass@k
+        parts += [f"{key.removeprefix('eval/')} {metrics[key]:.2f}" for key in sampled]
         parts.append(f"eta {eta / 60:.1f}m")
         return " | ".join(parts)
 

@@ -157,8 +157,8 @@ def _eval_points(points) -> list[dict] | None:
     """summary.json's evaluations, those with a step and a finite greedy accuracy; None when it holds none."""
     if not isinstance(points, list):
         return None
-    kept = [{name: _number(value) for name, value in point.items()} for point in points
-            if isinstance(point, dict) and isinstance(point.get("step"), int) and _held_out(point.get("accuracy")) is not None]
+    kept = [{name: _number(value) for name, value in point.items()} for point in points if isinstance(point, dict)
+            and isinstance(point.get("step"), int) and _held_out(point.get("accuracy")) is not None]
     return [{**point, "step": int(point["step"])} for point in kept] or None
 
 
