@@ -457,6 +457,7 @@ def evaluate_saved_weights(args) -> int:
 
 def _evaluate_on_engines(cfg: Config, model_path: str, tokenizer_path: str | None, columns: list[str], eval_set,
                          step: int, state, logs) -> dict:
+    """Start Ray (or join `ray.address`), the engines on `model_path` and the reward workers; evaluate; stop them."""
     from rlpipe import evaluation
     from rlpipe.actors.cluster import start_ray
     from rlpipe.actors.eval_roles import EvalRoles
