@@ -237,6 +237,7 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_pat
     base = _overrides(tmp_path / "runs", tiny_qwen3) + [
         "data.size=32",
         "eval.samples_per_prompt=4",
+        "reward.success_threshold=0.12",  # a sample of 12 characters or more counts as correct: held-out figures vary
         "reward.functions=[{name: reasoning_gym}, {name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
         "metrics.export=false",
         "metrics.tensorboard=false",
