@@ -1,4 +1,5 @@
-"""`rlpipe train | config show | plan | submit | export | plot | bench`: runs take a recipe plus key=value overrides."""
+"""`rlpipe train | eval | config show | plan | submit | export | plot | bench`: runs take a recipe plus key=value
+overrides."""
 
 from __future__ import annotations
 
@@ -58,6 +59,24 @@ def _parser() -> argparse.ArgumentParser:
                 help="when a worker dies for good (a learner rank, an engine past rollout.max_restarts), restart the run "
                 "from its latest checkpoint, up to train.max_auto_resumes times",
             )
+    evaluate = commands.add_parser(
+        "eval",
+        help="evaluate saved weights on the held-out set (engines and reward workers only, no learner)",
+        description="The held-out evaluation of a run (greedy accuracy; mean@k and pass@k with "
+        "eval.samples_per_prompt=k) on the weights of PATH: a run directory (its latest checkpoint), a checkpoint "
+        "directory or a Hugging Face folder (an export). A checkpoint is evaluated with its run's config, an HF "
+        "folder with the recipe given (default: configs/default.yaml); overrides apply on top. Prints one line and "
+        "writes eval.json into the checkpoint or HF folder (--out to change), its log beside it.",
+        epilog=None,  # the config keys, as for train (`_parse_args`)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.run_commands["eval"] = evaluate
+    evaluate.add_argument("path", metavar="PATH",
+                          help="a run directory, a checkpoint directory or a Hugging Face folder")
+    evaluate.add_argument("recipe", nargs="?", help="YAML recipe (default: the checkpoint's config, else default.yaml)")
+    evaluate.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
+    evaluate.add_argument("--out", metavar="FILE", help="where to write the figures (default: PATH's eval.json)")
+    evaluate.add_argument("--verbose", action="store_true", help="also show vLLM, Ray and transformers INFO")
     submit = commands.add_parser(
         "submit", help="run a recipe as a Ray job on a cluster and follow its logs (exit status: the job's)"
     )
@@ -71,9 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     plot = commands.add_parser(
         "plot",
         help="draw a run's curves from its metrics.jsonl (to RUN_DIR/curves.png), or several runs overlaid (-o)",
-        description="Reward (mean, +-1 std band, smoothed), held-out accuracy before/after, loss, gradient norm, "
-        "response length, entropy, KL, the learner-vs-rollout log-prob gap and step time by phase, from each run's "
-        "metrics.jsonl and summary.json; panels whose metrics a run did not log are left out.",
+        description="Reward (mean, +-1 std band, smoothed), held-out accuracy (mean@k, pass@k) at every evaluation, "
+        "loss, gradient norm, response length, entropy, KL, the learner-vs-rollout log-prob gap and step time by "
+        "phase, from each run's metrics.jsonl and summary.json; panels whose metrics a run did not log are left out.",
     )
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (the one holding metrics.jsonl)")
     plot.add_argument("-o", "--out", help="the image to write (.png, .svg, .pdf ...); default RUN_DIR/curves.png "
@@ -324,6 +343,20 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("bench learner --device cuda: no CUDA GPU is visible to torch")
         bench_learner(shape, modes, args.out, rounds=max(1, args.rounds), device=args.device)
         return 0
+    if args.command == "eval":
+        from rlpipe.actors.calls import WorkerLost
+
+        try:
+            return evaluate_saved_weights(args)
+        except (ConfigError, RewardConfigError) as err:
+            print(f"rlpipe: config error: {err}", file=sys.stderr)
+            return 2
+        except CheckpointError as err:
+            print(f"rlpipe: eval: {err}", file=sys.stderr)
+            return 2
+        except WorkerLost as err:
+            print(f"rlpipe: {err}", file=sys.stderr)
+            return 1
     try:
         cfg = _resolve(args)
         if args.command == "config":
@@ -357,6 +390,90 @@ def main(argv: list[str] | None = None) -> int:
     except RewardFailure as err:  # mid-run: the checkpoints written so far stay
         print(f"rlpipe: {err}", file=sys.stderr)
         return 1
+
+
+def evaluate_saved_weights(args) -> int:
+    """`rlpipe eval PATH [RECIPE] [key=value ...]`: the held-out evaluation of a run (rlpipe/evaluation.py) on saved
+    weights, by engines and reward workers alone. Every input is checked before Ray starts; a checkpoint is exported
+    to a temporary HF folder first, which the engines load."""
+    import json
+    import tempfile
+    from types import SimpleNamespace
+
+    import yaml
+
+    from rlpipe import checkpoint, evaluation, preflight
+    from rlpipe.controller import reward_state
+    from rlpipe.data import PromptSet, load_rows, reward_columns
+    from rlpipe.logs import LogSetup
+
+    weights = Path(args.path)
+    if not weights.exists():
+        raise CheckpointError(f"{weights}: no such file or directory")
+    recipe, overrides = _recipe_and_overrides(args)
+    hf_folder = (weights / "config.json").is_file()
+    if hf_folder:
+        source, step = weights, 0  # an export's step is not recorded: seeded as the evaluation before training
+        cfg = load_config(recipe or DEFAULT_RECIPE, overrides)
+    else:
+        try:
+            source = checkpoint.resolve(weights)
+        except CheckpointError as err:
+            raise CheckpointError(f"{weights}: not a Hugging Face folder (no config.json), nor a run or checkpoint "
+                                  f"directory ({err})") from None
+        trainer = checkpoint.read_trainer_state(source, needs=checkpoint.EXPORT_FIELDS)
+        step = int(trainer.get("step", 0))
+        if recipe:
+            cfg = load_config(recipe, overrides)
+        else:  # the run's own config, as the checkpoint records it
+            with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="rlpipe-eval-") as recorded:
+                yaml.safe_dump(trainer["config"], recorded, sort_keys=False)
+                recorded.flush()
+                cfg = load_config(recorded.name, overrides)
+    out = Path(args.out) if args.out else source / "eval.json"
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out: folder {out.parent} does not exist")
+    with tempfile.TemporaryDirectory(prefix="rlpipe-eval-") as scratch:
+        if hf_folder:
+            model_path = str(weights.resolve())
+        else:  # the engines load HF folders: the checkpoint's weights as one (its tokenizer included)
+            model_path = str(checkpoint.export(source, Path(scratch) / "model"))
+            cfg.model.tokenizer = None
+        cfg.model.path = model_path
+        preflight.check_model(model_path)
+        tokenizer_path, tokenizer = preflight.check_tokenizer(cfg.model, model_path)
+        train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
+        if not eval_rows:
+            raise ConfigError("data.eval_size: no held-out prompts to evaluate (set data.eval_size above 0)")
+        columns = reward_columns(train_rows, cfg.data.prompt_field)
+        preflight.check_reward_functions(cfg.reward, columns)
+        eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows))
+        preflight.check_prompts(eval_set)
+        point = _evaluate_on_engines(cfg, model_path, tokenizer_path, columns, eval_set, step,
+                                     reward_state(cfg, SimpleNamespace(train_set=train_rows), step, "eval"),
+                                     LogSetup(str(out.with_suffix(".log")), verbose=cfg.run.verbose))
+    record = {"path": str(weights), "weights": str(source), "step": step, "prompts": len(eval_set), **point}
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"held-out accuracy of {weights} (step {step}, {len(eval_set)} prompts): {evaluation.describe(point)}; "
+          f"written to {out}")
+    return 0
+
+
+def _evaluate_on_engines(cfg: Config, model_path: str, tokenizer_path: str | None, columns: list[str], eval_set,
+                         step: int, state, logs) -> dict:
+    """Start Ray (or join `ray.address`), the engines on `model_path` and the reward workers; evaluate; stop them."""
+    from rlpipe import evaluation
+    from rlpipe.actors.cluster import start_ray
+    from rlpipe.actors.eval_roles import EvalRoles
+    from rlpipe.logs import driver_logging
+
+    with driver_logging(logs):
+        start_ray(cfg)
+        roles = EvalRoles(cfg, model_path, tokenizer_path, columns, log=logs)
+        try:
+            return evaluation.evaluate(roles, eval_set, cfg, step, state)
+        finally:
+            roles.shutdown()
 
 
 def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> dict:

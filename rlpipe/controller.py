@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from rlpipe import checkpoint, preflight
+from rlpipe import checkpoint, evaluation, preflight
 from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError
 from rlpipe.data import PromptSet, Sampler, load_rows, reward_columns
@@ -69,17 +69,18 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
         )
         if cfg.learner.lora is not None:  # the engines hold no adapter: each sync sends W + (alpha / rank) B A
             log.note("weight sync: merged LoRA weights")
-        summary = run.summary
-        if not summary:
+        summary = run.summary or {}
+        summary.setdefault("eval", [])  # every held-out evaluation's figures, before training (step 0) on
+        if "eval_before" not in summary:
             with log.activity("held-out evaluation before training"):
-                summary = {"eval_before": evaluate(roles, run.eval_set, cfg, reward_state(cfg, run, 0, "eval"))}
+                evaluate(roles, run, cfg, 0, summary)
+            summary["eval_before"] = summary["eval"][0]["accuracy"] if summary["eval"] else None
         summary["sync_check"] = check
         summary["model_path"] = run.model_path  # the folder model.path named (a Hub id: its cached snapshot)
         summary["placement"] = placement
         summary["hosts"] = roles.hosts(placement)  # the node address of every actor, per role
         summary["sync_routes"] = roles.routes.describe()
         summary["python"] = roles.interpreters()  # the interpreter of every actor, per role
-        log.note(f"held-out accuracy before training: {summary['eval_before']}")
         watch = FailureWatch(cfg.reward.max_failed_share, cfg.reward.max_failed_steps)
         ahead = Lookahead(run, roles, cfg)
         for step in range(run.first_step, cfg.train.steps + 1):
@@ -103,22 +104,26 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
             metrics.update(rollout_metrics(groups, cfg.reward.success_threshold, failures))
             metrics.update(clock.metrics(generated_tokens=metrics["completion_tokens"]))
             metrics["rollout/restarts"] = float(sum(roles.engine_restarts))  # engines started again so far
+            if evaluation.due(step, cfg):
+                with log.activity(f"{doing} evaluating the held-out set"):
+                    metrics.update(evaluate(roles, run, cfg, step, summary, note=False))
             log.log(step, {**metrics, "policy_version": float(roles.policy_version)})
             log.log_samples(step, groups)
             if step == cfg.train.steps or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
                 with log.activity(f"{doing} saving a checkpoint"):
                     saved = save_checkpoint(run, roles, step, cfg, summary, ahead.sampler_state())
                 log.note(f"checkpoint saved: {saved}")
-        with log.activity("held-out evaluation after training"):
-            summary["eval_after"] = evaluate(roles, run.eval_set, cfg, reward_state(cfg, run, cfg.train.steps, "eval"))
-        log.note(f"held-out accuracy after training: {summary['eval_after']} (before: {summary['eval_before']})")
+        if not any(point["step"] == cfg.train.steps for point in summary["eval"]):  # no step ran in this call
+            with log.activity("held-out evaluation after training"):
+                evaluate(roles, run, cfg, cfg.train.steps, summary)
+        summarize_evaluations(run, summary, cfg.train.steps)
         if cfg.metrics.export:
             with log.activity("exporting the trained model"):
                 summary["export"] = roles.export(str(run.dir / "export"))
             log.note(f"trained model exported to {summary['export']}")
         if cfg.metrics.plot:
             curves = plot_history(log.history, run.dir / "curves.png", cfg.run.name, summary["eval_before"],
-                                  summary["eval_after"])
+                                  summary["eval_after"], eval_points=summary["eval"])
             summary["plot"] = str(curves) if curves else None
         (run.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         log.note(log.final_line(time.monotonic() - started, logs.file))
@@ -141,7 +146,7 @@ class Run:
     reward_columns: list[str]  # the dataset's columns reward functions are called with
     first_step: int = 1
     resume: dict | None = None  # for Roles: the checkpoint's learner state and the ranks' RNG states
-    summary: dict | None = None  # a resumed run's summary so far (the held-out accuracy before training)
+    summary: dict | None = None  # a resumed run's summary so far (its held-out evaluations)
     created_dir: bool = False  # the run directory did not exist before this run
 
 
@@ -188,7 +193,7 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, samp
             "model_path": run.model_path,  # what model.path resolved to: export reads the same files
             "tokenizer_path": run.tokenizer_path,
             "metrics": run.log.history,
-            "summary": {"eval_before": summary.get("eval_before")},
+            "summary": {"eval_before": summary.get("eval_before"), "eval": summary.get("eval", [])},
         }
 
     from rlpipe.actors.calls import WorkerLost
@@ -275,13 +280,34 @@ def reward_state(cfg: Config, run: Run, steps_done: int, mode: str = "train") ->
                          run_name=cfg.run.name, mode=mode)
 
 
-def evaluate(roles, eval_set: PromptSet, cfg: Config, state: TrainerState | None = None) -> float | None:
-    """Greedy held-out accuracy: the share of prompts whose one completion reaches the success threshold."""
-    if len(eval_set) == 0:
-        return None
-    groups = roles.generate(eval_set.prompts(range(len(eval_set))), 1, temperature=0.0)
-    roles.score(groups, state)
-    return rollout_metrics(groups, cfg.reward.success_threshold)["accuracy"]
+def evaluate(roles, run: Run, cfg: Config, step: int, summary: dict, note: bool = True) -> dict[str, float]:
+    """The held-out evaluation after `step` steps (rlpipe/evaluation.py), added to the summary's points and noted
+    (`note`; a step's evaluation shows in the step's line); returns its metrics for the step's record (none without
+    held-out prompts)."""
+    point = evaluation.evaluate(roles, run.eval_set, cfg, step, reward_state(cfg, run, step, "eval"))
+    if point is None:
+        return {}
+    summary["eval"].append(point)
+    if note:
+        when = "before training" if step == 0 else f"after step {step}"
+        run.log.note(f"held-out accuracy {when}: {evaluation.describe(point)}")
+    return evaluation.metrics(point)
+
+
+def summarize_evaluations(run: Run, summary: dict, last_step: int) -> None:
+    """eval_after (the greedy accuracy after the last step) and eval_best (the best point, with the checkpoint saved
+    at its step while one is kept), noted on the terminal."""
+    after = next((point for point in summary["eval"] if point["step"] == last_step), None)
+    summary["eval_after"] = after["accuracy"] if after else None
+    best = evaluation.best(summary["eval"])
+    if best is not None:
+        saved = run.dir / checkpoint.CHECKPOINTS / checkpoint.step_name(best["step"])
+        best = {**best, "checkpoint": str(saved) if saved.is_dir() else None}
+    summary["eval_best"] = best
+    if best is not None:
+        kept = f", checkpoint {best['checkpoint']}" if best["checkpoint"] else ""
+        run.log.note(f"held-out accuracy after training: {summary['eval_after']} (before: {summary['eval_before']}); "
+                     f"best at step {best['step']}: {evaluation.describe(best)}{kept}")
 
 
 def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:

@@ -72,6 +72,7 @@ class MetricsLogger:
         ("logprob_gap/mean_abs", "gap", "{:.1e}"),
         ("loss", "loss", "{:+.4f}"),
         ("time/step", "s", "{:.1f}"),
+        ("eval/accuracy", "held-out", "{:.2f}"),
     )
 
     def __init__(self, run_dir: Path, total_steps: int, trackers: list = (), stream=None):
@@ -123,6 +124,8 @@ class MetricsLogger:
         eta = elapsed / max(1, len(self.history)) * max(0, self.total_steps - step)
         parts = [f"step {step}/{self.total_steps}"]
         parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in self.SHOWN if key in metrics]
+        sampled = [key for key in metrics if key.startswith(("eval/mean@", "eval/pass@"))]  # the held-out mean@k, pass@k
+        parts += [f"{key.removeprefix('eval/')} {metrics[key]:.2f}" for key in sampled]
         parts.append(f"eta {eta / 60:.1f}m")
         return " | ".join(parts)
 

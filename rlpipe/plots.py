@@ -7,8 +7,10 @@ algo.kl_beta > 0, the log-prob gap only once the learner ran tokens, ...):
 
 - reward: the mean over the step's samples, a band of +-1 standard deviation over them, and the smoothed mean;
 - reward by function, when the run has more than one reward function (each function's unweighted mean);
-- accuracy: the greedy held-out accuracy before training (at step 0) and after it (at the last step), from
-  summary.json; the step's sample accuracy too, unless it equals the mean reward at every step (0/1 rewards);
+- accuracy: the greedy held-out accuracy at every evaluation (before training at step 0, every `eval.every` steps,
+  after the last), and with `eval.samples_per_prompt` = k > 1 the held-out mean@k and pass@k, from summary.json's
+  evaluations (else the steps' eval/* metrics); the step's sample accuracy too, unless it equals the mean reward at
+  every step (0/1 rewards);
 - policy loss; gradient norm (before clipping); response length (mean and max, tokens); entropy per token;
   KL to the reference model; the learner-vs-rollout log-prob gap on the sampled tokens (mean and max |difference|);
 - step time split by phase (generate, reward, train, sync, the driver outside them): stacked over steps for one
@@ -47,12 +49,14 @@ class PlotError(ValueError):
 
 @dataclass
 class RunCurves:
-    """One run's step records (metrics.jsonl, in step order) and its held-out accuracy before/after training."""
+    """One run's step records (metrics.jsonl, in step order), its held-out accuracy before/after training and its
+    held-out evaluations ({"step", "accuracy", "mean@k", "pass@j"}: summary.json's "eval")."""
 
     name: str
     records: list[dict]
     eval_before: float | None = None
     eval_after: float | None = None
+    eval_points: list[dict] | None = None
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """Steps and values of `key` over the records that have it (null as NaN)."""
@@ -131,6 +135,7 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunCurves:
             raise PlotError(f"{summary_path}: not a JSON object")
         curves.eval_before = _held_out(summary.get("eval_before"))
         curves.eval_after = _held_out(summary.get("eval_after"))
+        curves.eval_points = _eval_points(summary.get("eval"))
     return curves
 
 
@@ -146,6 +151,15 @@ def _read_text(path: Path) -> str:
 def _held_out(value) -> float | None:
     value = _number(value)
     return value if math.isfinite(value) else None
+
+
+def _eval_points(points) -> list[dict] | None:
+    """summary.json's evaluations, those with a step and a finite greedy accuracy; None when it holds none."""
+    if not isinstance(points, list):
+        return None
+    kept = [{name: _number(value) for name, value in point.items()} for point in points if isinstance(point, dict)
+            and isinstance(point.get("step"), int) and _held_out(point.get("accuracy")) is not None]
+    return [{**point, "step": int(point["step"])} for point in kept] or None
 
 
 def _by_step(records: list[dict]) -> list[dict]:
@@ -294,9 +308,17 @@ def _reward_functions(ax, runs, smoothing):
                        for j, key in enumerate(names)])
 
 
-def _held_out_points(run: RunCurves) -> list[tuple[int, float, str]]:
-    points = [(0, run.eval_before, "before"), (run.last_step, run.eval_after, "after")]
-    return [(step, value, when) for step, value, when in points if value is not None]
+def _held_out_points(run: RunCurves) -> list[dict]:
+    """The run's held-out evaluations in step order: summary.json's, else the steps' eval/* metrics with the
+    accuracy before (step 0) and after training (the last step) where those are known."""
+    if run.eval_points:
+        return sorted(run.eval_points, key=lambda point: point["step"])
+    points = {r["step"]: {"step": r["step"], **{k[5:]: _number(v) for k, v in r.items() if k.startswith("eval/")}}
+              for r in run.records if _held_out(r.get("eval/accuracy")) is not None}
+    for step, value in ((0, run.eval_before), (run.last_step, run.eval_after)):
+        if value is not None and step not in points:
+            points[step] = {"step": step, "accuracy": value}
+    return [points[step] for step in sorted(points)]
 
 
 def _sample_accuracy_differs(run: RunCurves) -> bool:
@@ -308,24 +330,38 @@ def _sample_accuracy_differs(run: RunCurves) -> bool:
     return not np.allclose(accuracy, rewards, equal_nan=True)
 
 
+SAMPLED_STYLES = {"mean": {"ls": "-.", "marker": "^"}, "pass": {"ls": (0, (1, 1)), "marker": "v"}}
+
+
 def _accuracy(ax, runs, smoothing):
-    held, samples = False, False
+    held, samples, sampled = False, False, {}
     for i, run in enumerate(runs):
         points = _held_out_points(run)
         if points:
-            steps, values, whens = zip(*points)
-            ax.plot(steps, values, color=_color(i), ls="--", marker="s", markersize=7, lw=1.2,
-                    label=f"{run.name}: held-out accuracy")
-            for step, value, when in points:
+            steps = [point["step"] for point in points]
+            ax.plot(steps, [point["accuracy"] for point in points], color=_color(i), ls="--", marker="s",
+                    markersize=7, lw=1.2, label=f"{run.name}: held-out accuracy")
+            for point, when in ((points[0], "before"), (points[-1], "after")) if len(points) > 1 else ():
                 right = when == "after"  # written to the left of the last step, inside the axes
-                ax.annotate(f"{when} {value:.2f}", (step, value), textcoords="offset points",
-                            xytext=(-6 if right else 6, 6), ha="right" if right else "left", fontsize="small",
-                            color=_color(i))
+                ax.annotate(f"{when} {point['accuracy']:.2f}", (point["step"], point["accuracy"]),
+                            textcoords="offset points", xytext=(-6 if right else 6, 6), ha="right" if right else "left",
+                            fontsize="small", color=_color(i))
+            # mean@k and the largest pass@j, where the evaluation sampled k completions per prompt
+            for kind in SAMPLED_STYLES:
+                names = sorted({name for point in points for name in point if name.startswith(f"{kind}@")},
+                               key=lambda name: int(name.split("@")[1]))
+                if names:
+                    name = names[-1]
+                    shown = [(point["step"], point[name]) for point in points if name in point]
+                    ax.plot(*zip(*shown), color=_color(i), lw=1.2, markersize=5, label=f"{run.name}: held-out {name}",
+                            **SAMPLED_STYLES[kind])
+                    sampled[kind] = name
             held = True
         if _sample_accuracy_differs(run):
             samples |= _raw_and_smoothed(ax, run, "accuracy", _color(i), smoothing, {"ls": ":"})
     ax.set_ylim(-0.05, 1.1)
-    styles = [("held-out, greedy (before / after)", {"ls": "--", "marker": "s"})] if held else []
+    styles = [("held-out, greedy", {"ls": "--", "marker": "s"})] if held else []
+    styles += [(f"held-out, {name} sampled", SAMPLED_STYLES[kind]) for kind, name in sampled.items()]
     if samples:
         styles.append(("step's samples" + (f" (EMA {smoothing:g})" if smoothing > 0 else ""), {"ls": ":"}))
     _style_legend(ax, styles)
@@ -428,10 +464,11 @@ def check_output(out: str | Path) -> Path:
 
 
 def plot_history(history: list[dict], out_png: str | Path, name: str, eval_before: float | None = None,
-                 eval_after: float | None = None, smoothing: float = SMOOTHING) -> Path | None:
-    """The end of `rlpipe train`: the run's curves from its in-memory history (the records metrics.jsonl holds);
-    None when there is nothing to plot (no step ran)."""
-    run = RunCurves(name, _by_step(history), _held_out(eval_before), _held_out(eval_after))
+                 eval_after: float | None = None, smoothing: float = SMOOTHING,
+                 eval_points: list[dict] | None = None) -> Path | None:
+    """The end of `rlpipe train`: the run's curves from its in-memory history (the records metrics.jsonl holds) and
+    its held-out evaluations (summary.json's "eval"); None when there is nothing to plot (no step ran)."""
+    run = RunCurves(name, _by_step(history), _held_out(eval_before), _held_out(eval_after), _eval_points(eval_points))
     if not run.records:
         return None
     try:

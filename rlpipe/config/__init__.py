@@ -15,6 +15,7 @@ from rlpipe.config.data import (
     PromptSource,
     ReasoningGymSource,
 )
+from rlpipe.config.eval import EvalConfig
 from rlpipe.config.errors import ConfigError, first_line, one_line
 from rlpipe.config.help import describe, help_text
 from rlpipe.config.learner import LearnerConfig
@@ -32,7 +33,7 @@ from rlpipe.config.tree import Config
 
 __all__ = [
     "MAX_TEMPERATURE", "RENDERING_ARGUMENTS", "TRACKERS",
-    "AlgoConfig", "Config", "ConfigError", "DataConfig", "FileSource", "HumanEvalSource", "KernelsConfig",
+    "AlgoConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "FileSource", "HumanEvalSource", "KernelsConfig",
     "LearnerConfig", "MetricsConfig", "ModelConfig", "PromptSource", "ReasoningGymSource",
     "PlacementConfig", "RayConfig", "RewardConfig", "RewardFunctionConfig", "RolePlacement", "RolloutConfig",
     "RunConfig", "SyncConfig", "TrainConfig",

@@ -67,7 +67,7 @@ class DataConfig:
     )
     chat_template_kwargs: dict = key({}, "extra variables for the chat template (e.g. {enable_thinking: false})")
     max_prompt_tokens: int = key(256, "prompts longer than this (after templating) are rejected")
-    eval_size: int = key(64, "held-out prompts for the greedy before/after evaluation (0 disables)")
+    eval_size: int = key(64, "held-out prompts for the evaluation (eval.*; 0 disables)")
     eval_path: str | None = key(None, "held-out file (source=file); default: the last eval_size rows")
 
     def prompt_source(self) -> PromptSource:

@@ -10,6 +10,7 @@ from pathlib import Path
 from rlpipe.config.algo import AlgoConfig
 from rlpipe.config.data import DataConfig
 from rlpipe.config.errors import require
+from rlpipe.config.eval import EvalConfig
 from rlpipe.config.learner import LearnerConfig
 from rlpipe.config.metrics import MetricsConfig
 from rlpipe.config.model import ModelConfig
@@ -31,6 +32,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)

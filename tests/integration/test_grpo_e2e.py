@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from rlpipe import evaluation
 from rlpipe.config import load_config
 from rlpipe.controller import train
 
@@ -227,18 +228,23 @@ def test_a_dead_learner_rank_fails_the_step_at_once(tiny_qwen3, ray_cluster):
 
 
 def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_path, tiny_qwen3, ray_cluster):
-    """3 steps in one go against 2 steps, then `--resume` for 1 more: step 3 gives the same metrics (seeded
-    sampling per step, the learner's weights and AdamW state, the sampler position and RNG all restored)."""
+    """3 steps in one go against 2 steps, then `--resume` for 1 more: steps 2 and 3 give the same metrics (seeded
+    sampling per step, the learner's weights and AdamW state, the sampler position and RNG all restored), though
+    only the uninterrupted run evaluates the held-out set after every step (an evaluation leaves training's sampling
+    as it was); the held-out figures of the steps both evaluate agree, and `rlpipe eval` of the last checkpoint
+    gives them again."""
     from rlpipe import checkpoint
 
     base = _overrides(tmp_path / "runs", tiny_qwen3) + [
         "data.size=32",
-        "data.eval_size=0",
+        "eval.samples_per_prompt=4",
+        "reward.success_threshold=0.12",  # a sample of 12 characters or more counts as correct: held-out figures vary
         "reward.functions=[{name: reasoning_gym}, {name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
         "metrics.export=false",
         "metrics.tensorboard=false",
     ]
-    whole_summary = train(load_config(None, base + ["run.name=whole", "train.steps=3", "metrics.export=true"]))
+    whole_summary = train(load_config(None, base + ["run.name=whole", "train.steps=3", "metrics.export=true",
+                                                    "eval.every=1"]))
     train(load_config(None, base + ["run.name=split", "train.steps=2"]))
     with pytest.raises(checkpoint.CheckpointError, match="no such file"):
         train(load_config(None, base + ["run.name=split", "train.steps=3"]), resume=str(tmp_path / "elsewhere"))
@@ -249,11 +255,37 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_pat
     assert set(whole_summary["sync_routes"].values()) == {"shm"}  # the default, auto, on one host
     assert all(r["sync/pairs_shm"] == 1 and r["sync/pairs_ray"] == 0 and r["sync/probe_max_abs"] < 1e-5 for r in split)
     timing = ("time/", "tokens_per_s/", "sync/transfer_s", "sync/write_s")
-    for uninterrupted, resumed in zip(whole[2:], split[2:], strict=True):
+    for uninterrupted, resumed in zip(whole[1:], split[1:], strict=True):
         compared = [key for key in uninterrupted if not key.startswith(timing)]
         assert "loss" in compared and "reward/mean" in compared and set(compared) <= set(resumed)
         for key in compared:
             assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-6, abs=1e-7), (resumed["step"], key)
+    # Held-out figures: greedy accuracy, mean@4, pass@2 and pass@4 at every evaluation, in the step's record and the
+    # summary; the resumed run's evaluations continue those its checkpoint holds.
+    figures = ("accuracy", "mean@4", "pass@2", "pass@4")
+    assert all(set(evaluation.metrics(dict.fromkeys(figures, 0.0))) <= set(r) for r in whole)
+    assert "eval/accuracy" not in split[0]
+    split_summary = json.loads((tmp_path / "runs" / "split" / "summary.json").read_text())
+    assert [p["step"] for p in whole_summary["eval"]] == [0, 1, 2, 3]
+    assert [p["step"] for p in split_summary["eval"]] == [0, 2, 3]
+    by_step = {p["step"]: p for p in whole_summary["eval"]}
+    for point in split_summary["eval"]:
+        assert set(point) == {"step", *figures} and point == pytest.approx(by_step[point["step"]], abs=1e-9)
+    assert whole_summary["eval_before"] == by_step[0]["accuracy"] and whole_summary["eval_after"] == by_step[3]["accuracy"]
+    best = whole_summary["eval_best"]
+    assert best["accuracy"] == max(p["accuracy"] for p in whole_summary["eval"])
+    last = tmp_path / "runs" / "whole" / "checkpoints" / "step_000003"
+    assert best["checkpoint"] == (str(last) if best["step"] == 3 else None)  # the only checkpoint kept
+
+    # `rlpipe eval` of the resumed run (its latest checkpoint, with its config): the engines alone, on the
+    # checkpoint's weights, give the figures the run's own evaluation after step 3 gave.
+    from rlpipe.cli import main
+
+    assert main(["eval", str(tmp_path / "runs" / "split")]) == 0
+    written = json.loads((tmp_path / "runs" / "split" / "checkpoints" / "step_000003" / "eval.json").read_text())
+    assert written["step"] == 3 and written["prompts"] == 4
+    assert {k: written[k] for k in figures} == pytest.approx({k: split_summary["eval"][-1][k] for k in figures})
+
     checkpoints = [p.name for p in checkpoint.list_checkpoints(tmp_path / "runs" / "split")]
     assert checkpoints == ["step_000002", "step_000003"]
     assert checkpoint.resolve(tmp_path / "runs" / "split").name == "step_000003"
@@ -263,7 +295,6 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_pat
     # holding the weights the uninterrupted run's learner exported itself.
     import torch
 
-    from rlpipe.cli import main
     from rlpipe.train_engine import token_logprobs
     from rlpipe.models import load_model
 
