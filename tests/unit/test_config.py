@@ -198,9 +198,28 @@ def test_group_size_one():
 
 
 def test_max_model_len_too_short():
-    message = _error("rollout.max_model_len=100")
+    message = _error("rollout.max_model_len=300", "data.max_prompt_tokens=256")
     assert message.startswith("rollout.max_model_len")
     assert "384" in message  # 256 prompt + 128 completion tokens
+
+
+def test_max_prompt_tokens_null_is_what_the_context_leaves():
+    cfg = load_config(None, ["rollout.max_model_len=300", "rollout.max_tokens=100"])
+    assert cfg.data.max_prompt_tokens is None and cfg.max_prompt_tokens == 200
+    assert cfg.longest_sequence == 300
+    message = _error("rollout.max_model_len=100")  # the default 128 completion tokens leave no prompt
+    assert message.startswith("rollout.max_model_len: 100 leaves no room for a prompt after rollout.max_tokens 128")
+
+
+@pytest.mark.parametrize(
+    ("override", "start"),
+    [
+        ("data.max_prompt_tokens=0", "data.max_prompt_tokens: must be >= 1 (or null), got 0"),
+        ("data.overlong=truncate", "data.overlong: 'truncate' is not one of 'error', 'drop'"),
+    ],
+)
+def test_bad_prompt_length_values_are_one_line(override, start):
+    assert _error(override).startswith(start)
 
 
 def test_file_source_needs_a_path():
