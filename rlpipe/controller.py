@@ -18,7 +18,7 @@ import yaml
 from rlpipe import checkpoint, evaluation, preflight
 from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError
-from rlpipe.data import PromptSet, Sampler, load_rows, reward_columns
+from rlpipe.data import PromptSet, Sampler, drop_overlong_prompts, load_rows, reward_columns
 from rlpipe.logs import LOG_FILE, LogSetup, driver_logging
 from rlpipe.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
 from rlpipe.plots import plot_history
@@ -216,9 +216,11 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
     columns = reward_columns(train_rows, cfg.data.prompt_field)
     preflight.check_reward_functions(cfg.reward, columns)
-    preflight.check_prompts_per_step(cfg, len(train_rows))
-    train_set = PromptSet(train_rows, tokenizer, cfg.data)
-    eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows))
+    limit = cfg.max_prompt_tokens
+    train_set = PromptSet(train_rows, tokenizer, cfg.data, max_prompt_tokens=limit)
+    eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows), max_prompt_tokens=limit)
+    dropped = drop_overlong_prompts(train_set, eval_set) if cfg.data.overlong == "drop" else None
+    preflight.check_prompts_per_step(cfg, len(train_set))
     preflight.check_prompts(train_set, eval_set)
     sampler = Sampler(len(train_set), cfg.run.seed)
     source, state = preflight.check_resume(cfg, resume, weight_shapes, sampler) if resume is not None else (None, None)
@@ -228,6 +230,8 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     created_dir = not cfg.run_dir.exists()
     run_dir = prepare_run_dir(cfg, resuming=state is not None)
     log = MetricsLogger(run_dir, cfg.train.steps, open_trackers(cfg, run_dir))
+    if dropped:
+        log.note(dropped)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     run = Run(run_dir, model_path, tokenizer_path, train_set, eval_set, sampler, pad_id, log, columns, created_dir=created_dir)
     if state is not None:

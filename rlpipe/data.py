@@ -346,48 +346,86 @@ def render_prompt(
 
 
 class PromptSet:
-    """Dataset rows turned into templated prompts, with stable sample ids (the row index)."""
+    """Dataset rows turned into templated prompts, with stable sample ids (the row index in the dataset, also
+    when over-long rows are left out)."""
 
-    def __init__(self, rows: list[dict], tokenizer, cfg: DataConfig, id_offset: int = 0):
+    def __init__(
+        self, rows: list[dict], tokenizer, cfg: DataConfig, id_offset: int = 0, max_prompt_tokens: int | None = None
+    ):
+        """`max_prompt_tokens`: the longest prompt (Config.max_prompt_tokens, which resolves a null
+        data.max_prompt_tokens); None: data.max_prompt_tokens, no limit where that is null too."""
         self.rows = rows
+        self.row_numbers = list(range(len(rows)))  # each row's index in the dataset
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.id_offset = id_offset
-        self._token_ids: dict[int, list[int]] = {}  # templating and tokenizing once per row, not once per draw
+        self.max_prompt_tokens = cfg.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
+        self._token_ids: dict[int, list[int]] = {}  # by row number: templating and tokenizing once per row
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def prompt(self, index: int) -> Prompt:
-        row = self.rows[index]
-        if index not in self._token_ids:
-            if self.cfg.chat_template == "none" and not isinstance(row[self.cfg.prompt_field], str):
-                raise ConfigError(
-                    f"data.chat_template: none sends prompts as text, but row {index} holds chat messages in "
-                    f"{self.cfg.prompt_field!r} (keep the tokenizer's template for those)"
-                )
-            self._token_ids[index] = render_prompt(
-                self.tokenizer, self._prompt(row), self.cfg.system_prompt, self.cfg.chat_template,
-                self.cfg.chat_template_kwargs,
-            )
-        token_ids = self._token_ids[index]
-        if len(token_ids) > self.cfg.max_prompt_tokens:
+        row, number = self.rows[index], self.row_numbers[index]
+        token_ids = self._render(number, row)
+        if self.max_prompt_tokens is not None and len(token_ids) > self.max_prompt_tokens:
             raise ConfigError(
-                f"data.max_prompt_tokens: row {index} has {len(token_ids)} prompt tokens, more than "
-                f"{self.cfg.max_prompt_tokens}"
+                f"data.max_prompt_tokens: row {number} has {len(token_ids)} prompt tokens, more than "
+                f"{self.max_prompt_tokens} (data.overlong=drop leaves such rows out)"
             )
         columns = {k: v for k, v in row.items() if k != self.cfg.prompt_field}
         prompt = self._prompt(row)
         # Reward functions get the prompt as the model was prompted with it (data.system_prompt and
         # data.prompt_suffix included).
         messages = None if isinstance(prompt, str) else chat_messages(prompt, self.cfg.system_prompt)
-        return Prompt(self.id_offset + index, question_text(prompt), token_ids, columns, messages)
+        return Prompt(self.id_offset + number, question_text(prompt), token_ids, columns, messages)
+
+    def drop_overlong(self) -> int:
+        """Leave out the rows whose prompt is longer than max_prompt_tokens (data.overlong: drop); how many were."""
+        if self.max_prompt_tokens is None:
+            return 0
+        kept = [
+            (number, row) for number, row in zip(self.row_numbers, self.rows)
+            if len(self._render(number, row)) <= self.max_prompt_tokens
+        ]
+        dropped = len(self.rows) - len(kept)
+        self.row_numbers, self.rows = [n for n, _ in kept], [r for _, r in kept]
+        return dropped
+
+    def _render(self, number: int, row: dict) -> list[int]:
+        if number not in self._token_ids:
+            if self.cfg.chat_template == "none" and not isinstance(row[self.cfg.prompt_field], str):
+                raise ConfigError(
+                    f"data.chat_template: none sends prompts as text, but row {number} holds chat messages in "
+                    f"{self.cfg.prompt_field!r} (keep the tokenizer's template for those)"
+                )
+            self._token_ids[number] = render_prompt(
+                self.tokenizer, self._prompt(row), self.cfg.system_prompt, self.cfg.chat_template,
+                self.cfg.chat_template_kwargs,
+            )
+        return self._token_ids[number]
 
     def _prompt(self, row: dict) -> str | list[dict]:
         return with_suffix(row[self.cfg.prompt_field], self.cfg.prompt_suffix)
 
     def prompts(self, indices) -> list[Prompt]:
         return [self.prompt(int(i)) for i in indices]
+
+
+def drop_overlong_prompts(train_set: PromptSet, eval_set: PromptSet) -> str | None:
+    """data.overlong: drop: both sets without their over-long prompts; the start-up line that counts them (None
+    when there were none). Every training prompt over-long is a config error, not an empty run."""
+    training, held_out = len(train_set), len(eval_set)
+    dropped = {"training": train_set.drop_overlong(), "held-out": eval_set.drop_overlong()}
+    limit = train_set.max_prompt_tokens
+    if training and not len(train_set):
+        raise ConfigError(f"data.max_prompt_tokens: all {training} training prompts are longer than {limit} tokens")
+    if not any(dropped.values()):
+        return None
+    counts = [
+        f"{count} of {total} {split}" for (split, count), total in zip(dropped.items(), (training, held_out)) if count
+    ]
+    return f"data.overlong: dropped prompts longer than {limit} tokens: {', '.join(counts)}"
 
 
 class Sampler:

@@ -470,7 +470,7 @@ def kv_heads_per_chip(kv_heads: int, tensor_parallel: int) -> int:
 
 def learner_sequence(cfg: Config) -> tuple[int, int]:
     """(rows, tokens per row) of one micro-batch on one rank."""
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
+    longest = cfg.longest_sequence
     if cfg.learner.graph:
         fitting = [b for b in sorted(cfg.learner.length_buckets) if b >= longest]
         return cfg.train.micro_batch_size, (fitting[0] if fitting else longest)

@@ -50,6 +50,27 @@ def _engine_env(cfg: RolloutConfig) -> None:
 CPU_KV_BLOCK_SIZE = 32
 
 
+def sampling_params(cfg: RolloutConfig, n: int, *, temperature: float | None = None, max_tokens: int | None = None):
+    """vLLM's sampling parameters of rollouts (and, with temperature 0, of the greedy evaluation): the rollout
+    section's sampling keys, `n` completions per prompt, and the sampled token's log-prob at each step."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=n,
+        temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        min_p=cfg.min_p,
+        repetition_penalty=cfg.repetition_penalty,
+        # The learner trains on the token ids, which hold the stop string: the text a reward reads keeps it too.
+        stop=list(cfg.stop) or None,
+        include_stop_str_in_output=True,
+        max_tokens=max_tokens or cfg.max_tokens,
+        logprobs=0,
+        **cfg.generation_kwargs,
+    )
+
+
 def decoding_params():
     """vLLM's sampling parameters of a decoded probe: greedy, DECODE_TOKENS tokens whatever they are."""
     from vllm import SamplingParams
@@ -122,8 +143,8 @@ class RolloutEngine:
             # One worker runs in this process; several are vLLM's worker processes whichever way the engine runs.
             distributed_executor_backend="uni" if workers_in_process(cfg) else None,
             worker_extension_cls="rlpipe.vllm_worker.WeightWriter",
-            # Processed logprobs include temperature, which is what the learner reproduces.
-            logprobs_mode="processed_logprobs",
+            # The log-probs of the distribution the learner computes (RolloutConfig.logprobs_mode, docs/algorithms.md).
+            logprobs_mode=cfg.logprobs_mode(),
             use_tqdm_on_load=progress_bars,
             **extra,
         )
@@ -167,16 +188,9 @@ class RolloutEngine:
     ) -> list[list[Completion]]:
         """`n` completions per prompt, each with its sampled tokens' logprobs. A prompt whose requests a weight
         sync aborted (`sync.on_generation: abort`) comes back with no completions; callers resubmit it."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            n=n,
-            temperature=self.cfg.temperature if temperature is None else temperature,
-            top_p=self.cfg.top_p,
-            max_tokens=max_tokens or self.cfg.max_tokens,
-            logprobs=0,
-        )
+        params = sampling_params(self.cfg, n, temperature=temperature, max_tokens=max_tokens)
         with self._state:
             self._state.wait_for(lambda: not self._sync_waiting)
             if self.sync.unusable:
@@ -194,9 +208,18 @@ class RolloutEngine:
             for sample in output.outputs if output is not None else []:
                 token_ids = list(sample.token_ids)
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids)]
-                completions.append(Completion(token_ids, logprobs, sample.text, sample.finish_reason or "length", version))
+                completions.append(
+                    Completion(token_ids, logprobs, self._text(sample), sample.finish_reason or "length", version)
+                )
             groups.append(completions)
         return groups
+
+    def _text(self, sample) -> str:
+        """The completion's text, as its token ids read: vLLM cuts the text of a completion that a stop string ended
+        at the string's end, while its last token may hold more."""
+        if isinstance(sample.stop_reason, str):
+            return self.llm.get_tokenizer().decode(sample.token_ids, skip_special_tokens=True)
+        return sample.text
 
     def _run(self, prompts: list, params) -> list:
         """vLLM's offline loop, written out so that a sync can abort it between engine steps."""

@@ -66,7 +66,16 @@ class DataConfig:
         "tokenizer", "tokenizer: the tokenizer's chat template; none: the prompt text as is (base models)"
     )
     chat_template_kwargs: dict = key({}, "extra variables for the chat template (e.g. {enable_thinking: false})")
-    max_prompt_tokens: int = key(256, "prompts longer than this (after templating) are rejected")
+    max_prompt_tokens: int | None = key(
+        None,
+        "the longest prompt in tokens (after templating); null: what rollout.max_model_len leaves after "
+        "rollout.max_tokens",
+    )
+    overlong: Literal["error", "drop"] = key(
+        "error",
+        "a prompt longer than max_prompt_tokens: error stops the run at start-up naming the row; drop leaves it "
+        "out (counted in one line at start-up)",
+    )
     eval_size: int = key(64, "held-out prompts for the evaluation (eval.*; 0 disables)")
     eval_path: str | None = key(None, "held-out file (source=file); default: the last eval_size rows")
 
@@ -79,6 +88,10 @@ class DataConfig:
         return FileSource(self.path, self.split, self.subset, self.eval_split, self.eval_path)
 
     def check(self) -> None:
+        require(
+            self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+            f"data.max_prompt_tokens: must be >= 1 (or null), got {self.max_prompt_tokens}",
+        )
         if self.source == "file":
             require(bool(self.path), "data.path: required when data.source is 'file'")
         require(

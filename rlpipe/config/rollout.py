@@ -3,6 +3,7 @@ section that the config checks (engines on a TPU slice) and the engine applies w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,6 +14,12 @@ from rlpipe.config.sync import SyncConfig
 # Above this, sampling is close to uniform over the vocabulary: no recipe means it, a typo (100 for 1.0) might.
 MAX_TEMPERATURE = 10.0
 
+# vLLM SamplingParams fields rollout.generation_kwargs may set (TRL's generation_kwargs): those rlpipe does not set
+# itself from its own keys, and that leave the completion's token ids and log-probs what the learner trains on.
+GENERATION_KWARGS = ("presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids", "bad_words")
+# Of those, the ones that change the distribution tokens are sampled from, and the value that leaves it alone.
+_RESHAPING_KWARGS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "bad_words": []}
+
 
 @dataclass
 class RolloutConfig:
@@ -20,6 +27,17 @@ class RolloutConfig:
     max_tokens: int = key(128, "maximum completion length in tokens")
     temperature: float = key(1.0, "sampling temperature, 0 (greedy) to 10")
     top_p: float = key(1.0, "nucleus sampling threshold")
+    top_k: int = key(-1, "sample among the k most likely tokens only; -1: all tokens")
+    min_p: float = key(0.0, "leave out tokens less likely than min_p times the most likely one; 0: none")
+    repetition_penalty: float = key(
+        1.0, "divide the logits of tokens already in the prompt or completion by this (vLLM's); 1: none"
+    )
+    stop: list[str] = key([], "strings that end a completion; the completion's text and token ids keep the string")
+    generation_kwargs: dict = key(
+        {},
+        f"more vLLM SamplingParams for rollouts and evaluation (TRL's generation_kwargs), among: "
+        f"{', '.join(GENERATION_KWARGS)}",
+    )
     dtype: Literal["float32", "bfloat16"] = key("float32", "rollout engine dtype")
     num_engines: int = key(1, "number of vLLM rollout engines (one Ray actor each)")
     kv_cache_gib: int = key(1, "KV-cache space per CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE)")
@@ -56,6 +74,24 @@ class RolloutConfig:
             f"rollout.temperature: must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {self.temperature}",
         )
         require(0 < self.top_p <= 1, "rollout.top_p: must be in (0, 1]")
+        require(
+            self.top_k == -1 or self.top_k >= 1,
+            f"rollout.top_k: must be -1 (all tokens) or at least 1, got {self.top_k}",
+        )
+        require(0 <= self.min_p <= 1, f"rollout.min_p: must be in [0, 1], got {self.min_p}")
+        require(
+            self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty),
+            f"rollout.repetition_penalty: must be > 0 (1: none), got {self.repetition_penalty}",
+        )
+        require(all(self.stop), "rollout.stop: a stop string must not be empty")
+        self._check_generation_kwargs()
+        reshaped = ", ".join(f"rollout.{name}" for name in self.reshaping_keys())
+        require(
+            not reshaped or self.temperature in (0.0, 1.0),
+            f"{reshaped.split(', ')[0]}: with {reshaped} set, vLLM reports log-probs either after it or before "
+            f"temperature, and the learner's (temperature only) match neither; set rollout.temperature=1.0 "
+            f"(not {self.temperature:g}) or leave {reshaped} at the default",
+        )
         require(self.num_engines >= 1, "rollout.num_engines: must be >= 1")
         require(
             self.kv_block_size is None or (self.kv_block_size > 0 and self.kv_block_size % 32 == 0),
@@ -64,6 +100,58 @@ class RolloutConfig:
         require(self.max_restarts >= 0, "rollout.max_restarts: must be >= 0")
         require(self.generate_timeout_s > 0, "rollout.generate_timeout_s: must be > 0")
         require(self.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
+
+    def _check_generation_kwargs(self) -> None:
+        kwargs = self.generation_kwargs
+        unknown = sorted(set(kwargs) - set(GENERATION_KWARGS))
+        require(
+            not unknown,
+            f"rollout.generation_kwargs: {', '.join(unknown)} is not among {', '.join(GENERATION_KWARGS)} (the "
+            f"sampling keys of the rollout section set the others)",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = kwargs.get(name, 0.0)
+            require(
+                _is_number(value) and -2 <= value <= 2,
+                f"rollout.generation_kwargs: {name} must be a number in [-2, 2], got {value!r}",
+            )
+        min_tokens = kwargs.get("min_tokens", 0)
+        require(
+            _is_integer(min_tokens) and 0 <= min_tokens <= self.max_tokens,
+            f"rollout.generation_kwargs: min_tokens must be an integer from 0 to rollout.max_tokens "
+            f"({self.max_tokens}), got {min_tokens!r}",
+        )
+        ids = kwargs.get("stop_token_ids", [])
+        require(
+            isinstance(ids, list) and all(_is_integer(i) and i >= 0 for i in ids),
+            f"rollout.generation_kwargs: stop_token_ids must be a list of token ids, got {ids!r}",
+        )
+        words = kwargs.get("bad_words", [])
+        require(
+            isinstance(words, list) and all(isinstance(w, str) and w for w in words),
+            f"rollout.generation_kwargs: bad_words must be a list of non-empty strings, got {words!r}",
+        )
+
+    def reshaping_keys(self) -> list[str]:
+        """The keys set to change the distribution tokens are sampled from, beyond temperature: vLLM applies them
+        after the model's logits, where the learner's log-probs do not follow."""
+        changed = [
+            name
+            for name, neutral in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("repetition_penalty", 1.0))
+            if getattr(self, name) != neutral
+        ]
+        return changed + [
+            f"generation_kwargs.{name}"
+            for name, neutral in _RESHAPING_KWARGS.items()
+            if self.generation_kwargs.get(name, neutral) != neutral
+        ]
+
+    def logprobs_mode(self) -> str:
+        """vLLM's `logprobs_mode` whose log-probs are the learner's: after temperature (processed, which also
+        follows every filter and penalty) when nothing reshapes sampling; else the model's own (raw, before
+        temperature, filters and penalties), which the config check allows only at temperature 1.0 (or 0, greedy,
+        where the learner takes temperature 1)."""
+        return "raw_logprobs" if self.reshaping_keys() else "processed_logprobs"
 
 
 def torchtpu_refusal(cfg: RolloutConfig, sync: SyncConfig) -> str | None:
@@ -84,3 +172,11 @@ def torchtpu_refusal(cfg: RolloutConfig, sync: SyncConfig) -> str | None:
             f"only at 1.0; set rollout.temperature=1.0 (not {cfg.temperature:g})"
         )
     return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

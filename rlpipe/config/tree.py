@@ -49,9 +49,17 @@ class Config:
         return self.train.mini_batch_size or self.samples_per_step
 
     @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt: data.max_prompt_tokens, or (null) what the engine's context leaves after the
+        longest completion."""
+        if self.data.max_prompt_tokens is not None:
+            return self.data.max_prompt_tokens
+        return self.rollout.max_model_len - self.rollout.max_tokens
+
+    @property
     def longest_sequence(self) -> int:
         """The most tokens one sample can hold: its prompt and its completion."""
-        return self.data.max_prompt_tokens + self.rollout.max_tokens
+        return self.max_prompt_tokens + self.rollout.max_tokens
 
     @property
     def run_dir(self) -> Path:
@@ -79,6 +87,11 @@ class Config:
         )
 
     def _check_sequence_lengths(self) -> None:
+        require(
+            self.max_prompt_tokens >= 1,
+            f"rollout.max_model_len: {self.rollout.max_model_len} leaves no room for a prompt after rollout.max_tokens "
+            f"{self.rollout.max_tokens} (data.max_prompt_tokens is null: what the context leaves)",
+        )
         require(
             self.longest_sequence <= self.rollout.max_model_len,
             f"rollout.max_model_len: {self.rollout.max_model_len} is shorter than data.max_prompt_tokens "

@@ -18,6 +18,7 @@ from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
 pytestmark = pytest.mark.integration
 
 PROBE = list(range(5, 45))
+TOP_K = 3
 
 
 @pytest.fixture(
@@ -40,7 +41,9 @@ def setup(request):
     cfg = load_config(None, [f"model.path={tiny_qwen3}", "sync.transport=shm", "sync.bucket_mb=0.05",
                              "sync.probe_tolerance=1e-5", f"sync.engine_write={engine_write}",
                              f"model.kernels.rmsnorm={rmsnorm}"])
-    rollout = RolloutConfig(max_model_len=512, max_tokens=16, model_impl=model_impl)
+    # One engine samples among the top TOP_K tokens only: its log-probs must still be the learner's.
+    top_k = TOP_K if engine_write == "reload" else -1
+    rollout = RolloutConfig(max_model_len=512, max_tokens=16, model_impl=model_impl, top_k=top_k)
     engine = RolloutEngine(tiny_qwen3, rollout, 0, sync=cfg.sync, kernels=cfg.model.kernels)
     learner = Learner.from_config(tiny_qwen3, cfg)
     layout, params = engine.layout()
@@ -454,6 +457,54 @@ def test_after_a_sync_a_cached_prompt_runs_on_the_new_weights(setup):
     (completion,) = groups[0]
     expected = learner.sequence_logprobs(prompt.token_ids + completion.token_ids)[len(prompt.token_ids) :]
     assert max(abs(a - b) for a, b in zip(completion.logprobs, expected)) < 1e-4
+
+
+def test_the_engine_reports_the_learners_logprobs_also_when_it_samples_among_the_top_k(setup):
+    """A single-turn step's samples against the learner that synced them: the gap stays as small with rollout.top_k
+    set (vLLM's processed log-probs, renormalised over the top k, would be off by the mass the filter left out)."""
+    engine, learner, plan = setup
+    _perturb(learner, 12)
+    version = engine.policy_version + 1
+    _send(engine, learner, plan, version)
+    engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE))
+    prompt = Prompt(0, "p", [7, 8, 9, 10])
+    (group,) = engine.generate([prompt], 4, temperature=1.0)
+    for completion in group:
+        expected = learner.sequence_logprobs(prompt.token_ids + completion.token_ids)[len(prompt.token_ids) :]
+        assert max(abs(a - b) for a, b in zip(completion.logprobs, expected)) < 1e-4
+    if engine.cfg.top_k != -1:  # the filter did apply: each sampled token ranks within the top k of the model's
+        from vllm.inputs import TokensPrompt
+
+        from rlpipe.rollout import sampling_params
+
+        (output,) = engine.llm.generate([TokensPrompt(prompt_token_ids=prompt.token_ids)],
+                                        sampling_params(engine.cfg, 8), use_tqdm=False)
+        ranks = [step[token].rank for out in output.outputs for step, token in zip(out.logprobs, out.token_ids)]
+        assert ranks and max(ranks) <= TOP_K
+
+
+def test_a_stop_string_ends_a_completion_whose_text_keeps_it_as_its_token_ids_do(setup, monkeypatch):
+    engine, _, _ = setup
+    prompt = Prompt(0, "p", [7, 8, 9, 10])
+    tokenizer = engine.llm.get_tokenizer()
+    ((greedy,),) = engine.generate([prompt], 1, temperature=0.0)
+    ids = greedy.token_ids
+
+    def text_of(token_ids):
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # A stop string: the text of two tokens the greedy completion writes, first seen where the second ends.
+    for end in range(3, len(ids)):
+        stop = text_of(ids[end - 2 : end])
+        if len(stop) > 1 and stop in text_of(ids[:end]) and stop not in text_of(ids[: end - 1]):
+            break
+    else:
+        pytest.fail(f"no two tokens of the greedy completion {ids} make a stop string")
+    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, stop=[stop]))
+    ((stopped,),) = engine.generate([prompt], 1, temperature=0.0)
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == ids[: len(stopped.token_ids)] and len(stopped.token_ids) <= end
+    assert stopped.text == text_of(stopped.token_ids) and stopped.text.endswith(stop)
 
 
 def test_versions_only_go_up(setup):

@@ -550,6 +550,15 @@ def prompt_longer_than_max_prompt_tokens(d):
 
 
 @case
+def prompts_per_step_counts_the_prompts_left_after_dropping(d):
+    path = d.jsonl("rows.jsonl", [*GOOD_ROWS, {"question": "Calculate 1 + 2. " * 20, "answer": "3"}])
+    return Case(
+        [f"data.path={path}", "data.overlong=drop", "data.max_prompt_tokens=100", "train.prompts_per_step=5"],
+        ["train.prompts_per_step: 5 is more than the training set's 4 prompts"],
+    )
+
+
+@case
 def held_out_set_takes_every_row(d):
     return Case([f"data.eval_size={len(GOOD_ROWS)}"], ["data.eval_size: 4 leaves no training rows"])
 
@@ -906,6 +915,15 @@ def test_bad_input_stops_with_one_line_and_writes_nothing(name, inputs, tmp_path
 
 def test_the_corpus_is_large_enough():
     assert len(CASES) >= 30
+
+
+def test_dropped_prompts_are_counted_in_one_line_before_the_run_starts(inputs, tmp_path, capfd):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [*GOOD_ROWS, {"question": "1 + 2. " * 40, "answer": "3"}]))
+    with pytest.raises(ReachedRay):
+        _train(inputs, tmp_path, Case([f"data.path={path}", "data.overlong=drop", "data.max_prompt_tokens=100"], []))
+    out, _ = capfd.readouterr()
+    assert "data.overlong: dropped prompts longer than 100 tokens: 1 of 5 training\n" in out
 
 
 def test_the_base_arguments_pass_every_check(inputs, tmp_path, capfd):

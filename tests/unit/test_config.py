@@ -207,9 +207,66 @@ def test_group_size_one():
 
 
 def test_max_model_len_too_short():
-    message = _error("rollout.max_model_len=100")
+    message = _error("rollout.max_model_len=300", "data.max_prompt_tokens=256")
     assert message.startswith("rollout.max_model_len")
     assert "384" in message  # 256 prompt + 128 completion tokens
+
+
+def test_max_prompt_tokens_null_is_what_the_context_leaves():
+    cfg = load_config(None, ["rollout.max_model_len=300", "rollout.max_tokens=100"])
+    assert cfg.data.max_prompt_tokens is None and cfg.max_prompt_tokens == 200
+    assert cfg.longest_sequence == 300
+    message = _error("rollout.max_model_len=100")  # the default 128 completion tokens leave no prompt
+    assert message.startswith("rollout.max_model_len: 100 leaves no room for a prompt after rollout.max_tokens 128")
+
+
+@pytest.mark.parametrize(
+    ("override", "start"),
+    [
+        ("rollout.top_k=0", "rollout.top_k: must be -1 (all tokens) or at least 1, got 0"),
+        ("rollout.top_k=-2", "rollout.top_k: must be -1 (all tokens) or at least 1, got -2"),
+        ("rollout.min_p=1.5", "rollout.min_p: must be in [0, 1], got 1.5"),
+        ("rollout.min_p=-0.1", "rollout.min_p: must be in [0, 1]"),
+        ("rollout.repetition_penalty=0", "rollout.repetition_penalty: must be > 0"),
+        ("rollout.repetition_penalty=-1", "rollout.repetition_penalty: must be > 0"),
+        ("rollout.stop=['']", "rollout.stop: a stop string must not be empty"),
+        ("rollout.generation_kwargs={n: 4}", "rollout.generation_kwargs: n is not among"),
+        ("rollout.generation_kwargs={logprobs: 5}", "rollout.generation_kwargs: logprobs is not among"),
+        ("rollout.generation_kwargs={presence_penalty: 3}", "rollout.generation_kwargs: presence_penalty must be"),
+        ("rollout.generation_kwargs={min_tokens: 500}", "rollout.generation_kwargs: min_tokens must be an integer"),
+        ("rollout.generation_kwargs={stop_token_ids: [a]}", "rollout.generation_kwargs: stop_token_ids must be"),
+        ("rollout.generation_kwargs={bad_words: ['']}", "rollout.generation_kwargs: bad_words must be"),
+        ("data.max_prompt_tokens=0", "data.max_prompt_tokens: must be >= 1 (or null), got 0"),
+        ("data.overlong=truncate", "data.overlong: 'truncate' is not one of 'error', 'drop'"),
+    ],
+)
+def test_bad_sampling_and_prompt_length_values_are_one_line(override, start):
+    assert _error(override).startswith(start)
+
+
+def test_sampling_keys_load_and_choose_the_engines_logprobs():
+    cfg = load_config(None, ["rollout.top_k=20", "rollout.min_p=0.05", "rollout.repetition_penalty=1.1",
+                             "rollout.stop=['</answer>']", "rollout.generation_kwargs={stop_token_ids: [7]}"])
+    rollout = cfg.rollout
+    assert (rollout.top_k, rollout.min_p, rollout.repetition_penalty, rollout.stop) == (20, 0.05, 1.1, ["</answer>"])
+    assert rollout.reshaping_keys() == ["top_k", "min_p", "repetition_penalty"]  # a stop token reshapes nothing
+    assert rollout.logprobs_mode() == "raw_logprobs"  # the model's own, as the learner's at temperature 1
+    plain = load_config(None, ["rollout.temperature=0.7", "rollout.stop=['</answer>']"]).rollout
+    assert plain.reshaping_keys() == [] and plain.logprobs_mode() == "processed_logprobs"  # after temperature
+
+
+@pytest.mark.parametrize(
+    ("reshaping", "name"),
+    [("rollout.top_k=20", "rollout.top_k"), ("rollout.top_p=0.9", "rollout.top_p"),
+     ("rollout.min_p=0.1", "rollout.min_p"), ("rollout.repetition_penalty=1.2", "rollout.repetition_penalty"),
+     ("rollout.generation_kwargs={presence_penalty: 0.5}", "rollout.generation_kwargs.presence_penalty"),
+     ("rollout.generation_kwargs={bad_words: [nope]}", "rollout.generation_kwargs.bad_words")],
+)
+def test_a_reshaping_key_needs_temperature_one(reshaping, name):
+    message = _error(reshaping, "rollout.temperature=0.7")
+    assert message.startswith(f"{name}: with {name} set, vLLM reports log-probs either after it or before temperature")
+    assert "set rollout.temperature=1.0 (not 0.7)" in message
+    assert load_config(None, [reshaping, "rollout.temperature=0"]).rollout.logprobs_mode() == "raw_logprobs"
 
 
 def test_file_source_needs_a_path():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlpipe.config import ConfigError, DataConfig
-from rlpipe.data import PromptSet, Sampler, load_rows, render_prompt, reward_columns
+from rlpipe.data import PromptSet, Sampler, drop_overlong_prompts, load_rows, render_prompt, reward_columns
 from rlpipe.types import Prompt
 from tests.conftest import build_tokenizer
 
@@ -304,6 +304,34 @@ def test_prompt_set_rejects_over_long_prompts(tokenizer):
     message = _config_error(lambda: prompts.prompt(1))
     assert message.startswith("data.max_prompt_tokens")
     assert "row 1" in message
+
+
+def test_the_limit_given_replaces_a_null_max_prompt_tokens(tokenizer):
+    rows = [{"question": "Calculate 1 + 2. " * 40}]
+    assert PromptSet(rows, tokenizer, DataConfig()).prompt(0).token_ids  # null and no limit given: any length
+    message = _config_error(lambda: PromptSet(rows, tokenizer, DataConfig(), max_prompt_tokens=40).prompt(0))
+    assert message.startswith("data.max_prompt_tokens: row 0 has") and "more than 40" in message
+
+
+def test_over_long_prompts_are_dropped_and_counted_with_their_row_ids(tokenizer):
+    short, long = {"question": "Calculate 1 + 2."}, {"question": "Calculate 1 + 2. " * 40}
+    cfg = DataConfig(max_prompt_tokens=40, overlong="drop")
+    train = PromptSet([long, short, long, short], tokenizer, cfg)
+    held_out = PromptSet([short, long], tokenizer, cfg, id_offset=4)
+    note = drop_overlong_prompts(train, held_out)
+    assert note == "data.overlong: dropped prompts longer than 40 tokens: 2 of 4 training, 1 of 2 held-out"
+    assert len(train) == 2 and len(held_out) == 1
+    # Sample ids stay the rows' places in the dataset, so a checkpoint's ids mean the same rows.
+    assert [p.sample_id for p in train.prompts(range(2))] == [1, 3]
+    assert held_out.prompt(0).sample_id == 4
+    assert drop_overlong_prompts(train, held_out) is None  # nothing more to drop: no line
+
+
+def test_dropping_every_training_prompt_is_a_config_error(tokenizer):
+    rows = [{"question": "Calculate 1 + 2. " * 40}] * 3
+    cfg = DataConfig(max_prompt_tokens=40, overlong="drop")
+    message = _config_error(lambda: drop_overlong_prompts(PromptSet(rows, tokenizer, cfg), PromptSet([], tokenizer, cfg)))
+    assert message == "data.max_prompt_tokens: all 3 training prompts are longer than 40 tokens"
 
 
 def test_columns_the_reward_pool_sets_are_refused(tmp_path):
