@@ -249,11 +249,12 @@ def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[Tra
     if not chosen:
         return None, stats
     batch = TrainBatch.from_sequences(
-        [samples[i][0].token_ids for i in chosen],
+        [samples[i][1].prompt_ids or samples[i][0].token_ids for i in chosen],  # an episode's prompt has its tools
         [samples[i][1].token_ids for i in chosen],
         [samples[i][1].logprobs for i in chosen],
         advantages[chosen].tolist(),
         pad_id=pad_id,
+        masks=[samples[i][1].mask for i in chosen],
     )
     return batch, stats
 

@@ -381,7 +381,8 @@ class PromptSet:
         # Reward functions get the prompt as the model was prompted with it (data.system_prompt and
         # data.prompt_suffix included).
         messages = None if isinstance(prompt, str) else chat_messages(prompt, self.cfg.system_prompt)
-        return Prompt(self.id_offset + index, question_text(prompt), token_ids, columns, messages)
+        chat = None if self.cfg.chat_template == "none" else chat_messages(prompt, self.cfg.system_prompt)
+        return Prompt(self.id_offset + index, question_text(prompt), token_ids, columns, messages, chat)
 
     def _prompt(self, row: dict) -> str | list[dict]:
         return with_suffix(row[self.cfg.prompt_field], self.cfg.prompt_suffix)
