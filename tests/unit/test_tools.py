@@ -370,3 +370,13 @@ def test_an_episode_counts_only_the_models_tokens():
     completion = Completion([5, 6, 7, 8], [-1.0, 0.0, 0.0, -1.0], "", "stop", 0, mask=[1, 0, 0, 1])
     assert completion.model_tokens == 2
     assert Completion([5, 6], [-1.0, -1.0], "", "stop", 0).model_tokens == 2
+
+
+def test_the_calculator_recipe_loads_and_its_tool_has_a_schema():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "calculator.yaml")
+    assert cfg.rollout.multi_turn and cfg.rollout.max_turns == 3
+    (schema,) = ToolSet.load(cfg.rollout.tools, cfg.rollout.environment_factory).schemas(None)
+    assert schema["function"]["name"] == "calculator"
+    assert schema["function"]["parameters"]["required"] == ["expression"]
