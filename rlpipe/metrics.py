@@ -25,7 +25,8 @@ def rollout_metrics(
     """Reward, accuracy and length statistics of a step's scored groups, and reward failures per function."""
     rewards = [r for g in groups for r in g.rewards]
     scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
-    lengths = np.array([len(c.token_ids) for g in groups for c in g.completions], dtype=np.float64)
+    # The model's tokens: an episode's tool tokens were not generated.
+    lengths = np.array([c.model_tokens for g in groups for c in g.completions], dtype=np.float64)
     truncated = [c.finish_reason == "length" for g in groups for c in g.completions]
     out = {
         "reward/mean": float(scored.mean()) if scored.size else math.nan,
