@@ -48,7 +48,9 @@ class Config:
 
     @property
     def longest_sequence(self) -> int:
-        """The most tokens one sample can hold: its prompt and its completion."""
+        """The most tokens one sample can hold: its prompt and its completion; a multi-turn episode, the context."""
+        if self.rollout.multi_turn:
+            return self.rollout.max_model_len
         return self.data.max_prompt_tokens + self.rollout.max_tokens
 
     @property
@@ -77,6 +79,11 @@ class Config:
         )
 
     def _check_sequence_lengths(self) -> None:
+        require(
+            not self.rollout.multi_turn or self.data.chat_template != "none",
+            "rollout.tools: multi-turn episodes render tool messages through the chat template; data.chat_template "
+            "is none",
+        )
         require(
             self.longest_sequence <= self.rollout.max_model_len,
             f"rollout.max_model_len: {self.rollout.max_model_len} is shorter than data.max_prompt_tokens "

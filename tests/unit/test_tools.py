@@ -380,3 +380,12 @@ def test_the_calculator_recipe_loads_and_its_tool_has_a_schema():
     (schema,) = ToolSet.load(cfg.rollout.tools, cfg.rollout.environment_factory).schemas(None)
     assert schema["function"]["name"] == "calculator"
     assert schema["function"]["parameters"]["required"] == ["expression"]
+
+
+def test_an_episode_may_fill_the_context_and_needs_a_chat_template():
+    from rlpipe.config import ConfigError
+
+    cfg = load_config(None, ["rollout.tools=[rlpipe.tools:calculator]", "rollout.max_model_len=1024"])
+    assert cfg.longest_sequence == 1024  # the learner's length buckets must hold a whole episode
+    with pytest.raises(ConfigError, match="rollout.tools: multi-turn episodes render tool messages"):
+        load_config(None, ["rollout.tools=[rlpipe.tools:calculator]", "data.chat_template=none"])
