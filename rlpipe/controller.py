@@ -26,6 +26,7 @@ from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, TrainBatch
 from rlpipe.rewards import FailureWatch, TrainerState, trainer_state
+from rlpipe.rewards.contract import EPISODE_COLUMNS
 
 
 def train(cfg: Config, resume: str | None = None) -> dict:
@@ -208,6 +209,8 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     tokenizer_path, tokenizer = preflight.check_tokenizer(cfg.model, model_path)
     train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
     columns = reward_columns(train_rows, cfg.data.prompt_field)
+    if cfg.rollout.environment_factory:  # reward functions also get each episode's environment (TRL's)
+        columns = [*columns, *EPISODE_COLUMNS]
     preflight.check_reward_functions(cfg.reward, columns)
     preflight.check_prompts_per_step(cfg, len(train_rows))
     train_set = PromptSet(train_rows, tokenizer, cfg.data)

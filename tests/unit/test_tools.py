@@ -389,3 +389,26 @@ def test_an_episode_may_fill_the_context_and_needs_a_chat_template():
     assert cfg.longest_sequence == 1024  # the learner's length buckets must hold a whole episode
     with pytest.raises(ConfigError, match="rollout.tools: multi-turn episodes render tool messages"):
         load_config(None, ["rollout.tools=[rlpipe.tools:calculator]", "data.chat_template=none"])
+
+
+def reached_target(completions, environments, target, **kwargs):
+    """A TRL-style reward reading each episode's environment and conversation."""
+    return [float(env.total == int(goal) and c[-1]["role"] == "assistant")
+            for c, env, goal in zip(completions, environments, target)]
+
+
+def test_reward_functions_get_the_episodes_environments_and_conversations():
+    from rlpipe.rewards import RewardRunner
+
+    environments = []
+    for total in (15, 7):
+        environment = Counter()
+        environment.reset(start=total)
+        environments.append(environment)
+    conversation = [{"role": "assistant", "content": "15"}]
+    prompts = [[{"role": "user", "content": "count"}]] * 2
+    columns = {"target": ["15", "15"], "completion_tokens": [1, 1], "finish_reason": ["stop"] * 2,
+               "max_tokens": [8, 8], "environments": environments}
+    runner = RewardRunner([{"name": "tests.unit.test_tools:reached_target"}], columns=["target", "environments"])
+    result = runner.score(prompts, [conversation, conversation], columns)
+    assert result.totals == [1.0, 0.0]
