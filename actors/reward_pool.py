@@ -30,11 +30,15 @@ class RewardPool:
             samples = [(g, c) for g in share for c in g.completions]
             columns = {key: [g.prompt.columns[key] for g, _ in samples] for key in share[0].prompt.columns}
             columns.update(
-                completion_tokens=[len(c.token_ids) for _, c in samples],
+                completion_tokens=[c.model_tokens for _, c in samples],
                 finish_reason=[c.finish_reason for _, c in samples],
                 max_tokens=[self.max_tokens] * len(samples),
             )
-            prompts, texts = [g.prompt.for_rewards for g, _ in samples], [c.text for _, c in samples]
+            if any(c.environment is not None for _, c in samples):  # TRL's `environments`
+                columns["environments"] = [c.environment for _, c in samples]
+            # An episode's completion is its conversation after the prompt, as TRL passes it.
+            prompts = [g.prompt.for_rewards for g, _ in samples]
+            texts = [c.text if c.messages is None else c.messages for _, c in samples]
             ids, sizes = [c.token_ids for _, c in samples], [len(g.completions) for g in share]
             futures.append(worker.score.remote(prompts, texts, columns, sizes, ids, state))
         failures: dict[str, int] = {}

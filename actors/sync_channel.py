@@ -175,11 +175,13 @@ class SyncChannel:
         """
         version = self.version + 1
         completion = probe.completions[0]
-        metrics, results = self._transfer(version, probe.prompt.token_ids + completion.token_ids)
+        prompt = completion.prompt_ids or probe.prompt.token_ids  # an episode's prompt holds its tools
+        metrics, results = self._transfer(version, prompt + completion.token_ids)
         self.version = version
-        start = len(probe.prompt.token_ids)
+        sampled = completion.mask or [1] * len(completion.token_ids)  # an episode's tool tokens were not sampled
         metrics["sync/policy_shift"] = max(
-            (abs(a - b) for a, b in zip(results[0]["probe"][start:], completion.logprobs)), default=0.0
+            (abs(a - b) for a, b, m in zip(results[0]["probe"][len(prompt):], completion.logprobs, sampled) if m),
+            default=0.0,
         )
         return metrics
 

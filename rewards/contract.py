@@ -4,10 +4,14 @@
 
 - `prompts`: the dataset's prompts, plain text, or, where the dataset holds chat messages, the conversation the model
   was prompted with (a list of {role, content} dicts, data.system_prompt included where it was added);
-- `completions`: the generated text, or, for a conversation, `[{"role": "assistant", "content": text}]`;
+- `completions`: the generated text, or, for a conversation, `[{"role": "assistant", "content": text}]`; for a
+  multi-turn episode with tools, the whole conversation after the prompt (assistant messages, their `tool_calls`,
+  the tool messages), as TRL passes it;
 - `completion_ids`: the completions' token ids;
 - every other column of the dataset (`answer`, `solution`, ...), plus the columns the reward pool adds per sample
   (SAMPLE_COLUMNS);
+- `environments`: with rollout.environment_factory, each sample's environment instance after its episode (TRL's
+  `environments`);
 - `trainer_state`: a TrainerState;
 - the function's `kwargs` from config, which win over a dataset column of the same name.
 
@@ -26,7 +30,9 @@ CALL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 SAMPLE_COLUMNS = ("completion_tokens", "finish_reason", "max_tokens")
 """Columns the reward pool adds to the dataset's for every sample: the completion's length in tokens, why it
 ended ("stop" or "length") and the length limit it was sampled under. Datasets may not use these names."""
-RESERVED_COLUMNS = CALL_ARGUMENTS + SAMPLE_COLUMNS
+EPISODE_COLUMNS = ("environments",)
+"""Columns the reward pool adds only for multi-turn episodes with an environment factory."""
+RESERVED_COLUMNS = CALL_ARGUMENTS + SAMPLE_COLUMNS + EPISODE_COLUMNS
 
 
 class TrainerState(dict):
@@ -57,10 +63,12 @@ def is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, list)
 
 
-def as_completions(prompts: list, texts: list[str]) -> list:
-    """Completions as a function sees them: the text, or an assistant message where the prompt is a conversation."""
+def as_completions(prompts: list, texts: list[str | list[dict]]) -> list:
+    """Completions as a function sees them: the text, or an assistant message where the prompt is a conversation;
+    an episode's conversation (a list of messages) as it is."""
     return [
-        [{"role": "assistant", "content": text}] if is_conversation(prompt) else text
+        copy.deepcopy(text) if isinstance(text, list)
+        else [{"role": "assistant", "content": text}] if is_conversation(prompt) else text
         for prompt, text in zip(prompts, texts, strict=True)
     ]
 
@@ -69,7 +77,10 @@ def completion_text(completion: str | list[Mapping]) -> str:
     """The text of a completion given either way (for rewards that read the text whatever the dataset's format)."""
     if isinstance(completion, str):
         return completion
-    return "".join(str(message.get("content") or "") for message in completion if message.get("role") == "assistant")
+    # An episode's assistant turns one per line, so that the last line or number is the last turn's.
+    return "\n".join(
+        str(message.get("content") or "") for message in completion if message.get("role") == "assistant"
+    )
 
 
 def prompt_text(prompt: str | list[Mapping]) -> str:

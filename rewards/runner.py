@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlpipe.rewards.child import CallFailed, ChildProcess
-from rlpipe.rewards.contract import CALL_ARGUMENTS, SAMPLE_COLUMNS, call_arguments
+from rlpipe.rewards.contract import CALL_ARGUMENTS, EPISODE_COLUMNS, SAMPLE_COLUMNS, call_arguments
 from rlpipe.rewards.contract import trainer_state as start_state
 from rlpipe.rewards.registry import RewardConfigError, display_name, load_reward
 
@@ -139,7 +139,8 @@ class RewardRunner:
         columns = dict(columns or {})
         num_samples = len(completions)
         _check_batch_lengths(prompts, completions, columns, completion_ids)
-        if self.columns is not None and set(columns) != {*self.columns, *SAMPLE_COLUMNS}:
+        episode = set(EPISODE_COLUMNS)  # present only where episodes have environments
+        if self.columns is not None and set(columns) - episode != {*self.columns, *SAMPLE_COLUMNS} - episode:
             raise ValueError(
                 f"the batch's columns ({', '.join(sorted(columns))}) are not those the reward functions were checked "
                 f"against ({', '.join(sorted({*self.columns, *SAMPLE_COLUMNS}))})"

@@ -26,6 +26,7 @@ from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, TrainBatch
 from rlpipe.rewards import FailureWatch, TrainerState, trainer_state
+from rlpipe.rewards.contract import EPISODE_COLUMNS
 
 
 def train(cfg: Config, resume: str | None = None) -> dict:
@@ -215,6 +216,8 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     tokenizer_path, tokenizer = preflight.check_tokenizer(cfg.model, model_path)
     train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
     columns = reward_columns(train_rows, cfg.data.prompt_field)
+    if cfg.rollout.environment_factory:  # reward functions also get each episode's environment (TRL's)
+        columns = [*columns, *EPISODE_COLUMNS]
     preflight.check_reward_functions(cfg.reward, columns)
     limit = cfg.max_prompt_tokens
     train_set = PromptSet(train_rows, tokenizer, cfg.data, max_prompt_tokens=limit)
@@ -260,11 +263,12 @@ def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[Tra
     if not chosen:
         return None, stats
     batch = TrainBatch.from_sequences(
-        [samples[i][0].token_ids for i in chosen],
+        [samples[i][1].prompt_ids or samples[i][0].token_ids for i in chosen],  # an episode's prompt has its tools
         [samples[i][1].token_ids for i in chosen],
         [samples[i][1].logprobs for i in chosen],
         advantages[chosen].tolist(),
         pad_id=pad_id,
+        masks=[samples[i][1].mask for i in chosen],
     )
     if cfg.algo.mask_truncated_completions:
         # Their rewards stay in their groups' statistics; their tokens leave the loss and its token count, and

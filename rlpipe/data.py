@@ -378,7 +378,8 @@ class PromptSet:
         # Reward functions get the prompt as the model was prompted with it (data.system_prompt and
         # data.prompt_suffix included).
         messages = None if isinstance(prompt, str) else chat_messages(prompt, self.cfg.system_prompt)
-        return Prompt(self.id_offset + number, question_text(prompt), token_ids, columns, messages)
+        chat = None if self.cfg.chat_template == "none" else chat_messages(prompt, self.cfg.system_prompt)
+        return Prompt(self.id_offset + number, question_text(prompt), token_ids, columns, messages, chat)
 
     def drop_overlong(self) -> int:
         """Leave out the rows whose prompt is longer than max_prompt_tokens (data.overlong: drop); how many were."""

@@ -25,7 +25,8 @@ def rollout_metrics(
     """Reward, accuracy and length statistics of a step's scored groups, and reward failures per function."""
     rewards = [r for g in groups for r in g.rewards]
     scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
-    lengths = np.array([len(c.token_ids) for g in groups for c in g.completions], dtype=np.float64)
+    # The model's tokens: an episode's tool tokens were not generated.
+    lengths = np.array([c.model_tokens for g in groups for c in g.completions], dtype=np.float64)
     truncated = [c.finish_reason == "length" for g in groups for c in g.completions]
     out = {
         "reward/mean": float(scored.mean()) if scored.size else math.nan,
@@ -37,6 +38,13 @@ def rollout_metrics(
         "truncated_fraction": float(np.mean(truncated)) if truncated else 0.0,
         "completion_tokens": float(lengths.sum()),
     }
+    episodes = [c for g in groups for c in g.completions if c.mask is not None]
+    if episodes:  # multi-turn episodes with tools (rlpipe/tools.py)
+        out["turns/mean"] = float(np.mean([c.turns for c in episodes]))
+        out["tool_call_rate"] = float(np.mean([c.tool_calls > 0 for c in episodes]))  # episodes that called a tool
+        out["tool_calls"] = float(sum(c.tool_calls for c in episodes))
+        out["tool_errors"] = float(sum(c.tool_errors for c in episodes))
+        out["episodes_truncated"] = float(sum(c.finish_reason == "length" for c in episodes))
     for name, count in (failures or {}).items():
         out[f"reward/failures/{name}"] = float(count)
     for name in groups[0].reward_parts if groups else ():
@@ -69,6 +77,9 @@ class MetricsLogger:
         ("reward/mean", "reward", "{:.3f}"),
         ("accuracy", "acc", "{:.2f}"),
         ("completion_len/mean", "len", "{:.0f}"),
+        ("turns/mean", "turns", "{:.1f}"),
+        ("tool_call_rate", "tools", "{:.2f}"),
+        ("tool_errors", "tool_err", "{:.0f}"),
         ("logprob_gap/mean_abs", "gap", "{:.1e}"),
         ("loss", "loss", "{:+.4f}"),
         ("time/step", "s", "{:.1f}"),
@@ -117,6 +128,11 @@ class MetricsLogger:
                     "rewards": group.rewards,
                     "reward_parts": group.reward_parts,
                 }
+                if any(c.messages is not None for c in group.completions):  # multi-turn episodes
+                    record["conversations"] = [c.messages for c in group.completions]
+                    record["turns"] = [c.turns for c in group.completions]
+                    record["tool_calls"] = [c.tool_calls for c in group.completions]
+                    record["tool_errors"] = [c.tool_errors for c in group.completions]
                 f.write(json.dumps(record) + "\n")
 
     def format_line(self, step: int, metrics: dict[str, float]) -> str:

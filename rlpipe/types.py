@@ -17,6 +17,7 @@ class Prompt:
     token_ids: list[int]  # chat-templated, tokenized prompt, as the engine and the learner see it
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other fields (e.g. answer), for rewards
     messages: list[dict] | None = None  # a conversation's messages as templated (None for a text prompt)
+    chat: list[dict] | None = None  # the messages templated, a text prompt's too (multi-turn episodes render them)
 
     @property
     def for_rewards(self) -> str | list[dict]:
@@ -31,6 +32,22 @@ class Completion:
     text: str
     finish_reason: str  # "stop" or "length"
     policy_version: int
+    # A multi-turn episode (rlpipe/tools.py) also has: `token_ids` holding the model's turns and the tool messages in
+    # order, `mask` 1 on the model's tokens and 0 on the tools' (whose `logprobs` are 0.0), the prompt it was
+    # rendered with its tools (`prompt_ids`), the conversation after the prompt (`messages`, what reward functions
+    # get as the completion), its environment instance, and counts of turns, tool calls and failed tool calls.
+    mask: list[int] | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    environment: Any = None
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+    @property
+    def model_tokens(self) -> int:
+        """The tokens the model sampled (tool tokens not counted)."""
+        return len(self.token_ids) if self.mask is None else sum(self.mask)
 
 
 @dataclass
@@ -89,20 +106,24 @@ class TrainBatch:
         rollout_logprobs: list[list[float]],
         advantages: list[float],
         pad_id: int = 0,
+        masks: list[list[int] | None] | None = None,
     ) -> "TrainBatch":
+        """`masks`: per completion, which of its tokens the policy sampled (1) and which a tool or environment added
+        (0, never trained on); None: all of them."""
         n = len(prompts)
+        masks = masks or [None] * n
         lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
         width = max(lengths)
         input_ids = torch.full((n, width), pad_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.bool)
         logprobs = torch.zeros((n, width), dtype=torch.float32)
-        for row, (prompt, completion, lps) in enumerate(zip(prompts, completions, rollout_logprobs)):
+        for row, (prompt, completion, lps, sampled) in enumerate(zip(prompts, completions, rollout_logprobs, masks)):
             start, stop = len(prompt), len(prompt) + len(completion)
             input_ids[row, :start] = torch.tensor(prompt, dtype=torch.long)
             if completion:
                 input_ids[row, start:stop] = torch.tensor(completion, dtype=torch.long)
                 logprobs[row, start:stop] = torch.tensor(lps, dtype=torch.float32)
-            mask[row, start:stop] = True
+            mask[row, start:stop] = True if sampled is None else torch.tensor(sampled, dtype=torch.bool)
         return cls(
             input_ids=input_ids,
             completion_mask=mask,

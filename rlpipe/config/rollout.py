@@ -65,6 +65,18 @@ class RolloutConfig:
     max_restarts: int = key(
         3, "an engine that dies is started again (current weights pushed, its prompts regenerated), this many times"
     )
+    tools: list[str] = key(
+        [],
+        "tool functions for multi-turn episodes, as import paths 'package.module:function' (TRL's tools=; "
+        "docs/tools.md)",
+    )
+    environment_factory: str | None = key(
+        None,
+        "a class 'package.module:Class' whose instances hold one episode's state: reset(**row) per sample, its public "
+        "methods are the episode's tools (TRL's environment_factory=)",
+    )
+    max_turns: int = key(8, "model turns per multi-turn episode (an episode still calling tools after it is cut)")
+    tool_timeout_s: float = key(30.0, "a tool call not done within this answers the model with an error message")
 
     def check(self) -> None:
         require(self.group_size >= 2, f"rollout.group_size: must be >= 2 for group advantages, got {self.group_size}")
@@ -100,6 +112,18 @@ class RolloutConfig:
         require(self.max_restarts >= 0, "rollout.max_restarts: must be >= 0")
         require(self.generate_timeout_s > 0, "rollout.generate_timeout_s: must be > 0")
         require(self.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
+        require(self.max_turns >= 1, "rollout.max_turns: must be >= 1")
+        require(self.tool_timeout_s > 0, "rollout.tool_timeout_s: must be > 0")
+        named = [("rollout.tools", path) for path in self.tools]
+        named += [("rollout.environment_factory", self.environment_factory)] if self.environment_factory else []
+        for where, path in named:
+            module, _, name = path.partition(":")
+            require(bool(module and name), f"{where}: {path!r} is not an import path 'package.module:name'")
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether samples are episodes with tools (rlpipe/tools.py) rather than one completion each."""
+        return bool(self.tools) or self.environment_factory is not None
 
     def _check_generation_kwargs(self) -> None:
         kwargs = self.generation_kwargs

@@ -58,7 +58,9 @@ class Config:
 
     @property
     def longest_sequence(self) -> int:
-        """The most tokens one sample can hold: its prompt and its completion."""
+        """The most tokens one sample can hold: its prompt and its completion; a multi-turn episode, the context."""
+        if self.rollout.multi_turn:
+            return self.rollout.max_model_len
         return self.max_prompt_tokens + self.rollout.max_tokens
 
     @property
@@ -91,6 +93,11 @@ class Config:
             self.max_prompt_tokens >= 1,
             f"rollout.max_model_len: {self.rollout.max_model_len} leaves no room for a prompt after rollout.max_tokens "
             f"{self.rollout.max_tokens} (data.max_prompt_tokens is null: what the context leaves)",
+        )
+        require(
+            not self.rollout.multi_turn or self.data.chat_template != "none",
+            "rollout.tools: multi-turn episodes render tool messages through the chat template; data.chat_template "
+            "is none",
         )
         require(
             self.longest_sequence <= self.rollout.max_model_len,

@@ -547,3 +547,62 @@ def test_a_sync_during_generation_follows_the_policy(setup, policy):
         # In-flight requests were aborted so the sync did not wait; their prompts come back empty for resubmission.
         assert any(len(group) == 0 for group in groups)
         assert all(len(group) in (0, 8) for group in groups)
+
+
+def test_a_multi_turn_episode_keeps_the_engines_ids_and_the_learner_agrees_on_them(setup, monkeypatch):
+    """Episodes with a calculator tool through the real engine: each turn's requests go to the engine together, the
+    tool message's rendered ids follow the first turn's as sampled, and the learner's log-probs of the model's
+    tokens across both turns are the engine's. The tiny random model neither ends a turn nor writes a tool call by
+    itself, so the test decides both for each episode's first turn; every id and log-prob is the engine's."""
+    import rlpipe.tools
+    from rlpipe.bench.tiny_model import CHATML
+    from rlpipe.tools import ToolSet, calculator, tool_suffix_ids
+
+    from transformers import AutoTokenizer
+
+    engine, learner, _ = setup
+    # The model's tokenizer with a template that names its tools briefly (the tiny tokenizer spends a token on most
+    # characters of a schema). The engine's own renders through copies of itself, so it is replaced, not changed.
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
+    tokenizer.chat_template = (
+        "{% if tools %}<|im_start|>system\ntools: {{ tools | map(attribute='function.name') | join(',') }}"
+        "<|im_end|>\n{% endif %}" + CHATML
+    )
+    monkeypatch.setattr(engine.llm, "get_tokenizer", lambda: tokenizer)
+    monkeypatch.setattr(engine, "toolset", ToolSet([calculator]))
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
+    parsed = []
+
+    def first_turn_calls(text):  # the four episodes' first turns are parsed first
+        parsed.append(text)
+        return {"role": "assistant", "content": "", "tool_calls": [call]} if len(parsed) <= 4 else \
+            {"role": "assistant", "content": text}
+
+    monkeypatch.setattr(rlpipe.tools, "parse_tool_calls", first_turn_calls)
+    requests, run = [], engine._run
+
+    def run_counting(prompts, params):
+        outputs = run(prompts, params)
+        requests.append(len(prompts))
+        if len(requests) == 1:
+            for output in outputs:
+                output.outputs[0].finish_reason = "stop"
+        return outputs
+
+    monkeypatch.setattr(engine, "_run", run_counting)
+    question = "Calculate 2 + 3."
+    prompts = [Prompt(i, question, [], chat=[{"role": "user", "content": question}]) for i in range(2)]
+    groups = engine.generate(prompts, 2, max_tokens=6)
+    assert requests == [4, 4]  # every episode's turn in one submission, both turns
+    suffix = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "calculator", "content": "5"}])
+    for completion in [c for group in groups for c in group]:
+        assert (completion.turns, completion.tool_calls, completion.tool_errors) == (2, 1, 0)
+        assert completion.messages[1] == {"role": "tool", "name": "calculator", "content": "5"}
+        first = completion.mask.index(0)
+        assert completion.token_ids[first : first + len(suffix)] == suffix
+        assert completion.mask == [1] * first + [0] * len(suffix) + [1] * (len(completion.mask) - first - len(suffix))
+        assert tokenizer.decode(completion.prompt_ids).startswith("<|im_start|>system\ntools: calculator<|im_end|>")
+        expected = learner.sequence_logprobs(completion.prompt_ids + completion.token_ids)[len(completion.prompt_ids):]
+        model = [i for i, m in enumerate(completion.mask) if m]
+        assert max(abs(completion.logprobs[i] - expected[i]) for i in model) < 1e-4
+        assert all(completion.logprobs[i] == 0.0 for i, m in enumerate(completion.mask) if not m)

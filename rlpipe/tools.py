@@ -1,0 +1,391 @@
+"""Multi-turn episodes with tools, on TRL's contracts (GRPOTrainer's `tools=` and `environment_factory=`), kept as
+token ids from start to end.
+
+- Tools are plain functions named by import path; an environment factory is a class whose instances hold one
+  episode's state: `reset(**row)` starts the episode (a string it returns is appended to the last user message, as
+  TRL does) and its public methods are the episode's tools. Schemas come from signatures and docstrings
+  (`transformers.utils.get_json_schema`), as chat templates take them.
+- Token-in/token-out: the model's tokens are kept exactly as the engine sampled them, with the engine's log-probs;
+  after a turn that calls tools, only the new tool messages are rendered through the chat template (the suffix after
+  the rendered history, TRL's `_get_tool_suffix_ids`) and their ids appended with mask 0. Nothing the model produced
+  is decoded and tokenized again.
+- Every turn submits the next request of every live episode together (`sample_turn`), so the engine batches
+  episodes across turns.
+- A tool that raises, is unknown, or outlives `rollout.tool_timeout_s` becomes `{"error": ...}` in the conversation
+  (TRL's rendering of a failed call); the episode goes on.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import concurrent.futures
+import importlib
+import inspect
+import json
+import operator
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# Qwen/Hermes-style tool calls, the format TRL's response schemas parse for those families.
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+# Said to a model whose chat template does not render `tools=` (ChatML templates without tool support, e.g.
+# SmolLM2's): the tool block Qwen2.5's template writes into the system message, so the model learns one format.
+TOOLS_SYSTEM_BLOCK = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+class ToolConfigError(ValueError):
+    """A tool or environment factory named in the recipe cannot be used."""
+
+
+def load_object(path: str, what: str) -> Any:
+    """The object an import path `package.module:attribute` names."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ToolConfigError(f"{what}: {path!r} is not an import path 'package.module:name'")
+    try:
+        target = importlib.import_module(module_name)
+    except Exception as err:  # the user's module may fail with any error
+        raise ToolConfigError(f"{what}: cannot import {module_name!r} ({type(err).__name__}: {err})") from None
+    for name in attribute.split("."):
+        if not hasattr(target, name):
+            raise ToolConfigError(f"{what}: {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, name)
+    if not callable(target):
+        raise ToolConfigError(f"{what}: {path!r} is not callable")
+    return target
+
+
+def environment_tools(environment: Any) -> list[Callable]:
+    """An environment's tools, as TRL takes them: its class's public functions other than reset and get_reward,
+    bound to the instance."""
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
+def tool_schemas(tools: Sequence[Callable]) -> list[dict]:
+    """JSON schemas of the tools as chat templates take them (from their signatures and docstrings)."""
+    from transformers.utils import get_json_schema
+
+    schemas = []
+    for tool in tools:
+        try:
+            schemas.append(get_json_schema(tool))
+        except Exception as err:  # transformers' TypeHintParsingException / DocstringParsingException
+            raise ToolConfigError(f"rollout.tools: {tool.__name__}: no schema from its signature ({err})") from None
+    return schemas
+
+
+@dataclass
+class ToolSet:
+    """The recipe's tools and environment factory, loaded (in the engine's process, where episodes run)."""
+
+    tools: list[Callable] = field(default_factory=list)
+    environment_factory: Callable | None = None
+
+    @classmethod
+    def load(cls, tool_paths: Sequence[str], factory_path: str | None) -> ToolSet:
+        tools = [load_object(path, "rollout.tools") for path in tool_paths]
+        factory = load_object(factory_path, "rollout.environment_factory") if factory_path else None
+        toolset = cls(tools, factory)
+        toolset.schemas(toolset.new_environment())  # every schema is read now: a bad docstring fails at start-up
+        return toolset
+
+    def __bool__(self) -> bool:
+        return bool(self.tools) or self.environment_factory is not None
+
+    def new_environment(self) -> Any:
+        if self.environment_factory is None:
+            return None
+        environment = self.environment_factory()
+        if not callable(getattr(environment, "reset", None)):
+            raise ToolConfigError("rollout.environment_factory: its instances must define reset(**row), as TRL's do")
+        return environment
+
+    def episode_tools(self, environment: Any) -> list[Callable]:
+        return self.tools + (environment_tools(environment) if environment is not None else [])
+
+    def schemas(self, environment: Any) -> list[dict]:
+        return tool_schemas(self.episode_tools(environment))
+
+
+# ---------------------------------------------------------------------------------------------- chat template
+
+
+def render_conversation(tokenizer, messages: list[dict], schemas: list[dict], **template_kwargs) -> list[int]:
+    """Token ids of a conversation's prompt with its tools: rendered by the chat template with `tools=`; a template
+    that ignores tools gets them in its system message (TOOLS_SYSTEM_BLOCK), so the model is told of them."""
+
+    def render(conversation, **extra) -> str:
+        return tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True, **template_kwargs, **extra
+        )
+
+    text = render(messages, tools=schemas)
+    if schemas and text == render(messages):
+        block = TOOLS_SYSTEM_BLOCK.format(tools="\n".join(json.dumps(s) for s in schemas))
+        if messages and messages[0]["role"] == "system":
+            messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{block}"}, *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": block}, *messages]
+        text = render(messages)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], **template_kwargs) -> list[int]:
+    """The ids that follow a finished assistant turn when `tool_messages` answer it, up to the next assistant
+    header: TRL's `_get_tool_suffix_ids` (a minimal conversation rendered with and without the tool messages, the
+    shorter cut after its last end-of-sequence token, the difference taken)."""
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+
+    def ids(conversation, generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=generation_prompt, **template_kwargs
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prefix, full = ids(dummy, False), ids(dummy + tool_messages, True)
+    ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
+    if ends:
+        prefix = prefix[: ends[-1] + 1]
+    if full[: len(prefix)] != prefix:
+        raise ValueError("the chat template renders a tool message by changing what came before it")
+    return full[len(prefix) :]
+
+
+def parse_tool_calls(text: str) -> dict:
+    """An assistant turn as TRL's `parse_response` gives it: {"role": "assistant", "content": ..., "tool_calls":
+    [{"type": "function", "function": {"name", "arguments"}}]} when the text holds Qwen-style tool calls. A malformed
+    call makes the whole turn plain text, as TRL's fallback does."""
+    found = TOOL_CALL.findall(text)
+    if not found:
+        return {"role": "assistant", "content": text}
+    calls = []
+    for body in found:
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return {"role": "assistant", "content": text}
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return {"role": "assistant", "content": text}
+        arguments = call.get("arguments")
+        if arguments is None:
+            arguments = {}
+        calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
+    content = text[: text.index("<tool_call>")].strip()
+    return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
+# ---------------------------------------------------------------------------------------------- tool calls
+
+
+def _invoke(tool: Callable, arguments: Any) -> Any:
+    if not isinstance(arguments, dict):
+        raise TypeError(f"arguments must be a JSON object, got {type(arguments).__name__}")
+    result = tool(**arguments)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_awaited(result))
+    return result
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+@dataclass
+class ToolCall:
+    episode: int
+    name: str
+    arguments: Any
+    tool: Callable | None
+
+
+def run_tool_calls(calls: list[ToolCall], timeout_s: float, pool: concurrent.futures.Executor) -> list[tuple[Any, bool]]:
+    """Each call's result and whether it failed. All calls run at once in `pool`; one that raises, names no tool
+    or is not done within `timeout_s` gives {"error": ...}. A timed-out call's thread is left to finish on its own
+    (Python cannot stop it): tools that may hang or run model-written code belong in a sandbox of their own
+    (rlpipe.rewards.sandbox)."""
+    futures = [pool.submit(_invoke, call.tool, call.arguments) if call.tool else None for call in calls]
+    results = []
+    for call, future in zip(calls, futures):
+        if future is None:
+            results.append(({"error": f"Tool {call.name} not found."}, True))
+            continue
+        try:
+            results.append((future.result(timeout=timeout_s), False))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            results.append(({"error": f"Tool {call.name} did not answer within {timeout_s:g} s."}, True))
+        except Exception as err:  # the tool's own failure, shown to the model as TRL does
+            results.append(({"error": str(err)}, True))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- episodes
+
+
+@dataclass
+class Turn:
+    """What the engine returned for one request: the sampled ids with their log-probs, the text, why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class Episode:
+    """One sample's conversation as ids: `prompt_ids`, then `token_ids` (the model's turns and the tool messages in
+    order), with `mask` 1 on the model's tokens and 0 on the tools', and the engine's log-probs (0.0 on tool
+    tokens). `messages` is the conversation after the prompt, as reward functions get it."""
+
+    prompt_ids: list[int]
+    tools: dict[str, Callable]
+    environment: Any = None
+    token_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    finish_reason: str = "stop"
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.token_ids)
+
+    def add_model_turn(self, turn: Turn) -> None:
+        self.token_ids += turn.token_ids
+        self.logprobs += turn.logprobs
+        self.mask += [1] * len(turn.token_ids)
+        self.turns += 1
+        self.finish_reason = turn.finish_reason
+
+    def add_tool_ids(self, ids: list[int]) -> None:
+        self.token_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0] * len(ids)
+
+    @property
+    def text(self) -> str:
+        """The model's and the tools' messages as one text (for logs)."""
+        return "\n".join(f"[{m['role']}] {m.get('content', '')}".rstrip() for m in self.messages)
+
+
+@dataclass
+class EpisodeLimits:
+    max_turns: int  # model turns per episode
+    max_tokens: int  # per model turn
+    max_model_len: int  # the episode's whole context: prompt, every turn, every tool message
+    tool_timeout_s: float
+
+
+def run_episodes(
+    episodes: list[Episode],
+    sample_turn: Callable[[list[tuple[list[int], int]]], list[Turn]],
+    tokenizer,
+    limits: EpisodeLimits,
+    template_kwargs: dict | None = None,
+) -> list[Episode]:
+    """Play `episodes` to their end. `sample_turn(requests)` samples one turn per (context ids, max tokens) request,
+    all of them submitted together. An episode ends when the model's turn calls no tool, is cut at max_tokens,
+    reaches max_turns, or when the context would not fit its next turn (those three end with finish_reason
+    "length": the episode was cut, not finished)."""
+    template_kwargs = template_kwargs or {}
+    live = list(episodes)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="rlpipe-tool")
+    try:
+        while live:
+            for episode in live:
+                if episode.length >= limits.max_model_len:  # a prompt that leaves no room (its tools' schemas)
+                    episode.finish_reason = "length"
+            live = [episode for episode in live if episode.length < limits.max_model_len]
+            if not live:
+                break
+            requests = [
+                (episode.prompt_ids + episode.token_ids, min(limits.max_tokens, limits.max_model_len - episode.length))
+                for episode in live
+            ]
+            turns = sample_turn(requests)
+            calling: list[tuple[Episode, dict]] = []
+            for episode, turn in zip(live, turns):
+                episode.add_model_turn(turn)
+                message = parse_tool_calls(turn.text)
+                episode.messages.append(message)
+                if turn.finish_reason != "stop" or "tool_calls" not in message:
+                    continue
+                if episode.turns >= limits.max_turns:
+                    episode.finish_reason = "length"
+                    continue
+                calling.append((episode, message))
+            calls = [
+                ToolCall(index, call["function"]["name"], call["function"]["arguments"],
+                         episode.tools.get(call["function"]["name"]))
+                for index, (episode, message) in enumerate(calling)
+                for call in message["tool_calls"]
+            ]
+            results = run_tool_calls(calls, limits.tool_timeout_s, pool)
+            replies: list[list[dict]] = [[] for _ in calling]
+            for call, (result, failed) in zip(calls, results):
+                episode = calling[call.episode][0]
+                episode.tool_calls += 1
+                episode.tool_errors += failed
+                replies[call.episode].append({"role": "tool", "name": call.name, "content": str(result)})
+            live = []
+            for (episode, _), tool_messages in zip(calling, replies):
+                suffix = tool_suffix_ids(tokenizer, tool_messages, **template_kwargs)
+                # The next turn needs room for at least one token after the tool messages; tool messages that leave
+                # none are dropped (the conversation ends with the call), as TRL drops them.
+                if episode.length + len(suffix) >= limits.max_model_len:
+                    episode.finish_reason = "length"
+                    continue
+                episode.messages += tool_messages
+                episode.add_tool_ids(suffix)
+                live.append(episode)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a timed-out tool's thread does not hold the episodes
+    return episodes
+
+
+# ---------------------------------------------------------------------------------------------- a built-in tool
+
+_ARITHMETIC = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos,
+}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression with + - * / // % and parentheses.
+
+    Args:
+        expression: the expression, e.g. "(12 + 7) * 3"
+    """
+
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+            return _ARITHMETIC[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _ARITHMETIC:
+            return _ARITHMETIC[type(node.op)](value(node.operand))
+        raise ValueError(f"not arithmetic: {ast.unparse(node)}")  # no names, calls or powers: nothing runs
+
+    if len(expression) > 200:
+        raise ValueError("expression longer than 200 characters")
+    result = value(ast.parse(expression.strip(), mode="eval").body)
+    return str(int(result) if float(result).is_integer() else round(result, 6))

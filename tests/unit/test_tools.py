@@ -1,0 +1,414 @@
+"""Multi-turn episodes with tools (rlpipe/tools.py): TRL's parsing and rendering, the token-in/token-out loop against
+a scripted engine, the limits, and the loss mask that keeps tool tokens out of every loss term."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from rlpipe.algo import ModelOutputs, build_objective
+from rlpipe.bench.tiny_model import build_tokenizer
+from rlpipe.config import load_config
+from rlpipe.rewards.contract import as_completions, completion_text
+from rlpipe.tools import (
+    Episode,
+    EpisodeLimits,
+    ToolConfigError,
+    ToolSet,
+    Turn,
+    parse_tool_calls,
+    render_conversation,
+    run_episodes,
+    tool_suffix_ids,
+)
+from rlpipe.types import Completion, LossInputs, TrainBatch
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def divide(a: float, b: float) -> float:
+    """Divide a by b.
+
+    Args:
+        a: the dividend
+        b: the divisor
+    """
+    return a / b
+
+
+RELEASE_SLOW = threading.Event()
+
+
+def slow(seconds: float) -> str:
+    """Wait until released.
+
+    Args:
+        seconds: how long at most
+    """
+    RELEASE_SLOW.wait(seconds)
+    return "done"
+
+
+class Counter:
+    """A TRL-style environment: state across turns, public methods as tools."""
+
+    def reset(self, **row) -> str | None:
+        self.total = int(row.get("start", 0))
+        return f" (start at {self.total})"
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: how much
+        """
+        self.total += by
+        return self.total
+
+    def _hidden(self) -> None:  # not a tool: private
+        pass
+
+
+def call_text(name: str, **arguments) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+# ---------------------------------------------------------------------------------------------- parsing, rendering
+
+
+def test_a_qwen_style_call_parses_as_trl_gives_it():
+    message = parse_tool_calls("Let me add. " + call_text("add", a=2, b=3))
+    assert message == {
+        "role": "assistant",
+        "content": "Let me add.",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+    }
+    assert parse_tool_calls("just 5") == {"role": "assistant", "content": "just 5"}
+    # A malformed call leaves the turn plain text (TRL's fallback), with no call to run.
+    broken = '<tool_call>{"name": "add", "arguments": </tool_call>'
+    assert parse_tool_calls(broken) == {"role": "assistant", "content": broken}
+
+
+def test_the_tool_suffix_is_the_tool_message_and_the_next_assistant_header(tokenizer):
+    suffix = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "add", "content": "5"}])
+    assert tokenizer.decode(suffix) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_template_that_ignores_tools_gets_them_in_its_system_message(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    text = tokenizer.decode(render_conversation(tokenizer, messages, ToolSet([add]).schemas(None)))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert '"name": "add"' in text and "<tool_call>" in text
+    assert text.endswith("<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n")
+    # Without tools the prompt is the template's own.
+    plain = tokenizer.decode(render_conversation(tokenizer, messages, []))
+    assert plain == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_template_that_renders_tools_renders_them_itself(tokenizer, monkeypatch):
+    template = (
+        "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>\n"
+        "{% endif %}" + tokenizer.chat_template
+    )
+    monkeypatch.setattr(tokenizer, "chat_template", template)
+    schemas = ToolSet([add, divide]).schemas(None)
+    text = tokenizer.decode(render_conversation(tokenizer, [{"role": "user", "content": "hi"}], schemas))
+    assert text.startswith("<|im_start|>system\nTOOLS:add;divide;<|im_end|>\n") and "# Tools" not in text
+
+
+def test_environment_tools_are_its_public_methods_and_a_bad_path_is_named():
+    toolset = ToolSet.load(["tests.unit.test_tools:add"], "tests.unit.test_tools:Counter")
+    environment = toolset.new_environment()
+    assert [tool.__name__ for tool in toolset.episode_tools(environment)] == ["add", "increment"]
+    assert [s["function"]["name"] for s in toolset.schemas(environment)] == ["add", "increment"]
+    with pytest.raises(ToolConfigError, match="rollout.tools: cannot import 'no_such_module'"):
+        ToolSet.load(["no_such_module:fn"], None)
+    with pytest.raises(ToolConfigError, match="has no attribute 'missing'"):
+        ToolSet.load(["tests.unit.test_tools:missing"], None)
+
+
+def test_tool_keys_are_checked_by_name():
+    from rlpipe.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.environment_factory: 'Counter' is not an import path"):
+        load_config(None, ["rollout.environment_factory=Counter"])
+    with pytest.raises(ConfigError, match="rollout.max_turns: must be >= 1"):
+        load_config(None, ["rollout.max_turns=0"])
+    assert load_config(None, ["rollout.tools=[m:f]"]).rollout.multi_turn
+
+
+# ---------------------------------------------------------------------------------------------- the episode loop
+
+
+class ScriptedEngine:
+    """Answers each request with the next scripted text of its episode (found by the request's context), as ids
+    sampled one character at a time, with made-up log-probs, ending with the end-of-turn token."""
+
+    def __init__(self, tokenizer, scripts: dict[int, list[str]]):
+        self.tokenizer, self.scripts, self.calls = tokenizer, scripts, []
+
+    def char_ids(self, text: str) -> list[int]:
+        return [self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(c))[0] for c in text]
+
+    def __call__(self, requests):
+        self.calls.append(requests)
+        turns = []
+        for context, max_tokens in requests:
+            script = self.scripts[context[0]]
+            text = script.pop(0)
+            ids = self.char_ids(text) + [self.tokenizer.eos_token_id]
+            finish = "stop"
+            if len(ids) > max_tokens:
+                ids, finish = ids[:max_tokens], "length"
+            logprobs = [-0.1 * (i + 1) for i in range(len(ids))]
+            turns.append(Turn(ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True), finish))
+        return turns
+
+
+def _episode(tokenizer, marker: str, tools, environment=None) -> Episode:
+    # The first prompt token tells the scripted engine whose episode a request is.
+    ids = tokenizer(f"{marker} Calculate 2 + 3.", add_special_tokens=False)["input_ids"]
+    return Episode(ids, {tool.__name__: tool for tool in tools}, environment)
+
+
+LIMITS = EpisodeLimits(max_turns=4, max_tokens=200, max_model_len=400, tool_timeout_s=5.0)
+
+
+def test_an_episode_keeps_the_models_ids_and_appends_only_the_rendered_tool_message(tokenizer):
+    episodes = [_episode(tokenizer, "A", [add]), _episode(tokenizer, "B", [add])]
+    engine = ScriptedEngine(tokenizer, {
+        episodes[0].prompt_ids[0]: [call_text("add", a=2, b=3), "The answer is 5"],
+        episodes[1].prompt_ids[0]: ["The answer is 6"],
+    })
+    run_episodes(episodes, engine, tokenizer, LIMITS)
+    first, second = episodes
+    # Both episodes' first turns went to the engine together; the second turn only for the live one.
+    assert [len(requests) for requests in engine.calls] == [2, 1]
+    turn_one = engine.char_ids(call_text("add", a=2, b=3)) + [tokenizer.eos_token_id]
+    suffix = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "add", "content": "5"}])
+    turn_two = engine.char_ids("The answer is 5") + [tokenizer.eos_token_id]
+    assert first.token_ids == turn_one + suffix + turn_two
+    assert first.mask == [1] * len(turn_one) + [0] * len(suffix) + [1] * len(turn_two)
+    assert first.logprobs[: len(turn_one)] == [-0.1 * (i + 1) for i in range(len(turn_one))]
+    assert first.logprobs[len(turn_one) : len(turn_one) + len(suffix)] == [0.0] * len(suffix)
+    # The second turn's context was the first turn's ids and the suffix, as they are.
+    assert engine.calls[1][0][0] == first.prompt_ids + turn_one + suffix
+    assert (first.turns, first.tool_calls, first.tool_errors, first.finish_reason) == (2, 1, 0, "stop")
+    assert first.messages == [
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "The answer is 5"},
+    ]
+    assert (second.turns, second.tool_calls, second.mask) == (1, 0, [1] * len(second.token_ids))
+
+
+def test_the_models_ids_are_not_what_retokenizing_its_text_gives(tokenizer):
+    """The engine may sample a text as ids the tokenizer would not choose (here one character at a time, where BPE
+    merges "The answer is"): an implementation that decodes the conversation and tokenizes it again trains on other
+    tokens than the ones sampled, with log-probs that belong to none of them."""
+    episode = _episode(tokenizer, "A", [add])
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: [call_text("add", a=2, b=3), "The answer is 5"]})
+    run_episodes([episode], engine, tokenizer, LIMITS)
+    text = tokenizer.decode(episode.prompt_ids + episode.token_ids)
+    retokenized = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(retokenized) == text  # the same text...
+    assert retokenized != episode.prompt_ids + episode.token_ids  # ...but other ids
+    assert len(retokenized) < len(episode.prompt_ids) + len(episode.token_ids)
+
+
+def test_failing_unknown_and_slow_tools_answer_with_an_error_and_the_episode_goes_on(tokenizer):
+    episode = _episode(tokenizer, "A", [divide, slow])
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: [
+        call_text("divide", a=1, b=0) + call_text("nope") + call_text("slow", seconds=60), "sorry",
+    ]})
+    limits = EpisodeLimits(max_turns=4, max_tokens=300, max_model_len=600, tool_timeout_s=0.2)
+    run_episodes([episode], engine, tokenizer, limits)
+    # The episode ended while the slow tool still ran: nothing waited for its thread.
+    assert not RELEASE_SLOW.is_set() and any(t.name.startswith("rlpipe-tool") for t in threading.enumerate())
+    RELEASE_SLOW.set()
+    tool_messages = [m for m in episode.messages if m["role"] == "tool"]
+    assert [m["content"] for m in tool_messages] == [
+        "{'error': 'division by zero'}",
+        "{'error': 'Tool nope not found.'}",
+        "{'error': 'Tool slow did not answer within 0.2 s.'}",
+    ]
+    assert (episode.tool_calls, episode.tool_errors, episode.turns) == (3, 3, 2)
+    assert episode.messages[-1] == {"role": "assistant", "content": "sorry"}
+
+
+def test_max_turns_and_the_context_budget_cut_an_episode(tokenizer):
+    episode = _episode(tokenizer, "A", [add])
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: [call_text("add", a=1, b=1)] * 5})
+    run_episodes([episode], engine, tokenizer, EpisodeLimits(2, 200, 2000, 5.0))
+    assert (episode.turns, episode.tool_calls, episode.finish_reason) == (2, 1, "length")
+    assert episode.messages[-1]["tool_calls"]  # the conversation ends with the call not answered
+
+    # A context that holds the first turn but not its tool message: the turn is kept, the tool message dropped.
+    episode = _episode(tokenizer, "A", [add])
+    turn = len(engine.char_ids(call_text("add", a=1, b=1))) + 1
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: [call_text("add", a=1, b=1)]})
+    run_episodes([episode], engine, tokenizer, EpisodeLimits(4, 500, len(episode.prompt_ids) + turn + 3, 5.0))
+    assert (episode.turns, episode.tool_calls, episode.finish_reason) == (1, 1, "length")
+    assert [m["role"] for m in episode.messages] == ["assistant"] and episode.mask == [1] * turn
+
+    # Each turn asks for no more tokens than the context has left.
+    episode = _episode(tokenizer, "A", [add])
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: ["The answer is 5"]})
+    run_episodes([episode], engine, tokenizer, EpisodeLimits(4, 500, len(episode.prompt_ids) + 4, 5.0))
+    assert engine.calls[0][0][1] == 4 and (len(episode.token_ids), episode.finish_reason) == (4, "length")
+
+
+def test_an_environment_keeps_state_across_turns(tokenizer):
+    toolset = ToolSet.load([], "tests.unit.test_tools:Counter")
+    environment = toolset.new_environment()
+    assert environment.reset(start=10) == " (start at 10)"
+    tools = {tool.__name__: tool for tool in toolset.episode_tools(environment)}
+    episode = Episode(tokenizer("A go", add_special_tokens=False)["input_ids"], tools, environment)
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: [
+        call_text("increment", by=2), call_text("increment", by=3), "15",
+    ]})
+    run_episodes([episode], engine, tokenizer, LIMITS)
+    assert environment.total == 15
+    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == ["12", "15"]
+
+
+# ---------------------------------------------------------------------------------------------- the loss mask
+
+
+def _episode_batch(masks: list[list[int]]) -> TrainBatch:
+    prompts = [[1, 2, 3], [1, 2, 3]]
+    completions = [list(range(10, 10 + len(mask))) for mask in masks]
+    logprobs = [[-0.5 - 0.01 * i for i in range(len(mask))] for mask in masks]
+    return TrainBatch.from_sequences(prompts, completions, logprobs, [1.0, -0.5], masks=masks)
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_tool_tokens_get_no_gradient_and_do_not_count_in_any_normalisation(loss):
+    masks = [[1, 1, 0, 0, 0, 1], [1, 0, 0, 1]]
+    batch = _episode_batch(masks)
+    expected_mask = torch.zeros_like(batch.completion_mask)
+    expected_mask[0, 3:9] = torch.tensor([1, 1, 0, 0, 0, 1], dtype=torch.bool)
+    expected_mask[1, 3:7] = torch.tensor([1, 0, 0, 1], dtype=torch.bool)
+    assert torch.equal(batch.completion_mask, expected_mask)
+
+    algo = load_config(None, [f"algo.loss={loss}", "algo.kl_beta=0.1"]).algo
+    objective = build_objective(algo, max_tokens=16)
+
+    def loss_of(rows: TrainBatch, learner_logprobs: torch.Tensor):
+        mask = rows.completion_mask
+        inputs = LossInputs(
+            mask=mask, advantages=rows.advantages, rollout_logprobs=rows.rollout_logprobs,
+            total_tokens=mask.sum().float(), total_seqs=torch.tensor(float(len(rows))),
+            old_logprobs=rows.rollout_logprobs + 0.05 * mask, ref_logprobs=rows.rollout_logprobs - 0.02 * mask,
+        )
+        value, stats = objective(ModelOutputs(learner_logprobs, torch.ones_like(learner_logprobs)), inputs)
+        return value, stats
+
+    learner = (batch.rollout_logprobs + 0.1 * torch.arange(batch.input_ids.shape[1])).requires_grad_(True)
+    value, stats = loss_of(batch, learner)
+    value.backward()
+    tool = (~batch.completion_mask) & (torch.arange(batch.input_ids.shape[1]) >= 3)
+    tool &= torch.arange(batch.input_ids.shape[1]) < batch.lengths[:, None]
+    assert tool.sum() == 5 and torch.all(learner.grad[tool] == 0)
+    assert torch.all(learner.grad[batch.completion_mask] != 0)
+    assert float(stats.tokens) == 5 and float(stats.entropy) == 5  # entropy summed over model tokens only
+
+    # The same loss as the batch with the tool tokens taken out altogether: they count nowhere.
+    kept = [[lp for lp, m in zip(row, mask) if m] for row, mask in
+            zip([[-0.5 - 0.01 * i for i in range(len(mask))] for mask in masks], masks)]
+    compact = TrainBatch.from_sequences([[1, 2, 3]] * 2, [[0] * len(k) for k in kept], kept, [1.0, -0.5])
+    offsets = [[3 + i for i, m in enumerate(mask) if m] for mask in masks]
+    compact_learner = torch.zeros_like(compact.rollout_logprobs)
+    for row, columns in enumerate(offsets):
+        compact_learner[row, 3 : 3 + len(columns)] = learner.detach()[row, columns]
+    compact_value, _ = loss_of(compact, compact_learner)
+    assert value.item() == pytest.approx(compact_value.item(), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- rewards, samples
+
+
+def test_reward_functions_get_the_conversation_after_the_prompt():
+    conversation = [
+        {"role": "assistant", "content": "Let me add.",
+         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {}}}]},
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
+    prompt = [{"role": "user", "content": "2+3?"}]
+    (given,) = as_completions([prompt], [conversation])
+    assert given == conversation and given is not conversation
+    assert completion_text(given) == "Let me add.\n5"  # the model's turns, the last one on the last line
+
+
+def test_the_calculator_computes_arithmetic_and_nothing_else():
+    from rlpipe.tools import calculator
+
+    assert calculator("(12 + 7) * 3") == "57" and calculator("7 / 2") == "3.5"
+    with pytest.raises(ValueError, match="not arithmetic"):
+        calculator("__import__('os').getcwd()")
+
+
+def test_an_episode_counts_only_the_models_tokens():
+    completion = Completion([5, 6, 7, 8], [-1.0, 0.0, 0.0, -1.0], "", "stop", 0, mask=[1, 0, 0, 1])
+    assert completion.model_tokens == 2
+    assert Completion([5, 6], [-1.0, -1.0], "", "stop", 0).model_tokens == 2
+
+
+def test_the_calculator_recipe_loads_and_its_tool_has_a_schema():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "calculator.yaml")
+    assert cfg.rollout.multi_turn and cfg.rollout.max_turns == 3
+    (schema,) = ToolSet.load(cfg.rollout.tools, cfg.rollout.environment_factory).schemas(None)
+    assert schema["function"]["name"] == "calculator"
+    assert schema["function"]["parameters"]["required"] == ["expression"]
+
+
+def test_an_episode_may_fill_the_context_and_needs_a_chat_template():
+    from rlpipe.config import ConfigError
+
+    cfg = load_config(None, ["rollout.tools=[rlpipe.tools:calculator]", "rollout.max_model_len=1024"])
+    assert cfg.longest_sequence == 1024  # the learner's length buckets must hold a whole episode
+    with pytest.raises(ConfigError, match="rollout.tools: multi-turn episodes render tool messages"):
+        load_config(None, ["rollout.tools=[rlpipe.tools:calculator]", "data.chat_template=none"])
+
+
+def reached_target(completions, environments, target, **kwargs):
+    """A TRL-style reward reading each episode's environment and conversation."""
+    return [float(env.total == int(goal) and c[-1]["role"] == "assistant")
+            for c, env, goal in zip(completions, environments, target)]
+
+
+def test_reward_functions_get_the_episodes_environments_and_conversations():
+    from rlpipe.rewards import RewardRunner
+
+    environments = []
+    for total in (15, 7):
+        environment = Counter()
+        environment.reset(start=total)
+        environments.append(environment)
+    conversation = [{"role": "assistant", "content": "15"}]
+    prompts = [[{"role": "user", "content": "count"}]] * 2
+    columns = {"target": ["15", "15"], "completion_tokens": [1, 1], "finish_reason": ["stop"] * 2,
+               "max_tokens": [8, 8], "environments": environments}
+    runner = RewardRunner([{"name": "tests.unit.test_tools:reached_target"}], columns=["target", "environments"])
+    result = runner.score(prompts, [conversation, conversation], columns)
+    assert result.totals == [1.0, 0.0]
