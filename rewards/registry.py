@@ -1,18 +1,28 @@
 """Resolve a reward function from the name written in config.
 
 Accepted names:
-  - an import path `"package.module:function"` (the attribute may be dotted: `"mod:Class.method"`),
+  - an import path `"package.module:function"` (the attribute may be dotted: `"mod:Class.method"`); a module not
+    found on sys.path is also looked for in the folders of RLPIPE_REWARD_PATH (set by `rlpipe train` and
+    `rlpipe.train` to the recipe's folder, so that a rewards.py beside the recipe imports in every worker),
   - a built-in short name (see `BUILTIN_REWARDS`),
-  - a name registered by an installed package under the entry-point group `rlpipe.rewards`.
+  - a name registered by an installed package under the entry-point group `rlpipe.rewards`,
+  - a function carried by value, `"by-value:<cloudpickle, base64>:<qualified name>"` (`by_value_name`): how
+    `rlpipe.train(reward_funcs=[fn])` hands a function defined in the user's own script or notebook to the workers.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib
+import os
+import pickle
+import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
 ENTRY_POINT_GROUP = "rlpipe.rewards"
+SEARCH_PATH_VARIABLE = "RLPIPE_REWARD_PATH"
+BY_VALUE_PREFIX = "by-value:"
 
 # Built-ins are named by import path so that loading `rewards` does not import math-verify or
 # reasoning-gym until a config asks for them.
@@ -39,6 +49,8 @@ def load_reward(path: str) -> Callable:
             f"reward name {path!r} is empty or not a string; expected 'package.module:function'"
         )
     path = path.strip()
+    if path.startswith(BY_VALUE_PREFIX):
+        return _load_by_value(path)
     if ":" not in path:
         return _load_short_name(path)
 
@@ -46,7 +58,7 @@ def load_reward(path: str) -> Callable:
     if not module_name or not attribute_path:
         raise RewardConfigError(f"reward path {path!r} is malformed; expected 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_module(module_name)
     except Exception as err:  # the user's module may fail to import with any error, not only ImportError
         hint = ""
         if module_name.startswith("rewards.") and isinstance(err, ModuleNotFoundError) and err.name == "rewards":
@@ -66,6 +78,77 @@ def load_reward(path: str) -> Callable:
             ) from None
     if not callable(target):
         raise RewardConfigError(f"reward path {path!r}: {type(target).__name__} object is not callable")
+    return target
+
+
+def _import_module(name: str):
+    """The module `name`; the folders of RLPIPE_REWARD_PATH are searched after sys.path (appended to it, so that a
+    math.py beside a recipe never stands in for the standard library's)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        missing_top = err.name == name.partition(".")[0]
+        folders = [f for f in os.environ.get(SEARCH_PATH_VARIABLE, "").split(os.pathsep) if f and f not in sys.path]
+        if not (missing_top and folders):
+            raise
+    sys.path.extend(folders)
+    importlib.invalidate_caches()
+    return importlib.import_module(name)
+
+
+def by_value_name(function: Callable) -> str:
+    """The name under which `function` travels by value: cloudpickle's serialization (its code, and the globals and
+    closure it uses), so that a function defined in a script's `__main__` or a notebook runs in the reward workers
+    and their child processes without being importable there. They must run the same Python minor version (Ray
+    requires that of every role's environment anyway) and have cloudpickle installed."""
+    import cloudpickle
+
+    module = sys.modules.get(getattr(function, "__module__", None) or "")
+    registered = False
+    if module is not None and module.__name__ != "__main__" and not _importable_everywhere(module):
+        cloudpickle.register_pickle_by_value(module)  # a module beside the script: its code goes along
+        registered = True
+    try:
+        payload = cloudpickle.dumps(function)
+    finally:
+        if registered:
+            cloudpickle.unregister_pickle_by_value(module)
+    qualified = getattr(function, "__qualname__", None) or type(function).__qualname__
+    return f"{BY_VALUE_PREFIX}{base64.urlsafe_b64encode(payload).decode('ascii')}:{qualified.replace(':', '_')}"
+
+
+def _importable_everywhere(module) -> bool:
+    """Whether `module` comes from an installed distribution (site-packages), rlpipe included, which every worker
+    imports the same way; a module of the user's own folder does not."""
+    if module.__name__.partition(".")[0] in ("rlpipe", "rewards", "actors"):
+        return True
+    origin = getattr(module, "__file__", None)
+    return origin is None or any(part in ("site-packages", "dist-packages") for part in origin.split(os.sep))
+
+
+def _load_by_value(path: str) -> Callable:
+    blob, _, qualified = path[len(BY_VALUE_PREFIX):].rpartition(":")
+    where = f"reward function {qualified or '?'!r} (passed by value)"
+    try:
+        payload = base64.urlsafe_b64decode(blob.encode("ascii"))
+    except (ValueError, UnicodeEncodeError):
+        raise RewardConfigError(f"{where}: its serialized form is damaged") from None
+    try:
+        import cloudpickle  # noqa: F401  (the payload's reconstructors live in it)
+    except ImportError:
+        raise RewardConfigError(
+            f"{where}: cloudpickle is not installed in {sys.executable}; install it there, or name the function by "
+            f"its import path 'module:function'"
+        ) from None
+    try:
+        target = pickle.loads(payload)
+    except Exception as err:
+        raise RewardConfigError(
+            f"{where}: cannot be rebuilt in {sys.executable} (Python {sys.version_info[0]}.{sys.version_info[1]}): "
+            f"{describe_error(err)}"
+        ) from err
+    if not callable(target):
+        raise RewardConfigError(f"{where}: {type(target).__name__} object is not callable")
     return target
 
 
@@ -93,6 +176,14 @@ def _load_short_name(name: str) -> Callable:
 def display_name(path: str) -> str:
     """Short name used in metrics: the function part of an import path, or the short name itself."""
     return path.strip().rpartition(":")[2].rpartition(".")[2]
+
+
+def shown_name(path: str) -> str:
+    """How messages name the function `path` names: the path itself, or for a function carried by value its
+    qualified name (not the serialized form)."""
+    if isinstance(path, str) and path.strip().startswith(BY_VALUE_PREFIX):
+        return f"{path.strip().rpartition(':')[2]} (passed by value)"
+    return path
 
 
 def describe_error(err: BaseException) -> str:
