@@ -80,9 +80,17 @@ def _parser() -> argparse.ArgumentParser:
                       "for one run, required for several")
     plot.add_argument("--smooth", type=float, default=None, metavar="W",
                       help="weight of the moving average over steps, in [0, 1) (default 0.6; 0: raw values only)")
-    export = commands.add_parser("export", help="write a checkpoint's weights as a Hugging Face folder")
+    export = commands.add_parser(
+        "export", help="write a checkpoint's weights as a Hugging Face folder with a model card (README.md)"
+    )
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest checkpoint)")
     export.add_argument("out_dir", help="the folder to create (never overwritten)")
+    export.add_argument(
+        "--push-to-hub", metavar="ORG/NAME",
+        help="then upload the folder to this Hugging Face Hub model repository (token: HF_TOKEN or `hf auth login`; "
+        "endpoint: HF_ENDPOINT)",
+    )
+    export.add_argument("--private", action="store_true", help="create the --push-to-hub repository as private")
     bench = commands.add_parser("bench", help="benchmarks, as ratios against a baseline run alongside")
     benches = bench.add_subparsers(dest="what", required=True)
     learner = benches.add_parser("learner", help="train-step throughput: eager vs graph, 1 vs 2 ranks, MFU")
@@ -181,7 +189,37 @@ def _recipe_and_overrides(args) -> tuple[str | None, list[str]]:
 
 def _resolve(args) -> Config:
     recipe, overrides = _recipe_and_overrides(args)
+    if recipe:  # a reward module beside the recipe imports in every process of the run, without PYTHONPATH
+        from rlpipe.api import add_reward_search_path
+        from rlpipe.config import find_recipe
+
+        add_reward_search_path(str(find_recipe(recipe).resolve().parent))
     return load_config(recipe or DEFAULT_RECIPE, overrides)
+
+
+def _export(args) -> int:
+    """`rlpipe export CHECKPOINT OUT_DIR [--push-to-hub ORG/NAME [--private]]`: the folder with its model card,
+    then the push."""
+    from rlpipe.checkpoint import export
+    from rlpipe.hub_push import HubPushError, check_can_push, checkpoint_card_inputs, push_folder, write_model_card
+
+    try:
+        if args.push_to_hub:
+            check_can_push(args.push_to_hub, "--push-to-hub")
+        config, summary = checkpoint_card_inputs(args.checkpoint)
+        folder = export(args.checkpoint, args.out_dir)
+        write_model_card(folder, config, summary)
+        print(f"exported to {folder}")
+    except (CheckpointError, HubPushError) as err:
+        print(f"rlpipe: {err}", file=sys.stderr)
+        return 2
+    if args.push_to_hub:
+        try:
+            print(f"pushed to {push_folder(folder, args.push_to_hub, args.private)}")
+        except HubPushError as err:
+            print(f"rlpipe: {err}", file=sys.stderr)
+            return 1
+    return 0
 
 
 def _is_help(arg: str) -> bool:
@@ -259,14 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"curves written to {written}")
         return 0
     if args.command == "export":
-        from rlpipe.checkpoint import export
-
-        try:
-            print(f"exported to {export(args.checkpoint, args.out_dir)}")
-        except CheckpointError as err:
-            print(f"rlpipe: {err}", file=sys.stderr)
-            return 2
-        return 0
+        return _export(args)
     if args.command == "bench" and args.what == "agreement":
         from rlpipe.bench.agreement import bench_agreement
 
@@ -334,13 +365,20 @@ def main(argv: list[str] | None = None) -> int:
             print(format_plan(result))
             return 0 if result.ok else 1
         from rlpipe.actors.calls import WorkerLost
+        from rlpipe.hub_push import HubPushError, after_run, check_can_push
         from rlpipe.weightsync import NonFiniteWeights
 
         try:
-            train_with_restarts(cfg, args.resume, args.auto_resume)
+            if cfg.metrics.push_to_hub:
+                check_can_push(cfg.metrics.push_to_hub, "metrics.push_to_hub")
+        except HubPushError as err:
+            print(f"rlpipe: config error: {err}", file=sys.stderr)
+            return 2
+        try:
+            after_run(cfg, train_with_restarts(cfg, args.resume, args.auto_resume))
         # mid-run: the checkpoints written so far stay. Diverged weights are not a lost worker: a restart from the
         # last checkpoint would take the same steps again.
-        except (WorkerLost, NonFiniteWeights) as err:
+        except (WorkerLost, NonFiniteWeights, HubPushError) as err:
             print(f"rlpipe: {err}", file=sys.stderr)
             return 1
         return 0
