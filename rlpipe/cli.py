@@ -189,11 +189,12 @@ def _recipe_and_overrides(args) -> tuple[str | None, list[str]]:
 
 def _resolve(args) -> Config:
     recipe, overrides = _recipe_and_overrides(args)
-    if recipe:  # a reward module beside the recipe imports in every process of the run, without PYTHONPATH
-        from rlpipe.api import add_reward_search_path
-        from rlpipe.config import find_recipe
+    # A reward module beside the recipe or in the current directory imports in every process of the run, without
+    # PYTHONPATH.
+    from rlpipe.api import add_reward_search_path
+    from rlpipe.config import find_recipe
 
-        add_reward_search_path(str(find_recipe(recipe).resolve().parent))
+    add_reward_search_path(*([str(find_recipe(recipe).resolve().parent)] if recipe else []), str(Path.cwd()))
     return load_config(recipe or DEFAULT_RECIPE, overrides)
 
 
