@@ -105,7 +105,7 @@ def by_value_name(function: Callable) -> str:
 
     module = sys.modules.get(getattr(function, "__module__", None) or "")
     registered = False
-    if module is not None and module.__name__ != "__main__" and not _importable_everywhere(module):
+    if module is not None and module.__name__ != "__main__" and not importable_everywhere(module):
         cloudpickle.register_pickle_by_value(module)  # a module beside the script: its code goes along
         registered = True
     try:
@@ -117,7 +117,7 @@ def by_value_name(function: Callable) -> str:
     return f"{BY_VALUE_PREFIX}{base64.urlsafe_b64encode(payload).decode('ascii')}:{qualified.replace(':', '_')}"
 
 
-def _importable_everywhere(module) -> bool:
+def importable_everywhere(module) -> bool:
     """Whether `module` comes from an installed distribution (site-packages), rlpipe included, which every worker
     imports the same way; a module of the user's own folder does not."""
     if module.__name__.partition(".")[0] in ("rlpipe", "rewards", "actors"):

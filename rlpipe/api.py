@@ -139,13 +139,13 @@ def check_by_value_rewards(cfg: Config) -> None:
 
 def _import_path(func: Callable) -> str | None:
     """"module:qualname" for a function every worker imports the same way (from an installed package), else None."""
-    from rlpipe.rewards.registry import _importable_everywhere
+    from rlpipe.rewards.registry import importable_everywhere
 
     module = sys.modules.get(getattr(func, "__module__", None) or "")
     qualified = getattr(func, "__qualname__", "")
     if module is None or module.__name__ == "__main__" or "<" in qualified or not qualified:
         return None
-    if not _importable_everywhere(module):
+    if not importable_everywhere(module):
         return None
     target: Any = module
     for part in qualified.split("."):
