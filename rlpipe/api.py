@@ -33,7 +33,7 @@ RewardFunc = Union[Callable[..., Any], str]
 DEFAULT_RECIPE = "default.yaml"
 
 
-def load_config(config: RecipeLike = None, /, **overrides: Any) -> Config:
+def load_config(config: RecipeLike = None, **overrides: Any) -> Config:
     """The checked config of a run: `config` (a recipe path or shipped recipe name, a mapping shaped like a recipe,
     a Config, or None for the default recipe) with `overrides` applied. Raises ConfigError naming the key."""
     tree = _recipe_tree(config)
@@ -46,7 +46,6 @@ def load_config(config: RecipeLike = None, /, **overrides: Any) -> Config:
 
 def train(
     config: RecipeLike = None,
-    /,
     *,
     reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
     reward_weights: Sequence[float] | None = None,

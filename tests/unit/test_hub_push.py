@@ -70,6 +70,12 @@ def test_a_push_that_cannot_happen_is_refused_before_the_export(hub, tmp_path, m
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--push-to-hub", "no-org"]) == 2
     assert capsys.readouterr().err.strip() == "rlpipe: --push-to-hub: 'no-org' is not a Hub repository id ORG/NAME"
     assert not (tmp_path / "hf").exists() and not hub.created
+    # A run asked to push refuses to start the same way.
+    assert main(["train", f"run.output_dir={tmp_path / 'runs'}", "metrics.push_to_hub=org/name"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "rlpipe: config error: metrics.push_to_hub org/name: no Hugging Face token (set HF_TOKEN, or run `hf auth login`)"
+    )
+    assert not (tmp_path / "runs").exists()
 
 
 def test_the_push_key_needs_a_repo_id_and_an_export():
