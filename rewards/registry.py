@@ -2,8 +2,8 @@
 
 Accepted names:
   - an import path `"package.module:function"` (the attribute may be dotted: `"mod:Class.method"`); a module not
-    found on sys.path is also looked for in the folders of RLPIPE_REWARD_PATH (set by `rlpipe train` and
-    `rlpipe.train` to the recipe's folder, so that a rewards.py beside the recipe imports in every worker),
+    found on sys.path is also looked for in the folders of RLPIPE_REWARD_PATH (`rlpipe train` and `rlpipe.train`
+    add the recipe's folder and the current directory, so that a rewards.py there imports in every worker),
   - a built-in short name (see `BUILTIN_REWARDS`),
   - a name registered by an installed package under the entry-point group `rlpipe.rewards`,
   - a function carried by value, `"by-value:<cloudpickle, base64>:<qualified name>"` (`by_value_name`): how
