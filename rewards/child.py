@@ -32,7 +32,7 @@ import traceback
 import weakref
 from typing import Any
 
-from rlpipe.rewards.registry import describe_error, load_reward
+from rlpipe.rewards.registry import describe_error, load_reward, shown_name
 
 _HEADER = struct.Struct("<Q")
 _PR_SET_PDEATHSIG = 1
@@ -221,7 +221,7 @@ def serve(request_fd: int, reply_fd: int, parent_pid: int) -> None:
         try:
             functions[name] = load_reward(name)
         except Exception as err:
-            load_error = load_error or f"{name}: {describe_error(err)}"
+            load_error = load_error or f"{shown_name(name)}: {describe_error(err)}"
     _send(replies, pickle.dumps(load_error))
     while True:
         try:

@@ -1,18 +1,28 @@
 """Resolve a reward function from the name written in config.
 
 Accepted names:
-  - an import path `"package.module:function"` (the attribute may be dotted: `"mod:Class.method"`),
+  - an import path `"package.module:function"` (the attribute may be dotted: `"mod:Class.method"`); a module not
+    found on sys.path is also looked for in the folders of RLPIPE_REWARD_PATH (`rlpipe train` and `rlpipe.train`
+    add the recipe's folder and the current directory, so that a rewards.py there imports in every worker),
   - a file path `"path/to/file.py:function"` (as verl names custom reward functions; a relative path is taken from
     the working directory: the config resolves recipe-relative paths before they get here),
   - a built-in short name (see `BUILTIN_REWARDS`),
-  - a name registered by an installed package under the entry-point group `rlpipe.rewards`.
+  - a name registered by an installed package under the entry-point group `rlpipe.rewards`,
+  - a function carried by value, `"by-value:<signature>.<cloudpickle, base64>:<qualified name>"` (`by_value_name`):
+    how `rlpipe.train(reward_funcs=[fn])` hands a function defined in the user's own script or notebook to the
+    workers; signed with a key of the process that made it, which its local cluster's workers inherit.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
 import importlib
 import importlib.util
+import os
+import pickle
+import secrets
 import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -20,6 +30,11 @@ from pathlib import Path
 from types import ModuleType
 
 ENTRY_POINT_GROUP = "rlpipe.rewards"
+SEARCH_PATH_VARIABLE = "RLPIPE_REWARD_PATH"
+BY_VALUE_PREFIX = "by-value:"
+# A function carried by value is signed with a key this process makes and its local cluster's workers inherit, so
+# that a name copied into a recipe or a checkpoint's config (a file that may come from elsewhere) is never unpickled.
+BY_VALUE_KEY_VARIABLE = "RLPIPE_BY_VALUE_KEY"
 
 # Built-ins are named by import path so that loading `rewards` does not import math-verify or
 # reasoning-gym until a config asks for them.
@@ -46,6 +61,8 @@ def load_reward(path: str) -> Callable:
             f"reward name {path!r} is empty or not a string; expected 'package.module:function'"
         )
     path = path.strip()
+    if path.startswith(BY_VALUE_PREFIX):
+        return _load_by_value(path)
     if ":" not in path:
         return _load_short_name(path)
 
@@ -87,7 +104,7 @@ def split_file_reference(path: str) -> tuple[str, str]:
 
 def _import(path: str, module_name: str) -> ModuleType:
     try:
-        return importlib.import_module(module_name)
+        return _import_module(module_name)
     except Exception as err:  # the user's module may fail to import with any error, not only ImportError
         hint = ""
         if module_name.startswith("rewards.") and isinstance(err, ModuleNotFoundError) and err.name == "rewards":
@@ -120,6 +137,96 @@ def _load_file(path: str, file_name: str) -> ModuleType:
     return module
 
 
+def _import_module(name: str):
+    """The module `name`; the folders of RLPIPE_REWARD_PATH are searched after sys.path (appended to it, so that a
+    math.py beside a recipe never stands in for the standard library's)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        missing_top = err.name == name.partition(".")[0]
+        folders = [f for f in os.environ.get(SEARCH_PATH_VARIABLE, "").split(os.pathsep) if f and f not in sys.path]
+        if not (missing_top and folders):
+            raise
+    sys.path.extend(folders)
+    importlib.invalidate_caches()
+    return importlib.import_module(name)
+
+
+def by_value_name(function: Callable) -> str:
+    """The name under which `function` travels by value: cloudpickle's serialization (its code, and the globals and
+    closure it uses), so that a function defined in a script's `__main__` or a notebook runs in the reward workers
+    and their child processes without being importable there. They must run the same Python minor version (Ray
+    requires that of every role's environment anyway) and have cloudpickle installed."""
+    import cloudpickle
+
+    module = sys.modules.get(getattr(function, "__module__", None) or "")
+    registered = False
+    if module is not None and module.__name__ != "__main__" and not importable_everywhere(module):
+        cloudpickle.register_pickle_by_value(module)  # a module beside the script: its code goes along
+        registered = True
+    try:
+        payload = cloudpickle.dumps(function)
+    finally:
+        if registered:
+            cloudpickle.unregister_pickle_by_value(module)
+    qualified = getattr(function, "__qualname__", None) or type(function).__qualname__
+    encoded = base64.urlsafe_b64encode(payload).decode("ascii")
+    return f"{BY_VALUE_PREFIX}{_signature(_by_value_key(create=True), payload)}.{encoded}:{qualified.replace(':', '_')}"
+
+
+def _by_value_key(create: bool = False) -> bytes | None:
+    key = os.environ.get(BY_VALUE_KEY_VARIABLE)
+    if not key and create:
+        key = os.environ[BY_VALUE_KEY_VARIABLE] = secrets.token_hex(32)
+    return key.encode("ascii") if key else None
+
+
+def _signature(key: bytes, payload: bytes) -> str:
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()
+
+
+def importable_everywhere(module) -> bool:
+    """Whether `module` comes from an installed distribution (site-packages), rlpipe included, which every worker
+    imports the same way; a module of the user's own folder does not."""
+    if module.__name__.partition(".")[0] in ("rlpipe", "rewards", "actors"):
+        return True
+    origin = getattr(module, "__file__", None)
+    return origin is None or any(part in ("site-packages", "dist-packages") for part in origin.split(os.sep))
+
+
+def _load_by_value(path: str) -> Callable:
+    signed, _, qualified = path[len(BY_VALUE_PREFIX):].rpartition(":")
+    signature, _, blob = signed.partition(".")
+    where = f"reward function {qualified or '?'!r} (passed by value)"
+    try:
+        payload = base64.urlsafe_b64decode(blob.encode("ascii"))
+    except (ValueError, UnicodeEncodeError):
+        raise RewardConfigError(f"{where}: its serialized form is damaged") from None
+    key = _by_value_key()
+    if key is None or not hmac.compare_digest(signature, _signature(key, payload)):
+        raise RewardConfigError(
+            f"{where}: not serialized by this run's own process; a function passed by value is taken only from "
+            f"rlpipe.train(reward_funcs=...) in the process that runs it, never from a recipe or checkpoint file"
+        )
+    try:
+        import cloudpickle  # noqa: F401  (the payload's reconstructors live in it)
+    except ImportError:
+        raise RewardConfigError(
+            f"{where}: cloudpickle is not installed in {sys.executable}; install it there, or name the function by "
+            f"its import path 'module:function'"
+        ) from None
+    try:
+        target = pickle.loads(payload)
+    except Exception as err:
+        raise RewardConfigError(
+            f"{where}: cannot be rebuilt in {sys.executable} (Python {sys.version_info[0]}.{sys.version_info[1]}): "
+            f"{describe_error(err)}"
+        ) from err
+    if not callable(target):
+        raise RewardConfigError(f"{where}: {type(target).__name__} object is not callable")
+    return target
+
+
 def _load_short_name(name: str) -> Callable:
     if name in BUILTIN_REWARDS:
         return load_reward(BUILTIN_REWARDS[name])
@@ -144,6 +251,14 @@ def _load_short_name(name: str) -> Callable:
 def display_name(path: str) -> str:
     """Short name used in metrics: the function part of an import or file path, or the short name itself."""
     return path.strip().rpartition(":")[2].rpartition(".")[2]
+
+
+def shown_name(path: str) -> str:
+    """How messages name the function `path` names: the path itself, or for a function carried by value its
+    qualified name (not the serialized form)."""
+    if isinstance(path, str) and path.strip().startswith(BY_VALUE_PREFIX):
+        return f"{path.strip().rpartition(':')[2]} (passed by value)"
+    return path
 
 
 def describe_error(err: BaseException) -> str:

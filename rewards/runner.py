@@ -24,7 +24,7 @@ from typing import Any
 from rlpipe.rewards.child import CallFailed, ChildProcess
 from rlpipe.rewards.contract import CALL_ARGUMENTS, EPISODE_COLUMNS, SAMPLE_COLUMNS, call_arguments
 from rlpipe.rewards.contract import trainer_state as start_state
-from rlpipe.rewards.registry import RewardConfigError, display_name, load_reward
+from rlpipe.rewards.registry import RewardConfigError, display_name, load_reward, shown_name
 
 logger = logging.getLogger("rewards")
 
@@ -360,9 +360,9 @@ def _parse_specs(specs: list[dict], columns: list[str] | None) -> list[_Reward]:
             raise RewardConfigError(f"{where}: 'group' must be true or false, got {group!r}")
 
         fn = load_reward(spec["name"])
-        _check_signature(spec["name"], fn, kwargs, columns)
-        _check_startup(spec["name"], fn, kwargs)
-        _check_columns_read(spec["name"], fn, kwargs, columns)
+        _check_signature(shown_name(spec["name"]), fn, kwargs, columns)
+        _check_startup(shown_name(spec["name"]), fn, kwargs)
+        _check_columns_read(shown_name(spec["name"]), fn, kwargs, columns)
         name = _unique(display_name(spec["name"]), taken)
         taken.add(name)
         rewards.append(

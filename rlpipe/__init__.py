@@ -6,10 +6,21 @@ mapping makes them rlpipe.actors, rlpipe.rewards and rlpipe.bench, so that nothi
 a recipe, a package named actors) can stand in for them. Run straight from a checkout (PYTHONPATH, a Ray job whose
 working_dir is the checkout) nothing installs that mapping, so this module does: those three names resolve to the
 folders beside this very rlpipe/ folder, never to a same-named package elsewhere on sys.path.
+
+From Python (rlpipe/api.py): `rlpipe.train(recipe, reward_funcs=[...], **overrides)` runs post-training and returns
+its summary, `rlpipe.load_config(recipe, **overrides)` returns the checked `rlpipe.Config`. They are imported on
+first use, so `import rlpipe` stays cheap (no torch, vLLM or Ray).
 """
 
 import os as _os
 import sys as _sys
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+
+if _TYPE_CHECKING:
+    from rlpipe.api import load_config, train
+    from rlpipe.config import Config
+
+__all__ = ["Config", "load_config", "train"]
 
 _HERE = _os.path.dirname(_os.path.abspath(__file__))
 _CHECKOUT_PARTS = ("actors", "rewards", "bench")
@@ -46,3 +57,15 @@ def _map_checkout_parts() -> None:
 
 
 _map_checkout_parts()
+
+
+def __getattr__(name: str):
+    if name in ("train", "load_config"):
+        from rlpipe import api
+
+        return getattr(api, name)
+    if name == "Config":
+        from rlpipe.config import Config
+
+        return Config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

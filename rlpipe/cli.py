@@ -100,10 +100,17 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--smooth", type=float, default=None, metavar="W",
                       help="weight of the moving average over steps, in [0, 1) (default 0.6; 0: raw values only)")
     export = commands.add_parser(
-        "export", help="write a checkpoint's weights as a Hugging Face folder (LoRA adapters: a PEFT adapter folder)"
+        "export", help="write a checkpoint's weights as a Hugging Face folder with a model card (README.md; LoRA "
+        "adapters: a PEFT adapter folder)"
     )
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest checkpoint)")
     export.add_argument("out_dir", help="the folder to create (never overwritten)")
+    export.add_argument(
+        "--push-to-hub", metavar="ORG/NAME",
+        help="then upload the folder to this Hugging Face Hub model repository (token: HF_TOKEN or `hf auth login`; "
+        "endpoint: HF_ENDPOINT)",
+    )
+    export.add_argument("--private", action="store_true", help="create the --push-to-hub repository as private")
     export.add_argument("--merge", action="store_true",
                         help="for LoRA adapters: the base with them merged in, instead of a PEFT adapter folder")
     bench = commands.add_parser("bench", help="benchmarks, as ratios against a baseline run alongside")
@@ -204,7 +211,38 @@ def _recipe_and_overrides(args) -> tuple[str | None, list[str]]:
 
 def _resolve(args) -> Config:
     recipe, overrides = _recipe_and_overrides(args)
+    # A reward module beside the recipe or in the current directory imports in every process of the run, without
+    # PYTHONPATH.
+    from rlpipe.api import add_reward_search_path
+    from rlpipe.config import find_recipe
+
+    add_reward_search_path(*([str(find_recipe(recipe).resolve().parent)] if recipe else []), str(Path.cwd()))
     return load_config(recipe or DEFAULT_RECIPE, overrides)
+
+
+def _export(args) -> int:
+    """`rlpipe export CHECKPOINT OUT_DIR [--push-to-hub ORG/NAME [--private]]`: the folder with its model card,
+    then the push."""
+    from rlpipe.checkpoint import export
+    from rlpipe.hub_push import HubPushError, check_can_push, checkpoint_card_inputs, push_folder, write_model_card
+
+    try:
+        if args.push_to_hub:
+            check_can_push(args.push_to_hub, "--push-to-hub")
+        config, summary = checkpoint_card_inputs(args.checkpoint)
+        folder = export(args.checkpoint, args.out_dir, merge=args.merge)
+        write_model_card(folder, config, summary)
+        print(f"exported to {folder}")
+    except (CheckpointError, HubPushError) as err:
+        print(f"rlpipe: {err}", file=sys.stderr)
+        return 2
+    if args.push_to_hub:
+        try:
+            print(f"pushed to {push_folder(folder, args.push_to_hub, args.private)}")
+        except HubPushError as err:
+            print(f"rlpipe: {err}", file=sys.stderr)
+            return 1
+    return 0
 
 
 def _is_help(arg: str) -> bool:
@@ -282,14 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"curves written to {written}")
         return 0
     if args.command == "export":
-        from rlpipe.checkpoint import export
-
-        try:
-            print(f"exported to {export(args.checkpoint, args.out_dir, merge=args.merge)}")
-        except CheckpointError as err:
-            print(f"rlpipe: {err}", file=sys.stderr)
-            return 2
-        return 0
+        return _export(args)
     if args.command == "bench" and args.what == "agreement":
         from rlpipe.bench.agreement import bench_agreement
 
@@ -371,13 +402,20 @@ def main(argv: list[str] | None = None) -> int:
             print(format_plan(result))
             return 0 if result.ok else 1
         from rlpipe.actors.calls import WorkerLost
+        from rlpipe.hub_push import HubPushError, after_run, check_can_push
         from rlpipe.weightsync import NonFiniteWeights
 
         try:
-            train_with_restarts(cfg, args.resume, args.auto_resume)
+            if cfg.metrics.push_to_hub:
+                check_can_push(cfg.metrics.push_to_hub, "metrics.push_to_hub")
+        except HubPushError as err:
+            print(f"rlpipe: config error: {err}", file=sys.stderr)
+            return 2
+        try:
+            after_run(cfg, train_with_restarts(cfg, args.resume, args.auto_resume))
         # mid-run: the checkpoints written so far stay. Diverged weights are not a lost worker: a restart from the
         # last checkpoint would take the same steps again.
-        except (WorkerLost, NonFiniteWeights) as err:
+        except (WorkerLost, NonFiniteWeights, HubPushError) as err:
             print(f"rlpipe: {err}", file=sys.stderr)
             return 1
         return 0

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import re
 from typing import Literal
 
+from rlpipe.config.errors import require
 from rlpipe.config.keys import key
 
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+# A model repository's id on the Hub: ORG/NAME (huggingface_hub's own check is finer; this one refuses the
+# obvious before a run starts).
+HUB_REPO_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 
 
 @dataclass
@@ -30,6 +35,13 @@ class MetricsConfig:
         "`rlpipe plot RUN_DIR` draws it again"
     )
     export: bool = key(True, "export the trained model as an HF folder at the end")
+    push_to_hub: str | None = key(
+        None, "ORG/NAME: push that export (with its model card) to this Hugging Face Hub model repository at the "
+        "end, through huggingface_hub (token: HF_TOKEN or `hf auth login`; endpoint: HF_ENDPOINT); null: no push"
+    )
+    push_private: bool = key(
+        False, "create the metrics.push_to_hub repository as private; false: the namespace's default visibility"
+    )
 
     @property
     def active_loggers(self) -> list[str]:
@@ -40,4 +52,11 @@ class MetricsConfig:
         return [name for name in TRACKERS if name in chosen]
 
     def check(self) -> None:
-        """Every key's type says all there is to check (metrics.loggers names only known trackers)."""
+        """metrics.loggers names only known trackers (its type says so); a push needs an export and a repo id."""
+        if self.push_to_hub is not None:
+            require(
+                re.fullmatch(HUB_REPO_ID, self.push_to_hub) is not None,
+                f"metrics.push_to_hub: {self.push_to_hub!r} is not a Hub repository id ORG/NAME (letters, digits, "
+                f"'-', '_', '.')",
+            )
+            require(self.export, "metrics.push_to_hub: needs metrics.export=true (the export is what is pushed)")

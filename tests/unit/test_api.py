@@ -1,0 +1,149 @@
+"""rlpipe's Python API: `import rlpipe` stays cheap, `rlpipe.load_config` takes the CLI's keys as keyword arguments,
+and reward functions given as callables or found beside a recipe reach the reward worker's child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rlpipe
+from rlpipe.api import add_reward_search_path, check_by_value_rewards, reward_specs
+from rlpipe.config import ConfigError
+from rlpipe.rewards import RewardConfigError, RewardRunner, load_reward
+from rlpipe.rewards.math import numeric_answer
+from rlpipe.rewards.registry import BY_VALUE_PREFIX, SEARCH_PATH_VARIABLE, display_name
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_import_rlpipe_loads_no_torch_vllm_or_ray_and_exports_the_api():
+    program = (
+        "import sys, json, rlpipe; rlpipe.load_config(None, **{'train.steps': 1}); "
+        "print(json.dumps([sorted(rlpipe.__all__), [m for m in ('torch', 'vllm', 'ray', 'transformers') "
+        "if m in sys.modules], callable(rlpipe.train), rlpipe.Config.__name__]))"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    exported, heavy, trainable, config_name = json.loads(done.stdout.splitlines()[-1])
+    assert exported == ["Config", "load_config", "train"]
+    assert heavy == [] and trainable and config_name == "Config"
+
+
+def test_load_config_takes_dotted_keys_sections_and_cli_text():
+    cfg = rlpipe.load_config(None, **{"train.steps": 3}, rollout={"group_size": 4}, train={"lr": "1e-4"})
+    assert (cfg.train.steps, cfg.rollout.group_size, cfg.train.lr) == (3, 4, 1e-4)
+    again = rlpipe.load_config(cfg, **{"train.steps": 5})  # a Config is a starting point too
+    assert (again.train.steps, again.rollout.group_size, cfg.train.steps) == (5, 4, 3)
+    with pytest.raises(ConfigError, match=r"^train\.stepz: unknown key"):
+        rlpipe.load_config(None, train={"stepz": 3})
+    with pytest.raises(ConfigError, match=r"^train\.steps: "):
+        rlpipe.load_config(None, **{"train.steps": "many"})
+
+
+def _local_reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def test_reward_funcs_become_names_installed_by_path_and_the_users_own_by_value():
+    specs = reward_specs([numeric_answer, "format_tags", _local_reward, lambda completions, **kw: [0.0]], [1, 2, 3, 4])
+    names = [spec["name"] for spec in specs]
+    assert names[:2] == ["rlpipe.rewards.math:numeric_answer", "format_tags"]
+    assert names[2].startswith(BY_VALUE_PREFIX) and names[3].startswith(BY_VALUE_PREFIX)  # a test module is no package
+    assert [display_name(name) for name in names] == ["numeric_answer", "format_tags", "_local_reward", "<lambda>"]
+    assert [spec["weight"] for spec in specs] == [1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="2 weights for 1 reward_funcs"):
+        reward_specs([numeric_answer], [1, 2])
+
+
+def test_a_callable_by_value_runs_in_the_reward_child_without_its_module(tmp_path):
+    """A closure over a local file, and a function of a module that only this process can import: both run in the
+    runner's child process, which cannot import that module."""
+    folder = tmp_path / "user_code"
+    folder.mkdir()
+    (folder / "user_rewards_by_value.py").write_text(textwrap.dedent("""
+        def length_over(completions, limit=3, **kwargs):
+            return [float(len(c) > limit) for c in completions]
+    """))
+    sys.path.insert(0, str(folder))
+    try:
+        import user_rewards_by_value
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("user_rewards_by_value")
+    calls = tmp_path / "calls.txt"
+
+    def recorded(completions, **kwargs):
+        with open(calls, "a") as out:
+            out.write(f"{os.getpid()}\n")
+        return [1.0] * len(completions)
+
+    runner = RewardRunner(reward_specs([recorded, user_rewards_by_value.length_over]))
+    try:
+        result = runner.score(["q", "q"], ["ab", "abcdef"], {})
+        child = runner.child.pid
+    finally:
+        runner.close()
+    assert result.per_function == {"recorded": [1.0, 1.0], "length_over": [0.0, 1.0]}
+    assert calls.read_text().split() == [str(child)] and child != os.getpid()
+
+
+def test_a_reward_module_beside_the_recipe_imports_after_sys_path(tmp_path, monkeypatch):
+    folder = tmp_path / "recipe_folder"
+    folder.mkdir()
+    (folder / "beside_recipe_rewards.py").write_text("def constant(completions, **kw):\n    return [2.0] * len(completions)\n")
+    (folder / "json.py").write_text("raise SystemExit('the standard library was shadowed')\n")
+    monkeypatch.setenv(SEARCH_PATH_VARIABLE, "")
+    with pytest.raises(RewardConfigError, match="cannot import module 'beside_recipe_rewards'"):
+        load_reward("beside_recipe_rewards:constant")
+    add_reward_search_path(str(folder))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder is appended to it: undone after the test
+    assert load_reward("json:dumps") is json.dumps  # appended, so never ahead of the standard library
+    runner = RewardRunner([{"name": "beside_recipe_rewards:constant"}])
+    try:
+        assert runner.score(["q"], ["a"], {}).totals == [2.0]  # in the child too
+    finally:
+        runner.close()
+        sys.modules.pop("beside_recipe_rewards", None)
+
+
+def test_a_reward_environment_without_cloudpickle_is_refused_for_a_function_by_value(tmp_path):
+    # An interpreter whose cloudpickle cannot be imported (otherwise this very one).
+    python = tmp_path / "python-without-cloudpickle"
+    python.write_text(
+        "#!/bin/sh\nshift\nprogram=\"$1\"\nshift\n"
+        f"exec {sys.executable} -c \"import sys; sys.modules['cloudpickle'] = None; exec(sys.argv.pop(1))\" "
+        "\"$program\" \"$@\"\n"
+    )
+    python.chmod(0o755)
+    cfg = rlpipe.load_config(None, placement={"reward": {"python": str(python)}},
+                             **{"reward.functions": reward_specs([_local_reward])})
+    with pytest.raises(ConfigError, match=r"^placement\.reward\.python: .* cannot import cloudpickle .* needed by "
+                                          r"reward function _local_reward \(passed by value\)"):
+        check_by_value_rewards(cfg)
+    by_path = rlpipe.load_config(cfg, **{"reward.functions": [{"name": "rlpipe.rewards.math:numeric_answer"}]})
+    check_by_value_rewards(by_path)  # nothing by value: nothing asked of that environment
+
+
+def _triple(x):
+    return 3 * x
+
+
+def test_a_function_passed_by_value_loads_only_with_this_process_key(monkeypatch):
+    """A by-value name is signed with the process's key: its workers (which inherit the key) rebuild it; the same
+    name copied into a file and read by another process (another key, or none) is refused before any unpickling."""
+    from rlpipe.rewards.registry import BY_VALUE_KEY_VARIABLE, RewardConfigError, by_value_name, load_reward
+
+    monkeypatch.delenv(BY_VALUE_KEY_VARIABLE, raising=False)
+    name = by_value_name(_triple)
+    assert load_reward(name)(2) == 6
+    monkeypatch.setenv(BY_VALUE_KEY_VARIABLE, "another process's key")
+    with pytest.raises(RewardConfigError, match="not serialized by this run's own process"):
+        load_reward(name)
+    monkeypatch.delenv(BY_VALUE_KEY_VARIABLE)
+    with pytest.raises(RewardConfigError, match="never from a recipe or checkpoint file"):
+        load_reward(name)
