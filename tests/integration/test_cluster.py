@@ -79,11 +79,13 @@ class Cluster:
 
     def alive_nodes(self) -> list[dict]:
         script = (
-            "import json, ray; ray.init(address=%r, logging_level='ERROR');"
-            "print(json.dumps([n for n in ray.nodes() if n['Alive']]))" % self.address
+            "import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False);"
+            "print('NODES ' + json.dumps([n for n in ray.nodes() if n['Alive']]))" % self.address
         )
         done = subprocess.run([sys.executable, "-c", script], env=self.env, capture_output=True, text=True, timeout=60)
-        return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else []
+        # The cluster's workers may print to this driver too: only the marked line is the answer.
+        answers = [line for line in done.stdout.splitlines() if line.startswith("NODES ")]
+        return json.loads(answers[-1][len("NODES "):]) if done.returncode == 0 and answers else []
 
     def _wait_for(self, ready, what: str, timeout_s: float = 90.0) -> list[dict]:
         deadline = time.monotonic() + timeout_s
