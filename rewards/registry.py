@@ -9,7 +9,7 @@ Accepted names:
   - a built-in short name (see `BUILTIN_REWARDS`),
   - a name registered by an installed package under the entry-point group `rlpipe.rewards`,
   - a function carried by value, `"by-value:<signature>.<cloudpickle, base64>:<qualified name>"` (`by_value_name`):
-    how `rlpipe.train(reward_funcs=[fn])` hands a function defined in the user's own script or notebook to the
+    how `rlpipe.train(reward_funcs=[fn])` (and its `tools=`, `environment_factory=`) hands a function defined in the user's own script or notebook to the
     workers; signed with a key of the process that made it, which its local cluster's workers inherit.
 """
 
@@ -62,7 +62,7 @@ def load_reward(path: str) -> Callable:
         )
     path = path.strip()
     if path.startswith(BY_VALUE_PREFIX):
-        return _load_by_value(path)
+        return load_by_value(path)
     if ":" not in path:
         return _load_short_name(path)
 
@@ -194,7 +194,8 @@ def importable_everywhere(module) -> bool:
     return origin is None or any(part in ("site-packages", "dist-packages") for part in origin.split(os.sep))
 
 
-def _load_by_value(path: str) -> Callable:
+def load_by_value(path: str) -> Callable:
+    """The callable a `by_value_name` names, rebuilt once its signature is this run's."""
     signed, _, qualified = path[len(BY_VALUE_PREFIX):].rpartition(":")
     signature, _, blob = signed.partition(".")
     where = f"reward function {qualified or '?'!r} (passed by value)"

@@ -49,6 +49,8 @@ def train(
     *,
     reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
     reward_weights: Sequence[float] | None = None,
+    tools: Sequence[Callable[..., Any] | str] | None = None,
+    environment_factory: type | str | None = None,
     resume: str | None = None,
     auto_resume: bool = False,
     **overrides: Any,
@@ -61,7 +63,9 @@ def train(
     built-in name), with `reward_weights` (default 1.0 each). A callable from an installed package travels as its
     import path; one defined in your script, notebook or a module beside it travels by value (cloudpickle), so the
     reward workers need neither your files nor PYTHONPATH. A reward module named by import path in a recipe is also
-    found in the recipe's folder and in the current directory. `resume`: "latest" or a checkpoint/run directory;
+    found in the recipe's folder and in the current directory. `tools` and `environment_factory` replace
+    rollout.tools and rollout.environment_factory (TRL's GRPOTrainer arguments of those names; docs/tools.md), each
+    a callable or class passed the same way, or an import path. `resume`: "latest" or a checkpoint/run directory;
     `auto_resume`: restart from the latest checkpoint when a worker is lost for good.
     """
     search = [str(Path.cwd())]
@@ -72,6 +76,10 @@ def train(
         overrides = {**overrides, "reward.functions": reward_specs(reward_funcs, reward_weights)}
     elif reward_weights is not None:
         raise ConfigError("reward_weights: given without reward_funcs")
+    if tools is not None:
+        overrides = {**overrides, "rollout.tools": [_named(tool, f"tools[{i}]") for i, tool in enumerate(tools)]}
+    if environment_factory is not None:
+        overrides = {**overrides, "rollout.environment_factory": _named(environment_factory, "environment_factory")}
     cfg = load_config(config, **overrides)
     check_by_value_rewards(cfg)
     if cfg.metrics.push_to_hub:
@@ -104,6 +112,18 @@ def reward_specs(funcs: RewardFunc | Sequence[RewardFunc], weights: Sequence[flo
             raise ConfigError(f"reward_funcs[{index}]: {type(func).__name__} is neither a callable nor a name")
         specs.append({"name": name, "weight": weight})
     return specs
+
+
+def _named(target: Callable | str, where: str) -> str:
+    """How a tool or environment factory given to `train` is named in the config: a name as it is, a callable by
+    import path where every worker imports it so, else by value."""
+    from rlpipe.rewards.registry import by_value_name
+
+    if isinstance(target, str):
+        return target
+    if not callable(target):
+        raise ConfigError(f"{where}: {type(target).__name__} is neither a callable nor an import path")
+    return _import_path(target) or by_value_name(target)
 
 
 def add_reward_search_path(*folders: str) -> None:

@@ -47,7 +47,14 @@ class ToolConfigError(ValueError):
 
 
 def load_object(path: str, what: str) -> Any:
-    """The object an import path `package.module:attribute` names."""
+    """The object an import path `package.module:attribute` names, or one `rlpipe.train` passed by value."""
+    from rlpipe.rewards.registry import BY_VALUE_PREFIX, RewardConfigError, load_by_value
+
+    if path.startswith(BY_VALUE_PREFIX):
+        try:
+            return load_by_value(path)
+        except RewardConfigError as err:
+            raise ToolConfigError(f"{what}: {str(err).replace('reward function', 'tool', 1)}") from None
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
         raise ToolConfigError(f"{what}: {path!r} is not an import path 'package.module:name'")

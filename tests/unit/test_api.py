@@ -147,3 +147,48 @@ def test_a_function_passed_by_value_loads_only_with_this_process_key(monkeypatch
     monkeypatch.delenv(BY_VALUE_KEY_VARIABLE)
     with pytest.raises(RewardConfigError, match="never from a recipe or checkpoint file"):
         load_reward(name)
+
+
+def _add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+class _Counter:
+    def reset(self, **row):
+        self.count = 0
+
+    def bump(self, by: int) -> int:
+        """Adds to the counter.
+
+        Args:
+            by: How much to add.
+        """
+        self.count += by
+        return self.count
+
+
+def test_tools_and_an_environment_factory_given_as_objects_load_where_episodes_run(monkeypatch):
+    """rlpipe.train(tools=[fn], environment_factory=Cls): objects of the user's own modules travel by value and are
+    rebuilt, schemas and all, by the engine's ToolSet; with another process's key they are refused."""
+    from rlpipe.api import _named
+    from rlpipe.rewards.registry import BY_VALUE_KEY_VARIABLE
+    from rlpipe.tools import ToolConfigError, ToolSet
+
+    monkeypatch.delenv(BY_VALUE_KEY_VARIABLE, raising=False)
+    tool, factory = _named(_add, "tools[0]"), _named(_Counter, "environment_factory")
+    assert tool.startswith(BY_VALUE_PREFIX) and factory.startswith(BY_VALUE_PREFIX)
+    toolset = ToolSet.load([tool], factory)
+    environment = toolset.new_environment()
+    environment.reset()
+    assert [schema["function"]["name"] for schema in toolset.schemas(environment)] == ["_add", "bump"]
+    assert toolset.tools[0](2, 3) == 5 and toolset.episode_tools(environment)[1](4) == 4
+    assert _named("rlpipe.tools:calculator", "tools[0]") == "rlpipe.tools:calculator"
+    monkeypatch.setenv(BY_VALUE_KEY_VARIABLE, "another process's key")
+    with pytest.raises(ToolConfigError, match="rollout.tools: tool '_add' .*not serialized by this run's own process"):
+        ToolSet.load([tool], None)
