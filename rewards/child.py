@@ -101,7 +101,7 @@ class ChildProcess:
         # A child that took long to start leaves the call only what remains of the caller's own deadline.
         deadline = min(time.monotonic() + timeout_s, start_deadline)
         try:
-            _write_message(self._requests, pickle.dumps((name, kwargs)), deadline)
+            _write_message(self._requests, _dumps((name, kwargs)), deadline)
             reply = pickle.loads(_read_message(self._replies, deadline))
         except TimeoutError:
             self.kill()
@@ -158,6 +158,17 @@ def _stop(process: subprocess.Popen, *fds: int) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     process.wait()
+
+
+def _dumps(request) -> bytes:
+    """A request for the child: by cloudpickle where installed (an episode's environment may be an instance of a
+    class the user's script passed by value, which plain pickle names by a module the child cannot import); the
+    child reads either with pickle."""
+    try:
+        import cloudpickle
+    except ImportError:
+        return pickle.dumps(request)
+    return cloudpickle.dumps(request)
 
 
 def _write_message(fd: int, payload: bytes, deadline: float) -> None:

@@ -188,7 +188,7 @@ def _signature(key: bytes, payload: bytes) -> str:
 def importable_everywhere(module) -> bool:
     """Whether `module` comes from an installed distribution (site-packages), rlpipe included, which every worker
     imports the same way; a module of the user's own folder does not."""
-    if module.__name__.partition(".")[0] in ("rlpipe", "rewards", "actors"):
+    if module.__name__.partition(".")[0] == "rlpipe":
         return True
     origin = getattr(module, "__file__", None)
     return origin is None or any(part in ("site-packages", "dist-packages") for part in origin.split(os.sep))
@@ -260,6 +260,18 @@ def shown_name(path: str) -> str:
     if isinstance(path, str) and path.strip().startswith(BY_VALUE_PREFIX):
         return f"{path.strip().rpartition(':')[2]} (passed by value)"
     return path
+
+
+def readable(value):
+    """`value` (a config as plain data) with every name of something passed by value replaced by its `shown_name`:
+    what model cards, trackers and logs may show."""
+    if isinstance(value, str):
+        return shown_name(value)
+    if isinstance(value, dict):
+        return {key: readable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(readable(item) for item in value)
+    return value
 
 
 def describe_error(err: BaseException) -> str:

@@ -40,6 +40,8 @@ def load_config(config: RecipeLike = None, **overrides: Any) -> Config:
     for dotted, value in _flatten(overrides):
         _set_path(tree, dotted.split("."), OverrideText(value) if isinstance(value, str) else value, dotted)
     built = build(Config, tree)
+    # A reward file named relative to the recipe means the recipe's folder, as `rlpipe train` reads it.
+    built.reward.resolve_files(find_recipe(config).parent if isinstance(config, (str, os.PathLike)) else None)
     built.check()
     return built
 

@@ -211,13 +211,17 @@ def _recipe_and_overrides(args) -> tuple[str | None, list[str]]:
 
 def _resolve(args) -> Config:
     recipe, overrides = _recipe_and_overrides(args)
-    # A reward module beside the recipe or in the current directory imports in every process of the run, without
-    # PYTHONPATH.
+    _search_beside(recipe)
+    return load_config(recipe or DEFAULT_RECIPE, overrides)
+
+
+def _search_beside(recipe: str | None) -> None:
+    """A reward module beside the recipe or in the current directory imports in every process of the run, without
+    PYTHONPATH."""
     from rlpipe.api import add_reward_search_path
     from rlpipe.config import find_recipe
 
     add_reward_search_path(*([str(find_recipe(recipe).resolve().parent)] if recipe else []), str(Path.cwd()))
-    return load_config(recipe or DEFAULT_RECIPE, overrides)
 
 
 def _export(args) -> int:
@@ -444,11 +448,13 @@ def evaluate_saved_weights(args) -> int:
     from rlpipe.controller import reward_state
     from rlpipe.data import PromptSet, load_rows, reward_columns
     from rlpipe.logs import LogSetup
+    from rlpipe.rewards.contract import EPISODE_COLUMNS
 
     weights = Path(args.path)
     if not weights.exists():
         raise CheckpointError(f"{weights}: no such file or directory")
     recipe, overrides = _recipe_and_overrides(args)
+    _search_beside(recipe)
     hf_folder = (weights / "config.json").is_file()
     if hf_folder:
         source, step = weights, 0  # an export's step is not recorded: seeded as the evaluation before training
@@ -475,7 +481,7 @@ def evaluate_saved_weights(args) -> int:
         if hf_folder:
             model_path = str(weights.resolve())
         else:  # the engines load HF folders: the checkpoint's weights as one (its tokenizer included)
-            model_path = str(checkpoint.export(source, Path(scratch) / "model"))
+            model_path = str(checkpoint.export(source, Path(scratch) / "model", merge=True))  # LoRA: merged
             cfg.model.tokenizer = None
         cfg.model.path = model_path
         preflight.check_model(model_path)
@@ -484,8 +490,13 @@ def evaluate_saved_weights(args) -> int:
         if not eval_rows:
             raise ConfigError("data.eval_size: no held-out prompts to evaluate (set data.eval_size above 0)")
         columns = reward_columns(train_rows, cfg.data.prompt_field)
+        if cfg.rollout.environment_factory:  # as in training: reward functions also get the episodes' environments
+            columns = [*columns, *EPISODE_COLUMNS]
         preflight.check_reward_functions(cfg.reward, columns)
-        eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows))
+        eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows),
+                             max_prompt_tokens=cfg.max_prompt_tokens)
+        if cfg.data.overlong == "drop":  # the prompts the run itself evaluated
+            eval_set.drop_overlong()
         preflight.check_prompts(eval_set)
         point = _evaluate_on_engines(cfg, model_path, tokenizer_path, columns, eval_set, step,
                                      reward_state(cfg, SimpleNamespace(train_set=train_rows), step, "eval"),

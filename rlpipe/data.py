@@ -379,7 +379,8 @@ class PromptSet:
         # data.prompt_suffix included).
         messages = None if isinstance(prompt, str) else chat_messages(prompt, self.cfg.system_prompt)
         chat = None if self.cfg.chat_template == "none" else chat_messages(prompt, self.cfg.system_prompt)
-        return Prompt(self.id_offset + number, question_text(prompt), token_ids, columns, messages, chat)
+        return Prompt(self.id_offset + number, question_text(prompt), token_ids, columns, messages, chat,
+                      dict(self.cfg.chat_template_kwargs))
 
     def drop_overlong(self) -> int:
         """Leave out the rows whose prompt is longer than max_prompt_tokens (data.overlong: drop); how many were."""

@@ -14,6 +14,7 @@ import yaml
 
 from rlpipe.config import first_line
 from rlpipe.config.metrics import HUB_REPO_ID
+from rlpipe.rewards.registry import readable
 
 CARD = "README.md"
 CARD_TAGS = ["rlpipe", "grpo", "reinforcement-learning", "text-generation"]
@@ -60,7 +61,7 @@ def model_card(config: dict, summary: dict | None = None) -> str:
         f"| after training | {_figure(summary.get('eval_after'))} |", "",
         "## Recipe", "",
         "The resolved configuration the run used (`rlpipe train` takes it as a recipe).", "",
-        "```yaml", yaml.safe_dump(_readable(config), sort_keys=False).rstrip(), "```", "",
+        "```yaml", yaml.safe_dump(readable(config), sort_keys=False).rstrip(), "```", "",
     ]
     return "\n".join(lines)
 
@@ -134,14 +135,3 @@ def _hub_id(path: str | None) -> str | None:
 
 def _figure(value: Any) -> str:
     return "not measured" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
-
-
-def _readable(config: dict) -> dict:
-    """The config with reward functions passed by value named by their qualified name, not their serialized form."""
-    from rlpipe.rewards.registry import shown_name
-
-    functions = config.get("reward", {}).get("functions")
-    if not functions:
-        return config
-    reward = {**config["reward"], "functions": [{**f, "name": shown_name(f["name"])} for f in functions]}
-    return {**config, "reward": reward}

@@ -245,7 +245,8 @@ class RolloutEngine:
                 if environment is not None and (observation := environment.reset(prompt=prompt.for_rewards, **prompt.columns)) is not None:
                     messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
                 tools = self.toolset.episode_tools(environment)
-                ids = render_conversation(tokenizer, messages, self.toolset.schemas(environment))
+                schemas = self.toolset.schemas(environment)
+                ids = render_conversation(tokenizer, messages, schemas, **prompt.template_kwargs)
                 episodes.append(Episode(ids, {tool.__name__: tool for tool in tools}, environment))
         turn_params = params.clone()
         turn_params.n = 1
@@ -269,7 +270,8 @@ class RolloutEngine:
 
         limits = EpisodeLimits(self.cfg.max_turns, params.max_tokens, self.cfg.max_model_len, self.cfg.tool_timeout_s)
         try:
-            run_episodes(episodes, sample_turn, tokenizer, limits)
+            # One recipe's prompts share data.chat_template_kwargs: the tool messages render as its prompts did.
+            run_episodes(episodes, sample_turn, tokenizer, limits, prompts[0].template_kwargs if prompts else None)
         except _EpisodesAborted:
             return [[] for _ in prompts]
         completions = [

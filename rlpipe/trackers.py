@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from rlpipe.config import Config, ConfigError, MetricsConfig
+from rlpipe.rewards.registry import readable
 
 # The module each optional tracker needs, and the rlpipe extra that installs it.
 _REQUIRED_MODULES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -89,7 +90,7 @@ class WandbTracker:
             project=cfg.metrics.project,
             name=cfg.run.name,
             dir=str(run_dir),
-            config=cfg.to_dict(),
+            config=readable(cfg.to_dict()),  # functions passed by value by name, never their code
             settings=wandb.Settings(console="off"),  # rlpipe prints its own step line
         )
 
@@ -117,7 +118,7 @@ class MlflowTracker:
         experiment = self.client.get_experiment_by_name(cfg.metrics.project)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.metrics.project)
         self.run_id = self.client.create_run(experiment_id, run_name=cfg.run.name).info.run_id
-        params = [Param(k, v[:_MLFLOW_PARAM_VALUE_LIMIT]) for k, v in flat_params(cfg.to_dict()).items()]
+        params = [Param(k, v[:_MLFLOW_PARAM_VALUE_LIMIT]) for k, v in flat_params(readable(cfg.to_dict())).items()]
         for start in range(0, len(params), _MLFLOW_PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=params[start : start + _MLFLOW_PARAMS_PER_BATCH])
 

@@ -18,6 +18,7 @@ class Prompt:
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other fields (e.g. answer), for rewards
     messages: list[dict] | None = None  # a conversation's messages as templated (None for a text prompt)
     chat: list[dict] | None = None  # the messages templated, a text prompt's too (multi-turn episodes render them)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # data.chat_template_kwargs, for those renderings
 
     @property
     def for_rewards(self) -> str | list[dict]:

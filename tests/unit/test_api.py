@@ -192,3 +192,16 @@ def test_tools_and_an_environment_factory_given_as_objects_load_where_episodes_r
     monkeypatch.setenv(BY_VALUE_KEY_VARIABLE, "another process's key")
     with pytest.raises(ToolConfigError, match="rollout.tools: tool '_add' .*not serialized by this run's own process"):
         ToolSet.load([tool], None)
+
+
+def test_what_cards_and_trackers_show_of_a_config_names_objects_passed_by_value_never_their_code():
+    from rlpipe.api import _named
+    from rlpipe.rewards.registry import readable
+
+    config = {"reward": {"functions": [{"name": _named(_triple, "r"), "weight": 1.0}]},
+              "rollout": {"tools": [_named(_add, "t"), "rlpipe.tools:calculator"],
+                          "environment_factory": _named(_Counter, "e")}}
+    shown = readable(config)
+    assert shown == {"reward": {"functions": [{"name": "_triple (passed by value)", "weight": 1.0}]},
+                     "rollout": {"tools": ["_add (passed by value)", "rlpipe.tools:calculator"],
+                                 "environment_factory": "_Counter (passed by value)"}}
