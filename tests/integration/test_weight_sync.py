@@ -503,8 +503,10 @@ def test_a_stop_string_ends_a_completion_whose_text_keeps_it_as_its_token_ids_do
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, stop=[stop]))
     ((stopped,),) = engine.generate([prompt], 1, temperature=0.0)
     assert stopped.finish_reason == "stop"
-    assert stopped.token_ids == ids[: len(stopped.token_ids)] and len(stopped.token_ids) <= end
-    assert stopped.text == text_of(stopped.token_ids) and stopped.text.endswith(stop)
+    # vLLM's incremental detokenizer may hold the last token's text back (text that a later token could still
+    # change), so the string can be seen one token late: the ids then hold one token past it, and so does the text.
+    assert stopped.token_ids == ids[: len(stopped.token_ids)] and end - 1 <= len(stopped.token_ids) <= end + 1
+    assert stopped.text == text_of(stopped.token_ids) and stop in stopped.text
 
 
 def test_versions_only_go_up(setup):

@@ -21,6 +21,7 @@ import types
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlpipe.config import load_config
 from rlpipe.tpu_env import GIVEN, keep_only_given_tpu_env, torchtpu_process_env
@@ -28,7 +29,11 @@ from rlpipe.tpu_layout import ENGINE_CHIP_COUNTS, slice_shares
 from rlpipe.actors.placement import slice_slots
 
 REPO = Path(__file__).resolve().parents[2]
-TPU_RECIPES = sorted(path.name for path in (REPO / "configs").glob("*.yaml") if path.name != "default.yaml")
+# Every shipped recipe whose learner runs on TPU chips (the others, e.g. default.yaml, are CPU recipes).
+TPU_RECIPES = sorted(
+    path.name for path in (REPO / "configs").glob("*.yaml")
+    if (yaml.safe_load(path.read_text()).get("learner") or {}).get("device") == "tpu"
+)
 ONE_VM = [  # one v6e-8 VM: 4 learner ranks, one engine of 4 chips
     "placement.learner.tpu=v6e-8", "placement.rollout.tpu=v6e-8", "placement.learner.chips=4",
     "placement.rollout.chips=4", "learner.ranks=4", "rollout.num_engines=1", "rollout.tensor_parallel=4",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 # Imported at collection, outside any test's captured output: torch_tpu's logging keeps the stream it first sees.
 from vllm_torchtpu.platforms.tpu_platform import TpuPlatform  # noqa: F401
@@ -14,7 +15,11 @@ from rlpipe.cli import main
 from rlpipe.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
-TPU_RECIPES = sorted(path.name for path in (REPO / "configs").glob("*.yaml") if path.name != "default.yaml")
+# Every shipped recipe whose learner runs on TPU chips (the others, e.g. default.yaml, are CPU recipes).
+TPU_RECIPES = sorted(
+    path.name for path in (REPO / "configs").glob("*.yaml")
+    if (yaml.safe_load(path.read_text()).get("learner") or {}).get("device") == "tpu"
+)
 
 
 @pytest.mark.parametrize("recipe", TPU_RECIPES)
