@@ -69,7 +69,9 @@ def _pip_install(python: Path, *args: str) -> None:
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing points at a checkout
+    # Nothing points at a checkout: neither PYTHONPATH nor the reward search path an earlier `rlpipe` call in this
+    # process may have set (rlpipe.api.add_reward_search_path).
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RLPIPE_REWARD_PATH")}
 
 
 # A user's own modules by the names the top-level folders used to install as: they must not stand in for rlpipe's.
