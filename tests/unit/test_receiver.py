@@ -180,3 +180,62 @@ def test_a_probe_that_comes_back_nan_says_so(channel):
                                         r".* rolled back to version 0"):
         receiving.commit(1, PROBE, expected_for(weights))
     receiving.close()
+
+
+def _held_equals(engine: FakeEngine, weights) -> bool:
+    return all(torch.equal(engine.held[name], tensor) for name, tensor in weights.items())
+
+
+def test_over_shared_memory_the_engine_writes_from_the_learners_buffers_and_checks_them_after_the_write(channel):
+    shapes, engine, receiver, send = channel
+    receiving = receiver()
+    first, second = _full_tensors(shapes, seed=1), _full_tensors(shapes, seed=2)
+    name = "model.layers.0.mlp.down_proj.weight"
+    send(receiving, 1, first)
+    receiving.commit(1, PROBE, expected_for(first))
+    assert receiving._current_owned == {}  # version 1 is served from the learner's segments, copied nowhere
+    first_served = receiving._current_weights[name].data_ptr()
+    send(receiving, 2, second)
+    written = receiving._write
+
+    def write_after_a_flip(weights):
+        if weights[name].data_ptr() != first_served:  # not the rollback's write
+            weights[name].view(torch.int32).view(-1)[3] ^= 1  # the segment changes between the check and the write
+        written(weights)
+
+    receiving._write = write_after_a_flip
+    with pytest.raises(SyncError, match=r"v2: the learner's buffer changed under the write: bucket \d+ from learner "
+                                        r"rank \d+ of version 2 changed .*down_proj.*rolled back to version 1"):
+        receiving.commit(2, PROBE, expected_for(second))
+    assert receiving.policy_version == 1, [n for n, t in first.items() if not torch.equal(engine.held[n], t)]
+    assert _held_equals(engine, first), [n for n, t in first.items() if not torch.equal(engine.held[n], t)]
+    receiving.close()
+
+
+def test_the_kept_version_is_copied_out_before_the_learner_reuses_its_buffers(channel):
+    """Shared memory reuses a version's segments for the version after next: the rehearsal (version 1, followed by
+    the first real version 1), a skipped version number and a rollback all make the receiver copy its kept version
+    out first, so that a later rollback still writes it back bit for bit."""
+    shapes, engine, receiver, send = channel
+    receiving = receiver()
+    rehearsed, first, third, fourth = (_full_tensors(shapes, seed=seed) for seed in (7, 1, 3, 4))
+    send(receiving, 1, rehearsed)
+    receiving.commit(1, PROBE, expected_for(rehearsed), rehearsal=True)
+    assert receiving.policy_version == 0 and receiving._current_owned  # copied out at once
+    send(receiving, 1, first)  # the same segments
+    with pytest.raises(SyncError, match="rolled back to version 0"):
+        receiving.commit(1, PROBE, expected_for(rehearsed))
+    assert _held_equals(engine, rehearsed)
+    send(receiving, 1, first)
+    receiving.commit(1, PROBE, expected_for(first))
+    assert receiving._current_owned == {}
+    send(receiving, 3, third)  # version 1's segments again: version 1 is copied out when version 3 begins
+    assert receiving._current_owned
+    with pytest.raises(SyncError, match="rolled back to version 1"):
+        receiving.commit(3, PROBE, expected_for(first))
+    assert _held_equals(engine, first)
+    send(receiving, 4, fourth)  # after the rollback version 1 is the receiver's own: version 2's segments are free
+    with pytest.raises(SyncError, match="rolled back to version 1"):
+        receiving.commit(4, PROBE, expected_for(first))
+    assert _held_equals(engine, first)
+    receiving.close()
