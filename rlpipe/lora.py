@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlpipe.config.learner import ALL_LINEAR
+from rlpipe.config.learner import is_targeted
 from rlpipe.parallel.simple_fsdp import REPLICATED
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -63,17 +63,12 @@ def scaling(lora) -> float:
 
 
 def targeted_modules(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Linear]]:
-    """The Linear modules `targets` names, as PEFT matches `target_modules`: [all-linear] is every Linear but the
-    output layer (`lm_head`); otherwise a module whose name equals a target or ends with `.<target>`."""
+    """The Linear modules `targets` names (`is_targeted`)."""
     chosen = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or isinstance(module, LoraLinear) or ".lora_" in f".{name}":
             continue
-        if targets == [ALL_LINEAR]:
-            hit = name != "lm_head"
-        else:
-            hit = any(name == target or name.endswith(f".{target}") for target in targets)
-        if hit:
+        if is_targeted(name, targets):
             chosen.append((name, module))
     return chosen
 

@@ -113,6 +113,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlpipe.config import Config, ConfigError, recipes_dir
+from rlpipe.config.learner import is_targeted
 from rlpipe.device import TpuSlice, backend
 from rlpipe.tpu_layout import SliceShare, slice_problems, slice_shares
 from rlpipe.models.hf import MAX_SHARD_BYTES
@@ -156,6 +157,7 @@ class ModelSize:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     moe_layers: int = 0  # how many of the layers have the MoE block (the others a dense MLP)
+    moe_layer_indices: tuple[int, ...] = ()  # which ones
     max_position_embeddings: int | None = None
     stored_dtype: str = "float32"  # the dtype config.json says the safetensors hold ("dtype" / "torch_dtype")
 
@@ -182,6 +184,7 @@ class ModelSize:
             experts_per_token=config.experts_per_token,
             expert_intermediate_size=config.moe_intermediate_size,
             moe_layers=len(config.moe_layers),
+            moe_layer_indices=tuple(sorted(config.moe_layers)),
             max_position_embeddings=config.max_position_embeddings,
             stored_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
         )
@@ -267,6 +270,34 @@ class ModelSize:
             experts, inner = self.num_experts, self.expert_intermediate_size
             shapes += [(experts, h), (experts, 2 * inner, h), (experts, h, inner)]
         return tuple(shapes)
+
+    @property
+    def linear_layers(self) -> tuple[tuple[str, int, int], ...]:
+        """(module name, in features, out features) of every nn.Linear of the learner's model (rlpipe/models): the
+        layers learner.lora can target. Experts are stacked tensors and the router a plain weight, not Linears."""
+        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
+        moe = set(self.moe_layer_indices) if self.moe_layer_indices else set(range(self.num_layers - self.moe_layers,
+                                                                                      self.num_layers))
+        layers = []
+        for index in range(self.num_layers):
+            stem = f"model.layers.{index}"
+            layers += [(f"{stem}.self_attn.q_proj", h, q), (f"{stem}.self_attn.k_proj", h, kv),
+                       (f"{stem}.self_attn.v_proj", h, kv), (f"{stem}.self_attn.o_proj", q, h)]
+            if index not in moe:
+                inner = self.intermediate_size
+                layers += [(f"{stem}.mlp.gate_proj", h, inner), (f"{stem}.mlp.up_proj", h, inner),
+                           (f"{stem}.mlp.down_proj", inner, h)]
+        if not self.tie_word_embeddings:
+            layers.append(("lm_head", h, self.vocab_size))
+        return tuple(layers)
+
+    def adapter_params(self, rank: int, targets: list[str]) -> int:
+        """Parameters of rank-`rank` LoRA adapters (A: rank x in, B: out x rank) on the Linears `targets` names."""
+        return sum(rank * (n_in + n_out) for name, n_in, n_out in self.linear_layers if is_targeted(name, targets))
+
+    def largest_adapter_params(self, rank: int, targets: list[str]) -> int:
+        return max((rank * max(n_in, n_out) for name, n_in, n_out in self.linear_layers if is_targeted(name, targets)),
+                   default=0)
 
     @property
     def largest_tensor_params(self) -> int:
@@ -551,6 +582,11 @@ def learner_peaks(
     rows = arch.largest_rows_params(M)
     limit, limit_label, missing = _host_limit(share, "learner", manifests)
     kept = R * P * rb / M  # each rank's packed parts of every bucket, reused by every later version
+    lora = cfg.learner.lora
+    # With LoRA each rank merges W + scaling * B A one tensor's rows at a time for the sync; a checkpoint holds
+    # only the adapters.
+    merging = R * rows * b if lora is not None else 0
+    item = arch.largest_adapter_params(lora.rank, lora.target_modules) if lora is not None else rows
     phases = (
         Part(
             "host_load",
@@ -559,13 +595,15 @@ def learner_peaks(
         ),
         Part(
             "host_sync",
-            f"sync: {R} x packed parts ({cfg.rollout.dtype}, 1/{M}) + object-store copies",
-            2 * kept,
+            f"sync: {R} x packed parts ({cfg.rollout.dtype}, 1/{M}) + object-store copies"
+            + (f" + {R} x one merged tensor's rows ({master})" if lora is not None else ""),
+            2 * kept + merging,
         ),
         Part(
             "host_checkpoint",
-            f"checkpoint (DCP): {R} x one shard item ({master}) + 10 MB, + sync buffers",
-            R * (rows * b + DCP_COPY_AHEAD) + kept,
+            f"checkpoint (DCP): {R} x one {'adapter' if lora is not None else 'shard'} item ({master}) + 10 MB, "
+            "+ sync buffers",
+            R * (item * b + DCP_COPY_AHEAD) + kept,
         ),
         Part("host_resume", f"resume (DCP): {R} x one stored item ({master}) read + loaded", R * 2 * rows * b),
     )
@@ -632,11 +670,23 @@ def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = No
     compute = cfg.learner.param_dtype or master
     reduce = cfg.learner.reduce_dtype
     b, a, r = DTYPE_BYTES[master], DTYPE_BYTES[compute], DTYPE_BYTES[reduce]
-    parts = [
-        Part("parameters", f"parameters ({master}, 1/{M})", P * b / M),
-        Part("gradients", f"gradients ({master}, 1/{M})", P * b / M),
-        Part("optimizer", f"AdamW moments (2 x {master}, 1/{M})", 2 * P * b / M),
-    ]
+    lora = cfg.learner.lora
+    if lora is None:
+        parts = [
+            Part("parameters", f"parameters ({master}, 1/{M})", P * b / M),
+            Part("gradients", f"gradients ({master}, 1/{M})", P * b / M),
+            Part("optimizer", f"AdamW moments (2 x {master}, 1/{M})", 2 * P * b / M),
+        ]
+    else:
+        # The frozen base has no gradient and no optimizer state. Adapters are counted whole on every rank (lora_A
+        # is replicated; lora_B's rows are sharded, a bound).
+        A = arch.adapter_params(lora.rank, lora.target_modules)
+        parts = [
+            Part("parameters", f"base parameters, frozen ({master}, 1/{M})", P * b / M),
+            Part("adapters", f"LoRA adapters, rank {lora.rank} ({A / 1e6:.2f} M params, {master})", A * b),
+            Part("gradients", f"adapter gradients ({master})", A * b),
+            Part("optimizer", f"AdamW moments of the adapters (2 x {master})", 2 * A * b),
+        ]
     if cfg.algo.kl_beta > 0:
         parts.append(Part("reference", f"reference model ({master}, 1/{M})", P * b / M))
     sharded = M > 1 or compute != master
@@ -644,6 +694,8 @@ def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = No
     if sharded:
         unit = arch.largest_unit_params
         gradient = a + (r if r != a else 0)  # the unit's full gradient, and its reduce-dtype cast when different
+        if lora is not None:
+            gradient = 0  # the frozen base unit has none
         if recompute:
             parts.append(
                 Part("gathered", f"gathered unit + its gradient ({unit / 1e6:.0f} M params, transient)", unit * (a + gradient))

@@ -12,6 +12,15 @@ from rlpipe.config.keys import key
 ALL_LINEAR = "all-linear"
 
 
+def is_targeted(module_name: str, targets: list[str]) -> bool:
+    """Whether learner.lora.target_modules names the Linear `module_name`, as PEFT matches `target_modules`:
+    [all-linear] is every Linear but the output layer (`lm_head`); otherwise a name equal to a target or ending
+    with `.<target>`."""
+    if targets == [ALL_LINEAR]:
+        return module_name != "lm_head"
+    return any(module_name == target or module_name.endswith(f".{target}") for target in targets)
+
+
 @dataclass
 class LoraConfig:
     """`learner.lora`: low-rank adapters on the policy's linear layers (PEFT's LoraConfig: r, lora_alpha,

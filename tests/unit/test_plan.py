@@ -131,6 +131,31 @@ def test_arithmetic_of_a_small_architecture_by_hand(tmp_path):
     assert result.ok and not result.problems
 
 
+@pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj"], ["mlp.down_proj", "lm_head"]])
+def test_lora_counts_the_adapters_the_learner_adds_and_trains_nothing_else(tmp_path, targets):
+    from rlpipe.config.learner import LoraConfig
+    from rlpipe.lora import add_adapters
+    from rlpipe.models.hf import meta_model
+
+    folder = _tiny_folder(tmp_path)
+    lora = LoraConfig(rank=3, target_modules=targets)
+    model = meta_model(folder)
+    added = sum(t.numel() for t in add_adapters(model, lora).values())
+    assert added == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    listed = ", ".join(f'"{t}"' for t in targets)
+    result = plan(_tiny_config(folder, "learner.lora.rank=3", f"learner.lora.target_modules=[{listed}]"))
+    assert result.model.adapter_params(3, targets) == added
+    learner, full = result.learner, plan(_tiny_config(folder)).learner
+    b = 4  # float32 master weights
+    assert learner.part("adapters").bytes == added * b
+    assert learner.part("gradients").bytes == added * b
+    assert learner.part("optimizer").bytes == 2 * added * b
+    assert learner.part("parameters").bytes == full.part("parameters").bytes  # the frozen base, sharded as before
+    assert learner.total_bytes < full.total_bytes
+    checkpoint = result.peak("learner_host").part("host_checkpoint").bytes
+    assert checkpoint < plan(_tiny_config(folder)).peak("learner_host").part("host_checkpoint").bytes
+
+
 def test_torch_attention_counts_the_scores_sdpa_forms(tmp_path):
     """torch's sdpa under a packed row's [W, W] mask (or on a TPU) forms s x s scores; the Pallas kernel none."""
     folder = _tiny_folder(tmp_path)
