@@ -54,7 +54,8 @@ def due(step: int, cfg) -> bool:
 
 def evaluate(roles, eval_set, cfg, step: int, trainer_state=None) -> dict | None:
     """The held-out figures of the engines' current weights after `step` training steps: {"step", "accuracy"
-    (greedy), and with eval.samples_per_prompt = k > 1 "mean@k" and "pass@j"}; None without held-out prompts.
+    (greedy), "tool_call_rate" (greedy episodes that called a tool, where the recipe has tools), and with
+    eval.samples_per_prompt = k > 1 "mean@k" and "pass@j"}; None without held-out prompts.
     `roles` generates, seeds and scores (the run's Roles, or the engines alone for `rlpipe eval`)."""
     if len(eval_set) == 0:
         return None
@@ -62,7 +63,10 @@ def evaluate(roles, eval_set, cfg, step: int, trainer_state=None) -> dict | None
     threshold = cfg.reward.success_threshold
     greedy = roles.generate(prompts, 1, temperature=0.0)
     roles.score(greedy, trainer_state)
-    point = {"step": step, "accuracy": rollout_metrics(greedy, threshold)["accuracy"]}
+    figures = rollout_metrics(greedy, threshold)
+    point = {"step": step, "accuracy": figures["accuracy"]}
+    if "tool_call_rate" in figures:  # multi-turn episodes: how many greedy episodes called a tool
+        point["tool_call_rate"] = figures["tool_call_rate"]
     if cfg.eval.sampled:
         k = cfg.eval.samples_per_prompt
         temperature = cfg.rollout.temperature if cfg.eval.temperature is None else cfg.eval.temperature

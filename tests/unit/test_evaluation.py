@@ -113,6 +113,21 @@ def test_evaluate_reports_greedy_accuracy_mean_and_pass_at_k_and_seeds_only_the_
     assert evaluation.evaluate(greedy_only, _PromptSet(0), cfg, 0) is None
 
 
+def test_with_tools_the_held_out_figures_count_the_greedy_episodes_that_called_one():
+    class _ToolRoles(_Roles):
+        def generate(self, prompts, n, **sampling):
+            groups = super().generate(prompts, n, **sampling)
+            for i, group in enumerate(groups):
+                for completion in group.completions:
+                    completion.mask, completion.tool_calls = [1], int(i < 3)
+            return groups
+
+    point = evaluation.evaluate(_ToolRoles(), _PromptSet(4), _cfg(), step=2)
+    assert point == {"step": 2, "accuracy": 0.5, "tool_call_rate": 0.75}
+    assert evaluation.metrics(point)["eval/tool_call_rate"] == 0.75
+    assert "tool_call_rate" not in evaluation.evaluate(_Roles(), _PromptSet(4), _cfg(), step=2)
+
+
 def test_the_best_point_is_the_highest_greedy_accuracy_then_mean_then_the_earliest():
     points = [{"step": 0, "accuracy": 0.2, "mean@4": 0.1}, {"step": 4, "accuracy": 0.6, "mean@4": 0.3},
               {"step": 8, "accuracy": 0.6, "mean@4": 0.5}, {"step": 10, "accuracy": 0.6, "mean@4": 0.5}]
