@@ -48,14 +48,11 @@ class WeightReceiver:
     (`exact`) or its mean, is at most `tolerance`. Without `keep_previous` no copy is kept to roll back to, and a
     version that fails its check leaves the engine refusing to generate (`unusable`).
 
-    Every part is checked against the checksum its learner rank sent (`Staging`). Over shared memory the engine
-    writes straight from the learner's buffers, which the transport leaves alone until the version after next, and
-    checks them again after the write: a byte changed between the check and the write fails the version, which is
-    rolled back. Otherwise each part is copied into the engine's own staging copy and checked as it is copied: the
-    engine writes from the very bytes that were checked. `host_memory()`, where given and not None (the engine's
-    workers read a shared host copy), is where staging assembles every version, so the write hands the workers the
-    staged tensors where they lie, copying nothing. The version kept for rolling back is checked again before it is
-    written back, and copied out of the learner's buffers before the transport could reuse them."""
+    Every part is copied out of the transport's buffer into the engine's own staging copy and checked there as it is
+    copied (`Staging`): the engine writes from the very bytes that were checked. `host_memory()`, where given and not
+    None (the engine's workers read a shared host copy), is where staging assembles every version, so the write
+    hands the workers the staged tensors where they lie, copying nothing. The version kept for rolling back is
+    checked again before it is written back."""
 
     def __init__(
         self,
@@ -89,22 +86,15 @@ class WeightReceiver:
         if version <= self.policy_version:
             raise SyncError(f"weight version {version} is not newer than the engine's {self.policy_version}")
         if self._staging is not None:  # an abandoned version: its memory is free again
-            self._recycle(self._staging)
-            self._staging = None
-        kept = self._current_staging
-        if kept is not None and kept.in_place and not self.transport.buffers_survive(kept.version, version):
-            self._own_kept()  # this version goes into the buffers the kept one lies in
+            self._spare_owned, self._staging = self._staging.owned, None
         memory = self._host_memory() if self._host_memory is not None else None
-        in_place = memory is None and self.transport.whole_buckets and self.transport.stable_receive_buffers
-        reuse = {} if in_place else self._spare_owned
+        reuse = self._spare_owned
         if memory is not None and not _fills(reuse, plan, memory):
             # Fresh shared memory for the whole version; the spare tensors (elsewhere, or of another plan) go.
             reuse = memory.staging_memory({name: tuple(shape) for name, shape in plan.shapes.items()},
                                           plan.torch_dtype)
-        if not in_place:
-            self._spare_owned = {}
-        self._staging = Staging(plan, version, reuse=reuse, whole_buckets=self.transport.whole_buckets,
-                                in_place=in_place)
+        self._spare_owned = {}
+        self._staging = Staging(plan, version, reuse=reuse, whole_buckets=self.transport.whole_buckets)
 
     def receive(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:
         """Take learner rank `rank`'s part of `bucket` from the transport and check it; returns its size."""
@@ -116,7 +106,7 @@ class WeightReceiver:
                 staging.add(bucket, rank, buffer, digest)
             except SyncError:
                 self._staging = None  # a corrupt version is never applied, not even partly
-                self._recycle(staging)
+                self._spare_owned = staging.owned
                 raise
         return nbytes
 
@@ -149,8 +139,6 @@ class WeightReceiver:
             except BaseException as err:  # no rollback runs now: the engine may hold layers of two versions
                 self.unusable = f"weight sync v{version}: the write broke off ({type(err).__name__})"
                 raise
-            if failure is None and staging.in_place and (changed := staging.verify()) is not None:
-                failure = f"the learner's buffer changed under the write: {changed}"
             write_s = time.perf_counter() - started
             if failure is None:
                 try:
@@ -163,7 +151,7 @@ class WeightReceiver:
                     gap_max, gap_mean = max(gaps), sum(gaps) / len(gaps)
             gap, statistic = (gap_max, "max") if self.exact else (gap_mean, "mean")
             if failure or not gap <= self.tolerance:  # `not <=` also catches NaN
-                self._recycle(staging)
+                self._spare_owned = staging.owned
                 if failure is None and not math.isfinite(gap):
                     failure = ("after writing, the engine's probe logprobs are not finite (NaN or inf): the weights "
                                "as written make the model's outputs overflow")
@@ -178,8 +166,6 @@ class WeightReceiver:
                     raise SyncError(self.unusable)
                 self._roll_back(message)
             self._keep(weights, staging)
-            if rehearsal and self._current_staging is staging and staging.in_place:  # version 1 reuses these buffers
-                self._own_kept()
             if not rehearsal:
                 self.policy_version = version
             self.unusable = None
@@ -195,24 +181,10 @@ class WeightReceiver:
         """Keep what a rollback needs of the version now served (staging's own memory: the engine's copy, never a
         view of transport buffers), and recycle the memory the replaced version no longer needs."""
         if not self.keep_previous:
-            self._recycle(staging)
-            return
-        if self._current_owned:
-            self._spare_owned = self._current_owned
-        self._current_owned, self._current_weights, self._current_staging = staging.owned, weights, staging
-
-    def _recycle(self, staging: Staging) -> None:
-        """A staging no longer needed: the memory it owns (none, in place) is free for the next one."""
-        if staging.owned:
             self._spare_owned = staging.owned
-
-    def _own_kept(self) -> None:
-        """Copy the kept version out of the transport's buffers, into spare memory where it fits."""
-        staging, spare = self._current_staging, self._spare_owned
-        self._spare_owned = {}
-        staging.own(spare)
-        self._current_owned = staging.owned
-        self._current_weights = {name: staging.tensors[name] for name in staging.plan.shapes}
+            return
+        self._spare_owned = self._current_owned
+        self._current_owned, self._current_weights, self._current_staging = staging.owned, weights, staging
 
     def _roll_back(self, failure: str) -> None:
         """Write the previous version back, once it checks out against the checksums it arrived with; raises."""
@@ -228,9 +200,6 @@ class WeightReceiver:
             self.unusable = (f"{failure}; writing version {self.policy_version} back failed too "
                              f"({type(err).__name__}: {first_line(err)})")
             raise SyncError(self.unusable) from None
-        if self._current_staging is not None and self._current_staging.in_place:
-            # The learner may skip to a version that reuses these buffers; copied now, while they checked out.
-            self._own_kept()
         raise SyncError(failure + f"; the engine rolled back to version {self.policy_version}")
 
     def _previous_weights(self) -> Weights:

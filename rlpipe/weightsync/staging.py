@@ -3,7 +3,6 @@ tensors before anything is written to the engine."""
 
 from __future__ import annotations
 
-import math
 import threading
 
 import numpy as np
@@ -20,22 +19,17 @@ class Staging:
     Nothing here touches the engine: a version is handed over only when complete and every checksum matched.
     Parts may arrive in any order and from several threads.
 
-    By default every part is copied out of the transport's buffer into memory this staging owns (`owned`), and its
-    checksum is taken in the same pass, over each word as it is written there (`codec.copy_hashed`): what the engine
-    later writes from is exactly what was checked, whatever happens to the transport's buffer (the object store,
-    shared memory the learner writes into) after the part arrived. A later staging may write over the memory
-    (`reuse`: fresh memory costs a page fault per 4 KiB); with `reuse` laid out for every tensor of the plan in shared
-    memory (the engine's host copy, `HostCopy.staging_memory`), the version is assembled where the engine's workers
-    read it. With `whole_buckets` (the transport hands every rank's part of a bucket in one buffer, the rows already
-    in place: shared memory) each rank's rows are read where they lie in the bucket's whole tensors.
+    Every part is copied out of the transport's buffer into memory this staging owns (`owned`), and its checksum is
+    taken in the same pass, over each word as it is written there (`codec.copy_hashed`): what the engine later writes
+    from is exactly what was checked, whatever happens to the transport's buffer (shared memory the learner writes
+    into, the object store) after the part arrived. A later staging may write over the memory (`reuse`: fresh memory
+    costs a page fault per 4 KiB); with `reuse` laid out for every tensor of the plan in shared memory (the engine's
+    host copy, `HostCopy.staging_memory`), the version is assembled where the engine's workers read it. With
+    `whole_buckets` (the transport hands every rank's part of a bucket in one buffer, the rows already in place:
+    shared memory) each rank's rows are read where they lie in the bucket's whole tensors.
 
-    `in_place` (whole buckets in buffers the transport keeps unchanged until the version after next: shared memory)
-    copies nothing: each part's checksum is taken where it lies and the bucket's tensors are views of the buffer.
-    The engine then writes from bytes it checked earlier, so the receiver checks them again after the write
-    (`verify()`), and `own()` copies them out before the transport reuses the buffer.
-
-    The checksums stay with the staging: `verify()` checks the assembled tensors against them again, after an
-    in-place write and before a version kept for rolling back is written back.
+    The checksums stay with the staging: `verify()` checks the assembled tensors against them again, before a
+    version kept for rolling back is written back.
     """
 
     def __init__(
@@ -44,14 +38,10 @@ class Staging:
         version: int,
         reuse: dict[str, torch.Tensor] | None = None,
         whole_buckets: bool = False,
-        in_place: bool = False,
     ):
-        if in_place and not whole_buckets:
-            raise ValueError("in-place staging needs whole buckets (every rank's rows in one buffer)")
         self.plan = plan
         self.version = version
         self.whole_buckets = whole_buckets
-        self.in_place = in_place
         self.tensors: dict[str, torch.Tensor] = {}
         self.owned: dict[str, torch.Tensor] = {}
         self._reuse = reuse or {}
@@ -73,11 +63,8 @@ class Staging:
             return self.owned[name]
 
     def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """The bytes of rows [start, stop) of this staging's tensor `name`, as a uint8 array."""
-        with self._lock:
-            target = self.tensors.get(name)
-        if target is None:
-            target = self._owned_tensor(name)
+        """The bytes of rows [start, stop) of this staging's tensor `name`, as a writable uint8 array."""
+        target = self._owned_tensor(name)
         rows = target if target.dim() == 0 else target[start:stop]
         return rows.reshape(-1).view(torch.uint8).numpy()
 
@@ -96,7 +83,7 @@ class Staging:
                 raise SyncError(f"weight sync v{self.version}: bucket {bucket_index} from rank {rank} arrived twice")
             self._arriving.add((bucket_index, rank))
         try:
-            actual = self._hash_in_place(bucket, rank, buffer) if self.in_place else self._copy_in(bucket, rank, buffer)
+            actual = self._copy_in(bucket, rank, buffer)
         finally:
             with self._lock:
                 self._arriving.discard((bucket_index, rank))
@@ -108,9 +95,6 @@ class Staging:
         with self._lock:
             self._received[(bucket_index, rank)] = expected_checksum
             self.bytes_received += bucket.part_bytes(rank)
-            if self.in_place and all((bucket_index, r) in self._received for r in range(self.plan.learner_ranks)
-                                     if bucket.part_bytes(r)):
-                self._adopt(bucket, buffer)
 
     def _copy_in(self, bucket: Bucket, rank: int, buffer: np.ndarray) -> int:
         """Copy `rank`'s rows of `bucket` from `buffer` into this staging's tensors; the checksum of what was written."""
@@ -121,34 +105,6 @@ class Staging:
             hasher.add(copy_hashed(data[position : position + piece.nbytes],
                                    self._rows(piece.name, piece.start, piece.stop), hasher.seed, piece.offset))
         return hasher.digest()
-
-    def _hash_in_place(self, bucket: Bucket, rank: int, buffer: np.ndarray) -> int:
-        data = buffer.reshape(-1).view(np.uint8)
-        hasher = PartHash.of_part(self.version, bucket, rank)
-        for piece in bucket.parts[rank]:
-            hasher.update(data[piece.bucket_offset : piece.bucket_offset + piece.nbytes], piece.offset)
-        return hasher.digest()
-
-    def _adopt(self, bucket: Bucket, buffer: np.ndarray) -> None:
-        """The bucket's tensors as views of its whole-bucket buffer (every rank's rows checked out); under the lock."""
-        source = torch.from_numpy(buffer.reshape(-1).view(np.uint8))
-        dtype = self.plan.torch_dtype
-        for name, offset in zip(bucket.names, bucket.tensor_offsets):
-            shape = tuple(self.plan.shapes[name])
-            self.tensors[name] = source[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-    def own(self, reuse: dict[str, torch.Tensor] | None = None) -> None:
-        """Copy every tensor still viewed in a transport buffer into memory this staging owns (`reuse` where it
-        fits), so that the transport may reuse its buffers. The checksums stay; `verify()` still checks the copy."""
-        with self._lock:
-            self._reuse = reuse or {}
-            viewed = {name: tensor for name, tensor in self.tensors.items() if name not in self.owned}
-            for name in viewed:
-                del self.tensors[name]
-            self.in_place = False
-        for name, view in viewed.items():
-            self._owned_tensor(name).copy_(view)
-        self._reuse = {}
 
     def verify(self) -> str | None:
         """Check the assembled tensors against the checksums the parts matched on arrival; None if every part is

@@ -16,10 +16,8 @@ Buffers are kept per bucket and reused by later versions: touching freshly mappe
 Shared memory sets up both of its segment sets with the first version, faulted in on every side (see
 SharedMemoryTransport).
 
-An engine checks every part as it arrives (`Staging`). It copies the part out of what `receive` yields, checking it
-as it copies, unless the transport keeps its buffers unchanged for a while (`stable_receive_buffers`: shared
-memory, until the version after next, `buffers_survive`): then the engine writes from the buffer itself and checks
-it again after the write.
+An engine copies every part out of what `receive` yields, checking it as it copies (`Staging`): nothing it writes
+later is read from a transport's buffer.
 
 - `ray`:  the Ray object store (default; works across hosts). The handle is an object reference.
 - `shm`:  POSIX shared memory on one host. The learner packs straight into a named segment; the handle is its name.
@@ -137,12 +135,6 @@ class Transport(abc.ABC):
 
     name: str
     whole_buckets = False  # every rank's part of a bucket arrives in one buffer, rows in place (shared memory)
-    stable_receive_buffers = False  # what `receive` yields stays readable after the context, unchanged for a while
-
-    def buffers_survive(self, kept_version: int, new_version: int) -> bool:
-        """Whether the buffers `kept_version` arrived in stay unchanged while `new_version` is sent (only asked where
-        `stable_receive_buffers`)."""
-        return False
 
     def set_routes(self, routes: list[str], whole_buckets: bool) -> None:
         """The route of each of this side's pairs, "shm" or "ray" (routes.py); only `auto` chooses per pair."""
@@ -226,11 +218,7 @@ class SharedMemoryTransport(Transport):
     rehearsal in a run, sets both sets up, and every later one takes no page fault."""
 
     name = "shm"
-    stable_receive_buffers = True
     whole_buckets = True
-
-    def buffers_survive(self, kept_version: int, new_version: int) -> bool:
-        return (new_version - kept_version) % 2 == 1  # one segment per bucket and version parity
 
     def __init__(self) -> None:
         self._segments: dict[object, Any] = {}  # sender: key -> segment
@@ -402,13 +390,6 @@ class AutoTransport(Transport):
             self._ray.close()
             self._shm = SharedMemoryTransport()
         self._routes, self.whole_buckets = list(routes), whole_buckets
-
-    @property
-    def stable_receive_buffers(self) -> bool:
-        return self.whole_buckets
-
-    def buffers_survive(self, kept_version: int, new_version: int) -> bool:
-        return self._shm.buffers_survive(kept_version, new_version)
 
     def buffer_prefix(self) -> str | None:
         return self._shm.buffer_prefix() if self.whole_buckets else None
