@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -122,16 +122,32 @@ def merged(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tens
     """`state` (base weights and adapters, whole or a rank's rows of each: B's rows are the weight's rows) with the
     adapters folded in: each targeted weight becomes W + scale * B A, computed in float32 and stored in W's dtype,
     and the adapter entries are gone."""
-    out = {}
-    for name, value in state.items():
+    return dict(MergedWeights(state, scale))
+
+
+class MergedWeights(Mapping[str, torch.Tensor]):
+    """`merged(state, scale)` computed one weight at a time, when it is read: the weight sync packs bucket by
+    bucket, so a learner rank holds one merged tensor at a time, never a merged copy of the model."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], scale: float):
+        self._state, self._scale = state, scale
+        self._names = [name for name in state if not is_adapter_key(name)]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
         if is_adapter_key(name):
-            continue
+            raise KeyError(name)
+        value = self._state[name]
         module = name.removesuffix(".weight")
-        a, b = state.get(f"{module}.lora_A.weight"), state.get(f"{module}.lora_B.weight")
+        a, b = self._state.get(f"{module}.lora_A.weight"), self._state.get(f"{module}.lora_B.weight")
         if a is not None and b is not None:
-            value = (value.float() + scale * (b.float() @ a.float())).to(value.dtype)
-        out[name] = value
-    return out
+            value = (value.float() + self._scale * (b.float() @ a.float())).to(value.dtype)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def merged_stream(tensors: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:

@@ -27,7 +27,7 @@ from rlpipe.checkpoint import load_tensors, single_process_dcp
 from rlpipe.device import backend, step_boundary
 from rlpipe.forward import MicroBatch, Part, choose_forward, token_logprobs
 from rlpipe.lora import (
-    WeightsWithAdapters, add_adapters, is_adapter_key, merged, merged_stream, save_adapter, scaling,
+    MergedWeights, WeightsWithAdapters, add_adapters, is_adapter_key, merged, merged_stream, save_adapter, scaling,
 )
 from rlpipe.models import read_hf_config, save_state_dict
 from rlpipe.models.hf import CheckpointWeights, meta_model
@@ -257,7 +257,8 @@ class TrainEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors under Hugging Face names, on the CPU (a collective when sharded: every rank calls it); with
         adapters, the base weights with the adapters merged in."""
-        return self._merged(self.strategy.full_state_dict(self.model))
+        state = self.strategy.full_state_dict(self.model)
+        return merged(state, scaling(self.lora)) if self.lora is not None else state
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight's full shape under its Hugging Face name, in state-dict order. No communication."""
@@ -266,11 +267,10 @@ class TrainEngine:
     def local_weights(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every weight (the whole tensor when unsharded), as weight sync reads them: no
         gather. Rows follow `rlpipe.weightsync.shard_rows`. With adapters these are the merged weights: B's rows are
-        the weight's rows and A is whole on every rank, so each rank merges its own rows."""
-        return self._merged(self.strategy.local_weights(self.model))
-
-    def _merged(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return merged(state, scaling(self.lora)) if self.lora is not None else state
+        the weight's rows and A is whole on every rank, so each rank merges its own rows, one weight at a time as the
+        sync reads it."""
+        state = self.strategy.local_weights(self.model)
+        return MergedWeights(state, scaling(self.lora)) if self.lora is not None else state
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """Everything a resumed engine needs, as tensors under stable names: the weights (`model.<HF name>`), AdamW's

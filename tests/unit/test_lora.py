@@ -224,3 +224,30 @@ def test_two_sharded_ranks_train_the_adapters_as_one_rank_does(tiny_qwen3):
         combined = combine_rank_metrics([sums[step] for sums, *_ in outputs])
         for key in ("loss", "kl", "grad_norm"):
             assert abs(combined[key] - single_metrics[step][key]) < 1e-5, (step, key)
+
+
+def test_the_syncs_merged_weights_are_computed_one_at_a_time_as_they_are_read():
+    """The learner hands the sync a view: nothing is merged until a weight is read, and each read merges that weight
+    alone, so a rank never holds a merged copy of the model."""
+    from rlpipe.lora import MergedWeights, merged
+
+    generator = torch.Generator().manual_seed(0)
+    state = {"q.weight": torch.randn(4, 3, generator=generator), "q.lora_A.weight": torch.randn(2, 3, generator=generator),
+             "q.lora_B.weight": torch.randn(4, 2, generator=generator), "norm.weight": torch.randn(3, generator=generator)}
+    read = []
+
+    class Watched(dict):
+        def __getitem__(self, name):
+            read.append(name)
+            return super().__getitem__(name)
+
+        def get(self, name, default=None):
+            read.append(name)
+            return super().get(name, default)
+
+    view = MergedWeights(Watched(state), 0.5)
+    assert list(view) == ["q.weight", "norm.weight"] and len(view) == 2 and read == []
+    assert torch.allclose(view["q.weight"], state["q.weight"] + 0.5 * state["q.lora_B.weight"] @ state["q.lora_A.weight"])
+    assert set(read) == {"q.weight", "q.lora_A.weight", "q.lora_B.weight"}
+    assert "q.lora_A.weight" not in view
+    assert {name: t.tolist() for name, t in merged(state, 0.5).items()} == {name: view[name].tolist() for name in view}
