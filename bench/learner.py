@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue as queue_module
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -86,6 +87,10 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # Shapes of released models (their config.json's sizes; random weights), with the rows to time them on.
 PRESETS = {
+    "smollm2-135m": dict(
+        family="llama", layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152, tied=True,
+        seq=128, batch=32,
+    ),
     "qwen3-0.6b": dict(
         family="qwen3", layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072,
         vocab=151936, tied=True, seq=2048, batch=8,
@@ -136,9 +141,15 @@ def _mode_settings(mode: str) -> tuple[bool, str, bool]:
     return run.startswith("graph"), experts or "torch", run != "eager-unshared"
 
 
+def _lora_rank(mode: str) -> int | None:
+    """`eager-lora16`: learner.lora with rank 16 (alpha 32, every linear layer); None: full fine-tuning."""
+    found = re.search(r"-lora(\d+)", mode)
+    return int(found.group(1)) if found else None
+
+
 def _bench_config(
     model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, device: str = "cpu", experts: str = "torch",
-    share_prompts: bool = True,
+    share_prompts: bool = True, lora_rank: int | None = None,
 ):
     from rlpipe.config import load_config
 
@@ -169,6 +180,7 @@ def _bench_config(
             # On the GPU, rows without a shared prompt (all full length here) run padded: packing saves nothing,
             # and a packed graph row of micro_batch x seq tokens would attend with a dense mask over all of them.
             *(("learner.packing=false",) if device == "cuda" and shape.group == 1 else ()),
+            *((f"learner.lora.rank={lora_rank}", "learner.lora.alpha=32") if lora_rank else ()),
         ],
     )
 
@@ -202,7 +214,7 @@ def _batch(shape: LearnerBenchShape):
 
 def _time_rank(
     model_path: str, shape: LearnerBenchShape, ranks: int, graph: bool, rank: int = 0, port: int = 0,
-    experts: str = "torch", share_prompts: bool = True, device: str = "cpu",
+    experts: str = "torch", share_prompts: bool = True, device: str = "cpu", lora_rank: int | None = None,
 ):
     """Seconds per train step on one rank after warm-up (which includes compilation in graph mode), the warm-up
     step's seconds, and the growth of peak memory over the loaded learner: resident memory on cpu (meaningful in a
@@ -211,7 +223,8 @@ def _time_rank(
 
     from rlpipe.learner import Learner
 
-    config = _bench_config(model_path, shape, ranks, graph, device, experts=experts, share_prompts=share_prompts)
+    config = _bench_config(model_path, shape, ranks, graph, device, experts=experts, share_prompts=share_prompts,
+                           lora_rank=lora_rank)
     learner = Learner.from_config(model_path, config, rank, ranks)
     learner.join_process_group("127.0.0.1", port)
     on_gpu = learner.engine.device if learner.engine.device.type == "cuda" else None
@@ -248,7 +261,8 @@ def _timed_steps(learner, batch, steps: int) -> tuple[float, float]:
 def _single_rank_run(model_path, shape, mode, threads, device, results) -> None:
     torch.set_num_threads(threads)
     graph, experts, share_prompts = _mode_settings(mode)
-    results.put(_time_rank(model_path, shape, 1, graph, experts=experts, share_prompts=share_prompts, device=device))
+    results.put(_time_rank(model_path, shape, 1, graph, experts=experts, share_prompts=share_prompts, device=device,
+                           lora_rank=_lora_rank(mode)))
 
 
 def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: int, results) -> None:
@@ -262,7 +276,8 @@ def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: 
     learners = {}
     for mode in modes:
         graph, experts, share_prompts = _mode_settings(mode)
-        config = _bench_config(model_path, shape, 1, graph, experts=experts, share_prompts=share_prompts)
+        config = _bench_config(model_path, shape, 1, graph, experts=experts, share_prompts=share_prompts,
+                               lora_rank=_lora_rank(mode))
         learners[mode] = Learner.from_config(model_path, config)
         learners[mode].train_step(batch)  # warm-up, compilation included
     best = dict.fromkeys(modes, float("inf"))

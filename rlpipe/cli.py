@@ -132,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     learner.add_argument(
         "--modes",
         default=None,
-        help="first one is the baseline; xla-graph and xla-graph-m2 (2-device SPMD mesh) need torch_xla's "
+        help="first one is the baseline; a -loraN suffix (eager-lora16) trains rank-N adapters (alpha 32) on every "
+        "linear layer instead of every weight; xla-graph and xla-graph-m2 (2-device SPMD mesh) need torch_xla's "
         "environment; +loop / +pallas / +torch picks the MoE experts' implementation "
         "(default: eager,graph,eager-m2,graph-m2; with --device cuda: eager,graph; with --experts: "
         "eager+loop,eager,graph)",
