@@ -71,7 +71,7 @@ class EnginePool:
         log = None if self.log is None else replace(self.log, who=f"rollout-{index}")
         return RolloutActor.options(**self.placement.options(index, compute_env())).remote(
             self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync, log,
-            self.cfg.model.kernels,
+            self.cfg.model.kernels, self.cfg.learner.lora if self.cfg.lora_sync()[0] == "adapters" else None,
         )
 
     def hosts(self) -> list[str]:

@@ -54,6 +54,7 @@ class SyncChannel:
         self.probe_by_decoding = False
         self.probe_tokens: list[int] = []
         self.rehearsal: dict[str, float] = {}
+        self.vocab_size = 0  # the engines' vocabulary, from their layout
 
     def open(self, learners: list, version: int) -> dict[str, float]:
         """Set the channel up between `learners` (the ranks, in order) and the pool's engines, the learner holding
@@ -68,7 +69,8 @@ class SyncChannel:
         self._set_routes()
         self._share_buffers()
         self._connect()
-        vocab = plan.shapes["model.embed_tokens.weight"][0]
+        # The embedding's rows; a plan of adapters alone has no embedding, and the engine's vocabulary serves.
+        vocab = plan.shapes.get("model.embed_tokens.weight", (self.vocab_size,))[0]
         self.probe_tokens = [(index * 7919) % vocab for index in range(1, 33)]  # any fixed sequence serves
         self.rehearsal = self._rehearse()
         return self.rehearsal
@@ -79,8 +81,11 @@ class SyncChannel:
         shapes = self._wait([self.learners[0].weight_shapes.remote()], "learner rank 0", "weight_shapes")[0]
         layouts = self._wait([engine.layout.remote() for engine in self.pool.engines], "a rollout engine", "layout")
         plan = plan_sync(shapes, len(self.learners), layouts[0][0], int(self.cfg.bucket_mb * 2**20))
+        self.vocab_size = layouts[0][0].vocab_size
         for index, (layout, params) in enumerate(layouts):
-            unknown = sorted(plan.engine_params() - set(params))
+            # An engine that takes adapters (params None) loads them by their names through vLLM's LoRA support,
+            # not into parameters of its own.
+            unknown = sorted(plan.engine_params() - set(params)) if params is not None else []
             if layout != layouts[0][0] or unknown:
                 raise SyncError(
                     f"rollout engine {index} does not have the layout the sync plan expects "

@@ -68,8 +68,11 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
             f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, "
             f"probe max |engine - learner| {check['sync/probe_max_abs']:.1e}"
         )
-        if cfg.learner.lora is not None:  # the engines hold no adapter: each sync sends W + (alpha / rank) B A
-            log.note("weight sync: merged LoRA weights")
+        lora_sync, why_merged = cfg.lora_sync()
+        if lora_sync == "adapters":
+            log.note(f"weight sync: LoRA adapters only ({check['sync/bytes'] / 1e6:.2f} MB a version)")
+        elif lora_sync == "merged":  # the engines hold no adapter: each sync sends W + (alpha / rank) B A
+            log.note(f"weight sync: merged LoRA weights ({why_merged})")
         summary = run.summary or {}
         summary.setdefault("eval", [])  # every held-out evaluation's figures, before training (step 0) on
         if "eval_before" not in summary:

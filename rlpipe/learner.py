@@ -22,11 +22,12 @@ from rlpipe.weightsync.probe import DECODE_TOKENS, DecodedProbe
 class Learner:
     """One rank of the learner group: the train engine plus what GRPO asks of it. `algo` is that config section;
     `model`, `learner` and `train` go to the engine; `samples_per_step` is a step's batch (prompts x group size),
-    `temperature` and `max_tokens` the rollout's sampling temperature and longest completion."""
+    `temperature` and `max_tokens` the rollout's sampling temperature and longest completion; `sync_adapters`: weight
+    sync sends learner.lora's adapters alone (`TrainEngine`)."""
 
     def __init__(
         self, model_path: str, *, model, learner, train, algo, samples_per_step: int, temperature: float,
-        max_tokens: int, seed: int = 0, rank: int = 0, world_size: int = 1,
+        max_tokens: int, seed: int = 0, rank: int = 0, world_size: int = 1, sync_adapters: bool = False,
     ):
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
@@ -43,7 +44,7 @@ class Learner:
             total_steps=train.steps * self.optimizer_steps_per_batch * self.num_iterations,
             step_rows=samples_per_step // self.optimizer_steps_per_batch,
             # vLLM reports log-probs after temperature; greedy decoding (0) has no temperature to divide by.
-            temperature=temperature or 1.0, rank=rank, world_size=world_size,
+            temperature=temperature or 1.0, rank=rank, world_size=world_size, sync_adapters=sync_adapters,
         )
         # Without a KL term there is nothing to compare against, so no second copy of the model is held.
         self.reference = self.engine.frozen_copy() if self.objective.needs_reference else None
@@ -59,6 +60,7 @@ class Learner:
             model_path, model=cfg.model, learner=cfg.learner, train=cfg.train, algo=cfg.algo,
             samples_per_step=cfg.samples_per_step, temperature=cfg.rollout.temperature,
             max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed, rank=rank, world_size=world_size,
+            sync_adapters=cfg.lora_sync()[0] == "adapters",
         )
 
     @property

@@ -15,12 +15,17 @@ Initialisation follows PEFT's default: A as nn.Linear initialises it (Kaiming-un
 leaves the model unchanged. `lora_A` is replicated rather than sharded when the learner shards (it is rank x in,
 small), so that every rank merges its own rows of `W + scaling * B A` from the rows of B it holds, with no
 collective: that is what the merged-weights sync sends.
+
+A sync of the adapters alone (`sync.lora`) sends each rank's rows of every adapter as the sync plan assigns them
+(`adapter_rows`: the rows of B it holds, and its share of the rows of the replicated A), and the engine writes what
+arrived as an adapter folder (`AdapterFolders`) that vLLM loads in place of the previous version.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -30,6 +35,7 @@ from torch import nn
 
 from rlpipe.config.learner import is_targeted
 from rlpipe.parallel.simple_fsdp import REPLICATED
+from rlpipe.weightsync.layout import shard_rows
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -217,3 +223,40 @@ def adapter_shapes_problem(base: dict[str, tuple[int, ...]], adapters: dict[str,
         ):
             return f"adapter {name}: its lora_A and lora_B do not pair up"
     return None
+
+
+def adapter_rows(
+    local: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], rank: int, ranks: int
+) -> dict[str, torch.Tensor]:
+    """This rank's rows of every adapter in `local` (the rank's state: B's rows, and A whole, as SimpleFSDP holds
+    it), as the sync plan has each rank send them: a tensor held whole on every rank (A) is cut to the rows
+    `shard_rows` gives this rank, so the ranks send it once between them."""
+    out = {}
+    for name, value in local.items():
+        rows = shapes[name][0]
+        if ranks > 1 and value.shape[0] == rows:
+            start, stop = shard_rows(rows, rank, ranks)
+            value = value[start:stop]
+        out[name] = value
+    return out
+
+
+class AdapterFolders:
+    """Where an engine writes each version of the adapters it receives, as a PEFT folder vLLM loads: two folders
+    under `root`, used in turn, so the version served before the latest one stays on disk while the latest is
+    written and loaded. `lora` is the learner.lora section, `base_path` the base model's folder."""
+
+    def __init__(self, root: str | os.PathLike, lora, base_path: str):
+        self.root, self.lora, self.base_path = Path(root), lora, base_path
+        self.written = 0
+
+    def write(self, adapters: dict[str, torch.Tensor]) -> Path:
+        """Write `adapters` (under their state-dict names) into the folder not written last; returns it."""
+        folder = self.root / ("a", "b")[self.written % 2]
+        shutil.rmtree(folder, ignore_errors=True)  # two versions old
+        save_adapter(adapters, self.lora, self.base_path, folder)
+        self.written += 1
+        return folder
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -2,19 +2,25 @@
 
 No Ray here, so it runs (and is tested) in one process; actors/rollout.py wraps it as an actor. The engine's end
 of the weight sync is a `WeightReceiver` (rlpipe/weightsync/receiver.py) given this engine's write, probe and
-pause; the write itself runs in vLLM's workers (rlpipe/vllm_worker.py).
+pause; the write itself runs in vLLM's workers (rlpipe/vllm_worker.py). An engine given LoRA adapters' config
+(`sync.lora` adapters) loads the base once and receives only the adapters: each version is written as an adapter
+folder and loaded through vLLM's LoRA support, and every generation applies it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import threading
 from collections.abc import Iterator
 
 import torch
 
 from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig, first_line, torchtpu_refusal
+from rlpipe.config.learner import LoraConfig
+from rlpipe.config.sync import vllm_lora_rank
+from rlpipe.lora import AdapterFolders
 from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.tools import Episode, EpisodeLimits, ToolSet, Turn, render_conversation, run_episodes
 from rlpipe.types import Completion, Prompt
@@ -72,6 +78,10 @@ def sampling_params(cfg: RolloutConfig, n: int, *, temperature: float | None = N
     )
 
 
+# The one adapter an engine serves: every version is loaded under this id, in place of the one before.
+POLICY_ADAPTER = ("rlpipe-policy", 1)
+
+
 def decoding_params():
     """vLLM's sampling parameters of a decoded probe: greedy, DECODE_TOKENS tokens whatever they are."""
     from vllm import SamplingParams
@@ -104,9 +114,11 @@ class RolloutEngine:
         *,
         kernels: KernelsConfig | None = None,
         progress_bars: bool = True,
+        lora: LoraConfig | None = None,
     ):
         """`kernels`: `model.kernels`, which rlpipe's model runs in the engine (`rollout.model_impl: rlpipe`);
-        `progress_bars`: vLLM's progress bar while it loads the weights."""
+        `progress_bars`: vLLM's progress bar while it loads the weights; `lora`: learner.lora, where each sync sends
+        its adapters alone (`Config.lora_sync`), None where syncs send whole weights."""
         _engine_env(cfg)
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -133,6 +145,15 @@ class RolloutEngine:
             register()  # in this process; vLLM's worker processes register it through the plugin entry point
             kernels = kernels or KernelsConfig()
             extra["hf_overrides"] = engine_overrides(kernels.rmsnorm, kernels.experts)
+        self.lora = lora
+        self._lora_request = None  # the adapter every generation applies; None: the base alone (version 0)
+        self._adapter_folders: AdapterFolders | None = None
+        if lora is not None:
+            if cfg.model_impl == "rlpipe":
+                raise RuntimeError("rollout: rlpipe's model in vLLM takes no LoRA adapters; sync.lora must be merged")
+            # One adapter, replaced in place at every sync; on CPU vLLM then runs the model uncompiled.
+            extra.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora.rank), max_loras=1)
+            self._adapter_folders = AdapterFolders(tempfile.mkdtemp(prefix="rlpipe-adapters-"), lora, model_path)
         block_size = cfg.kv_block_size or (CPU_KV_BLOCK_SIZE if current_platform.is_cpu() else None)
         if block_size:
             extra["block_size"] = block_size
@@ -171,8 +192,11 @@ class RolloutEngine:
             transport,
             write=self._write,
             probe=self._probe,
-            # Under the learner's names, which both vLLM's loaders and rlpipe's model in vLLM take.
-            initial_weights=lambda: load_model_weights(model_path, getattr(torch, cfg.dtype)),
+            # Under the learner's names, which both vLLM's loaders and rlpipe's model in vLLM take; with adapters,
+            # none: version 0 is the base alone (as the learner's fresh adapters, B = 0, leave it).
+            initial_weights=(lambda: {}) if lora is not None else (
+                lambda: load_model_weights(model_path, getattr(torch, cfg.dtype))
+            ),
             paused=self._generation_paused,
             tolerance=sync.probe_tolerance_for(cfg.dtype),
             # float32 engines reproduce the learner token for token; bf16 kernels differ a little on every token.
@@ -187,6 +211,8 @@ class RolloutEngine:
         self.sync.close()
         self.host_copy.close()
         self.llm.llm_engine.engine_core.shutdown()
+        if self._adapter_folders is not None:
+            self._adapter_folders.remove()
 
     # ------------------------------------------------------------------ generation
 
@@ -288,7 +314,8 @@ class RolloutEngine:
         """vLLM's offline loop, written out so that a sync can abort it between engine steps."""
         engine = self.llm.llm_engine
         # enqueue() returns engine-internal ids ("<id>-<suffix>"); outputs and abort_request use the part before.
-        request_ids = [internal.rsplit("-", 1)[0] for internal in self.llm.enqueue(prompts, params, use_tqdm=False)]
+        enqueued = self.llm.enqueue(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+        request_ids = [internal.rsplit("-", 1)[0] for internal in enqueued]
         finished = {}
         while engine.has_unfinished_requests():
             if self._abort_generation:
@@ -310,7 +337,8 @@ class RolloutEngine:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)
+        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False,
+                                      lora_request=self._lora_request)
         if output.prompt_logprobs is None:
             raise SyncError("this engine returns no log-probs of a given sequence (vLLM on TorchTPU); decode instead")
         return [0.0] + [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], token_ids[1:])]
@@ -320,19 +348,21 @@ class RolloutEngine:
         that cannot replay a sequence)."""
         from vllm.inputs import TokensPrompt
 
-        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], decoding_params(), use_tqdm=False)
+        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], decoding_params(), use_tqdm=False,
+                                      lora_request=self._lora_request)
         sample = output.outputs[0]
         tokens = list(sample.token_ids)
         return DecodedProbe(tokens, [step[token].logprob for step, token in zip(sample.logprobs, tokens)])
 
     # ------------------------------------------------------------------ weight sync
 
-    def layout(self) -> tuple[EngineLayout, list[str]]:
-        """This engine's layout for the sync plan, and its parameter names (to check the plan against)."""
+    def layout(self) -> tuple[EngineLayout, list[str] | None]:
+        """This engine's layout for the sync plan, and its parameter names (to check the plan against); None for
+        those of an engine that receives adapters, which vLLM loads by their own names."""
         (fused, params), *_ = self.llm.collective_rpc("rlpipe_layout")
         tp = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         layout = EngineLayout.from_hf_config(read_hf_config(self.model_path), tp, self.cfg.dtype, fused, params)
-        return layout, params
+        return layout, params if self.lora is None else None
 
     @property
     def policy_version(self) -> int:
@@ -380,12 +410,19 @@ class RolloutEngine:
 
     def _staging_memory(self) -> HostCopy | None:
         """Where staging assembles a version: in the host copy's shared memory when the workers read it (then the
-        write copies nothing), else (an in-process engine, workers elsewhere) in plain memory of the engine's."""
+        write copies nothing), else (an in-process engine, workers elsewhere, adapters that this process writes to
+        a folder) in plain memory of the engine's."""
+        if self.lora is not None:
+            return None
         return self.host_copy if not workers_in_process(self.cfg) and self._workers_share_memory() else None
 
     def _write(self, weights: dict[str, torch.Tensor]) -> None:
         """Every worker writes its part of `weights`. Workers in child processes on this host read one shared host
-        copy (rlpipe/weightsync/hostcopy.py): the RPC carries where each tensor lies, never its bytes."""
+        copy (rlpipe/weightsync/hostcopy.py): the RPC carries where each tensor lies, never its bytes. Adapters go
+        their own way (`_write_adapters`)."""
+        if self.lora is not None:
+            self._write_adapters(weights)
+            return
         in_place = self.sync_cfg.engine_write == "in_place"
         if workers_in_process(self.cfg):  # the worker is this process: the tensors themselves
             self._load_weights(list(weights.items()), in_place)
@@ -395,4 +432,24 @@ class RolloutEngine:
         else:  # some worker does not see this host's /dev/shm (vLLM's Ray executor may place them elsewhere)
             self._load_weights(encode_weights(weights), in_place)
         # Cached prefixes hold keys/values computed by the old weights.
+        self.llm.reset_prefix_cache()
+
+    def _write_adapters(self, adapters: dict[str, torch.Tensor]) -> None:
+        """Serve `adapters` (the received, checked version; empty: the base alone, version 0): written as a PEFT
+        folder and loaded by vLLM in place of the adapter it served. The workers' per-tensor check after a write
+        (`WeightWriter._check_written`) does not apply: vLLM's LoRA loader reads the folder itself, into adapter
+        buffers of its own layout; the probe that follows checks the adapted model's log-probs."""
+        from vllm.lora.request import LoRARequest
+
+        if not adapters:
+            self._lora_request = None
+        else:
+            folder = str(self._adapter_folders.write(adapters))
+            name, lora_id = POLICY_ADAPTER
+            # load_inplace replaces the adapter held under this id; generation's requests leave it off, or every
+            # engine step would load the folder again (vllm/lora/worker_manager.py add_adapter).
+            if not self.llm.llm_engine.add_lora(LoRARequest(name, lora_id, folder, load_inplace=True)):
+                raise SyncError(f"vLLM did not load the adapter folder {folder}")
+            self._lora_request = LoRARequest(name, lora_id, folder)
+        # Cached prefixes hold keys/values computed with the previous adapter (same id).
         self.llm.reset_prefix_cache()

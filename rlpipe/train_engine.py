@@ -27,7 +27,8 @@ from rlpipe.checkpoint import load_tensors, single_process_dcp
 from rlpipe.device import backend, step_boundary
 from rlpipe.forward import MicroBatch, Part, choose_forward, token_logprobs
 from rlpipe.lora import (
-    MergedWeights, WeightsWithAdapters, add_adapters, is_adapter_key, merged, merged_stream, save_adapter, scaling,
+    MergedWeights, WeightsWithAdapters, adapter_rows, add_adapters, is_adapter_key, merged, merged_stream, save_adapter,
+    scaling,
 )
 from rlpipe.models import read_hf_config, save_state_dict
 from rlpipe.models.hf import CheckpointWeights, meta_model
@@ -68,11 +69,13 @@ class TrainEngine:
     """One rank of the learner: `model`, `learner` and `train` are those config sections; `loss` the objective run
     on every micro-batch; `total_steps` the optimizer steps the schedule spans; `step_rows` the rows of the largest
     mini-batch; `temperature` the one the rollout engine sampled at (its log-probs are taken after it). Ranks of a
-    group of several call `join_process_group` together before training; a single process finishes its set-up itself."""
+    group of several call `join_process_group` together before training; a single process finishes its set-up itself.
+    `sync_adapters`: with learner.lora, weight sync sends the adapters alone (`Config.lora_sync`), else the merged
+    weights."""
 
     def __init__(
         self, model_path: str, model, learner, train, *, loss, total_steps: int, step_rows: int | None = None,
-        temperature: float = 1.0, rank: int = 0, world_size: int = 1,
+        temperature: float = 1.0, rank: int = 0, world_size: int = 1, sync_adapters: bool = False,
     ):
         self.model_path, self.model_section, self.learner, self.train = model_path, model, learner, train
         self.loss = loss
@@ -87,6 +90,7 @@ class TrainEngine:
         self.frozen: list = []
         self._unloaded: list = []  # (model on meta, its weights) for a scheme that loads once its group exists
         self.lora = learner.lora  # adapters on a frozen base (rlpipe/lora.py), or None: every parameter trains
+        self.sync_adapters = sync_adapters and self.lora is not None
         self.model = self._load(adapters=self.lora is not None)
         self.model.model.activation_checkpointing = learner.activation_checkpointing
         self.step_fn: GraphTrainStep | None = None
@@ -261,15 +265,22 @@ class TrainEngine:
         return merged(state, scaling(self.lora)) if self.lora is not None else state
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every weight's full shape under its Hugging Face name, in state-dict order. No communication."""
-        return {name: tuple(value.shape) for name, value in self.model.state_dict().items() if not is_adapter_key(name)}
+        """The full shape of every tensor weight sync sends, under its Hugging Face name, in state-dict order: every
+        weight, or with `sync_adapters` the adapters alone. No communication."""
+        return {
+            name: tuple(value.shape) for name, value in self.model.state_dict().items()
+            if is_adapter_key(name) == self.sync_adapters
+        }
 
     def local_weights(self) -> dict[str, torch.Tensor]:
-        """This rank's shard of every weight (the whole tensor when unsharded), as weight sync reads them: no
-        gather. Rows follow `rlpipe.weightsync.shard_rows`. With adapters these are the merged weights: B's rows are
-        the weight's rows and A is whole on every rank, so each rank merges its own rows, one weight at a time as the
-        sync reads it."""
+        """This rank's shard of every tensor `weight_shapes` names (the whole tensor when unsharded), as weight sync
+        reads them: no gather. Rows follow `rlpipe.weightsync.shard_rows`. With adapters merged, B's rows are the
+        weight's rows and A is whole on every rank, so each rank merges its own rows, one weight at a time as the
+        sync reads it; with `sync_adapters`, the rank's rows of each adapter (`adapter_rows`)."""
         state = self.strategy.local_weights(self.model)
+        if self.sync_adapters:
+            adapters = {name: value for name, value in state.items() if is_adapter_key(name)}
+            return adapter_rows(adapters, self.weight_shapes(), self.rank, self.world_size)
         return MergedWeights(state, scaling(self.lora)) if self.lora is not None else state
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

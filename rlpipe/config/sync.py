@@ -8,6 +8,15 @@ from typing import Literal
 from rlpipe.config.errors import require
 from rlpipe.config.keys import key
 
+# The adapter ranks vLLM's `max_lora_rank` takes (vllm/config/lora.py `MaxLoRARanks`, vLLM 0.32): an engine is
+# started with the smallest one that holds learner.lora.rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int | None:
+    """The engine's `max_lora_rank` for adapters of rank `rank`; None above the largest vLLM takes."""
+    return next((allowed for allowed in VLLM_LORA_RANKS if allowed >= rank), None)
+
 
 @dataclass
 class SyncConfig:
@@ -41,6 +50,12 @@ class SyncConfig:
         "check of an engine): one passing it fails the attempt, and an engine that does not answer is replaced",
     )
     retries: int = key(2, "a failed sync is tried again this many times, then the run stops as a lost worker")
+    lora: Literal["auto", "adapters", "merged"] = key(
+        "auto",
+        "with learner.lora, what a sync sends: adapters (the adapters alone; the engines load the base once and "
+        "apply them through vLLM's LoRA support), merged (every adapted weight as W + alpha/rank B A), auto: "
+        "adapters where the engines can take them, else merged (the run says why)",
+    )
     engine_write: Literal["in_place", "reload"] = key(
         "in_place",
         "how a CPU engine applies a version: in_place (copy into the weights it keeps beside its packed GEMM copies, "

@@ -19,7 +19,7 @@ from rlpipe.config.ray import RayConfig
 from rlpipe.config.reward import RewardConfig
 from rlpipe.config.rollout import RolloutConfig, torchtpu_refusal
 from rlpipe.config.run import RunConfig
-from rlpipe.config.sync import SyncConfig
+from rlpipe.config.sync import SyncConfig, vllm_lora_rank
 from rlpipe.config.train import TrainConfig
 
 
@@ -80,6 +80,7 @@ class Config:
         self._check_batches()
         self._check_engines_on_tpu()
         self._check_learner_step()
+        self._check_lora_sync()
 
     def _check_asynchronous_mode(self) -> None:
         require(
@@ -116,6 +117,36 @@ class Config:
             mini % self.train.micro_batch_size == 0,
             f"train.micro_batch_size: {self.train.micro_batch_size} does not divide the mini-batch of {mini} samples",
         )
+
+    def lora_sync(self) -> tuple[str | None, str]:
+        """What each weight sync sends with learner.lora, decided once at start-up: ("adapters", "") for the
+        adapters alone, ("merged", why) for merged weights, (None, "") without adapters (every weight trains)."""
+        if self.learner.lora is None:
+            return None, ""
+        if self.sync.lora == "merged":
+            return "merged", "sync.lora: merged"
+        refused = self._adapters_refused()
+        return ("merged", refused) if refused else ("adapters", "")
+
+    def _adapters_refused(self) -> str | None:
+        """Why the engines cannot take learner.lora's adapters, or None when they can."""
+        lora = self.learner.lora
+        if self.rollout.model_impl == "rlpipe":
+            return "rlpipe's model in vLLM (rollout.model_impl: rlpipe) takes no adapters"
+        if self.placement.rollout.tpu is not None:
+            return "vLLM on TorchTPU's LoRA path is not verified (placement.rollout.tpu is set)"
+        if vllm_lora_rank(lora.rank) is None:
+            return f"learner.lora.rank {lora.rank} is above the largest adapter rank vLLM takes (512)"
+        if "lm_head" in lora.target_modules:  # vLLM wraps its output layer apart from the other linear layers
+            return "learner.lora.target_modules names lm_head, whose adapter in vLLM is not verified"
+        return None
+
+    def _check_lora_sync(self) -> None:
+        if self.sync.lora != "adapters":
+            return
+        require(self.learner.lora is not None, "sync.lora: adapters needs LoRA adapters (set learner.lora.rank)")
+        refused = self._adapters_refused()
+        require(refused is None, f"sync.lora: adapters is not possible here: {refused}; use auto or merged")
 
     def _check_engines_on_tpu(self) -> None:
         if self.placement.rollout.tpu is not None:  # the engines run vLLM on TorchTPU

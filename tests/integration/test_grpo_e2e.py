@@ -10,6 +10,8 @@ import pytest
 from rlpipe import evaluation
 from rlpipe.config import load_config
 from rlpipe.controller import train
+from rlpipe.lora import targeted_modules
+from rlpipe.models import load_model
 
 pytestmark = pytest.mark.integration
 
@@ -424,11 +426,16 @@ def test_trl_documentation_rewards_and_a_verl_compute_score_run_as_written(tmp_p
         f"{{name: verl, kwargs: {{function: '{verl_file}:batch_compute_score', ground_truth_column: ground_truth}}}}",
         "{name: 'tests.unit.reward_fixtures:reads_trainer_state', weight: 0.0}",
     ], ["learner.lora.rank=1", "learner.lora.alpha=16"])
-    # Trained as a TRL run with a peft_config would be: rank-1 LoRA adapters on every linear layer. The engine gets
-    # the merged weights, and after the step (whose length rewards differ within groups, so B leaves zero) its
-    # probe matches the learner's adapted model.
+    # Trained as a TRL run with a peft_config would be: rank-1 LoRA adapters on every linear layer. The engine loads
+    # the base once and receives the adapters alone (float32: (in + out) x rank x 4 bytes each), which vLLM applies;
+    # after the step (whose length rewards differ within groups, so B leaves zero) its probe matches the learner's
+    # adapted model.
     assert record["grad_norm"] > 0 and record["sync/policy_shift"] > 0 and record["sync/probe_max_abs"] < 1e-5
-    assert "weight sync: merged LoRA weights" in (tmp_path / "runs" / "trl-text" / "logs" / "run.log").read_text()
+    model = load_model(tiny_qwen3)
+    adapter_bytes = sum((m.in_features + m.out_features) * 4 for _, m in targeted_modules(model, ["all-linear"]))
+    model_bytes = sum(t.numel() * 4 for t in model.state_dict().values())
+    assert record["sync/bytes"] == adapter_bytes < model_bytes / 20, (record["sync/bytes"], model_bytes)
+    assert "weight sync: LoRA adapters only" in (tmp_path / "runs" / "trl-text" / "logs" / "run.log").read_text()
     for group in groups:
         group["row"] = text_rows[group["sample_id"]]
     texts, truths = (lambda g: g["completions"]), (lambda g: [g["row"]["ground_truth"]] * len(g["completions"]))

@@ -1,6 +1,6 @@
-"""LoRA adapters on the learner (rlpipe/lora.py): a frozen base, adapters alone trained and in the optimizer, merged
-weights for the engines, PEFT's adapter format on export, checkpoints of adapters alone with exact resume, and
-two sharded ranks equal to one."""
+"""LoRA adapters on the learner (rlpipe/lora.py): a frozen base, adapters alone trained and in the optimizer, the
+adapters alone or merged weights for the engines (sync.lora), the adapter folders an engine writes, PEFT's adapter
+format on export, checkpoints of adapters alone with exact resume, and two sharded ranks equal to one."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from rlpipe.checkpoint import CheckpointError
 from rlpipe.cli import main
 from rlpipe.config import ConfigError, load_config
 from rlpipe.learner import Learner, combine_rank_metrics
-from rlpipe.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_shapes_problem, is_adapter_key
-from rlpipe.models import load_model
+from rlpipe.lora import (
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, AdapterFolders, adapter_rows, adapter_shapes_problem, is_adapter_key,
+)
+from rlpipe.models import load_model, read_hf_config
 from rlpipe.parallel.mesh import find_free_port
-from rlpipe.weightsync import shard_rows
+from rlpipe.weightsync import EngineLayout, Staging, pack_part, plan_sync, shard_rows
 from tests.batches import four_samples
 from tests.unit.test_learner_group import _batches, _config, _rank
 
@@ -88,8 +90,91 @@ def test_the_base_is_frozen_and_only_the_adapters_train_and_hold_optimizer_state
     assert all(torch.count_nonzero(g) for g in grads)
 
 
-def test_engines_receive_the_merged_weights_which_give_the_adapted_models_logits(tiny_qwen3):
+def test_sync_lora_sends_adapters_where_the_engines_take_them_else_merged_weights_with_the_reason():
+    assert load_config(None, ["learner.lora.rank=1"]).lora_sync() == ("adapters", "")
+    assert load_config(None, []).lora_sync() == (None, "")  # full fine-tuning: whole weights
+    for extra, reason in [
+        (["sync.lora=merged"], "sync.lora: merged"),
+        (["rollout.model_impl=rlpipe"], "rollout.model_impl: rlpipe"),
+        (["learner.lora.rank=600"], "above the largest adapter rank vLLM takes"),
+        (["learner.lora.target_modules=[q_proj,lm_head]"], "lm_head"),
+    ]:
+        mode, why = load_config(None, ["learner.lora.rank=1", *extra]).lora_sync()
+        assert mode == "merged" and reason in why, extra
+    for bad, message in [
+        (["sync.lora=adapters"], "sync.lora: adapters needs LoRA adapters"),
+        (["learner.lora.rank=1", "sync.lora=adapters", "rollout.model_impl=rlpipe"],
+         "sync.lora: adapters is not possible here: rlpipe's model in vLLM"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, bad)
+
+
+def test_an_adapter_sync_sends_the_adapters_alone_and_two_ranks_send_each_row_once(tiny_qwen3):
+    """The sync state is the adapters under their state-dict names. Over two ranks each sends the rows of B it holds
+    and its share of A's rows (A is whole on every rank): through the real plan, packing and staging, the engine
+    assembles exactly the adapters."""
     learner = _learner(tiny_qwen3)
+    assert learner.engine.sync_adapters
+    _randomise_adapters(learner)
+    adapters = {name: p.detach().clone() for name, p in _adapters(learner).items()}
+    shapes = learner.weight_shapes()
+    assert shapes == {name: tuple(value.shape) for name, value in adapters.items()}
+    sent = learner.local_weights()
+    assert sent.keys() == adapters.keys()
+    for name, value in sent.items():
+        assert torch.equal(value, adapters[name]), name
+
+    layout = EngineLayout.from_hf_config(read_hf_config(tiny_qwen3), 1, "float32")
+    plan = plan_sync(shapes, 2, layout, 4096)
+    assert len(plan.buckets) > 1
+    staging = Staging(plan, version=1)
+    for rank in range(2):
+        held = {  # as SimpleFSDP holds them: A replicated, B's rows sharded
+            name: value if ".lora_A." in name else value[slice(*shard_rows(value.shape[0], rank, 2))]
+            for name, value in adapters.items()
+        }
+        local = adapter_rows(held, shapes, rank, 2)
+        for name, value in local.items():
+            start, stop = shard_rows(shapes[name][0], rank, 2)
+            assert torch.equal(value, adapters[name][start:stop]), name
+        for bucket in plan.buckets:
+            if bucket.part_bytes(rank):
+                buffer = np.empty(bucket.part_bytes(rank), dtype=np.uint8)
+                digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, version=1)
+                staging.add(bucket.index, rank, buffer, digest)
+    received = staging.complete()
+    assert received.keys() == adapters.keys()
+    for name, value in received.items():
+        assert torch.equal(value, adapters[name]), name
+
+
+def test_an_engine_writes_each_version_into_the_other_of_two_adapter_folders_that_peft_loads(tiny_qwen3, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    learner = _learner(tiny_qwen3)
+    folders = AdapterFolders(tmp_path / "adapters", learner.engine.lora, tiny_qwen3)
+    versions = []
+    for seed in (1, 2, 3):
+        _randomise_adapters(learner, seed)
+        versions.append({name: p.detach().clone() for name, p in _adapters(learner).items()})
+    first, second = folders.write(versions[0]), folders.write(versions[1])
+    assert first != second and (first / ADAPTER_WEIGHTS).exists()  # the previous version stays for a rollback
+    assert folders.write(versions[2]) == first  # two versions old: replaced
+    ids = torch.tensor([[5, 9, 17, 33, 2, 40, 41]])
+    with torch.no_grad():
+        ours = learner.model(ids)  # the third version's adapters
+        hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
+        torch.testing.assert_close(peft.PeftModel.from_pretrained(hf, str(first)).eval()(ids).logits, ours,
+                                   atol=1e-5, rtol=0)
+    folders.remove()
+    assert not (tmp_path / "adapters").exists()
+
+
+def test_engines_receive_the_merged_weights_which_give_the_adapted_models_logits(tiny_qwen3):
+    learner = _learner(tiny_qwen3, "sync.lora=merged")
+    assert not learner.engine.sync_adapters
     _randomise_adapters(learner)
     base = load_model(tiny_qwen3).state_dict()
     adapters = {name: p.detach() for name, p in _adapters(learner).items()}
@@ -164,7 +249,8 @@ def test_a_checkpoint_holds_the_adapters_alone_resumes_exactly_and_exports_as_pe
     expected = {name: p.detach().clone() for name, p in _adapters(learner).items()}
 
     resumed = _learner(tiny_qwen3)
-    checkpoint.check_fits(saved, resumed.weight_shapes(), "the tiny qwen3")
+    base = {name: tuple(value.shape) for name, value in load_model(tiny_qwen3).state_dict().items()}
+    checkpoint.check_fits(saved, base, "the tiny qwen3")
     resumed.load_checkpoint(str(saved / checkpoint.LEARNER_STATE))
     resumed.train_step(batches[1])
     for name, value in _adapters(resumed).items():
@@ -172,7 +258,7 @@ def test_a_checkpoint_holds_the_adapters_alone_resumes_exactly_and_exports_as_pe
     checkpoint.check_trains_alike(saved, lora=True)
     with pytest.raises(CheckpointError, match="it holds LoRA adapters; learner.lora must be set to resume from it"):
         checkpoint.check_trains_alike(saved, lora=False)
-    wider = {**resumed.weight_shapes(), "model.layers.1.mlp.down_proj.weight": (64, 999)}  # another model's
+    wider = {**base, "model.layers.1.mlp.down_proj.weight": (64, 999)}  # another model's
     with pytest.raises(CheckpointError, match="its weights do not fit another model: adapter .*down_proj"):
         checkpoint.check_fits(saved, wider, "another model")
 
@@ -199,13 +285,14 @@ def test_adapter_shapes_are_checked_against_the_base():
 
 def test_two_sharded_ranks_train_the_adapters_as_one_rank_does(tiny_qwen3):
     """SimpleFSDP over two ranks: the same losses, and the merged weights each rank sends (its own rows, merged
-    without a collective: lora_A is replicated) are the single rank's."""
-    single = _learner(tiny_qwen3)
+    without a collective: lora_A is replicated, as the adapter sync's test above takes it) are the single rank's."""
+    merged = (*LORA, "sync.lora=merged")
+    single = _learner(tiny_qwen3, "sync.lora=merged")
     single_metrics = [combine_rank_metrics([single.train_step(b)]) for b in _batches()]
     context = mp.get_context("spawn")
     results = context.Queue()
     port = find_free_port()
-    procs = [context.Process(target=_rank, args=(r, 2, tiny_qwen3, port, False, results, LORA)) for r in range(2)]
+    procs = [context.Process(target=_rank, args=(r, 2, tiny_qwen3, port, False, results, merged)) for r in range(2)]
     for p in procs:
         p.start()
     outputs = [results.get(timeout=600) for _ in procs]
