@@ -18,6 +18,7 @@ from rlpipe.actors.placement import PlacedRole
 from rlpipe.actors.rollout import RolloutActor
 from rlpipe.config import Config
 from rlpipe.logs import LogSetup
+from rlpipe.lora import lora_sync
 from rlpipe.types import Completion, Prompt
 from rlpipe.weightsync import SyncError
 
@@ -71,7 +72,8 @@ class EnginePool:
         log = None if self.log is None else replace(self.log, who=f"rollout-{index}")
         return RolloutActor.options(**self.placement.options(index, compute_env())).remote(
             self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync, log,
-            self.cfg.model.kernels, self.cfg.learner.lora if self.cfg.lora_sync()[0] == "adapters" else None,
+            self.cfg.model.kernels,
+            self.cfg.learner.lora if lora_sync(self.cfg, self.model_path)[0] == "adapters" else None,
         )
 
     def hosts(self) -> list[str]:

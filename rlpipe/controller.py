@@ -20,6 +20,7 @@ from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError
 from rlpipe.data import PromptSet, Sampler, drop_overlong_prompts, load_rows, reward_columns
 from rlpipe.logs import LOG_FILE, LogSetup, driver_logging
+from rlpipe.lora import lora_sync
 from rlpipe.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
 from rlpipe.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
@@ -68,10 +69,10 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
             f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, "
             f"probe max |engine - learner| {check['sync/probe_max_abs']:.1e}"
         )
-        lora_sync, why_merged = cfg.lora_sync()
-        if lora_sync == "adapters":
+        sync_mode, why_merged = lora_sync(cfg, run.model_path)
+        if sync_mode == "adapters":
             log.note(f"weight sync: LoRA adapters only ({check['sync/bytes'] / 1e6:.2f} MB a version)")
-        elif lora_sync == "merged":  # the engines hold no adapter: each sync sends W + (alpha / rank) B A
+        elif sync_mode == "merged":  # the engines hold no adapter: each sync sends W + (alpha / rank) B A
             log.note(f"weight sync: merged LoRA weights ({why_merged})")
         summary = run.summary or {}
         summary.setdefault("eval", [])  # every held-out evaluation's figures, before training (step 0) on

@@ -11,6 +11,7 @@ import torch
 
 from rlpipe.algo import build_objective
 from rlpipe.config import Config
+from rlpipe.lora import lora_sync
 from rlpipe.models import read_hf_config
 from rlpipe.models.moe import balance_loss_from_sums
 from rlpipe.models.registry import model_architecture
@@ -60,7 +61,7 @@ class Learner:
             model_path, model=cfg.model, learner=cfg.learner, train=cfg.train, algo=cfg.algo,
             samples_per_step=cfg.samples_per_step, temperature=cfg.rollout.temperature,
             max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed, rank=rank, world_size=world_size,
-            sync_adapters=cfg.lora_sync()[0] == "adapters",
+            sync_adapters=lora_sync(cfg, model_path)[0] == "adapters",
         )
 
     @property

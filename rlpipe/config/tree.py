@@ -118,14 +118,18 @@ class Config:
             f"train.micro_batch_size: {self.train.micro_batch_size} does not divide the mini-batch of {mini} samples",
         )
 
-    def lora_sync(self) -> tuple[str | None, str]:
+    def lora_sync(self, moe: bool = False) -> tuple[str | None, str]:
         """What each weight sync sends with learner.lora, decided once at start-up: ("adapters", "") for the
-        adapters alone, ("merged", why) for merged weights, (None, "") without adapters (every weight trains)."""
+        adapters alone, ("merged", why) for merged weights, (None, "") without adapters (every weight trains).
+        `moe`: the model has mixture-of-experts layers, which auto syncs merged (`rlpipe.lora.lora_sync` reads it
+        from the model folder)."""
         if self.learner.lora is None:
             return None, ""
         if self.sync.lora == "merged":
             return "merged", "sync.lora: merged"
         refused = self._adapters_refused()
+        if refused is None and moe and self.sync.lora == "auto":
+            refused = "adapters on a mixture-of-experts model (its router a Linear too) are not verified in vLLM"
         return ("merged", refused) if refused else ("adapters", "")
 
     def _adapters_refused(self) -> str | None:

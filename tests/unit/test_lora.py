@@ -18,6 +18,7 @@ from rlpipe.config import ConfigError, load_config
 from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.lora import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, AdapterFolders, adapter_rows, adapter_shapes_problem, is_adapter_key,
+    lora_sync,
 )
 from rlpipe.models import load_model, read_hf_config
 from rlpipe.parallel.mesh import find_free_port
@@ -90,8 +91,13 @@ def test_the_base_is_frozen_and_only_the_adapters_train_and_hold_optimizer_state
     assert all(torch.count_nonzero(g) for g in grads)
 
 
-def test_sync_lora_sends_adapters_where_the_engines_take_them_else_merged_weights_with_the_reason():
-    assert load_config(None, ["learner.lora.rank=1"]).lora_sync() == ("adapters", "")
+def test_sync_lora_sends_adapters_where_the_engines_take_them_else_merged_weights_with_the_reason(
+    tiny_qwen3, tiny_qwen3_moe
+):
+    cfg = load_config(None, ["learner.lora.rank=1"])
+    assert cfg.lora_sync() == lora_sync(cfg, tiny_qwen3) == ("adapters", "")
+    mode, why = lora_sync(cfg, tiny_qwen3_moe)
+    assert mode == "merged" and "mixture-of-experts" in why
     assert load_config(None, []).lora_sync() == (None, "")  # full fine-tuning: whole weights
     for extra, reason in [
         (["sync.lora=merged"], "sync.lora: merged"),
