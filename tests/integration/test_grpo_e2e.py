@@ -463,6 +463,7 @@ def test_trl_documentation_rewards_and_a_verl_compute_score_run_as_written(tmp_p
     if trl is not None:
         functions.append("{name: 'trl.rewards:accuracy_reward'}")
     record, groups = _one_step(tmp_path, tiny_qwen3, "trl-chat", chat_rows, functions, ["data.prompt_field=prompt"])
+    assert record["sync/bytes"] > 20 * adapter_bytes  # trained fully, this run syncs the whole model
     for group in groups:
         group["row"] = chat_rows[group["sample_id"]]
 
