@@ -5,6 +5,7 @@ hosts) get it as bytes. Runs inside vLLM's workers."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable, Iterator
 
@@ -73,7 +74,7 @@ class WeightWriter:
             held, start = _held_rows(name, tensor, params, fused, rows)
             if held is None:
                 continue
-            if not torch.equal(held, tensor):
+            if not _equal_bytes(held, tensor):
                 raise SyncError(f"after the write the engine's model does not hold {name} as it was given "
                                 f"(rows {start}-{start + rows[name]} of its parameter differ); the write went wrong")
 
@@ -221,6 +222,25 @@ class WeightWriter:
             return  # untied, or rlpipe's model, whose output projection reads the embedding itself
         model.lm_head.weight = model.model.embed_tokens.weight
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bytes: libc's memcmp for contiguous host tensors
+    (2-2.5x torch.equal's speed on a model's worth of weights), torch.equal otherwise."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.device.type != "cpu" or b.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()):
+        return torch.equal(a, b)
+    return _memcmp()(a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()) == 0
+
+
+@functools.cache
+def _memcmp():
+    import ctypes
+
+    memcmp = ctypes.CDLL(None).memcmp
+    memcmp.restype, memcmp.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memcmp
 
 
 def _held_rows(name: str, tensor: torch.Tensor, params: dict[str, torch.Tensor], fused: dict[str, tuple[str, list[str]]],

@@ -847,3 +847,18 @@ def test_the_engine_finds_each_given_tensor_where_its_model_holds_it():
     assert _held_rows("model.layers.0.mlp.experts.0.up_proj.weight", given["model.layers.0.mlp.experts.0.up_proj.weight"],
                       params, fused, rows) == (None, 0)  # not held as given: not compared
     assert _held_rows("model.norm.weight", given["model.norm.weight"].to(torch.bfloat16), params, fused, rows) == (None, 0)
+
+
+def test_the_engines_comparison_after_a_write_is_bit_for_bit():
+    from rlpipe.vllm_worker import _equal_bytes
+
+    given = torch.randn(64, 32)
+    held = torch.cat([torch.randn(8, 32), given])[8:]  # rows of a larger parameter, as a fused one holds them
+    assert _equal_bytes(held, given)
+    for index in (0, 777, given.numel() - 1):  # one value one ulp off, at the start, inside, at the end
+        changed = given.clone()
+        changed.view(-1)[index] = changed.view(-1)[index].nextafter(torch.tensor(float("inf")))
+        assert not _equal_bytes(held, changed), index
+    assert not _equal_bytes(torch.tensor([0.0]), torch.tensor([-0.0]))  # equal values, other bits
+    assert _equal_bytes(given.t(), given.t().clone())  # not contiguous: compared by value
+    assert not _equal_bytes(given, given.to(torch.float64)) and not _equal_bytes(given, given[:, :31])
