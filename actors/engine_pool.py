@@ -58,9 +58,13 @@ class EnginePool:
         tokenizer_path: str | None,
         note: Callable[[str], None],
         log: LogSetup | None = None,
+        synced: bool = True,
     ):
         self.cfg, self.placement, self.note, self.log = cfg, placement, note, log
         self.model_path, self.tokenizer_path = model_path, tokenizer_path
+        # Engines of a training run that syncs the adapters alone are started to take them (enable_lora); those
+        # that only evaluate (EvalRoles, a merged export) are not.
+        self.receives_adapters = synced and lora_sync(cfg, model_path)[0] == "adapters"
         self.engines: list = []
         self.restarts = [0] * cfg.rollout.num_engines
 
@@ -73,7 +77,7 @@ class EnginePool:
         return RolloutActor.options(**self.placement.options(index, compute_env())).remote(
             self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync, log,
             self.cfg.model.kernels,
-            self.cfg.learner.lora if lora_sync(self.cfg, self.model_path)[0] == "adapters" else None,
+            self.cfg.learner.lora if self.receives_adapters else None,
         )
 
     def hosts(self) -> list[str]:

@@ -54,7 +54,7 @@ class EvalRoles:
         self.placements.append(engines)
         rewarders = place_role("reward", cfg.placement.reward, cfg.reward.num_workers, timeout_s)
         self.placements.append(rewarders)
-        self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, note, self.log)
+        self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, note, self.log, synced=False)
         self.pool.start()
         specs = [asdict(spec) for spec in cfg.reward.functions]
         restarts = cfg.reward.max_restarts

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 
@@ -20,7 +19,7 @@ import torch
 from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig, first_line, torchtpu_refusal
 from rlpipe.config.learner import LoraConfig
 from rlpipe.config.sync import vllm_lora_rank
-from rlpipe.lora import AdapterFolders
+from rlpipe.lora import AdapterFolders, adapter_root
 from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.tools import Episode, EpisodeLimits, ToolSet, Turn, render_conversation, run_episodes
 from rlpipe.types import Completion, Prompt
@@ -153,7 +152,7 @@ class RolloutEngine:
                 raise RuntimeError("rollout: rlpipe's model in vLLM takes no LoRA adapters; sync.lora must be merged")
             # One adapter, replaced in place at every sync; on CPU vLLM then runs the model uncompiled.
             extra.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora.rank), max_loras=1)
-            self._adapter_folders = AdapterFolders(tempfile.mkdtemp(prefix="rlpipe-adapters-"), lora, model_path)
+            self._adapter_folders = AdapterFolders(adapter_root(), lora, model_path)
         block_size = cfg.kv_block_size or (CPU_KV_BLOCK_SIZE if current_platform.is_cpu() else None)
         if block_size:
             extra["block_size"] = block_size

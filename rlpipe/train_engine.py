@@ -277,10 +277,10 @@ class TrainEngine:
         reads them: no gather. Rows follow `rlpipe.weightsync.shard_rows`. With adapters merged, B's rows are the
         weight's rows and A is whole on every rank, so each rank merges its own rows, one weight at a time as the
         sync reads it; with `sync_adapters`, the rank's rows of each adapter (`adapter_rows`)."""
-        state = self.strategy.local_weights(self.model)
-        if self.sync_adapters:
-            adapters = {name: value for name, value in state.items() if is_adapter_key(name)}
+        if self.sync_adapters:  # the frozen base never leaves the device
+            adapters = self.strategy.local_weights(self.model, keep=is_adapter_key)
             return adapter_rows(adapters, self.weight_shapes(), self.rank, self.world_size)
+        state = self.strategy.local_weights(self.model)
         return MergedWeights(state, scaling(self.lora)) if self.lora is not None else state
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

@@ -129,7 +129,7 @@ class Config:
             return "merged", "sync.lora: merged"
         refused = self._adapters_refused()
         if refused is None and moe and self.sync.lora == "auto":
-            refused = "adapters on a mixture-of-experts model (its router a Linear too) are not verified in vLLM"
+            refused = "adapter syncs of mixture-of-experts models are not verified in vLLM"
         return ("merged", refused) if refused else ("adapters", "")
 
     def _adapters_refused(self) -> str | None:

@@ -15,7 +15,7 @@ the backend table, rlpipe/device.py):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,8 +54,10 @@ class Unsharded:
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return dict(self.full_tensors(model))
 
-    def local_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return self.full_state_dict(model)
+    def local_weights(self, model: nn.Module, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+        """This rank's part of every state-dict entry `keep` accepts (all without it), on the host: only those are
+        copied there."""
+        return {name: value.cpu() for name, value in model.state_dict().items() if keep is None or keep(name)}
 
 
 class SimpleFSDP(Unsharded):
@@ -92,11 +94,12 @@ class SimpleFSDP(Unsharded):
         for name, value in full_tensors(model):
             yield name, value.cpu()
 
-    def local_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def local_weights(self, model: nn.Module, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
         from torch.distributed.tensor import DTensor
 
         state = model.state_dict()
-        return {name: (value.to_local() if isinstance(value, DTensor) else value).cpu() for name, value in state.items()}
+        return {name: (value.to_local() if isinstance(value, DTensor) else value).cpu() for name, value in state.items()
+                if keep is None or keep(name)}
 
 
 class XlaSpmd(Unsharded):

@@ -68,7 +68,7 @@ def remove_orphaned_segments(directory: str = "/dev/shm") -> list[str]:
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
             pid = name[len(_SEGMENT_PREFIX) :].split("-")[0]
-            if not name.startswith(_SEGMENT_PREFIX) or not pid.isdigit() or _process_alive(int(pid)):
+            if not name.startswith(_SEGMENT_PREFIX) or not pid.isdigit() or process_alive(int(pid)):
                 continue
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
@@ -76,7 +76,7 @@ def remove_orphaned_segments(directory: str = "/dev/shm") -> list[str]:
     return removed
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

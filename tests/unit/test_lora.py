@@ -5,6 +5,7 @@ format on export, checkpoints of adapters alone with exact resume, and two shard
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -344,3 +345,20 @@ def test_the_syncs_merged_weights_are_computed_one_at_a_time_as_they_are_read():
     assert set(read) == {"q.weight", "q.lora_A.weight", "q.lora_B.weight"}
     assert "q.lora_A.weight" not in view
     assert {name: t.tolist() for name, t in merged(state, 0.5).items()} == {name: view[name].tolist() for name in view}
+
+
+def test_adapter_folders_of_engines_whose_process_is_gone_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    from rlpipe.lora import ADAPTER_FOLDER_PREFIX, adapter_root
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{ADAPTER_FOLDER_PREFIX}{gone.stdout.strip()}-x"
+    alive = tmp_path / f"{ADAPTER_FOLDER_PREFIX}1-y"  # process 1 lives as long as the machine
+    other = tmp_path / f"{ADAPTER_FOLDER_PREFIX}notapid"
+    for folder in (dead, alive, other):
+        (folder / "a").mkdir(parents=True)
+    root = adapter_root(str(tmp_path))
+    assert not dead.exists() and alive.exists() and other.exists()
+    assert root.startswith(str(tmp_path / f"{ADAPTER_FOLDER_PREFIX}{os.getpid()}-"))
