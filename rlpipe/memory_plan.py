@@ -114,6 +114,7 @@ from pathlib import Path
 
 from rlpipe.config import Config, ConfigError, recipes_dir
 from rlpipe.config.learner import is_targeted
+from rlpipe.config.sync import vllm_lora_rank
 from rlpipe.device import TpuSlice, backend
 from rlpipe.tpu_layout import SliceShare, slice_problems, slice_shares
 from rlpipe.models.hf import MAX_SHARD_BYTES
@@ -294,6 +295,10 @@ class ModelSize:
     def adapter_params(self, rank: int, targets: list[str]) -> int:
         """Parameters of rank-`rank` LoRA adapters (A: rank x in, B: out x rank) on the Linears `targets` names."""
         return sum(rank * (n_in + n_out) for name, n_in, n_out in self.linear_layers if is_targeted(name, targets))
+
+    def largest_targeted_params(self, targets: list[str]) -> int:
+        """The largest weight among the Linears `targets` names (what one LoRA merge works on)."""
+        return max((n_in * n_out for name, n_in, n_out in self.linear_layers if is_targeted(name, targets)), default=0)
 
     def largest_adapter_params(self, rank: int, targets: list[str]) -> int:
         return max((rank * max(n_in, n_out) for name, n_in, n_out in self.linear_layers if is_targeted(name, targets)),
@@ -581,11 +586,14 @@ def learner_peaks(
     R = share.chips_per_host if share is not None else M  # ranks per host: one per chip
     rows = arch.largest_rows_params(M)
     limit, limit_label, missing = _host_limit(share, "learner", manifests)
-    kept = R * P * rb / M  # each rank's packed parts of every bucket, reused by every later version
     lora = cfg.learner.lora
-    # With LoRA each rank merges W + scaling * B A one tensor's rows at a time for the sync; a checkpoint holds
-    # only the adapters.
-    merging = R * rows * b if lora is not None else 0
+    synced = synced_params(cfg, arch)
+    kept = R * synced * rb / M  # each rank's packed parts of every bucket, reused by every later version
+    # With merged LoRA weights each rank merges W + scaling * B A one tensor's rows at a time for the sync, in
+    # float32 (the weight and the product), then cast; a checkpoint holds only the adapters.
+    merging = 0
+    if lora is not None and synced == P:
+        merging = R * math.ceil(arch.largest_targeted_params(lora.target_modules) / M) * (8 + b)
     item = arch.largest_adapter_params(lora.rank, lora.target_modules) if lora is not None else rows
     phases = (
         Part(
@@ -596,7 +604,8 @@ def learner_peaks(
         Part(
             "host_sync",
             f"sync: {R} x packed parts ({cfg.rollout.dtype}, 1/{M}) + object-store copies"
-            + (f" + {R} x one merged tensor's rows ({master})" if lora is not None else ""),
+            + (f" + {R} x one merged tensor's rows (float32)" if merging else "")
+            + (" (the LoRA adapters alone)" if synced != P else ""),
             2 * kept + merging,
         ),
         Part(
@@ -629,12 +638,32 @@ def learner_peaks(
     return load_peak, host_peak
 
 
+def synced_params(cfg: Config, arch: ModelSize) -> int:
+    """Parameters a weight sync sends: the whole model, or learner.lora's adapters where they go alone
+    (`Config.lora_sync`)."""
+    lora = cfg.learner.lora
+    if lora is not None and cfg.lora_sync(moe=arch.moe_layers > 0)[0] == "adapters":
+        return arch.adapter_params(lora.rank, lora.target_modules)
+    return arch.params
+
+
+def _lora_buffers(cfg: Config, arch: ModelSize, rb: int, T: int) -> tuple[Part, ...]:
+    """vLLM's buffers for the one adapter an engine serves when syncs send the adapters alone: every targeted layer
+    at max_lora_rank (the rank rounded up to a value vLLM takes)."""
+    lora = cfg.learner.lora
+    if synced_params(cfg, arch) == arch.params:
+        return ()
+    rank = vllm_lora_rank(lora.rank)
+    return (Part("lora_buffers", f"LoRA adapter buffers (max_lora_rank {rank}, 1/{T})",
+                 arch.adapter_params(rank, lora.target_modules) * rb / T),)
+
+
 def rollout_peak(cfg: Config, arch: ModelSize, share: SliceShare | None, manifests: Path | None) -> Peak:
     """An engine host's RAM at a sync: the staged version, the buckets in flight, the rollback copy."""
     T = cfg.rollout.tensor_parallel
     rb = DTYPE_BYTES[cfg.rollout.dtype]
     engines = max(1, share.chips_per_host // T) if share is not None else 1
-    weights = arch.params * rb
+    weights = synced_params(cfg, arch) * rb
     bucket = max(cfg.sync.bucket_mb * 2**20, arch.largest_tensor_params * rb)  # a tensor is never split
     each = f" x {engines} engine{'s' if engines > 1 else ''}"
     parts = [
@@ -758,6 +787,7 @@ def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = No
         (
             Part("weights", f"weights ({cfg.rollout.dtype}, 1/{T})", weights),
             Part("kv_cache", f"KV cache ({sequences} seqs x {context} tokens, {kv_chip} kv heads/chip)", kv),
+            *_lora_buffers(cfg, arch, rb, T),
         ),
         rollout_share,
         usable_fraction=min(cfg.rollout.gpu_memory_utilization, 1.0),

@@ -133,7 +133,7 @@ def test_arithmetic_of_a_small_architecture_by_hand(tmp_path):
 
 @pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj"], ["mlp.down_proj", "lm_head"]])
 def test_lora_counts_the_adapters_the_learner_adds_and_trains_nothing_else(tmp_path, targets):
-    from rlpipe.config.learner import LoraConfig
+    from rlpipe.config.learner import LoraConfig, is_targeted
     from rlpipe.lora import add_adapters
     from rlpipe.models.hf import meta_model
 
@@ -154,6 +154,22 @@ def test_lora_counts_the_adapters_the_learner_adds_and_trains_nothing_else(tmp_p
     assert learner.total_bytes < full.total_bytes
     checkpoint = result.peak("learner_host").part("host_checkpoint").bytes
     assert checkpoint < plan(_tiny_config(folder)).peak("learner_host").part("host_checkpoint").bytes
+    # What a sync moves. The engines here run on TPU slices, which take no adapters: merged weights, one targeted
+    # weight's rows merged in float32 at a time beside the packed parts.
+    rb, ranks = 2, 2  # bf16 rollout, two learner ranks on this host
+    sync = result.peak("learner_host").part("host_sync")
+    full_sync = plan(_tiny_config(folder)).peak("learner_host").part("host_sync").bytes
+    widest = max(n_in * n_out for name, n_in, n_out in result.model.linear_layers if is_targeted(name, targets))
+    assert sync.bytes == full_sync + ranks * (widest // ranks) * (8 + b)
+    # On CPU engines the adapters go alone, unless one is on lm_head; the engine keeps vLLM's adapter buffers.
+    cpu = load_config(None, [f"model.path={folder}", "learner.lora.rank=3", f"learner.lora.target_modules=[{listed}]"])
+    on_cpu, rb = plan(cpu), 4  # float32 rollout
+    sync, staging = on_cpu.peak("learner_host").part("host_sync"), on_cpu.peak("rollout_host").part("staging")
+    if "lm_head" in targets:
+        assert staging.bytes == on_cpu.model.params * rb and "lora_buffers" not in [p.key for p in on_cpu.rollout.parts]
+    else:
+        assert sync.bytes == 2 * added * rb and "adapters alone" in sync.label and staging.bytes == added * rb
+        assert on_cpu.rollout.part("lora_buffers").bytes == on_cpu.model.adapter_params(8, targets) * rb  # rank 8
 
 
 def test_torch_attention_counts_the_scores_sdpa_forms(tmp_path):
