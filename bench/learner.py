@@ -372,7 +372,9 @@ def bench_learner(
     process each. `device="cuda"`: single-rank modes on one GPU, bf16 mixed precision, one round."""
     from rlpipe.models import build_model, save_state_dict
 
-    problem = unsupported_modes(modes, device)
+    problem = unsupported_modes(modes, device) or next(
+        (f"{mode}: -loraN is for the single-rank eager and graph modes" for mode in modes
+         if _lora_rank(mode) and not re.fullmatch(r"(eager|graph)-lora\d+(\+\w+)?", mode)), None)
     if problem or (device == "cuda" and rounds > 1):
         raise ValueError(problem or "rounds > 1: on cuda the modes run one after another, in a process each")
     threads = os.cpu_count() or 1

@@ -84,9 +84,11 @@ def metrics(point: dict | None) -> dict[str, float]:
 
 
 def describe(point: dict) -> str:
-    """`0.50 (greedy); mean@4 0.38, pass@2 0.55, pass@4 0.75`."""
-    sampled = [f"{name} {value:.2f}" for name, value in point.items() if name not in ("step", "accuracy", "checkpoint")]
-    return f"{point['accuracy']:.2f} (greedy)" + (f"; {', '.join(sampled)}" if sampled else "")
+    """`0.50 (greedy); mean@4 0.38, pass@2 0.55, pass@4 0.75`; with tools `0.50 (greedy, tool calls in 0.75)`."""
+    greedy = ("step", "accuracy", "checkpoint", "tool_call_rate")
+    sampled = [f"{name} {value:.2f}" for name, value in point.items() if name not in greedy]
+    calls = f", tool calls in {point['tool_call_rate']:.2f}" if "tool_call_rate" in point else ""
+    return f"{point['accuracy']:.2f} (greedy{calls})" + (f"; {', '.join(sampled)}" if sampled else "")
 
 
 def best(points: list[dict]) -> dict | None:

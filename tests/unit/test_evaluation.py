@@ -125,6 +125,7 @@ def test_with_tools_the_held_out_figures_count_the_greedy_episodes_that_called_o
     point = evaluation.evaluate(_ToolRoles(), _PromptSet(4), _cfg(), step=2)
     assert point == {"step": 2, "accuracy": 0.5, "tool_call_rate": 0.75}
     assert evaluation.metrics(point)["eval/tool_call_rate"] == 0.75
+    assert evaluation.describe(point) == "0.50 (greedy, tool calls in 0.75)"
     assert "tool_call_rate" not in evaluation.evaluate(_Roles(), _PromptSet(4), _cfg(), step=2)
 
 
