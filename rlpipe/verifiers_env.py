@@ -34,11 +34,11 @@ def _verifiers():
     return vf
 
 
-def load_taskset(spec: str):
+def load_taskset(spec: str, where: str = "data.verifiers_taskset"):
     """The task set `spec` names: an import path 'package.module:function' of a function returning a vf.Taskset, or
     the id of an installed verifiers task set (vf.load_taskset)."""
     vf = _verifiers()
-    where = f"data.verifiers_taskset: {spec!r}"
+    where = f"{where}: {spec!r}"
     try:
         if ":" in spec:
             module_name, _, name = spec.partition(":")
@@ -68,18 +68,83 @@ def refusal(taskset) -> str | None:
         return f"{name} needs a container per task, which rlpipe's episodes do not run"
     if taskset.INFINITE:
         return f"{name} is infinite; rlpipe reads a task set's tasks once, at start-up"
-    if type(taskset).toolsets is not vf.Taskset.toolsets.__func__ and taskset.toolsets(taskset.config):
-        return f"{name} serves tools over MCP (Taskset.toolsets), which rlpipe does not run; use rollout.tools"
     for hook in ("setup", "finalize", "stage_verifier"):
         if getattr(task_type, hook) is not getattr(vf.Task, hook):
             return f"{name} overrides Task.{hook}, which runs in a verifiers runtime rlpipe does not have"
     return None
 
 
+class TasksetTool:
+    """One tool of a task set's shared tool server (Taskset.toolsets), served in this process: its MCP server is
+    built as verifiers builds it (`Toolset.register`), the model sees the schema verifiers advertises (the server's
+    name, `_`, the tool's), and a call goes through the server (arguments validated, content as text)."""
+
+    def __init__(self, server, raw_name: str, schema: dict):
+        self.server = server
+        self.raw_name = raw_name
+        self.json_schema = schema
+        self.__name__ = schema["function"]["name"]
+
+    async def __call__(self, **arguments):
+        from verifiers.v1.harnesses.utils.mcp import mcp_content_to_chat_content
+
+        result = await self.server.call_tool(self.raw_name, arguments)
+        content = mcp_content_to_chat_content(result.content)
+        if result.is_error:
+            raise RuntimeError(content)
+        return content
+
+
+def _toolset_refusal(toolset) -> str | None:
+    from verifiers.v1.mcp.server import ServerBase
+    from verifiers.v1.state import state_cls
+
+    vf = _verifiers()
+    name = f"tool server {type(toolset).__name__}"
+    if state_cls(type(toolset)) is not vf.State:
+        return f"{name} keeps episode state (its State), which verifiers syncs over a channel rlpipe does not run"
+    if getattr(toolset.config, "url", None):
+        return f"{name} is remote (config.url); rlpipe serves task set tools in its own process only"
+    for hook in ("setup", "setup_task"):
+        if getattr(type(toolset), hook) is not getattr(ServerBase, hook):
+            return f"{name} overrides {hook}, which rlpipe does not run"
+    return None
+
+
+async def _served_tools(toolsets) -> list[TasksetTool]:
+    from mcp.server.mcpserver import MCPServer
+
+    tools = []
+    for toolset in toolsets:
+        server = MCPServer(toolset.server_name or None)
+        toolset.register(server)
+        for tool in await server.list_tools():
+            full = f"{toolset.server_name}_{tool.name}" if toolset.server_name else tool.name
+            schema = {"name": full, "description": tool.description or "", "parameters": tool.input_schema}
+            tools.append(TasksetTool(server, tool.name, {"type": "function", "function": schema}))
+    return tools
+
+
+def taskset_tools(spec: str, where: str = "rollout.verifiers_tools") -> list[TasksetTool]:
+    """The tools of the task set's shared tool servers (Taskset.toolsets), each `@vf.tool` method one rlpipe tool."""
+    taskset = load_taskset(spec, where)
+    toolsets = taskset.toolsets(taskset.config)
+    problem = next((p for p in map(_toolset_refusal, toolsets) if p), None)
+    if problem:
+        raise ConfigError(f"{where}: {spec!r}: {problem}")
+    tools = asyncio.run(_served_tools(toolsets))
+    if not tools:
+        raise ConfigError(f"{where}: {spec!r} serves no tools (Taskset.toolsets); leave it unset")
+    return tools
+
+
 def _task_refusal(task) -> str | None:
     name = f"task {task.data.idx} ({type(task).__name__})"
     if task.toolsets(task.config):
-        return f"{name} serves tools over MCP (Task.toolsets), which rlpipe does not run; use rollout.tools"
+        return (
+            f"{name} starts tool servers per episode (Task.toolsets), which rlpipe does not run; serve them from "
+            "Taskset.toolsets (rollout.verifiers_tools)"
+        )
     if task.config.judges:
         return f"{name} has judges (task.judges), which call a model rlpipe does not serve"
     for fn in task.hooks("reward"):

@@ -7,10 +7,13 @@ import asyncio
 
 import pytest
 
-from rlpipe.config import ConfigError, DataConfig
+from rlpipe.bench.tiny_model import build_tokenizer
+from rlpipe.config import ConfigError, DataConfig, RolloutConfig
 from rlpipe.data import load_rows, reward_columns
 from rlpipe.rewards.runner import RewardRunner
+from rlpipe.tools import ToolSet, render_conversation, run_episodes
 from rlpipe.verifiers_env import episode_trace, taskset_reward, tasks
+from tests.unit.test_tools import LIMITS, ScriptedEngine, _episode, call_text
 
 SUMS = "tests.unit.verifiers_tasksets:sums"
 REWARD = "rlpipe.verifiers_env:taskset_reward"
@@ -20,6 +23,11 @@ WITH_TOOL = [
     {"role": "tool", "name": "calculator", "content": "5"},
     {"role": "assistant", "content": "It is 5"},
 ]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def _config_error(call) -> str:
@@ -90,3 +98,33 @@ def test_what_rlpipe_cannot_play_is_refused_in_one_line():
     assert "not a verifiers Taskset" in message or "cannot load" in message
     assert "eval_size" in _config_error(lambda: load_rows(_verifiers_cfg(eval_size=3), 0))
     assert "data.verifiers_taskset" in _config_error(DataConfig(source="verifiers").check)
+
+
+def test_the_task_sets_tools_run_in_an_episode_and_its_rewards_score_it(tokenizer):
+    toolset = ToolSet.load([], None, SUMS)
+    assert [schema["function"]["name"] for schema in toolset.schemas(None)] == ["arithmetic_add", "arithmetic_divide"]
+    assert toolset.schemas(None)[0] == {"type": "function", "function": {
+        "name": "arithmetic_add", "description": "Add two integers.",
+        "parameters": {"type": "object", "title": "addArguments", "required": ["a", "b"], "properties": {
+            "a": {"title": "A", "type": "integer"}, "b": {"title": "B", "type": "integer"}}},
+    }}
+    assert "arithmetic_divide" in tokenizer.decode(
+        render_conversation(tokenizer, [{"role": "user", "content": "What is 2 + 3?"}], toolset.schemas(None))
+    )
+    episode = _episode(tokenizer, "A", toolset.tools)
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: [
+        call_text("arithmetic_add", a=2, b=3) + call_text("arithmetic_divide", a=1, b=0), "The sum is 5",
+    ]})
+    run_episodes([episode], engine, tokenizer, LIMITS)
+    answers = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert answers[0] == "5" and answers[1].startswith("{'error': ") and "division by zero" in answers[1]
+    assert (episode.tool_calls, episode.tool_errors) == (2, 1)
+    prompt = load_rows(_verifiers_cfg(), seed=0)[0][0]["prompt"]
+    assert asyncio.run(taskset_reward([prompt], [episode.messages], [SUMS], [0])) == [1.5]
+
+
+def test_tools_verifiers_serves_with_state_are_refused():
+    message = _config_error(lambda: ToolSet.load([], None, "tests.unit.verifiers_tasksets:with_setup"))
+    assert message.startswith("rollout.verifiers_tools:") and "CountingTools keeps episode state" in message
+    assert "rollout.verifiers_tools" in _config_error(RolloutConfig(verifiers_tools="").check)
+    assert RolloutConfig(verifiers_tools=SUMS).multi_turn

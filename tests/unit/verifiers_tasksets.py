@@ -21,7 +21,23 @@ class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
         return float(bool(trace.tool_messages))
 
 
+class Arithmetic(vf.Toolset):
+    @vf.tool
+    async def add(self, a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    @vf.tool(name="divide")
+    def div(self, a: float, b: float) -> float:
+        """Divide a by b."""
+        return a / b
+
+
 class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Arithmetic(vf.ToolsetConfig())]
+
     def load(self):
         for a, b in [(2, 3), (10, 7), (4, 4)]:
             yield SumTask(
@@ -39,7 +55,23 @@ class SetupTask(SumTask):
         return None
 
 
+class Counter(vf.State):
+    calls: int = 0
+
+
+class CountingTools(vf.Toolset[vf.ToolsetConfig, Counter]):
+    @vf.tool
+    def count(self) -> int:
+        """Count the calls."""
+        self.state.calls += 1
+        return self.state.calls
+
+
 class SetupTaskset(vf.Taskset[SetupTask, vf.TasksetConfig]):
+    @classmethod
+    def toolsets(cls, config):
+        return [CountingTools(vf.ToolsetConfig())]
+
     def load(self):
         yield SetupTask(SumData(prompt="1 + 1?", answer="2"))
 
