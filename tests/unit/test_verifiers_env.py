@@ -16,7 +16,7 @@ from rlpipe.verifiers_env import episode_trace, taskset_reward, tasks
 from tests.unit.test_tools import LIMITS, ScriptedEngine, _episode, call_text
 
 SUMS = "tests.unit.verifiers_tasksets:sums"
-REWARD = "rlpipe.verifiers_env:taskset_reward"
+REWARD = "verifiers"  # the built-in name of rlpipe.verifiers_env:taskset_reward
 CALL = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
 WITH_TOOL = [
     {"role": "assistant", "content": "", "tool_calls": [CALL]},
