@@ -3,8 +3,10 @@
 A verifiers environment is a task set (the data: typed tasks with a prompt, and `@vf.reward` methods that score a
 trace) played by a harness (the agent loop: a program whose model calls verifiers intercepts). rlpipe's engine is the
 agent loop here, so it takes the task set: its tasks become prompt rows, and `taskset_reward` scores each completion
-with the task's own rewards, weighted and summed as verifiers sums them (`Task.score`, `Trace.reward`). What needs a
-harness, a container or a tool server is refused at start-up (`refusal`). Imported only when a recipe uses it.
+with the task's own rewards, weighted and summed as verifiers sums them (`Task.score`, `Trace.reward`); the tools of
+its shared tool servers are served in the engine's process (`taskset_tools`). What needs a verifiers runtime, a
+container, episode state kept by verifiers or a tool server per episode is refused at start-up in one line.
+Imported only when a recipe uses it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ import functools
 import importlib
 import inspect
 import json
-from typing import Any
 
-from rlpipe.config.errors import ConfigError
+from rlpipe.config.errors import ConfigError, one_line
 from rlpipe.rewards.contract import RESERVED_COLUMNS
 
 TASKSET_COLUMN = "verifiers_taskset"
@@ -53,7 +54,7 @@ def load_taskset(spec: str, where: str = "data.verifiers_taskset"):
     except ConfigError:
         raise
     except Exception as err:  # the user's module or the task set's constructor may fail with any error
-        raise ConfigError(f"{where}: cannot load it ({type(err).__name__}: {err})") from None
+        raise ConfigError(f"{where}: cannot load it ({type(err).__name__}: {one_line(err)})") from None
     if not isinstance(taskset, vf.Taskset):
         raise ConfigError(f"{where}: returned a {type(taskset).__name__}, not a verifiers Taskset")
     return taskset

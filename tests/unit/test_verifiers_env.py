@@ -96,6 +96,11 @@ def test_what_rlpipe_cannot_play_is_refused_in_one_line():
     assert message.startswith("data.verifiers_taskset:") and "missing" in message
     message = _config_error(lambda: load_rows(_verifiers_cfg("rlpipe.tools:calculator", 0), 0))
     assert "not a verifiers Taskset" in message or "cannot load" in message
+    # An id names an installed task set (vf.load_taskset); verifiers' own multi-line report comes on one line.
+    message = _config_error(lambda: load_rows(_verifiers_cfg("openenv", 0), 0))
+    assert message.startswith("data.verifiers_taskset: 'openenv': cannot load it (ValidationError")
+    assert "base_url" in message
+    assert "taskset 'no-such-set' not found" in _config_error(lambda: load_rows(_verifiers_cfg("no-such-set", 0), 0))
     assert "eval_size" in _config_error(lambda: load_rows(_verifiers_cfg(eval_size=3), 0))
     assert "data.verifiers_taskset" in _config_error(DataConfig(source="verifiers").check)
 
