@@ -11,7 +11,15 @@ from typing import Any
 import numpy as np
 
 from rlpipe.rewards import RESERVED_COLUMNS
-from rlpipe.config import ConfigError, DataConfig, FileSource, HumanEvalSource, ReasoningGymSource, one_line
+from rlpipe.config import (
+    ConfigError,
+    DataConfig,
+    FileSource,
+    HumanEvalSource,
+    ReasoningGymSource,
+    VerifiersSource,
+    one_line,
+)
 from rlpipe.types import Prompt
 
 _FILE_FORMATS = {
@@ -33,6 +41,10 @@ def load_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
         return _reasoning_gym_rows(source, cfg.prompt_field, cfg.eval_size, seed)
     if isinstance(source, HumanEvalSource):
         return _humaneval_rows(cfg.prompt_field, cfg.eval_size)
+    if isinstance(source, VerifiersSource):
+        from rlpipe.verifiers_env import taskset_rows  # only a recipe that names a verifiers task set imports it
+
+        return taskset_rows(source.taskset, cfg.prompt_field, cfg.eval_size)
     return _file_source_rows(source, cfg.prompt_field, cfg.eval_size)
 
 

@@ -184,7 +184,9 @@ class RolloutEngine:
         self.host_copy = HostCopy(chunk_bytes=int(sync.bucket_mb * 2**20))
         self._shared_with_workers: bool | None = None
         # Multi-turn episodes: the recipe's tools, loaded here where the episodes run.
-        self.toolset = ToolSet.load(cfg.tools, cfg.environment_factory) if cfg.multi_turn else ToolSet()
+        self.toolset = (
+            ToolSet.load(cfg.tools, cfg.environment_factory, cfg.verifiers_tools) if cfg.multi_turn else ToolSet()
+        )
         if not workers_in_process(cfg):  # asked now, while the engine is idle: staging asks at every sync
             self._workers_share_memory()
         self.sync = WeightReceiver(

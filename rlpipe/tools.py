@@ -87,8 +87,8 @@ def tool_schemas(tools: Sequence[Callable]) -> list[dict]:
 
     schemas = []
     for tool in tools:
-        try:
-            schemas.append(get_json_schema(tool))
+        try:  # a verifiers task set's tool carries the schema verifiers advertises (rlpipe/verifiers_env.py)
+            schemas.append(getattr(tool, "json_schema", None) or get_json_schema(tool))
         except Exception as err:  # transformers' TypeHintParsingException / DocstringParsingException
             raise ToolConfigError(f"rollout.tools: {tool.__name__}: no schema from its signature ({err})") from None
     return schemas
@@ -102,8 +102,12 @@ class ToolSet:
     environment_factory: Callable | None = None
 
     @classmethod
-    def load(cls, tool_paths: Sequence[str], factory_path: str | None) -> ToolSet:
+    def load(cls, tool_paths: Sequence[str], factory_path: str | None, verifiers_tools: str | None = None) -> ToolSet:
         tools = [load_object(path, "rollout.tools") for path in tool_paths]
+        if verifiers_tools:
+            from rlpipe.verifiers_env import taskset_tools  # only a recipe that names a verifiers task set imports it
+
+            tools += taskset_tools(verifiers_tools)
         factory = load_object(factory_path, "rollout.environment_factory") if factory_path else None
         toolset = cls(tools, factory)
         toolset.schemas(toolset.new_environment())  # every schema is read now: a bad docstring fails at start-up

