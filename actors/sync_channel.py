@@ -181,7 +181,9 @@ class SyncChannel:
         version = self.version + 1
         completion = probe.completions[0]
         prompt = completion.prompt_ids or probe.prompt.token_ids  # an episode's prompt holds its tools
-        metrics, results = self._transfer(version, prompt + completion.token_ids)
+        # Replayed with one token to generate, the sequence must fit the engine's context: an episode whose prompt
+        # (its tools' schemas) left no room ended empty, and is replayed cut to what fits.
+        metrics, results = self._transfer(version, (prompt + completion.token_ids)[: self.max_model_len - 1])
         self.version = version
         sampled = completion.mask or [1] * len(completion.token_ids)  # an episode's tool tokens were not sampled
         metrics["sync/policy_shift"] = max(

@@ -417,3 +417,25 @@ def test_a_sync_that_keeps_failing_ends_rlpipe_train_in_one_line_and_auto_resume
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and "weight sync v7 failed" in lines[0] and "did not answer train_step" in lines[1]
     assert all("restarting from the beginning (no checkpoint yet)" in line for line in lines)
+
+
+def test_the_replayed_probe_is_cut_to_the_engines_context():
+    """An episode whose prompt (its tools' schemas) filled the context ended with nothing sampled; the sync replays
+    what fits in the context with one token to generate, not a sequence vLLM would refuse."""
+    from rlpipe.types import Completion, Group
+
+    sync, _ = _channel(retries=0)
+    sync.max_model_len, sync.version, sent = 10, 0, []
+
+    def transfer(version, tokens, **_):
+        sent.append(list(tokens))
+        return {}, [{"probe": [0.0] + [-1.0] * (len(tokens) - 1)}]
+
+    sync._transfer = transfer
+    prompt = Prompt(0, "q", [1, 2])
+    filled = Completion([], [], "", "length", 0, mask=[], prompt_ids=list(range(12)))
+    sync.push(Group(prompt, [filled]))
+    assert sent == [list(range(9))] and sync.version == 1
+    short = Completion([7, 8], [-1.0, -1.5], "", "stop", 1)
+    metrics = sync.push(Group(prompt, [short]))
+    assert sent[-1] == [1, 2, 7, 8] and metrics["sync/policy_shift"] == 0.5
