@@ -8,11 +8,12 @@ import asyncio
 import pytest
 
 from rlpipe.bench.tiny_model import build_tokenizer
-from rlpipe.config import ConfigError, DataConfig, RolloutConfig
+from rlpipe.config import DataConfig, RolloutConfig
 from rlpipe.data import load_rows, reward_columns
 from rlpipe.rewards.runner import RewardRunner
 from rlpipe.tools import ToolSet, render_conversation, run_episodes
 from rlpipe.verifiers_env import episode_trace, taskset_reward, tasks
+from tests.unit.test_data import _config_error
 from tests.unit.test_tools import LIMITS, ScriptedEngine, _episode, call_text
 
 SUMS = "tests.unit.verifiers_tasksets:sums"
@@ -28,14 +29,6 @@ WITH_TOOL = [
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-def _config_error(call) -> str:
-    with pytest.raises(ConfigError) as info:
-        call()
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 def _verifiers_cfg(taskset: str = SUMS, eval_size: int = 1) -> DataConfig:
