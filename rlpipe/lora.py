@@ -37,7 +37,7 @@ from torch import nn
 from rlpipe.config.learner import is_targeted
 from rlpipe.parallel.simple_fsdp import REPLICATED
 from rlpipe.weightsync.layout import shard_rows
-from rlpipe.weightsync.transport import process_alive
+from rlpipe.weightsync.transport import orphans
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -260,10 +260,8 @@ def adapter_root(directory: str | None = None) -> str:
     """A new private folder for an engine's adapter versions, named after this process. Folders of engines whose
     process is gone are removed first: an engine stopped by `ray.kill` never reaches its own clean-up."""
     directory = directory or tempfile.gettempdir()
-    for old in Path(directory).glob(f"{ADAPTER_FOLDER_PREFIX}*"):
-        pid = old.name[len(ADAPTER_FOLDER_PREFIX):].split("-")[0]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
+    for name in orphans(directory, ADAPTER_FOLDER_PREFIX):
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{ADAPTER_FOLDER_PREFIX}{os.getpid()}-", dir=directory)
 
 

@@ -25,14 +25,9 @@ INDEX_COLUMN = "verifiers_idx"
 
 
 def _verifiers():
-    try:
-        import verifiers.v1 as vf
-    except ImportError:
-        raise ConfigError(
-            "data.source: verifiers needs the 'verifiers' extra, which is not installed: "
-            "pip install 'rlpipe[verifiers]'"
-        ) from None
-    return vf
+    from rlpipe.data import optional_source
+
+    return optional_source("verifiers.v1", "verifiers", "verifiers")
 
 
 def load_taskset(spec: str, where: str = "data.verifiers_taskset"):

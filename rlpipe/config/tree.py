@@ -19,7 +19,7 @@ from rlpipe.config.ray import RayConfig
 from rlpipe.config.reward import RewardConfig
 from rlpipe.config.rollout import RolloutConfig, torchtpu_refusal
 from rlpipe.config.run import RunConfig
-from rlpipe.config.sync import SyncConfig, vllm_lora_rank
+from rlpipe.config.sync import VLLM_LORA_RANKS, SyncConfig, vllm_lora_rank
 from rlpipe.config.train import TrainConfig
 
 
@@ -140,7 +140,7 @@ class Config:
         if self.placement.rollout.tpu is not None:
             return "vLLM on TorchTPU's LoRA path is not verified (placement.rollout.tpu is set)"
         if vllm_lora_rank(lora.rank) is None:
-            return f"learner.lora.rank {lora.rank} is above the largest adapter rank vLLM takes (512)"
+            return f"learner.lora.rank {lora.rank} is above the largest adapter rank vLLM takes ({VLLM_LORA_RANKS[-1]})"
         if "lm_head" in lora.target_modules:  # vLLM wraps its output layer apart from the other linear layers
             return "learner.lora.target_modules names lm_head, whose adapter in vLLM is not verified"
         return None

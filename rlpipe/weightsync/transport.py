@@ -65,18 +65,26 @@ def remove_orphaned_segments(directory: str = "/dev/shm") -> list[str]:
     segments, and they would hold up to two model copies of RAM until the next reboot. Unlinking is safe even
     if an engine still maps one: the memory lives until the last mapping goes."""
     removed = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            pid = name[len(_SEGMENT_PREFIX) :].split("-")[0]
-            if not name.startswith(_SEGMENT_PREFIX) or not pid.isdigit() or process_alive(int(pid)):
-                continue
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
+    for name in orphans(directory, _SEGMENT_PREFIX):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
     return removed
 
 
-def process_alive(pid: int) -> bool:
+def orphans(directory: str, prefix: str) -> list[str]:
+    """Names in `directory` of the form `<prefix><pid>-...` whose process `pid` is gone: what a process killed
+    before its own clean-up left behind."""
+    found = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            pid = name[len(prefix) :].split("-")[0]
+            if name.startswith(prefix) and pid.isdigit() and not _process_alive(int(pid)):
+                found.append(name)
+    return found
+
+
+def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
