@@ -101,8 +101,6 @@ class LearnerConfig:
         require(self.call_timeout_s > 0, "learner.call_timeout_s: must be > 0")
         if self.lora is not None:
             self.lora.check()
-            # XLA's SPMD learner lays out every parameter and moment itself; adapters have not been run there.
-            require(self.device != "xla", "learner.lora: not supported with learner.device xla (use cpu, cuda or tpu)")
         packed = self.packed_buckets
         require(
             packed is None or (packed and all(b >= 1 for b in packed)),

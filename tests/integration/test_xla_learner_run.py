@@ -84,22 +84,32 @@ def test_grpo_with_an_xla_learner_in_its_own_environment_resumes_exactly(tmp_pat
 
 
 def test_an_xla_learner_over_two_devices_syncs_over_gloo_and_shared_memory(tmp_path, tiny_qwen3, ray_cluster, xla_python):
-    """`learner.ranks=2` on xla: one learner process, its parameters sharded over two PJRT CPU devices; the other
-    transports carry its weights across the torch versions too (gloo: torch.distributed between torch 2.9 and
-    2.13)."""
+    """`learner.ranks=2` on xla: one learner process, its parameters sharded over two PJRT CPU devices, training
+    rank-1 LoRA adapters on a frozen base; the other transports carry its adapters across the torch versions too
+    (gloo: torch.distributed between torch 2.9 and 2.13), and the engine serves them through vLLM's LoRA."""
+    from rlpipe.lora import targeted_modules
+    from rlpipe.models import load_model
+
     base = _overrides(tmp_path / "runs", tiny_qwen3) + [
         "learner.device=xla", "learner.ranks=2", f"placement.learner.python={xla_python}", "train.steps=1",
         "data.size=32", "data.eval_size=0", "metrics.export=false", "metrics.tensorboard=false", "metrics.plot=false",
         "reward.functions=[{name: reasoning_gym}, {name: 'tests.unit.reward_fixtures:length', weight: 0.01}]",
+        "learner.lora.rank=1", "learner.lora.alpha=16",
     ]
+    # A rank-1 version is each adapted layer's A and B in float32: (in + out) x 4 bytes.
+    adapted = targeted_modules(load_model(tiny_qwen3), ["all-linear"])
+    adapter_bytes = sum((module.in_features + module.out_features) * 4 for _, module in adapted)
     losses = []
     for transport in ("gloo", "shm"):
         summary = train(load_config(None, base + [f"run.name={transport}", f"sync.transport={transport}"]))
         assert summary["python"]["learner"] == [xla_python]  # one process drives both devices
         assert summary["sync_check"]["sync/probe_max_abs"] < 1e-5
         (record,) = _read_metrics(tmp_path / "runs" / transport)
+        # After the step the engine's adapted model computes what the xla learner's does on the probe.
         assert record["sync/probe_max_abs"] < 1e-5 and record["sync/policy_shift"] > 1e-3
+        assert record["sync/bytes"] == adapter_bytes
         assert record["learner/graph_breaks"] == 0
+        assert "weight sync: LoRA adapters only" in (tmp_path / "runs" / transport / "logs" / "run.log").read_text()
         losses.append(record["loss"])
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7)  # the same step, whichever transport
 

@@ -58,7 +58,6 @@ def test_lora_keys_have_pefts_defaults_all_linear_targets_and_one_line_refusals(
         ("learner.lora.rank=0", "learner.lora.rank: must be >= 1"),
         ("learner.lora.dropout=1", "learner.lora.dropout"),
         ("learner.lora.target_modules=[all-linear,q_proj]", "learner.lora.target_modules"),
-        ("learner.device=xla", "learner.lora: not supported with learner.device xla"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, ["learner.lora.rank=1", bad])

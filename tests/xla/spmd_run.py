@@ -1,6 +1,7 @@
 """Run by test_xla_spmd.py in a fresh process (SPMD mode is process-wide and must be chosen before any XLA tensor
-exists): trains the CPU eager learner and the xla learner sharded over an SPMD mesh on the same batches, and prints
-what the test compares as one JSON line."""
+exists): trains the CPU eager learner and the xla learner sharded over an SPMD mesh on the same batches, in full
+fine-tuning and then with LoRA adapters (`learner.lora`), and prints what the test compares as one JSON line for
+each."""
 
 from __future__ import annotations
 
@@ -10,13 +11,20 @@ import sys
 from rlpipe.device import xla_counters
 from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.parallel.simple_fsdp import xla_sharding
-from tests.xla.test_xla_learner import STEPS, _batch, _config
+from tests.xla.test_xla_learner import LORA, STEPS, _batch, _config
 
 
 def main(model_path: str, devices: int) -> None:
+    for extra in ((), LORA):
+        compare(model_path, devices, extra)
+
+
+def compare(model_path: str, devices: int, extra: tuple[str, ...]) -> None:
     batches = [_batch(seed) for seed in range(STEPS)]
-    sharded = Learner.from_config(model_path, _config(model_path, "learner.device=xla", "learner.graph=true", f"learner.ranks={devices}"))
-    eager = Learner.from_config(model_path, _config(model_path, "learner.device=cpu", "learner.graph=false"))
+    sharded = Learner.from_config(
+        model_path, _config(model_path, "learner.device=xla", "learner.graph=true", f"learner.ranks={devices}", *extra)
+    )
+    eager = Learner.from_config(model_path, _config(model_path, "learner.device=cpu", "learner.graph=false", *extra))
     sharded.engine.ready()  # its one-off set-up (sharding the parameters and optimizer state) runs apart from the steps
     before = xla_counters()
     losses = {
@@ -25,9 +33,12 @@ def main(model_path: str, devices: int) -> None:
     }
     spent = xla_counters() - before
     expected, got = eager.full_state_dict(), sharded.full_state_dict()
-    name, param = next(iter(sharded.model.named_parameters()))
+    name, param = next(iter(sharded.model.named_parameters()))  # the embedding (frozen with LoRA)
     print(json.dumps({
         **losses,
+        "lora": bool(extra),
+        "trained": len(sharded.graph_step.params),
+        "moments": len(sharded.graph_step.optimizer.exp_avg),
         "max_weight_difference": max(float((got[k] - v).abs().max()) for k, v in expected.items()),
         "parameter_sharding": xla_sharding(param),
         "moment_sharding": xla_sharding(sharded.graph_step.optimizer.exp_avg[0]),

@@ -141,3 +141,40 @@ def test_checkpoint_round_trip_on_xla(tiny_qwen3, tmp_path):
     # Same weights and AdamW moments: the next step is the same step.
     assert _losses(resumed, [_batch(1)]) == _losses(saved, [_batch(1)])
     assert resumed.graph_step.graph_breaks == 0
+
+
+LORA = ("learner.lora.rank=2", "learner.lora.alpha=4")
+
+
+def test_lora_on_xla_trains_the_adapters_as_the_cpu_eager_learner_does(tiny_qwen3):
+    """learner.lora on the xla learner: the base frozen on the device and unchanged, AdamW's state for the adapters
+    alone, and after three steps (the first moves B off zero, the later ones A as well) the CPU eager learner's
+    losses and adapters, one program a step. (Both learners start from the same adapters: the learner seeds torch
+    before it adds them.)"""
+    from rlpipe.lora import is_adapter_key
+    from rlpipe.models import load_model
+
+    batches = [_batch(seed) for seed in range(STEPS)]
+    eager = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=cpu", "learner.graph=false", *LORA))
+    xla = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *LORA))
+    adapters = {name: param for name, param in xla.model.named_parameters() if is_adapter_key(name)}
+    start = {name: param.detach().cpu() for name, param in adapters.items()}
+    step = xla.graph_step
+    assert {id(p) for p in step.params} == {id(p) for p in adapters.values()}
+    assert len(step.optimizer.exp_avg) == len(step.optimizer.exp_avg_sq) == len(adapters)
+    assert all(moment.device.type == "xla" for moment in step.optimizer.exp_avg)
+
+    expected, got = _losses(eager, batches), _losses(xla, batches)
+    assert got == pytest.approx(expected, abs=1e-5)
+    assert len(set(expected)) == STEPS
+    assert step.compiles == 1 and step.graph_breaks == 0 and step.xla_fallbacks == {}
+    eager_params = dict(eager.model.named_parameters())
+    base = load_model(tiny_qwen3).state_dict()
+    for name, param in xla.model.named_parameters():
+        value = param.detach().cpu()
+        if is_adapter_key(name):
+            assert not torch.equal(value, start[name]), name  # trained
+            torch.testing.assert_close(value, eager_params[name].detach(), atol=1e-5, rtol=1e-4)
+        else:
+            assert param.device.type == "xla" and not param.requires_grad, name
+            assert torch.equal(value, base[name]), name  # the base never moves
