@@ -361,3 +361,54 @@ def test_adapter_folders_of_engines_whose_process_is_gone_are_removed(tmp_path):
     root = adapter_root(str(tmp_path))
     assert not dead.exists() and alive.exists() and other.exists()
     assert root.startswith(str(tmp_path / f"{ADAPTER_FOLDER_PREFIX}{os.getpid()}-"))
+
+
+def test_the_captured_step_trains_the_adapters_as_the_eager_step_does_and_compiles_once(tiny_qwen3):
+    """learner.graph with adapters: forward, loss, backward and AdamW of the adapters captured as one graph give the
+    eager step's losses, gradient norms and adapters after every step, leave the base as it was, and compile once
+    for three steps of one bucket (the adapters' values change between steps, their shapes do not). B starts
+    non-zero so that the first step's gradients reach A as well."""
+    eager, graph = _learner(tiny_qwen3), _learner(tiny_qwen3, "learner.graph=true")
+    for learner in (eager, graph):
+        _randomise_adapters(learner)
+    base = load_model(tiny_qwen3).state_dict()
+    for batch in _batches():
+        expected, got = combine_rank_metrics([eager.train_step(batch)]), combine_rank_metrics([graph.train_step(batch)])
+        for key in ("loss", "kl", "grad_norm"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-5), key
+        assert expected["grad_norm"] > 0
+        moved = _adapters(eager)
+        for name, value in _adapters(graph).items():
+            torch.testing.assert_close(value.detach(), moved[name].detach(), atol=1e-5, rtol=0)
+    assert got["learner/graph_compiles"] == 1 and got["learner/graph_breaks"] == 0
+    for name, param in graph.model.named_parameters():
+        if not is_adapter_key(name):
+            assert torch.equal(param, base[name]), name
+
+
+@pytest.mark.slow  # two ranks each compile the sharded step with inductor: minutes on 2 cores; opt-in: -m slow
+def test_two_sharded_ranks_capture_the_adapters_step_as_one_eager_rank_trains_it(tiny_qwen3):
+    """SimpleFSDP over two ranks with learner.graph: the same losses, KL and gradient norms as one eager rank, the
+    same merged weights (so the same adapters on the same base), and one compiled graph for three steps."""
+    merged = (*LORA, "sync.lora=merged")
+    single = _learner(tiny_qwen3, "sync.lora=merged")
+    single_metrics = [combine_rank_metrics([single.train_step(b)]) for b in _batches()]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = find_free_port()
+    procs = [context.Process(target=_rank, args=(r, 2, tiny_qwen3, port, True, results, merged)) for r in range(2)]
+    for p in procs:
+        p.start()
+    outputs = [results.get(timeout=1200) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    local = {rank: shards for *_, rank, shards in outputs}
+    for name, value in single.full_state_dict().items():
+        together = torch.from_numpy(np.concatenate([local[0][name], local[1][name]]))
+        torch.testing.assert_close(together, value, atol=1e-5, rtol=0)
+    for step in range(len(single_metrics)):
+        combined = combine_rank_metrics([sums[step] for sums, *_ in outputs])
+        for key in ("loss", "kl", "grad_norm"):
+            assert abs(combined[key] - single_metrics[step][key]) < 1e-5, (step, key)
+        assert combined["learner/graph_compiles"] == 1 and combined["learner/graph_breaks"] == 0
