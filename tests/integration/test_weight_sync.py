@@ -67,10 +67,15 @@ def _flip_middle_byte(buffer, bucket, plan):
 def _send(engine, learner, plan, version, corrupt_bucket=None, fault=_flip_middle_byte):
     """Sync the learner's weights as `version`; `fault(buffer, bucket, plan)` changes `corrupt_bucket`'s bytes in
     the shared segment after the checksum was taken, as a fault in transit would."""
+    _send_weights(engine, plan, version, learner.local_weights(), corrupt_bucket, fault)
+
+
+def _send_weights(engine, plan, version, weights, corrupt_bucket=None, fault=_flip_middle_byte):
+    """`_send` of `weights` (a learner rank's `local_weights`)."""
     transport = make_transport("shm")
     engine.sync.begin(plan, version)
     try:
-        for part in stream_parts(plan, 0, learner.local_weights(), transport, version):
+        for part in stream_parts(plan, 0, weights, transport, version):
             if part.bucket == corrupt_bucket:
                 from multiprocessing import shared_memory
 
@@ -87,6 +92,87 @@ def _send(engine, learner, plan, version, corrupt_bucket=None, fault=_flip_middl
 
 def _max_gap(a, b):
     return max(abs(x - y) for x, y in zip(a[1:], b[1:]))
+
+
+@pytest.fixture
+def lora_engine(tiny_qwen3):
+    """An engine serving LoRA adapters (the base loaded once, each version an adapter: `sync.lora` adapters) and a
+    learner training rank-2 adapters on the tiny Qwen3; function-scoped, so the engine is gone before the next
+    test's starts."""
+    from rlpipe.rollout import RolloutEngine
+
+    cfg = load_config(None, [f"model.path={tiny_qwen3}", "sync.transport=shm", "sync.bucket_mb=0.002",
+                             "sync.probe_tolerance=1e-5", "learner.lora.rank=2", "learner.lora.alpha=4"])
+    engine = RolloutEngine(tiny_qwen3, RolloutConfig(max_model_len=512, max_tokens=8), 0, sync=cfg.sync,
+                           lora=cfg.learner.lora)
+    try:
+        learner = Learner.from_config(tiny_qwen3, cfg)
+        assert learner.engine.sync_adapters
+        plan = plan_sync(learner.weight_shapes(), 1, engine.layout()[0], int(cfg.sync.bucket_mb * 2**20))
+        yield engine, learner, plan
+    finally:
+        engine.close()
+
+
+def _set_adapters(learner: Learner, seed: int) -> None:
+    """Random non-zero adapters (fresh ones, B = 0, would leave the base's log-probs)."""
+    from rlpipe.lora import is_adapter_key
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in learner.model.named_parameters():
+            if is_adapter_key(name):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+
+
+def _served(engine) -> tuple[list[float], list[int], list[float]]:
+    """What the engine serves: its log-probs of the probe, and a greedy completion (through generation's own
+    request) with its log-probs."""
+    ((completion,),) = engine.generate([Prompt(0, "p", [7, 8, 9, 10])], 1, temperature=0.0, max_tokens=8)
+    return engine.sequence_logprobs(PROBE), completion.token_ids, completion.logprobs
+
+
+def test_an_adapter_version_whose_probe_fails_is_rolled_back_to_the_adapters_served_before(lora_engine):
+    """LoRA engines receive adapters alone. A version whose probe fails is rolled back, whether the learner's
+    reference disagrees or the adapters were corrupted before their checksum was taken (so they arrive intact):
+    the engine serves the version before exactly (version 0, the base alone, or adapters N), and the next good
+    version is taken."""
+    engine, learner, plan = lora_engine
+    assert plan.nbytes < sum(t.numel() * 4 for t in learner.full_state_dict().values()) / 20  # adapters alone
+    base = _served(engine)
+    _set_adapters(learner, 1)
+    wrong = [value + 0.5 for value in learner.sequence_logprobs(PROBE)]
+    _send(engine, learner, plan, 1)
+    with pytest.raises(SyncError, match=r"differ from the learner's by .* rolled back to version 0"):
+        engine.sync.commit(1, PROBE, wrong)
+    assert engine.policy_version == 0 and _served(engine) == base  # the base alone again
+
+    _send(engine, learner, plan, 1)
+    assert engine.sync.commit(1, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+    first = _served(engine)
+    assert _max_gap(first[0], base[0]) > 1e-2  # the adapters change what the engine computes
+
+    # Version 2: the learner's reference altered.
+    _set_adapters(learner, 2)
+    expected = learner.sequence_logprobs(PROBE)
+    _send(engine, learner, plan, 2)
+    with pytest.raises(SyncError, match=r"differ from the learner's by .* rolled back to version 1"):
+        engine.sync.commit(2, PROBE, [value + 0.5 for value in expected])
+    assert engine.policy_version == 1 and _served(engine) == first
+
+    # Version 2 again: one adapter's values wrong before the checksum is taken, so every bucket arrives intact.
+    corrupted = dict(learner.local_weights())
+    name = next(iter(corrupted))
+    corrupted[name] = corrupted[name] + 0.5
+    _send_weights(engine, plan, 2, corrupted)
+    with pytest.raises(SyncError, match=r"differ from the learner's by .* rolled back to version 1"):
+        engine.sync.commit(2, PROBE, expected)
+    assert engine.policy_version == 1 and _served(engine) == first
+
+    # The good version 2 is taken.
+    _send(engine, learner, plan, 2)
+    assert engine.sync.commit(2, PROBE, expected)["probe_max_abs"] < 1e-5
+    assert engine.policy_version == 2 and _max_gap(engine.sequence_logprobs(PROBE), expected) < 1e-5
 
 
 def test_after_a_sync_the_engine_gives_the_learners_logprobs(setup):
