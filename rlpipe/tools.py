@@ -526,7 +526,10 @@ def calculator(expression: str) -> str:
 PYTHON_LIMITS = sandbox.Limits(cpu_s=5, wall_s=10.0, memory_mb=512, processes=16, output_kb=16)
 PYTHON_OUTPUT_CHARS = 1000  # of stdout and of the error each, in the tool message: it takes the episode's context
 _STOP_MARGIN_S = 3.0  # past the sandbox's wall limit: killing the program and collecting what it wrote
-_SIGNALS = {9: "was killed (SIGKILL)", 24: "ran out of CPU time", 11: "crashed (SIGSEGV)", 6: "aborted (SIGABRT)"}
+_SIGNALS = {  # how a program ended, by signal: SIGKILL is the sandbox's at its memory or CPU limit
+    9: "was killed at its memory or CPU limit", 24: "ran out of CPU time", 11: "crashed (SIGSEGV)",
+    6: "aborted (SIGABRT)",
+}
 
 
 class ProgramFailed(RuntimeError):
