@@ -223,6 +223,10 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     if cfg.rollout.environment_factory:  # reward functions also get each episode's environment (TRL's)
         columns = [*columns, *EPISODE_COLUMNS]
     preflight.check_reward_functions(cfg.reward, columns)
+    if cfg.rollout.tools:  # a tool that cannot load, or cannot be sandboxed here, is refused in one line
+        from rlpipe.tools import check_tools
+
+        check_tools(cfg.rollout)
     if cfg.rollout.verifiers_tools:  # its tool servers are refused here, in one line, rather than in the engines
         from rlpipe.verifiers_env import taskset_tools
 

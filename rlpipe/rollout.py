@@ -185,7 +185,9 @@ class RolloutEngine:
         self._shared_with_workers: bool | None = None
         # Multi-turn episodes: the recipe's tools, loaded here where the episodes run.
         self.toolset = (
-            ToolSet.load(cfg.tools, cfg.environment_factory, cfg.verifiers_tools) if cfg.multi_turn else ToolSet()
+            ToolSet.load(cfg.tools, cfg.environment_factory, cfg.verifiers_tools, tool_timeout_s=cfg.tool_timeout_s,
+                         unsafe_no_sandbox=cfg.unsafe_no_sandbox)
+            if cfg.multi_turn else ToolSet()
         )
         if not workers_in_process(cfg):  # asked now, while the engine is idle: staging asks at every sync
             self._workers_share_memory()

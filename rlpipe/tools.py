@@ -12,7 +12,9 @@ token ids from start to end.
 - Every turn submits the next request of every live episode together (`sample_turn`), so the engine batches
   episodes across turns.
 - A tool that raises, is unknown, or outlives `rollout.tool_timeout_s` becomes `{"error": ...}` in the conversation
-  (TRL's rendering of a failed call); the episode goes on.
+  (TRL's rendering of a failed call); the episode goes on. Calls run on threads of their own (ToolThreads): one past
+  its time limit is written off, not waited for.
+- `python` runs model-written code in the kernel sandbox (rlpipe.rewards.sandbox), never in this process.
 """
 
 from __future__ import annotations
@@ -23,11 +25,20 @@ import concurrent.futures
 import importlib
 import inspect
 import json
+import logging
 import operator
 import re
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from rlpipe.config.errors import ConfigError
+from rlpipe.rewards import sandbox
+
+logger = logging.getLogger("rlpipe")
 
 # Qwen/Hermes-style tool calls, the format TRL's response schemas parse for those families.
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -42,7 +53,7 @@ TOOLS_SYSTEM_BLOCK = (
 )
 
 
-class ToolConfigError(ValueError):
+class ToolConfigError(ConfigError):
     """A tool or environment factory named in the recipe cannot be used."""
 
 
@@ -94,6 +105,20 @@ def tool_schemas(tools: Sequence[Callable]) -> list[dict]:
     return schemas
 
 
+def load_tools(
+    tool_paths: Sequence[str], *, tool_timeout_s: float | None = None, unsafe_no_sandbox: bool = False
+) -> list[Callable]:
+    """The tools `rollout.tools` names, with those that run model-written code checked (sandboxed_tools)."""
+    return sandboxed_tools([load_object(path, "rollout.tools") for path in tool_paths], tool_timeout_s,
+                           unsafe_no_sandbox)
+
+
+def check_tools(rollout) -> None:
+    """The driver's start-up check of `rollout.tools` (a RolloutConfig), before any cluster starts: each loads, and
+    one that runs model-written code can run here. Every engine checks again where its tools run."""
+    load_tools(rollout.tools, tool_timeout_s=rollout.tool_timeout_s, unsafe_no_sandbox=rollout.unsafe_no_sandbox)
+
+
 @dataclass
 class ToolSet:
     """The recipe's tools and environment factory, loaded (in the engine's process, where episodes run)."""
@@ -102,8 +127,18 @@ class ToolSet:
     environment_factory: Callable | None = None
 
     @classmethod
-    def load(cls, tool_paths: Sequence[str], factory_path: str | None, verifiers_tools: str | None = None) -> ToolSet:
-        tools = [load_object(path, "rollout.tools") for path in tool_paths]
+    def load(
+        cls,
+        tool_paths: Sequence[str],
+        factory_path: str | None,
+        verifiers_tools: str | None = None,
+        *,
+        tool_timeout_s: float | None = None,
+        unsafe_no_sandbox: bool = False,
+    ) -> ToolSet:
+        """The recipe's tools and factory, loaded and checked: a tool that runs model-written code is refused where
+        the sandbox cannot isolate it (unless `unsafe_no_sandbox`) or where `tool_timeout_s` would cut it first."""
+        tools = load_tools(tool_paths, tool_timeout_s=tool_timeout_s, unsafe_no_sandbox=unsafe_no_sandbox)
         if verifiers_tools:
             from rlpipe.verifiers_env import taskset_tools  # only a recipe that names a verifiers task set imports it
 
@@ -223,24 +258,112 @@ class ToolCall:
     tool: Callable | None
 
 
-def run_tool_calls(calls: list[ToolCall], timeout_s: float, pool: concurrent.futures.Executor) -> list[tuple[Any, bool]]:
-    """Each call's result and whether it failed. All calls run at once in `pool`; one that raises, names no tool
-    or is not done within `timeout_s` gives {"error": ...}. A timed-out call's thread is left to finish on its own
-    (Python cannot stop it): tools that may hang or run model-written code belong in a sandbox of their own
-    (rlpipe.rewards.sandbox)."""
-    futures = [pool.submit(_invoke, call.tool, call.arguments) if call.tool else None for call in calls]
-    results = []
-    for call, future in zip(calls, futures):
-        if future is None:
-            results.append(({"error": f"Tool {call.name} not found."}, True))
-            continue
-        try:
-            results.append((future.result(timeout=timeout_s), False))
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            results.append(({"error": f"Tool {call.name} did not answer within {timeout_s:g} s."}, True))
-        except Exception as err:  # the tool's own failure, shown to the model as TRL does
-            results.append(({"error": str(err)}, True))
+MAX_RUNNING_TOOL_CALLS = 8  # tool calls running at once in one engine's process
+MAX_STUCK_TOOL_CALLS = 8  # calls past their time limit whose threads still run; with this many, calls are refused
+
+
+class ToolThreads:
+    """The threads tool calls run on: one per call, at most `max_running` running at once. A call past its time
+    limit is answered with an error and its thread written off, since Python cannot stop it: it no longer takes a
+    running place, so later calls go on, but it counts as stuck until it returns. While `max_stuck` calls are stuck,
+    new calls are answered with an error at once, not started: stuck threads share the engine's process (a spinning
+    one takes its share of the interpreter from the engine), and an engine that keeps starting them slows unseen.
+    The threads are daemons: a stuck one does not hold the process at exit."""
+
+    def __init__(self, max_running: int = MAX_RUNNING_TOOL_CALLS, max_stuck: int = MAX_STUCK_TOOL_CALLS):
+        self.max_running, self.max_stuck = max_running, max_stuck
+        self._lock = threading.Lock()
+        self._stuck: dict[concurrent.futures.Future, str] = {}  # a written-off call's future: its tool's name
+
+    def start(self, call: ToolCall) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(_invoke(call.tool, call.arguments))
+            except BaseException as err:  # noqa: BLE001 - a tool's sys.exit too is its failure, never the engine's
+                future.set_exception(err)
+
+        threading.Thread(target=work, name=f"rlpipe-tool-{call.name}", daemon=True).start()
+        return future
+
+    def stuck(self) -> list[str]:
+        """The tools whose written-off calls still run, one name per call."""
+        with self._lock:
+            for future in [future for future in self._stuck if future.done()]:
+                del self._stuck[future]
+            return sorted(self._stuck.values())
+
+    def write_off(self, future: concurrent.futures.Future, name: str, timeout_s: float) -> None:
+        with self._lock:
+            self._stuck[future] = name
+        stuck = self.stuck()
+        logger.warning(
+            "rlpipe: tool %s did not answer within %g s; its thread runs on (%d of %d stuck calls before tools are "
+            "refused: %s)", name, timeout_s, len(stuck), self.max_stuck, ", ".join(stuck),
+        )
+
+    def refusal(self, name: str) -> str | None:
+        """Why a call to `name` is not started now, or None."""
+        stuck = self.stuck()
+        if len(stuck) < self.max_stuck:
+            return None
+        return (
+            f"Tool {name} not run: {len(stuck)} earlier tool calls are still running past their time limit "
+            f"({', '.join(sorted(set(stuck)))})."
+        )
+
+
+TOOL_THREADS = ToolThreads()  # one per process: stuck threads are the process's, whichever episodes started them
+
+
+def run_tool_calls(
+    calls: list[ToolCall], timeout_s: float, threads: ToolThreads = TOOL_THREADS
+) -> list[tuple[Any, bool]]:
+    """Each call's result and whether it failed. The calls run at once, at most `threads.max_running` together; a
+    call that raises, names no tool, is not done within `timeout_s` of its start, or is refused while too many
+    earlier calls are stuck (ToolThreads) gives {"error": ...}. Nothing here waits for a call past its time limit.
+    Tools that run model-written code belong in the sandbox (`python`), which stops them itself."""
+    results: list[tuple[Any, bool] | None] = [None] * len(calls)
+    waiting: deque[int] = deque()
+    for index, call in enumerate(calls):
+        if call.tool is None:
+            results[index] = ({"error": f"Tool {call.name} not found."}, True)
+        else:
+            waiting.append(index)
+    running: dict[concurrent.futures.Future, tuple[int, float]] = {}  # a call's future: its index and deadline
+    refused_warned = False
+    while waiting or running:
+        while waiting and len(running) < threads.max_running:
+            index = waiting.popleft()
+            refused = threads.refusal(calls[index].name)
+            if refused is not None:
+                if not refused_warned:
+                    logger.warning("rlpipe: %s Answering the model with an error until they return.", refused)
+                    refused_warned = True
+                results[index] = ({"error": refused}, True)
+                continue
+            running[threads.start(calls[index])] = (index, time.monotonic() + timeout_s)
+        if not running:
+            break
+        first_deadline = min(deadline for _, deadline in running.values())
+        concurrent.futures.wait(
+            running, timeout=max(0.0, first_deadline - time.monotonic()), return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        now = time.monotonic()
+        for future, (index, deadline) in list(running.items()):
+            name = calls[index].name
+            if future.done():
+                del running[future]
+                error = future.exception()
+                # The tool's own failure, shown to the model as TRL does.
+                results[index] = ({"error": str(error)}, True) if error is not None else (future.result(), False)
+            elif deadline <= now:
+                del running[future]
+                threads.write_off(future, name, timeout_s)
+                results[index] = ({"error": f"Tool {name} did not answer within {timeout_s:g} s."}, True)
     return results
 
 
@@ -318,57 +441,53 @@ def run_episodes(
     "length": the episode was cut, not finished)."""
     template_kwargs = template_kwargs or {}
     live = list(episodes)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="rlpipe-tool")
-    try:
-        while live:
-            for episode in live:
-                if episode.length >= limits.max_model_len:  # a prompt that leaves no room (its tools' schemas)
-                    episode.finish_reason = "length"
-            live = [episode for episode in live if episode.length < limits.max_model_len]
-            if not live:
-                break
-            requests = [
-                (episode.prompt_ids + episode.token_ids, min(limits.max_tokens, limits.max_model_len - episode.length))
-                for episode in live
-            ]
-            turns = sample_turn(requests)
-            calling: list[tuple[Episode, dict]] = []
-            for episode, turn in zip(live, turns):
-                episode.add_model_turn(turn)
-                message = parse_tool_calls(turn.text)
-                episode.messages.append(message)
-                if turn.finish_reason != "stop" or "tool_calls" not in message:
-                    continue
-                if episode.turns >= limits.max_turns:
-                    episode.finish_reason = "length"
-                    continue
-                calling.append((episode, message))
-            calls = [
-                ToolCall(index, call["function"]["name"], call["function"]["arguments"],
-                         episode.tools.get(call["function"]["name"]))
-                for index, (episode, message) in enumerate(calling)
-                for call in message["tool_calls"]
-            ]
-            results = run_tool_calls(calls, limits.tool_timeout_s, pool)
-            replies: list[list[dict]] = [[] for _ in calling]
-            for call, (result, failed) in zip(calls, results):
-                episode = calling[call.episode][0]
-                episode.tool_calls += 1
-                episode.tool_errors += failed
-                replies[call.episode].append({"role": "tool", "name": call.name, "content": str(result)})
-            live = []
-            for (episode, _), tool_messages in zip(calling, replies):
-                suffix = tool_suffix_ids(tokenizer, tool_messages, **template_kwargs)
-                # The next turn needs room for at least one token after the tool messages; tool messages that leave
-                # none are dropped (the conversation ends with the call), as TRL drops them.
-                if episode.length + len(suffix) >= limits.max_model_len:
-                    episode.finish_reason = "length"
-                    continue
-                episode.messages += tool_messages
-                episode.add_tool_ids(suffix)
-                live.append(episode)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)  # a timed-out tool's thread does not hold the episodes
+    while live:
+        for episode in live:
+            if episode.length >= limits.max_model_len:  # a prompt that leaves no room (its tools' schemas)
+                episode.finish_reason = "length"
+        live = [episode for episode in live if episode.length < limits.max_model_len]
+        if not live:
+            break
+        requests = [
+            (episode.prompt_ids + episode.token_ids, min(limits.max_tokens, limits.max_model_len - episode.length))
+            for episode in live
+        ]
+        turns = sample_turn(requests)
+        calling: list[tuple[Episode, dict]] = []
+        for episode, turn in zip(live, turns):
+            episode.add_model_turn(turn)
+            message = parse_tool_calls(turn.text)
+            episode.messages.append(message)
+            if turn.finish_reason != "stop" or "tool_calls" not in message:
+                continue
+            if episode.turns >= limits.max_turns:
+                episode.finish_reason = "length"
+                continue
+            calling.append((episode, message))
+        calls = [
+            ToolCall(index, call["function"]["name"], call["function"]["arguments"],
+                     episode.tools.get(call["function"]["name"]))
+            for index, (episode, message) in enumerate(calling)
+            for call in message["tool_calls"]
+        ]
+        results = run_tool_calls(calls, limits.tool_timeout_s)
+        replies: list[list[dict]] = [[] for _ in calling]
+        for call, (result, failed) in zip(calls, results):
+            episode = calling[call.episode][0]
+            episode.tool_calls += 1
+            episode.tool_errors += failed
+            replies[call.episode].append({"role": "tool", "name": call.name, "content": str(result)})
+        live = []
+        for (episode, _), tool_messages in zip(calling, replies):
+            suffix = tool_suffix_ids(tokenizer, tool_messages, **template_kwargs)
+            # The next turn needs room for at least one token after the tool messages; tool messages that leave
+            # none are dropped (the conversation ends with the call), as TRL drops them.
+            if episode.length + len(suffix) >= limits.max_model_len:
+                episode.finish_reason = "length"
+                continue
+            episode.messages += tool_messages
+            episode.add_tool_ids(suffix)
+            live.append(episode)
     return episodes
 
 
@@ -400,3 +519,122 @@ def calculator(expression: str) -> str:
         raise ValueError("expression longer than 200 characters")
     result = value(ast.parse(expression.strip(), mode="eval").body)
     return str(int(result) if float(result).is_integer() else round(result, 6))
+
+
+# ---------------------------------------------------------------------------------------------- model-written code
+
+PYTHON_LIMITS = sandbox.Limits(cpu_s=5, wall_s=10.0, memory_mb=512, processes=16, output_kb=16)
+PYTHON_OUTPUT_CHARS = 1000  # of stdout and of the error each, in the tool message: it takes the episode's context
+_STOP_MARGIN_S = 3.0  # past the sandbox's wall limit: killing the program and collecting what it wrote
+_SIGNALS = {  # how a program ended, by signal: SIGKILL is the sandbox's at its memory or CPU limit
+    9: "was killed at its memory or CPU limit", 24: "ran out of CPU time", 11: "crashed (SIGSEGV)",
+    6: "aborted (SIGABRT)",
+}
+
+
+class ProgramFailed(RuntimeError):
+    """A sandboxed program that did not end well: the message is what the model is shown."""
+
+
+def sandboxed_python(
+    limits: sandbox.Limits = PYTHON_LIMITS, output_chars: int = PYTHON_OUTPUT_CHARS, isolated: bool = True
+) -> Callable[[str], str]:
+    """A tool named `python` that runs the model's program in the kernel sandbox (rlpipe.rewards.sandbox) with
+    `limits`: a fresh interpreter per call with the standard library only, uid nobody, no network, no host files, a
+    scratch /tmp, rlimits and a cgroup; at `limits.wall_s` its whole process tree is killed, so the call returns.
+    It answers with stdout; a program that fails raises ProgramFailed (what it printed, then its error), which the
+    model sees as {"error": ...}. `rlpipe.tools:python` is this with PYTHON_LIMITS; a module of one's own may hold
+    another (`python = sandboxed_python(Limits(wall_s=5))`). `isolated=False` is the unsafe opt-out
+    (rollout.unsafe_no_sandbox): a plain subprocess with the same rlimits."""
+
+    def python(code: str) -> str:
+        """Run a Python 3 program and return what it prints. Each call starts a fresh interpreter with the standard
+        library only: no network, no files of earlier calls, limited time and memory. Print the values you need.
+
+        Args:
+            code: the program's source code, e.g. "print(sum(range(10)))"
+        """
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a string, got {type(code).__name__}")
+        outcome = sandbox.run(code, limits, isolated=isolated)
+        stdout = _cut(outcome.stdout, output_chars, keep="head")
+        if outcome.passed:
+            return stdout
+        if outcome.timed_out:
+            error = f"the program did not finish within {limits.wall_s:g} s and was stopped"
+        elif (signal := _killed_by(outcome.returncode, isolated)) is not None:
+            how = _SIGNALS.get(signal, f"was killed by signal {signal}")
+            error = f"the program {how}" + (f" ({limits.cpu_s} s allowed)" if signal == 24 else "")
+        else:
+            error = _cut(_program_traceback(outcome.stderr).strip(), output_chars, keep="tail")
+            error = error or f"the program ended with exit status {outcome.returncode}"
+        raise ProgramFailed(f"{stdout.rstrip()}\n{error}" if stdout.strip() else error)
+
+    python.sandbox_limits = limits  # marks a tool that runs model-written code (sandboxed_tools)
+    python.isolated = isolated
+    python.without_sandbox = lambda: sandboxed_python(limits, output_chars, isolated=False)
+    return python
+
+
+python = sandboxed_python()
+
+
+def _killed_by(returncode: int, isolated: bool) -> int | None:
+    """The signal that ended the program: a subprocess's negative return code, or bwrap's 128 + signal."""
+    if returncode < 0:
+        return -returncode
+    return returncode - 128 if isolated and returncode > 128 else None
+
+
+_BOOT_FRAME = re.compile(r'  File "(<frozen runpy>"|<string>", line \d+, in <module>$)')
+
+
+def _program_traceback(stderr: str) -> str:
+    """`stderr` without the sandbox's start-up frames in its tracebacks (the interpreter's `-c` code and runpy, which
+    run the program): the model sees the frames of its own program. Line by line, since the tracebacks of processes
+    it forked may interleave."""
+    return "\n".join(line for line in stderr.splitlines() if not _BOOT_FRAME.match(line))
+
+
+def _cut(text: str, limit: int, keep: str) -> str:
+    """`text` cut to `limit` characters, keeping its head or its tail, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    left_out = f"[{len(text) - limit} characters left out]"
+    return f"{text[:limit]}\n{left_out}" if keep == "head" else f"{left_out}\n{text[-limit:]}"
+
+
+def sandboxed_tools(tools: list[Callable], tool_timeout_s: float | None, unsafe_no_sandbox: bool) -> list[Callable]:
+    """`tools` checked for those that run model-written code (they carry `sandbox_limits`, as `python` does): where
+    the sandbox cannot isolate programs here they are refused; with `unsafe_no_sandbox` they run without it,
+    with a warning, as the code rewards do with theirs; a `tool_timeout_s` that would end a call before the sandbox
+    stops its program is refused."""
+    checked = []
+    for tool in tools:
+        limits = getattr(tool, "sandbox_limits", None)
+        if limits is None:
+            checked.append(tool)
+            continue
+        name = tool.__name__
+        if tool_timeout_s is not None and limits.wall_s + _STOP_MARGIN_S > tool_timeout_s:
+            raise ToolConfigError(
+                f"rollout.tool_timeout_s: {tool_timeout_s:g} s would end a call to {name} before its sandbox stops "
+                f"the program ({limits.wall_s:g} s wall limit + {_STOP_MARGIN_S:g} s); set it to at least "
+                f"{limits.wall_s + _STOP_MARGIN_S:g}"
+            )
+        if unsafe_no_sandbox:
+            logger.warning(
+                "rlpipe: tool %s runs model-written programs WITHOUT the sandbox (rollout.unsafe_no_sandbox): they can "
+                "read and write this machine's files, reach the network and outlive the call. Only for code you "
+                "would run yourself.", name,
+            )
+            checked.append(tool.without_sandbox())
+            continue
+        problem = sandbox.missing_isolation() if tool.isolated else "it was built without the sandbox"
+        if problem:
+            raise ToolConfigError(
+                f"rollout.tools: {name} runs model-written code, and {problem}; set rollout.unsafe_no_sandbox=true "
+                f"to run it without (unsafe)"
+            )
+        checked.append(tool)
+    return checked

@@ -82,6 +82,11 @@ class RolloutConfig:
     )
     max_turns: int = key(8, "model turns per multi-turn episode (an episode still calling tools after it is cut)")
     tool_timeout_s: float = key(30.0, "a tool call not done within this answers the model with an error message")
+    unsafe_no_sandbox: bool = key(
+        False,
+        "run the tools that execute model-written code (rlpipe.tools:python) WITHOUT the kernel sandbox: they can read "
+        "and write this machine's files, reach the network and outlive the call; only for code you would run yourself",
+    )
 
     def check(self) -> None:
         require(self.group_size >= 2, f"rollout.group_size: must be >= 2 for group advantages, got {self.group_size}")

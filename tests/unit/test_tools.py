@@ -4,6 +4,7 @@ a scripted engine, the limits, and the loss mask that keeps tool tokens out of e
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
@@ -412,3 +413,242 @@ def test_reward_functions_get_the_episodes_environments_and_conversations():
     runner = RewardRunner([{"name": "tests.unit.test_tools:reached_target"}], columns=["target", "environments"])
     result = runner.score(prompts, [conversation, conversation], columns)
     assert result.totals == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------- model-written code
+
+
+from rlpipe.rewards import sandbox  # noqa: E402
+from rlpipe.tools import (  # noqa: E402
+    TOOL_THREADS,
+    ToolCall,
+    ToolThreads,
+    check_tools,
+    python,
+    run_tool_calls,
+    sandboxed_python,
+    tool_schemas,
+)
+
+FAST_PYTHON = sandboxed_python(sandbox.Limits(cpu_s=2, wall_s=2, memory_mb=256, processes=16, output_kb=16))
+CODE_LIMITS = EpisodeLimits(max_turns=2, max_tokens=3000, max_model_len=6000, tool_timeout_s=30.0)
+# Each hostile program first starts a process that would outlive the call, marked by a token on its command line.
+LINGERER = (
+    "import subprocess, sys\n"
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{token}'], start_new_session=True)\n"
+)
+STOPPED = "(did not finish within 2 s and was stopped|ran out of CPU time \\(2 s allowed\\))"  # whichever came first
+HOSTILE = {
+    "an endless loop": ("while True:\n    pass\n", STOPPED),
+    "a fork bomb": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", STOPPED
+    ),
+    "a memory hog": ("hog = []\nwhile True:\n    hog.append(bytearray(2**24))\n", "MemoryError"),
+    "reading the host's users": ("print(open('/etc/passwd').read())\n", "FileNotFoundError"),
+    "reading the checkout": (f"print(open({__file__!r}).read())\n", "FileNotFoundError"),
+    "a socket": ("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)\nprint('connected')\n",
+                 "PermissionError"),
+}
+
+
+@pytest.fixture
+def _isolation_here():
+    if sandbox.missing_isolation():
+        pytest.fail(sandbox.missing_isolation())  # as tests/unit/test_sandbox.py: where the sandbox is tested
+
+
+def _code_episode(tokenizer, code: str, tool=FAST_PYTHON) -> tuple[Episode, ScriptedEngine]:
+    episode = _episode(tokenizer, "A", [tool])
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: [call_text("python", code=code), "done"]})
+    return episode, engine
+
+
+def _leftovers(token: str) -> list[str]:
+    """What a sandboxed call of this process left: processes marked with `token`, work folders, cgroups."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    processes = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if token.encode() in Path("/proc", pid, "cmdline").read_bytes():
+                processes.append(f"process {pid}")
+        except OSError:
+            pass
+    prefix = f"rlpipe-sandbox-{os.getpid()}-"
+    parents, _ = sandbox._cgroup_parents()
+    folders = [tempfile.gettempdir(), *(parents or {}).values()]
+    return processes + [name for folder in folders for name in os.listdir(folder) if name.startswith(prefix)]
+
+
+def test_the_python_tool_has_the_schema_a_chat_template_takes():
+    (schema,) = tool_schemas([python])
+    function = schema["function"]
+    assert function["name"] == "python" and function["description"].startswith("Run a Python 3 program")
+    assert function["parameters"] == {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "description": 'the program\'s source code, e.g. "print(sum(range(10)))"'},
+        },
+        "required": ["code"],
+    }
+    assert ToolSet.load(["rlpipe.tools:python"], None).tools[0] is python
+
+
+def test_a_correct_program_answers_with_what_it_printed(tokenizer, _isolation_here):
+    episode, engine = _code_episode(tokenizer, "import math\nprint(math.factorial(10), 'x' * 1500)", python)
+    run_episodes([episode], engine, tokenizer, CODE_LIMITS)
+    tool_message = episode.messages[1]
+    assert tool_message["role"] == "tool" and tool_message["content"].startswith("3628800 ")
+    assert tool_message["content"].endswith("\n[509 characters left out]")  # 1000 kept of 8 + 1500 + newline
+    assert (episode.tool_calls, episode.tool_errors, episode.turns) == (1, 0, 2)
+
+
+@pytest.mark.parametrize("attack", list(HOSTILE))
+def test_a_hostile_program_gives_the_model_an_error_and_leaves_nothing_behind(attack, tokenizer, _isolation_here):
+    import time
+    import uuid
+
+    token = uuid.uuid4().hex
+    code, expected = HOSTILE[attack]
+    episode, engine = _code_episode(tokenizer, LINGERER.format(token=token) + code)
+    started = time.monotonic()
+    run_episodes([episode], engine, tokenizer, CODE_LIMITS)
+    assert time.monotonic() - started < 2 + 5  # the wall limit and the stop: never the tool's 30 s
+    tool_message = episode.messages[1]["content"]
+    assert tool_message.startswith("{'error': ") and re.search(expected, tool_message), tool_message
+    assert "root:x:0:0" not in tool_message and "class ScriptedEngine" not in tool_message  # no host file's text
+    assert "rlpipe-sandbox" not in tool_message and '"<string>"' not in tool_message  # its own frames only
+    assert (episode.tool_calls, episode.tool_errors, episode.turns) == (1, 1, 2)
+    assert _leftovers(token) == []
+    # The call's thread returned: nothing stuck, nothing left running in this process.
+    for thread in threading.enumerate():
+        if thread.name == "rlpipe-tool-python":
+            thread.join(1)  # past setting the call's result
+    assert not [t for t in threading.enumerate() if t.name == "rlpipe-tool-python" and t.is_alive()]
+    assert "python" not in TOOL_THREADS.stuck()
+
+
+def test_without_isolation_the_python_tool_is_refused_unless_the_recipe_opts_out(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox, "_bwrap_path", lambda: "/nonexistent/bwrap")
+    sandbox._probe.cache_clear()
+    try:
+        with pytest.raises(ToolConfigError, match=r"^rollout.tools: python runs model-written code, and code sandbox "
+                           r"unavailable: .*bwrap.*; set rollout.unsafe_no_sandbox=true"):
+            ToolSet.load(["rlpipe.tools:python"], None)
+        with caplog.at_level("WARNING", logger="rlpipe"):
+            (unsafe,) = ToolSet.load(["rlpipe.tools:python"], None, unsafe_no_sandbox=True).tools
+        assert "python runs model-written programs WITHOUT the sandbox" in caplog.text
+        assert unsafe.__name__ == "python" and unsafe("print(6 * 7)") == "42\n"  # a plain subprocess
+        assert tool_schemas([unsafe]) == tool_schemas([python])
+        # A tool built without the sandbox is refused all the same without the opt-out.
+        with pytest.raises(ToolConfigError, match="python runs model-written code, and it was built without"):
+            from rlpipe.tools import sandboxed_tools
+
+            sandboxed_tools([python.without_sandbox()], None, unsafe_no_sandbox=False)
+    finally:
+        sandbox._probe.cache_clear()
+
+
+def test_a_tool_timeout_shorter_than_the_sandboxs_wall_limit_is_refused():
+    with pytest.raises(ToolConfigError, match=r"rollout.tool_timeout_s: 5 s would end a call to python before its "
+                       r"sandbox stops the program \(10 s wall limit \+ 3 s\); set it to at least 13"):
+        check_tools(load_config(None, ["rollout.tools=[rlpipe.tools:python]", "rollout.tool_timeout_s=5"]).rollout)
+
+
+def test_the_cli_refuses_the_python_tool_in_one_line_where_the_sandbox_is_missing(tiny_qwen3, tmp_path, monkeypatch,
+                                                                                   capfd):
+    import rlpipe.actors.cluster
+    from rlpipe.cli import main
+
+    class ReachedRay(Exception):
+        pass
+
+    def start_ray(cfg):
+        raise ReachedRay
+
+    monkeypatch.setattr(rlpipe.actors.cluster, "start_ray", start_ray)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{a} + 1?", "answer": str(a + 1)}) + "\n" for a in range(4)))
+    args = ["train", f"model.path={tiny_qwen3}", f"run.output_dir={tmp_path / 'runs'}", "data.source=file",
+            f"data.path={rows}", "data.eval_size=0", "reward.functions=[{name: format_tags}]",
+            "metrics.loggers=[jsonl]", "train.steps=1", "train.prompts_per_step=4",
+            "rollout.tools=[rlpipe.tools:python]"]
+    monkeypatch.setattr(sandbox, "_bwrap_path", lambda: "/nonexistent/bwrap")
+    sandbox._probe.cache_clear()
+    try:
+        capfd.readouterr()
+        assert main(args) == 2
+        _, err = capfd.readouterr()
+        assert err.startswith("rlpipe: config error: rollout.tools: python runs model-written code, and code sandbox "
+                              "unavailable") and len(err.splitlines()) == 1, err
+        with pytest.raises(ReachedRay):  # the opt-out passes every check
+            main([*args, "rollout.unsafe_no_sandbox=true"])
+    finally:
+        sandbox._probe.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------- hung plain tools
+
+
+HUNG = threading.Event()
+HUNG_STARTED = []
+
+
+def hang(label: str) -> str:
+    """Never answer (until the test lets it go).
+
+    Args:
+        label: anything
+    """
+    HUNG_STARTED.append(label)
+    HUNG.wait()
+    return "late"
+
+
+def test_hung_tools_are_written_off_and_past_the_stuck_limit_calls_are_refused(caplog):
+    threads = ToolThreads(max_running=2, max_stuck=3)
+    started_adds = []
+
+    def counted_add(a: int, b: int) -> int:
+        started_adds.append((a, b))
+        return a + b
+
+    def calls(*specs):
+        return [ToolCall(0, name, arguments, tool) for name, arguments, tool in specs]
+
+    try:
+        with caplog.at_level("WARNING", logger="rlpipe"):
+            # Two hung calls fill both running places; the adds behind them run once the hung ones are written off.
+            hung = [("hang", {"label": "a"}, hang), ("hang", {"label": "b"}, hang)]
+            adds = [("add", {"a": 1, "b": 2}, counted_add), ("add", {"a": 3, "b": 4}, counted_add)]
+            results = run_tool_calls(calls(*hung, *adds), 0.3, threads)
+            late = ({"error": "Tool hang did not answer within 0.3 s."}, True)
+            assert results == [late, late, (3, False), (7, False)]
+            assert "rlpipe: tool hang did not answer within 0.3 s; its thread runs on (2 of 3 stuck" in caplog.text
+            run_tool_calls(calls(("hang", {"label": "c"}, hang)), 0.1, threads)
+        assert threads.stuck() == ["hang", "hang", "hang"]
+        # With three stuck, the next call is answered at once and never started.
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="rlpipe"):
+            (refused,) = run_tool_calls(calls(("add", {"a": 5, "b": 6}, counted_add)), 30.0, threads)
+        assert refused == ({"error": "Tool add not run: 3 earlier tool calls are still running past their time "
+                                     "limit (hang)."}, True)
+        assert (5, 6) not in started_adds and "rlpipe: Tool add not run" in caplog.text
+    finally:
+        HUNG.set()
+    for thread in threading.enumerate():
+        if thread.name == "rlpipe-tool-hang":
+            thread.join(5)
+    assert threads.stuck() == [] and sorted(HUNG_STARTED) == ["a", "b", "c"]
+    # Once they returned, calls run again.
+    assert run_tool_calls(calls(("add", {"a": 5, "b": 6}, counted_add)), 30.0, threads) == [(11, False)]
+
+
+def test_a_tool_that_exits_the_interpreter_is_an_error_not_the_engines_end():
+    def quits() -> str:
+        """Exit."""
+        raise SystemExit("bye")
+
+    assert run_tool_calls([ToolCall(0, "quits", {}, quits)], 5.0, ToolThreads()) == [({"error": "bye"}, True)]
