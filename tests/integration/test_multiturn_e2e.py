@@ -67,6 +67,9 @@ def _check_episodes(run_dir) -> None:
     calls = [(message, reply) for s in samples for conversation in s["conversations"]
              for message, reply in zip(conversation, conversation[1:]) if message.get("tool_calls")]
     assert calls, "no logged episode called a tool"
+    for sample in samples:  # the logged text shows each call
+        for text, conversation in zip(sample["completions"], sample["conversations"]):
+            assert text.count("<tool_call>") >= sum(len(m.get("tool_calls", [])) for m in conversation)
     from rlpipe.tools import calculator
 
     for message, reply in calls:  # the tool message holds what the real calculator answers to the call
