@@ -416,8 +416,17 @@ class Episode:
 
     @property
     def text(self) -> str:
-        """The model's and the tools' messages as one text (for logs)."""
-        return "\n".join(f"[{m['role']}] {m.get('content', '')}".rstrip() for m in self.messages)
+        """The model's and the tools' messages as one text (for logs), the model's tool calls as it wrote them."""
+
+        def shown(message: dict) -> str:
+            calls = "".join(
+                f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
+                "</tool_call>"
+                for c in message.get("tool_calls", [])
+            )
+            return f"[{message['role']}] {message.get('content', '')}{calls}".rstrip()
+
+        return "\n".join(shown(m) for m in self.messages)
 
 
 @dataclass

@@ -7,9 +7,9 @@ import os
 import pytest
 
 # The builders live in bench/ (the e2e bench builds the same tiny model); re-exported for the tests.
-from rlpipe.bench.tiny_model import CHATML, SPECIALS, build_tiny_model, build_tokenizer
+from rlpipe.bench.tiny_model import CHATML, SPECIALS, build_tiny_model, build_tiny_tool_model, build_tokenizer
 
-__all__ = ["CHATML", "SPECIALS", "build_tiny_model", "build_tokenizer"]
+__all__ = ["CHATML", "SPECIALS", "build_tiny_model", "build_tiny_tool_model", "build_tokenizer"]
 
 # scripts/test.sh runs the suite on two pytest-xdist workers (--dist loadgroup). Tests that start Ray clusters and
 # vLLM engines, find processes by name, or leave a dead process's shared memory behind all go to one worker, one
@@ -52,6 +52,19 @@ def _offline():
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_model(tmp_path_factory) -> str:
+    """A tiny Qwen3 trained to call the calculator on the calculator recipe's questions (configs/calculator.yaml's
+    system prompt and prompt suffix): its episodes call the real tool."""
+    from pathlib import Path
+
+    import yaml
+
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "calculator.yaml").read_text())
+    return build_tiny_tool_model(tmp_path_factory.mktemp("tiny-tool-qwen3"), recipe["data"]["system_prompt"],
+                                 recipe["data"]["prompt_suffix"])
 
 
 @pytest.fixture(scope="session")

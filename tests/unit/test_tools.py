@@ -217,6 +217,9 @@ def test_an_episode_keeps_the_models_ids_and_appends_only_the_rendered_tool_mess
         {"role": "tool", "name": "add", "content": "5"},
         {"role": "assistant", "content": "The answer is 5"},
     ]
+    # The text logs show (samples.jsonl) holds the call, in the format the model writes it.
+    call = json.dumps({"name": "add", "arguments": {"a": 2, "b": 3}})
+    assert first.text == f"[assistant] <tool_call>{call}</tool_call>\n[tool] 5\n[assistant] The answer is 5"
     assert (second.turns, second.tool_calls, second.mask) == (1, 0, [1] * len(second.token_ids))
 
 
