@@ -43,22 +43,20 @@ def check_can_push(repo_id: str, where: str) -> None:
 
 def model_card(config: dict, summary: dict | None = None) -> str:
     """README.md of an export: the Hub's metadata header (base_model where the run started from a Hub id,
-    library_name, tags), the held-out accuracy before and after training, and the resolved recipe as YAML."""
+    library_name, tags), the held-out figures before and after training (greedy accuracy; mean@k and pass@k where
+    the run sampled them) and at the best evaluation, and the resolved recipe as YAML."""
     base_model = _hub_id(config.get("model", {}).get("path"))
     header: dict[str, Any] = {"library_name": "transformers", "tags": CARD_TAGS}
     if base_model:
         header["base_model"] = base_model
     name = config.get("run", {}).get("name", "rlpipe-run")
-    summary = summary or {}
     lines = [
         "---", yaml.safe_dump(header, sort_keys=True).rstrip(), "---", "",
         f"# {name}", "",
         f"Post-trained with GRPO by rlpipe from `{config.get('model', {}).get('path')}` "
         f"({config.get('train', {}).get('steps')} steps).", "",
         "## Held-out evaluation", "",
-        "| | accuracy |", "|---|---|",
-        f"| before training | {_figure(summary.get('eval_before'))} |",
-        f"| after training | {_figure(summary.get('eval_after'))} |", "",
+        *_held_out_table(config, summary or {}), "",
         "## Recipe", "",
         "The resolved configuration the run used (`rlpipe train` takes it as a recipe).", "",
         "```yaml", yaml.safe_dump(readable(config), sort_keys=False).rstrip(), "```", "",
@@ -131,6 +129,25 @@ def _hub_id(path: str | None) -> str | None:
     if not path or Path(path).exists() or re.fullmatch(HUB_REPO_ID, path) is None:
         return None
     return path
+
+
+def _held_out_table(config: dict, summary: dict) -> list[str]:
+    """The card's table: greedy accuracy, then the sampled figures (mean@k, pass@j) of the evaluations before the
+    first step and after the last, from the summary's evaluations (else its eval_before / eval_after alone), and the
+    best evaluation's row where it is neither."""
+    points = {p["step"]: p for p in summary.get("eval") or [] if isinstance(p, dict) and "step" in p}
+    last = config.get("train", {}).get("steps")
+    rows = [("before training", points.get(0, {"accuracy": summary.get("eval_before")})),
+            ("after training", points.get(last, {"accuracy": summary.get("eval_after")}))]
+    best = summary.get("eval_best")
+    if isinstance(best, dict) and best.get("step") not in (0, last):
+        rows.append((f"best (step {best['step']})", best))
+    sampled = [name for _, point in rows for name in point if name.startswith(("mean@", "pass@"))]
+    columns = ["accuracy", *dict.fromkeys(sampled)]
+    return [
+        f"| | {' | '.join(columns)} |", f"|{'---|' * (len(columns) + 1)}",
+        *(f"| {label} | {' | '.join(_figure(point.get(column)) for column in columns)} |" for label, point in rows),
+    ]
 
 
 def _figure(value: Any) -> str:

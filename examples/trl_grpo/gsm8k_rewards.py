@@ -3,7 +3,7 @@ and the dataset's columns (here `solution`), `**kwargs` for the rest, one float 
 conversational, so each completion is `[{"role": "assistant", "content": text}]`.
 
 rlpipe calls them the same way: its recipe (recipe.yaml) names them `gsm8k_rewards:correctness_reward` and
-`gsm8k_rewards:format_reward`, found on PYTHONPATH.
+`gsm8k_rewards:format_reward`, found beside the recipe (or on PYTHONPATH).
 """
 
 import re

@@ -255,6 +255,27 @@ def test_sampling_keys_load_and_choose_the_engines_logprobs():
     assert plain.reshaping_keys() == [] and plain.logprobs_mode() == "processed_logprobs"  # after temperature
 
 
+def test_the_sampling_keys_reach_vllms_sampling_params_for_rollouts_and_the_greedy_evaluation():
+    from rlpipe.rollout import sampling_params
+
+    rollout = load_config(None, [
+        "rollout.top_k=20", "rollout.min_p=0.05", "rollout.repetition_penalty=1.1", "rollout.stop=['</answer>']",
+        "rollout.generation_kwargs={presence_penalty: 0.5, frequency_penalty: 0.25, min_tokens: 2, "
+        "stop_token_ids: [7], bad_words: [nope]}",
+    ]).rollout
+    for n, temperature in ((8, None), (1, 0.0)):
+        params = sampling_params(rollout, n, temperature=temperature)
+        assert (params.n, params.temperature, params.max_tokens, params.logprobs) == (
+            n, 1.0 if temperature is None else 0.0, rollout.max_tokens, 0)
+        # Greedy: vLLM itself drops the filters, which leave the most likely token where it is; the penalties stay.
+        filters = (20, 0.05) if temperature is None else (0, 0.0)
+        assert (params.top_k, params.min_p, params.repetition_penalty, params.stop) == (*filters, 1.1, ["</answer>"])
+        assert params.include_stop_str_in_output  # the text keeps the stop string, as the token ids do
+        assert (params.presence_penalty, params.frequency_penalty, params.min_tokens, params.bad_words) == (
+            0.5, 0.25, 2, ["nope"])
+        assert 7 in params.stop_token_ids
+
+
 @pytest.mark.parametrize(
     ("reshaping", "name"),
     [("rollout.top_k=20", "rollout.top_k"), ("rollout.top_p=0.9", "rollout.top_p"),

@@ -1,8 +1,10 @@
 """rlpipe.evaluation: pass@k against brute force, mean@k, when a run evaluates, the best point; the `eval` config
-section; the held-out figures in a step's line and in the curves; `rlpipe eval`'s bad input."""
+section; the held-out figures in a step's line and in the curves; `rlpipe eval`'s bad input and an export's
+evaluation."""
 
 import itertools
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -178,6 +180,31 @@ def test_rlpipe_eval_refuses_a_bad_path_before_anything_starts(tmp_path, capsys)
     assert main(["eval", str(tmp_path), "--out", str(tmp_path / "no" / "eval.json")]) == 2
     assert capsys.readouterr().err.strip() == f"rlpipe: config error: --out: folder {tmp_path / 'no'} does not exist"
     assert not (tmp_path / "eval.json").exists()
+
+
+def test_rlpipe_eval_of_an_export_evaluates_that_folder_with_the_recipe_as_before_training(tmp_path, tiny_qwen3,
+                                                                                          monkeypatch, capsys):
+    """An HF folder (an export) is evaluated as it is, with the recipe's data and rewards, as step 0 (an export does
+    not record its step); the engines' part is rlpipe.evaluation.evaluate, which the integration run drives."""
+    from rlpipe import cli
+
+    started = {}
+
+    def on_engines(cfg, model_path, tokenizer_path, columns, eval_set, step, state, logs):
+        started.update(cfg=cfg, model_path=model_path, prompts=len(eval_set), step=step)
+        return {"step": step, "accuracy": 0.25, "mean@4": 0.5, "pass@2": 0.625, "pass@4": 0.75}
+
+    monkeypatch.setattr(cli, "_evaluate_on_engines", on_engines)
+    out = tmp_path / "figures.json"
+    assert main(["eval", tiny_qwen3, "data.size=16", "data.eval_size=4", "eval.samples_per_prompt=4",
+                 "--out", str(out)]) == 0
+    assert started["model_path"] == str(Path(tiny_qwen3).resolve()) == started["cfg"].model.path
+    assert (started["step"], started["prompts"], started["cfg"].eval.samples_per_prompt) == (0, 4, 4)
+    written = json.loads(out.read_text())
+    assert written == {"path": tiny_qwen3, "weights": tiny_qwen3, "step": 0, "prompts": 4, "accuracy": 0.25,
+                       "mean@4": 0.5, "pass@2": 0.625, "pass@4": 0.75}
+    assert capsys.readouterr().out.strip() == (f"held-out accuracy of {tiny_qwen3} (step 0, 4 prompts): 0.25 (greedy); "
+                                               f"mean@4 0.50, pass@2 0.62, pass@4 0.75; written to {out}")
 
 
 def test_eval_points_of_a_summary_are_read_leniently(tmp_path):

@@ -350,6 +350,18 @@ def test_the_mapping_page_covers_every_field_grpo_config_declares():
     assert not declared - on_page, f"GRPOConfig fields missing from {TRL_PAGE.name}: {sorted(declared - on_page)}"
 
 
+def test_the_mapping_page_covers_the_training_arguments_for_evaluation_the_hub_and_resuming():
+    """The TrainingArguments fields GRPOConfig inherits that GRPO scripts set for evaluation during training, the Hub
+    push and resuming have rows too: rlpipe has eval.every, metrics.push_to_hub and --resume for them."""
+    trl = pytest.importorskip("trl")
+    inherited = {f.name for f in dataclasses.fields(trl.GRPOConfig)} - set(trl.GRPOConfig.__annotations__)
+    wanted = {"eval_strategy", "eval_steps", "load_best_model_at_end", "metric_for_best_model", "push_to_hub",
+              "hub_model_id", "hub_private_repo", "hub_token", "resume_from_checkpoint", "optim", "use_cpu"}
+    assert wanted <= inherited
+    on_page = {name for row in mapping_tables(TRL_PAGE)["GRPOConfig field"] for name in spans(row[0])}
+    assert not wanted - on_page, f"missing from {TRL_PAGE.name}: {sorted(wanted - on_page)}"
+
+
 def trl_script_calls() -> tuple[dict, dict]:
     """The keyword arguments train_trl.py passes to GRPOConfig and GRPOTrainer, read from its source (TRL not needed):
     literal values as they are, names (variables, functions) as their text."""

@@ -42,6 +42,23 @@ def test_the_model_card_has_the_hub_header_the_recipe_and_the_held_out_figures()
     assert "base_model" not in local.split("---\n")[1] and "| after training | not measured |" in local
 
 
+def test_the_model_card_shows_the_sampled_figures_and_the_best_evaluation():
+    config = load_config(None, ["train.steps=4", "eval.samples_per_prompt=4"]).to_dict()
+    points = [{"step": 0, "accuracy": 0.25, "mean@4": 0.125, "pass@2": 0.2, "pass@4": 0.3},
+              {"step": 2, "accuracy": 0.75, "mean@4": 0.5, "pass@2": 0.6, "pass@4": 0.7},
+              {"step": 4, "accuracy": 0.5, "mean@4": 0.375, "pass@2": 0.5, "pass@4": 0.625}]
+    card = model_card(config, {"eval_before": 0.25, "eval_after": 0.5, "eval": points,
+                               "eval_best": {**points[1], "checkpoint": None}})
+    table = card.split("## Held-out evaluation\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert table == ["| | accuracy | mean@4 | pass@2 | pass@4 |", "|---|---|---|---|---|",
+                     "| before training | 0.2500 | 0.1250 | 0.2000 | 0.3000 |",
+                     "| after training | 0.5000 | 0.3750 | 0.5000 | 0.6250 |",
+                     "| best (step 2) | 0.7500 | 0.5000 | 0.6000 | 0.7000 |"]
+    # The last step's evaluation missing from the evaluations (a checkpoint's card): its greedy figure alone.
+    card = model_card(config, {"eval_after": 0.5, "eval": points[:1], "eval_best": {**points[-1], "checkpoint": None}})
+    assert "| after training | 0.5000 | not measured | not measured | not measured |" in card and "best" not in card
+
+
 def test_export_pushes_the_folder_and_its_card_to_the_hub(hub, tiny_qwen3, tmp_path, capsys):
     from tests.unit.test_checkpoint import _save
     from tests.unit.test_learner_group import _config
