@@ -324,17 +324,23 @@ def with_suffix(prompt: str | list[dict], suffix: str | None) -> str | list[dict
     return messages
 
 
-def chat_messages(prompt: str | list[dict], system_prompt: str | None) -> list[dict]:
-    """The conversation to template; data.system_prompt goes first unless the conversation has its own."""
+def chat_messages(
+    prompt: str | list[dict], system_prompt: str | None, example_messages: list[dict] | None = None
+) -> list[dict]:
+    """The conversation to template; data.system_prompt goes first unless the conversation has its own, then
+    data.example_messages (a worked example), then the prompt's own messages."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     if system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})
+    if example_messages:
+        start = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        messages[start:start] = [dict(m) for m in example_messages]
     return messages
 
 
 def render_prompt(
     tokenizer, prompt: str | list[dict], system_prompt: str | None, chat_template: str = "tokenizer",
-    template_kwargs: dict | None = None,
+    template_kwargs: dict | None = None, example_messages: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of the prompt: chat-templated, ending where the assistant's reply begins; or, with chat_template
     "none", the text as is (after data.system_prompt and a blank line), for base models."""
@@ -350,7 +356,8 @@ def render_prompt(
         )
     try:
         text = tokenizer.apply_chat_template(
-            chat_messages(prompt, system_prompt), tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            chat_messages(prompt, system_prompt, example_messages), tokenize=False, add_generation_prompt=True,
+            **(template_kwargs or {}),
         )
     except Exception as err:  # jinja's TemplateError, or the template's own raise_exception
         raise ConfigError(f"model.tokenizer: the chat template fails on a prompt: {one_line(err)}") from None
@@ -390,8 +397,9 @@ class PromptSet:
         prompt = self._prompt(row)
         # Reward functions get the prompt as the model was prompted with it (data.system_prompt and
         # data.prompt_suffix included).
-        messages = None if isinstance(prompt, str) else chat_messages(prompt, self.cfg.system_prompt)
-        chat = None if self.cfg.chat_template == "none" else chat_messages(prompt, self.cfg.system_prompt)
+        examples = self.cfg.example_messages
+        messages = None if isinstance(prompt, str) else chat_messages(prompt, self.cfg.system_prompt, examples)
+        chat = None if self.cfg.chat_template == "none" else chat_messages(prompt, self.cfg.system_prompt, examples)
         return Prompt(self.id_offset + number, question_text(prompt), token_ids, columns, messages, chat,
                       dict(self.cfg.chat_template_kwargs))
 
@@ -416,7 +424,7 @@ class PromptSet:
                 )
             self._token_ids[number] = render_prompt(
                 self.tokenizer, self._prompt(row), self.cfg.system_prompt, self.cfg.chat_template,
-                self.cfg.chat_template_kwargs,
+                self.cfg.chat_template_kwargs, self.cfg.example_messages,
             )
         return self._token_ids[number]
 

@@ -67,6 +67,11 @@ class DataConfig:
     eval_split: str | None = key(None, "held-out split of data.path (e.g. test); its first eval_size rows")
     prompt_field: str = key("question", "column holding the prompt: text, or a list of chat messages {role, content}")
     system_prompt: str | None = key(None, "system message put before every prompt that has none")
+    example_messages: list[dict] = key(
+        [],
+        "chat messages put before every prompt's own, after the system message: a worked example conversation "
+        "(few-shot), e.g. a question, the assistant's tool call, the tool's answer, the assistant's reply",
+    )
     prompt_suffix: str | None = key(
         None, "text appended to every prompt: to the text, or to a conversation's last user message (e.g. \" Reply "
         "with only the final number.\"; give the leading space or newline you want)",
@@ -121,5 +126,15 @@ class DataConfig:
             self.chat_template == "tokenizer" or not self.chat_template_kwargs,
             "data.chat_template_kwargs: data.chat_template is none, so no template reads them",
         )
+        require(
+            self.chat_template == "tokenizer" or not self.example_messages,
+            "data.example_messages: data.chat_template is none, so prompts are text, not conversations",
+        )
+        for number, message in enumerate(self.example_messages):
+            require(
+                isinstance(message, dict) and message.get("role") in ("user", "assistant", "tool")
+                and isinstance(message.get("content"), str),
+                f"data.example_messages: message {number} is not {{role: user|assistant|tool, content: text}}",
+            )
         taken = sorted(set(self.chat_template_kwargs) & RENDERING_ARGUMENTS)
         require(not taken, f"data.chat_template_kwargs: {', '.join(taken)} is set by rlpipe, not by the recipe")

@@ -514,3 +514,47 @@ def test_a_hub_name_that_is_not_cached_offline_says_how_to_get_it(tmp_path):
 def test_a_missing_local_path_is_not_taken_for_a_hub_name(tmp_path):
     for path in (tmp_path / "rows.jsonl", "data/rows.parquet", "./rows"):
         assert _config_error(lambda: load_rows(_file_cfg(path), seed=0)) == f"data.path: {path} does not exist"
+
+
+# ---------------------------------------------------------------- data.example_messages
+
+EXAMPLE = [
+    {"role": "user", "content": "Calculate 2 * 3."},
+    {"role": "assistant", "content": '<tool_call>[{"name": "calculator", "arguments": {"expression": "2 * 3"}}]</tool_call>'},
+    {"role": "tool", "name": "calculator", "content": "6"},
+    {"role": "assistant", "content": "6"},
+]
+
+
+def test_example_messages_come_between_the_system_message_and_the_prompt(tokenizer):
+    cfg = DataConfig(system_prompt="Solve.", example_messages=EXAMPLE)
+    (prompt,) = PromptSet([{"question": "Calculate 3 + 4.", "answer": "7"}], tokenizer, cfg).prompts([0])
+    roles = [m["role"] for m in prompt.chat]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert prompt.chat[-1]["content"] == "Calculate 3 + 4." and prompt.question == "Calculate 3 + 4."
+    text = tokenizer.decode(prompt.token_ids)
+    assert text.index("Solve.") < text.index("Calculate 2 * 3.") < text.index("<|im_start|>tool\n6<|im_end|>")
+    assert text.index("<|im_start|>tool\n6") < text.index("Calculate 3 + 4.")
+    assert text.endswith("Calculate 3 + 4.<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.messages is None  # a text prompt: reward functions get its text, as without examples
+
+
+def test_example_messages_follow_a_conversations_own_system_message(tokenizer):
+    rows = [{"question": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Calculate 1 + 1."}]}]
+    (prompt,) = PromptSet(rows, tokenizer, DataConfig(example_messages=EXAMPLE[:2])).prompts([0])
+    assert [m["role"] for m in prompt.messages] == ["system", "user", "assistant", "user"]
+    assert prompt.messages[1]["content"] == "Calculate 2 * 3." and prompt.messages[-1]["content"] == "Calculate 1 + 1."
+    assert rows[0]["question"][0] == {"role": "system", "content": "Be brief."}  # the row is left as it was
+
+
+@pytest.mark.parametrize(
+    "examples, chat_template, expected",
+    [
+        ([{"role": "system", "content": "x"}], "tokenizer", "data.example_messages: message 0 is not {role: user|assistant|tool, content: text}"),
+        ([{"role": "user", "content": "x"}, {"role": "assistant"}], "tokenizer", "data.example_messages: message 1 is not {role: user|assistant|tool, content: text}"),
+        (["hi"], "tokenizer", "data.example_messages: message 0 is not {role: user|assistant|tool, content: text}"),
+        ([{"role": "user", "content": "x"}], "none", "data.example_messages: data.chat_template is none, so prompts are text, not conversations"),
+    ],
+)
+def test_unusable_example_messages_are_named(examples, chat_template, expected):
+    assert _config_error(lambda: DataConfig(example_messages=examples, chat_template=chat_template).check()) == expected

@@ -418,6 +418,22 @@ def test_reward_functions_get_the_episodes_environments_and_conversations():
     assert result.totals == [1.0, 0.0]
 
 
+def test_the_calculator_recipes_worked_examples_call_the_tool_as_the_parser_reads_and_the_tool_answers():
+    from pathlib import Path
+
+    from rlpipe.tools import calculator
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "calculator.yaml")
+    examples = cfg.data.example_messages
+    assert [m["role"] for m in examples] == ["user", "assistant", "tool", "assistant"] * 3
+    for question, call, answer, reply in zip(examples[0::4], examples[1::4], examples[2::4], examples[3::4]):
+        (parsed,) = parse_tool_calls(call["content"])["tool_calls"]
+        assert parsed["function"]["name"] == answer["name"] == "calculator"
+        expression = parsed["function"]["arguments"]["expression"]
+        assert f"Calculate {expression}." in question["content"]
+        assert calculator(expression) == answer["content"] == reply["content"]
+
+
 # ---------------------------------------------------------------------------------------------- model-written code
 
 
