@@ -149,7 +149,7 @@ class RolloutEngine:
         self.lora = lora
         self._lora_request = None  # the adapter every generation applies; None: the base alone (version 0)
         self._adapter_folders: AdapterFolders | None = None
-        self._lora_request_path: str | None = None  # the folder vLLM first loaded the adapter from
+        self._lora_request_path: str | None = None  # the folder vLLM last loaded the adapter from (None: none yet)
         if lora is not None:
             if cfg.model_impl == "rlpipe":
                 raise RuntimeError("rollout: rlpipe's model in vLLM takes no LoRA adapters; sync.lora must be merged")
