@@ -17,8 +17,9 @@ small), so that every rank merges its own rows of `W + scaling * B A` from the r
 collective: that is what the merged-weights sync sends.
 
 A sync of the adapters alone (`sync.lora`) sends each rank's rows of every adapter as the sync plan assigns them
-(`adapter_rows`: the rows of B it holds, and its share of the rows of the replicated A), and the engine writes what
-arrived as an adapter folder (`AdapterFolders`) that vLLM loads in place of the previous version.
+(`adapter_rows`: the rows of B it holds, and its share of the rows of the replicated A). The engine has vLLM load the
+first version it receives from an adapter folder (`AdapterFolders`), and writes later versions straight into the
+LoRA buffers vLLM set up for it (rlpipe/vllm_worker.py `rlpipe_write_adapters`).
 """
 
 from __future__ import annotations
@@ -266,9 +267,9 @@ def adapter_root(directory: str | None = None) -> str:
 
 
 class AdapterFolders:
-    """Where an engine writes each version of the adapters it receives, as a PEFT folder vLLM loads: two folders
-    under `root`, used in turn, so the version served before the latest one stays on disk while the latest is
-    written and loaded. `lora` is the learner.lora section, `base_path` the base model's folder."""
+    """Where an engine writes a version of the adapters for vLLM to load, as a PEFT folder: two folders under
+    `root`, used in turn, so the version served before the latest one stays on disk while the latest is written and
+    loaded. `lora` is the learner.lora section, `base_path` the base model's folder."""
 
     def __init__(self, root: str | os.PathLike, lora, base_path: str):
         self.root, self.lora, self.base_path = Path(root), lora, base_path
@@ -281,6 +282,11 @@ class AdapterFolders:
         save_adapter(adapters, self.lora, self.base_path, folder)
         self.written += 1
         return folder
+
+    def clear(self) -> None:
+        """Remove the folders written (the engine now serves a version that none of them holds)."""
+        for folder in ("a", "b"):
+            shutil.rmtree(self.root / folder, ignore_errors=True)
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

@@ -3,8 +3,9 @@
 No Ray here, so it runs (and is tested) in one process; actors/rollout.py wraps it as an actor. The engine's end
 of the weight sync is a `WeightReceiver` (rlpipe/weightsync/receiver.py) given this engine's write, probe and
 pause; the write itself runs in vLLM's workers (rlpipe/vllm_worker.py). An engine given LoRA adapters' config
-(`sync.lora` adapters) loads the base once and receives only the adapters: each version is written as an adapter
-folder and loaded through vLLM's LoRA support, and every generation applies it.
+(`sync.lora` adapters) loads the base once and receives only the adapters: the first version is loaded through
+vLLM's LoRA support (an adapter folder), later ones are written into the LoRA buffers vLLM set up for it, and every
+generation applies it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig, first_line, 
 from rlpipe.config.learner import LoraConfig
 from rlpipe.config.sync import vllm_lora_rank
 from rlpipe.lora import AdapterFolders, adapter_root
+from rlpipe.lora import scaling as lora_scaling
 from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.tools import Episode, EpisodeLimits, ToolSet, Turn, render_conversation, run_episodes
 from rlpipe.types import Completion, Prompt
@@ -147,6 +149,7 @@ class RolloutEngine:
         self.lora = lora
         self._lora_request = None  # the adapter every generation applies; None: the base alone (version 0)
         self._adapter_folders: AdapterFolders | None = None
+        self._lora_request_path: str | None = None  # the folder vLLM last loaded the adapter from (None: none yet)
         if lora is not None:
             if cfg.model_impl == "rlpipe":
                 raise RuntimeError("rollout: rlpipe's model in vLLM takes no LoRA adapters; sync.lora must be merged")
@@ -399,10 +402,14 @@ class RolloutEngine:
         return self._shared_with_workers
 
     def _load_weights(self, message, in_place: bool) -> None:
-        """Every worker writes `message`'s tensors, within sync.timeout_s: vLLM's executors otherwise wait forever on
-        a worker that died mid-write."""
+        """Every worker writes `message`'s tensors (`_call_workers`)."""
+        self._call_workers("rlpipe_load_weights", (message, in_place))
+
+    def _call_workers(self, method: str, args: tuple) -> list:
+        """Every worker's answer to a write, within sync.timeout_s: vLLM's executors otherwise wait forever on a
+        worker that died mid-write."""
         try:
-            self.llm.collective_rpc("rlpipe_load_weights", timeout=self.sync_cfg.timeout_s, args=(message, in_place))
+            return self.llm.collective_rpc(method, timeout=self.sync_cfg.timeout_s, args=args)
         except Exception as err:
             # vLLM's own timeout (a TimeoutError here, or its engine process's message): the executor matches replies
             # to calls by order, so a late reply would answer the next call, a rollback's write included.
@@ -438,21 +445,32 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
 
     def _write_adapters(self, adapters: dict[str, torch.Tensor]) -> None:
-        """Serve `adapters` (the received, checked version; empty: the base alone, version 0): written as a PEFT
-        folder and loaded by vLLM in place of the adapter it served. The workers' per-tensor check after a write
-        (`WeightWriter._check_written`) does not apply: vLLM's LoRA loader reads the folder itself, into adapter
-        buffers of its own layout; the probe that follows checks the adapted model's log-probs."""
+        """Serve `adapters` (the received, checked version; empty: the base alone, version 0). Once vLLM has loaded
+        an adapter into its slot, each later version is written straight into that slot's LoRA buffers by the
+        workers and read back there (`WeightWriter.rlpipe_write_adapters`). The first version, and any the slot
+        cannot take as it is, go as a PEFT folder that vLLM loads in place of the adapter it served; the folder is
+        removed after a direct write, so that vLLM cannot load an older version from it again."""
         from vllm.lora.request import LoRARequest
 
+        name, lora_id = POLICY_ADAPTER
         if not adapters:
             self._lora_request = None
+        elif self._lora_request_path is not None and self._write_adapters_directly(adapters, lora_id):
+            self._adapter_folders.clear()
+            self._lora_request = LoRARequest(name, lora_id, self._lora_request_path)
         else:
             folder = str(self._adapter_folders.write(adapters))
-            name, lora_id = POLICY_ADAPTER
             # load_inplace replaces the adapter held under this id; generation's requests leave it off, or every
             # engine step would load the folder again (vllm/lora/worker_manager.py add_adapter).
             if not self.llm.llm_engine.add_lora(LoRARequest(name, lora_id, folder, load_inplace=True)):
                 raise SyncError(f"vLLM did not load the adapter folder {folder}")
+            self._lora_request_path = folder
             self._lora_request = LoRARequest(name, lora_id, folder)
         # Cached prefixes hold keys/values computed with the previous adapter (same id).
         self.llm.reset_prefix_cache()
+
+    def _write_adapters_directly(self, adapters: dict[str, torch.Tensor], lora_id: int) -> bool:
+        """Every worker writes `adapters` into the slot of adapter `lora_id`; False where a worker's slot cannot take
+        them (each checks before it writes; the folder that is loaded then replaces whatever another wrote)."""
+        tensors = list(adapters.items()) if workers_in_process(self.cfg) else encode_weights(adapters)
+        return all(self._call_workers("rlpipe_write_adapters", (tensors, lora_id, lora_scaling(self.lora))))

@@ -139,6 +139,36 @@ class WeightWriter:
             layer.cpu_linear = None  # the old packed copy is freed before the new one is made
             dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
+    def rlpipe_write_adapters(
+        self, adapters: bytes | list[tuple[str, torch.Tensor]], lora_id: int, scaling: float
+    ) -> bool:
+        """Write a version of the LoRA adapters (under their PEFT names, without the `base_model.model.` prefix) into
+        the LoRA buffers of the slot that serves adapter `lora_id`, as vLLM's own load of an adapter folder fills them
+        (`LoRAModelManager.activate_adapter`): B scaled by `scaling` in the LoRA dtype, q/k/v and gate/up packed into
+        their fused layer's slices, each layer's `set_lora` padding the rank and slicing for tensor parallelism. The
+        adapter vLLM keeps registered under `lora_id` gets the same tensors, so that re-activating it serves this
+        version. Then every written slot is read back against what was given (`_check_adapters`).
+
+        Returns False, writing nothing, where the slot does not hold an adapter of this shape to overwrite: nothing
+        loaded under `lora_id` yet (a new engine), a module the adapters and the loaded one do not share, a layer
+        other than a plain linear one. The caller then loads the adapters through vLLM (an adapter folder)."""
+        if isinstance(adapters, bytes):
+            adapters = decode_weights(adapters)
+        given = dict(adapters)
+        manager = getattr(getattr(self.model_runner, "lora_manager", None), "_adapter_manager", None)
+        if manager is None or lora_id not in manager.lora_index_to_id:
+            return False
+        registered = manager.get_adapter(lora_id)
+        writes = _adapter_writes(manager, registered, given, scaling) if registered is not None else None
+        if writes is None:
+            return False
+        slot = manager.lora_index_to_id.index(lora_id)
+        for module, held, lora_a, lora_b in writes:
+            module.set_lora(slot, lora_a, lora_b)
+            held.lora_a, held.lora_b = lora_a, lora_b
+        _check_adapters(writes, slot)
+        return True
+
     def rlpipe_sees_file(self, path: str, device: int, inode: int) -> bool:
         """Whether this worker shares the engine's shared-memory directory, and so can read its host copy."""
         return sees_file(path, device, inode)
@@ -297,3 +327,73 @@ def vllm_platform() -> str:
     if current_platform.is_tpu():
         return "tpu-inference"
     return current_platform.device_type
+
+
+def _adapter_writes(manager, registered, given: dict[str, torch.Tensor], scaling: float) -> list | None:
+    """What `WeightWriter.rlpipe_write_adapters` writes: for every LoRA layer of `manager` (vLLM's
+    `LoRAModelManager`) that the adapter `registered` (its `LoRAModel`) holds weights for, the layer, those weights
+    and the new A and B, prepared as vLLM prepares a loaded adapter (`LoRAModel.from_lora_tensors`, then
+    `PackedLoRALayerWeights.pack` and `optimize`): cast to the LoRA dtype, B multiplied by the scaling in that dtype,
+    a fused layer's parts as lists in its packing order. None where `given` does not fit the loaded adapter module
+    for module (see there)."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.layers.classifier import ClassificationHeadWithLoRA
+
+    dtype = manager.lora_config.lora_dtype
+    writes, used = [], set()
+    for module_name, module in manager.modules.items():
+        held = manager._get_lora_layer_weights(registered, module_name)
+        parts = manager.packed_modules.get(module_name, [module_name])
+        names = [(f"{part}.lora_A.weight", f"{part}.lora_B.weight") for part in parts]
+        pairs = [(given.get(name_a), given.get(name_b)) for name_a, name_b in names]
+        if held is None:
+            if any(a is not None or b is not None for a, b in pairs):
+                return None
+            continue
+        plain = isinstance(module, BaseLinearLayerWithLoRA) and not isinstance(module, ClassificationHeadWithLoRA)
+        packed = module_name in manager.packed_modules
+        held_a, held_b = _as_lists(held)
+        if not plain or packed != held.is_packed or len(held_a) != len(pairs):
+            return None
+        if packed and len(pairs) != module.n_slices:
+            return None
+        lora_a, lora_b = [], []
+        for (a, b), was_a, was_b in zip(pairs, held_a, held_b):
+            if a is None and b is None and was_a is None:  # a part of a fused layer that has no adapter
+                lora_a.append(None)
+                lora_b.append(None)
+                continue
+            if a is None or b is None or was_a is None or a.shape != was_a.shape or b.shape != was_b.shape:
+                return None
+            lora_a.append(a.to(dtype=dtype, copy=True))
+            lora_b.append(b.to(dtype=dtype, copy=True))
+            if scaling != 1:  # LoRALayerWeights.optimize
+                lora_b[-1] *= scaling
+        used.update(name for pair, (a, _) in zip(names, pairs) if a is not None for name in pair)
+        writes.append((module, held, lora_a if packed else lora_a[0], lora_b if packed else lora_b[0]))
+    return writes if used == set(given) else None
+
+
+def _as_lists(held) -> tuple[list, list]:
+    """A vLLM LoRA layer's A and B as lists of slices (a fused layer's are lists already)."""
+    if held.is_packed:
+        return held.lora_a, held.lora_b
+    return [held.lora_a], [held.lora_b]
+
+
+def _check_adapters(writes: list, slot: int) -> None:
+    """Read back slot `slot` of every LoRA layer `writes` wrote: each slice's A and B must be what `set_lora` was given
+    (after the layer's own tensor-parallel slicing) and the rest of the slot, the rank's padding, zero. Raises a
+    `SyncError` naming the first layer that differs."""
+    for module, _, lora_a, lora_b in writes:
+        if module.tp_size > 1:
+            lora_a, lora_b = module.slice_lora_a(lora_a), module.slice_lora_b(lora_b)
+        if isinstance(lora_a, torch.Tensor):
+            lora_a, lora_b = [lora_a], [lora_b]
+        for stacked, given in ((module.lora_a_stacked, lora_a), (module.lora_b_stacked, lora_b)):
+            for index, tensor in enumerate(given):
+                held = stacked[index][slot, 0]
+                rows, cols = tensor.shape if tensor is not None else (0, 0)  # a part without an adapter: zero
+                if not (torch.equal(held[:rows, :cols], tensor) and not held[rows:].any() and not held[:, cols:].any()):
+                    raise SyncError(f"after the write the LoRA buffers of {getattr(module.base_layer, 'prefix', '')} "
+                                    f"do not hold the adapter as it was given; the write went wrong")

@@ -174,8 +174,77 @@ def test_an_engine_writes_each_version_into_the_other_of_two_adapter_folders_tha
         hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
         torch.testing.assert_close(peft.PeftModel.from_pretrained(hf, str(first)).eval()(ids).logits, ours,
                                    atol=1e-5, rtol=0)
+    folders.clear()  # once the engine serves a version written past the folders, neither may be loaded again
+    assert not first.exists() and not second.exists() and (tmp_path / "adapters").is_dir()
     folders.remove()
     assert not (tmp_path / "adapters").exists()
+
+
+def _lora_slots(worker) -> dict[str, torch.Tensor]:
+    """Every LoRA buffer of a vLLM worker (run inside it through `collective_rpc`), copied: each slice's stacked A
+    and B of every LoRA layer, every slot, the rank's padding included."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    return {f"{name}.{which}{index}": stacked.clone()
+            for name, module in manager.modules.items() if hasattr(module, "lora_a_stacked")
+            for which in ("a", "b") for index, stacked in enumerate(getattr(module, f"lora_{which}_stacked"))}
+
+
+@pytest.mark.xdist_group("engines")  # an in-process vLLM engine pins its process's threads: beside the other engines
+def test_an_engine_writes_later_adapter_versions_into_vllms_buffers_bit_for_bit_as_vllms_own_load(tiny_qwen3,
+                                                                                                    tmp_path):
+    """The first version goes through vLLM's add_lora (a folder); a later one is written straight into the LoRA
+    buffers, and holds there exactly what vLLM's own load of the same adapters leaves (rank 2 in vLLM's rank 8,
+    scaling 2 folded into B, q/k/v and gate/up packed), then a corrupt write is caught by the read-back, and adapters
+    the loaded slot cannot take go through a folder again."""
+    from vllm.lora.request import LoRARequest
+
+    from rlpipe.config import RolloutConfig
+    from rlpipe.lora import save_adapter
+    from rlpipe.rollout import POLICY_ADAPTER, RolloutEngine
+    from rlpipe.weightsync import SyncError
+
+    learner = _learner(tiny_qwen3)
+    lora = learner.engine.lora
+    versions = []
+    for seed in (1, 2, 3):
+        _randomise_adapters(learner, seed)
+        versions.append({name: p.detach().clone() for name, p in _adapters(learner).items()})
+    sent = {name: value.clone() for name, value in versions[1].items()}
+    engine = RolloutEngine(tiny_qwen3, RolloutConfig(max_model_len=128, max_tokens=4), 0, lora=lora,
+                           progress_bars=False)
+    try:
+        folders = engine._adapter_folders.root
+        engine._write_adapters(versions[0])
+        assert (folders / "a").is_dir()  # the first version: vLLM loaded it from a folder
+        first = engine.llm.collective_rpc(_lora_slots)[0]
+        engine._write_adapters(versions[1])
+        assert not (folders / "a").exists() and not (folders / "b").exists()  # written directly; no stale folder
+        direct = engine.llm.collective_rpc(_lora_slots)[0]
+        assert all(torch.equal(value, sent[name]) for name, value in versions[1].items())  # what arrived is unchanged
+        name, lora_id = POLICY_ADAPTER
+        folder = save_adapter(versions[1], lora, tiny_qwen3, tmp_path / "second")
+        assert engine.llm.llm_engine.add_lora(LoRARequest(name, lora_id, str(folder), load_inplace=True))
+        loaded = engine.llm.collective_rpc(_lora_slots)[0]
+        assert direct.keys() == loaded.keys() >= {"model.layers.1.self_attn.qkv_proj.b2", "model.layers.1.mlp.down_proj.b0"}
+        for key, value in loaded.items():
+            assert torch.equal(direct[key], value), key  # bit for bit, padding and the unused slots included
+        assert all(not torch.equal(first[key], direct[key]) for key in loaded if ".layers." in key)
+
+        def corrupt(worker):  # one layer's set_lora doubles its B from now on
+            module = worker.model_runner.lora_manager._adapter_manager.modules["model.layers.1.self_attn.o_proj"]
+            original = module.set_lora
+            module.set_lora = lambda index, a, b: (original(index, a, b), module.lora_b_stacked[0].mul_(2))
+
+        engine.llm.collective_rpc(corrupt)
+        with pytest.raises(SyncError, match="LoRA buffers of .* do not hold the adapter"):
+            engine._write_adapters(versions[2])
+        engine.llm.collective_rpc(lambda worker: [m.__dict__.pop("set_lora", None) for m in
+                                                  worker.model_runner.lora_manager._adapter_manager.modules.values()])
+        fewer = {key: value for key, value in versions[2].items() if ".mlp." not in key}
+        engine._write_adapters(fewer)  # the slot holds MLP adapters that these lack: vLLM loads them from a folder
+        assert (folders / "a").is_dir() or (folders / "b").is_dir()
+    finally:
+        engine.close()
 
 
 def test_engines_receive_the_merged_weights_which_give_the_adapted_models_logits(tiny_qwen3):
