@@ -176,7 +176,7 @@ class ModelOutputs:
     """What the model computed for one micro-batch.
 
     logprobs: [B, T] log-probability of each token given the ones before it (0 where not computed); carries grad.
-    entropy: [B, T] the policy's entropy at each position (detached).
+    entropy: [B, T] the policy's entropy at each position (carries grad, for `algo.entropy_coef`).
     router_logits: a mixture-of-experts model's router logits, one [tokens, experts] tensor per MoE layer, over the
         tokens as the model ran them (packed or padded); empty for a dense model.
     router_mask: [tokens] which of those tokens are trained on (the `mask` tokens, in the same order).

@@ -1,5 +1,6 @@
 """Training objectives as small objects: a policy loss (GRPO, Dr. GRPO, DAPO, GSPO), importance corrections that
-weight its tokens (TIS, MIS) and terms added to it (KL to a reference model, the MoE router's balance loss).
+weight its tokens (TIS, MIS) and terms added to it (KL to a reference model, an entropy bonus, the MoE router's
+balance loss).
 
 An `Objective` is what the train engine runs on every micro-batch: `objective(outputs, inputs) -> (loss, stats)`.
 `outputs` is what the model computed (`ModelOutputs`); `inputs` is the micro-batch's `LossInputs` — `mask` ([B, T],
@@ -177,6 +178,22 @@ class KLPenalty:
 
 
 @dataclass
+class EntropyBonus:
+    """-coef x the mean per-token entropy over the mini-batch's trained tokens (TRL's entropy_coef): a positive
+    coefficient rewards keeping the policy from collapsing. It is a token mean whatever the policy loss's
+    aggregation, so the coefficient means the same for every loss; padding and tool-output tokens are outside
+    the mask and do not count."""
+
+    coef: float
+    every_row_counts: ClassVar[bool] = True  # a sample with advantage 0 still has an entropy gradient
+    needs_reference: ClassVar[bool] = False
+
+    def __call__(self, outputs: ModelOutputs, inputs: LossInputs, policy, stats: LossStats) -> Tensor:
+        entropy = torch.where(inputs.mask, outputs.entropy, torch.zeros_like(outputs.entropy)).sum()
+        return -self.coef * entropy / inputs.total_tokens.to(entropy.dtype).clamp_min(1.0)
+
+
+@dataclass
 class RouterBalance:
     """A mixture-of-experts model's load-balancing loss (coefficient x transformers' switch loss), and the router
     statistics as sums over the trained tokens: routed copies per (MoE layer, expert) and router probability per
@@ -232,7 +249,7 @@ class Objective:
         gap = torch.where(mask, (old - rollout).abs(), zeros)
         stats = LossStats(
             tokens=mask.sum().float(),
-            entropy=(outputs.entropy * mask).sum(),
+            entropy=torch.where(mask, outputs.entropy.detach(), zeros).sum(),
             gap_abs=gap.sum(),
             gap_max=gap.max(),
             # The rollout engine sampled the tokens, so it is the "policy" of the k3 estimator and the learner the
@@ -280,6 +297,8 @@ def build_objective(algo, *, max_tokens: int, moe=None) -> Objective:
     terms = []
     if algo.kl_beta > 0:
         terms.append(KLPenalty(algo.kl_beta, algo.kl_estimator, algo.kl_bias_correction))
+    if algo.entropy_coef != 0:
+        terms.append(EntropyBonus(algo.entropy_coef))
     if moe is not None:
         experts_per_token, coef = moe
         terms.append(RouterBalance(coef, experts_per_token))

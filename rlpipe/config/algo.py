@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,6 +40,10 @@ class AlgoConfig:
         False, "multiply the KL estimate by the importance ratio p / p_old (TRL's use_bias_correction_kl, its "
         "default); nothing to correct while algo.kl_beta is 0"
     )
+    entropy_coef: float = key(
+        0.0, "entropy bonus: subtract coef x the mean per-token entropy of the trained tokens from the loss (TRL's "
+        "entropy_coef; a token mean whatever algo.loss_agg; 0: off; needs model.kernels.logprob chunked or reference)"
+    )
     mask_truncated_completions: bool = key(
         False, "leave completions that reached rollout.max_tokens without ending out of the loss (their tokens "
         "do not train; their rewards still count in their group's advantages)"
@@ -68,6 +73,7 @@ class AlgoConfig:
             f"algo.loss_agg: only grpo takes an aggregation; {self.loss} fixes its own (set it to null)",
         )
         require(self.kl_beta >= 0, "algo.kl_beta: must be >= 0")
+        require(math.isfinite(self.entropy_coef), "algo.entropy_coef: must be a finite number")
         require(
             self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
             "algo.router_aux_loss_coef: must be >= 0 or null",

@@ -81,6 +81,11 @@ class Config:
         self._check_engines_on_tpu()
         self._check_learner_step()
         self._check_lora_sync()
+        require(
+            self.algo.entropy_coef == 0 or self.model.kernels.logprob != "pallas",
+            "algo.entropy_coef: the pallas log-prob kernel returns entropy without a gradient; set "
+            "model.kernels.logprob to chunked (or entropy_coef to 0)",
+        )
 
     def _check_asynchronous_mode(self) -> None:
         require(

@@ -12,7 +12,8 @@ entropy_i = logsumexp(z_i) - sum_j softmax(z_i)_j z_ij.
   through two backward kernels: one reducing over vocab blocks for the hidden states, one over token blocks for
   the weight). Interpreted off TPU.
 
-Entropy is returned without a gradient: here it is a metric, not a loss term.
+Entropy carries a gradient in `chunked` and `reference` (the entropy bonus, `algo.entropy_coef`, trains on it:
+dH/dz_k = -p_k (log p_k + H)); `pallas` returns it detached, a metric only.
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ def logits_logprob(logits, targets, inv_temperature: float = 1.0):
     """The same from logits [N, V] already computed (a model that only returns logits)."""
     logprobs = torch.log_softmax(logits.float() * inv_temperature, dim=-1)
     picked = logprobs.gather(-1, targets[:, None].long()).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
     return picked, entropy
 
 
@@ -80,24 +80,29 @@ class _ChunkedLinearLogprob(torch.autograd.Function):
             running_max = new_max
             picked = picked + _pick(logits, targets - start)
         lse = running_max + torch.log(sum_exp)
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.inv_temperature, ctx.chunk = inv_temperature, chunk
         entropy = lse - weighted / sum_exp
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.inv_temperature, ctx.chunk = inv_temperature, chunk
+        ctx.set_materialize_grads(False)  # entropy unused in the loss (the usual case): no gradient work for it
         return picked - lse, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
         inv_temperature = ctx.inv_temperature
-        scaled = grad_logprob.float() * inv_temperature
+        scaled = (grad_logprob.float() if grad_logprob is not None else torch.zeros_like(lse)) * inv_temperature
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
         for start in range(0, weight.shape[0], ctx.chunk):
             block = weight[start : start + ctx.chunk]
             logits = (hidden @ block.T).float() * inv_temperature
-            # d logprob / d logits = onehot(target) - softmax
-            grad_logits = -torch.exp(logits - lse[:, None]) * scaled[:, None]
+            # d logprob / d logits = onehot(target) - softmax;  d entropy / d logits = -softmax * (log softmax + H)
+            log_softmax = logits - lse[:, None]
+            grad_logits = -torch.exp(log_softmax) * scaled[:, None]
+            if grad_entropy is not None:
+                grad_logits -= torch.exp(log_softmax) * (log_softmax + entropy[:, None]) * (
+                    grad_entropy.float()[:, None] * inv_temperature
+                )
             local = targets - start
             inside = (local >= 0) & (local < logits.shape[1])
             grad_logits.scatter_add_(

@@ -23,6 +23,8 @@ B, T = 6, 7
 class _Identity:
     """One process's accelerate: gathering and reducing change nothing."""
 
+    sync_gradients = True
+
     def gather(self, tensor):
         return tensor
 
@@ -32,16 +34,19 @@ class _Identity:
     gather_for_metrics = gather
 
 
-def _trl_loss(logprobs, inputs: dict, *, loss_type, beta, bias_correction, eps_low, eps_high, level="token"):
+def _trl_loss(logprobs, inputs: dict, *, loss_type, beta, bias_correction, eps_low, eps_high, level="token",
+              entropies=None, entropy_coef=0.0):
     """TRL 1.16's GRPO loss of one micro-batch (no gradient accumulation, one process, no vLLM correction)."""
     GRPOTrainer = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
+    entropies = torch.zeros_like(logprobs) if entropies is None else entropies
     trainer = types.SimpleNamespace(
         loss_type=loss_type, beta=beta, epsilon_low=eps_low, epsilon_high=eps_high, importance_sampling_level=level,
         args=types.SimpleNamespace(use_bias_correction_kl=bias_correction, delta=None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False, aux_loss_enabled=False,
-        _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1, max_completion_length=T,
+        _entropy_bonus_enabled=entropy_coef != 0.0, entropy_coef=entropy_coef, use_adaptive_entropy=False,
+        current_gradient_accumulation_steps=1, max_completion_length=T,
         model=types.SimpleNamespace(training=True), accelerator=_Identity(), _metrics=defaultdict(lambda: defaultdict(list)),
-        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logprobs, torch.zeros_like(logprobs), None),
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logprobs, entropies, None),
     )
     trainer.get_high_entropy_mask = None
     return GRPOTrainer._compute_loss(trainer, None, inputs)
@@ -208,3 +213,73 @@ def test_the_linear_schedule_is_transformers_after_rlpipes_warm_up():
     assert ours[3:] == pytest.approx(theirs[3:], abs=1e-15)
     assert ours[11] == pytest.approx(1 / 9) and ours[12:] == [0.0, 0.0]
     assert load_config(None, ["train.lr_schedule=linear"]).train.lr_schedule == "linear"
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_entropy_bonus_equals_trls(loss):
+    """`algo.entropy_coef` against TRL's `entropy_coef` on the same batch and entropies: the loss and the gradients
+    to both the log-probs and the entropies. Padding carries large entropies that must not count."""
+    overrides, loss_type, level, (eps_low, eps_high) = LOSSES[loss]
+    cfg = load_config(None, [*overrides, "algo.entropy_coef=0.01", "algo.tis_cap=null"])
+    objective = build_objective(cfg.algo, max_tokens=T)
+    assert objective.every_row_counts  # a zero-advantage row still has an entropy gradient
+    mask, logprobs, old, _, advantages = _batch(2)
+    entropy = torch.where(mask, torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(3)), 50.0)
+
+    ours, ours_entropy = logprobs.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+    inputs = LossInputs(mask=mask, advantages=advantages, rollout_logprobs=old, total_tokens=mask.sum().double(),
+                        total_seqs=torch.tensor(float(B), dtype=torch.float64), old_logprobs=old)
+    loss_ours, stats = objective(ModelOutputs(ours, ours_entropy, [], mask.reshape(-1)), inputs)
+    loss_ours.backward()
+
+    theirs, their_entropy = logprobs.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+    trl_inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+                  "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask.long(),
+                  "advantages": advantages, "old_per_token_logps": old}
+    loss_trl = _trl_loss(theirs, trl_inputs, loss_type=loss_type, beta=0.0, bias_correction=False, eps_low=eps_low,
+                         eps_high=eps_high, level=level, entropies=their_entropy, entropy_coef=0.01)
+    loss_trl.backward()
+
+    assert float(loss_ours) == pytest.approx(float(loss_trl), rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(ours_entropy.grad, their_entropy.grad, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(ours_entropy.grad[mask], torch.full((int(mask.sum()),), -0.01 / int(mask.sum()),
+                                                                   dtype=torch.float64), rtol=1e-12, atol=0)
+    assert not ours_entropy.grad[~mask].any()
+    assert float(stats.entropy) == pytest.approx(float(entropy[mask].sum()))  # the metric: trained tokens only
+    assert load_config(None, []).algo.entropy_coef == 0.0
+    assert not build_objective(load_config(None, ["algo.tis_cap=null"]).algo, max_tokens=T).terms
+
+
+@pytest.mark.parametrize("impl", ["chunked", "reference"])
+def test_the_learners_entropy_has_its_gradient(impl):
+    """The entropy the bonus trains on comes out of the log-prob kernel with the gradient of -sum p log p."""
+    from rlpipe.kernels.logprob import linear_logprob
+
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(5, 8, generator=generator, dtype=torch.float64)
+    weight = torch.randn(11, 8, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, 11, (5,), generator=generator)
+    upstream = torch.randn(2, 5, generator=generator, dtype=torch.float64)
+    grads = []
+    for compute in ("kernel", "autograd"):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if compute == "kernel":
+            logprob, entropy = linear_logprob(h, w, targets, temperature=0.7, impl=impl, chunk=4)
+        else:
+            log_softmax = torch.log_softmax(h @ w.T / 0.7, dim=-1)
+            logprob = log_softmax.gather(1, targets[:, None]).squeeze(1)
+            entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+        ((logprob * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
+        grads.append((h.grad, w.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-5)
+
+
+def test_the_entropy_bonus_refuses_the_kernel_without_an_entropy_gradient():
+    from rlpipe.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="algo.entropy_coef: the pallas log-prob kernel"):
+        load_config(None, ["algo.entropy_coef=0.01", "model.kernels.logprob=pallas"])
+    with pytest.raises(ConfigError, match="algo.entropy_coef: must be a finite number"):
+        load_config(None, ["algo.entropy_coef=nan"])
