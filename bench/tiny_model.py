@@ -18,22 +18,29 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def build_tokenizer(folder) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on a few arithmetic sentences: any text encodes, the vocabulary stays small."""
+    from tokenizers import pre_tokenizers
+
+    corpus = [f"Calculate {a} + {b}. The answer is {a + b}.\n" for a in range(40) for b in range(0, 40, 7)]
+    corpus += ["system user assistant Solve the problem. End your reply with the final answer."]
+    return _train_tokenizer(folder, pre_tokenizers.ByteLevel(add_prefix_space=False), corpus, 320, CHATML)
+
+
+def _train_tokenizer(folder, pre_tokenizer, corpus: list[str], vocab_size: int, chat_template: str):
+    """A byte-level BPE with the chat specials, trained on `corpus` and saved to `folder` with `chat_template`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.pre_tokenizer = pre_tokenizer
     core.decoder = decoders.ByteLevel()
-    corpus = [f"Calculate {a} + {b}. The answer is {a + b}.\n" for a in range(40) for b in range(0, 40, 7)]
-    corpus += ["system user assistant Solve the problem. End your reply with the final answer."]
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     core.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
     )
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)
     return tokenizer
 
@@ -129,28 +136,17 @@ def build_tiny_tool_model(folder, system_prompt: str, prompt_suffix: str = "", s
 
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers
 
     rng = random.Random(seed)
     questions = [arithmetic_question(rng) for _ in range(2048)]
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    core.decoder = decoders.ByteLevel()
     call = json.dumps({"name": "calculator", "arguments": {"expression": "1 + 2"}})
     corpus = [f"system\n{system_prompt}\nTools: calculator\nuser\n{q}{prompt_suffix}\nassistant\n"
               f"<tool_call>{call}</tool_call>\ntool\n" for q, _ in questions[:256]]
-    trainer = trainers.BpeTrainer(
-        vocab_size=448, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    digits_apart = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
-    core.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
-    )
-    tokenizer.chat_template = TOOL_CHATML
-    tokenizer.save_pretrained(folder)
+    tokenizer = _train_tokenizer(folder, digits_apart, corpus, 448, TOOL_CHATML)
 
     rows = [tool_conversation(tokenizer, system_prompt, q + prompt_suffix, e) for q, e in questions]
     config = transformers.Qwen3Config(

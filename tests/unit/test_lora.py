@@ -358,22 +358,29 @@ def test_adapter_shapes_are_checked_against_the_base():
     assert "pair up" in adapter_shapes_problem(base, {**fits, "q.lora_B.weight": (8, 3)})
 
 
-def test_two_sharded_ranks_train_the_adapters_as_one_rank_does(tiny_qwen3):
-    """SimpleFSDP over two ranks: the same losses, and the merged weights each rank sends (its own rows, merged
-    without a collective: lora_A is replicated, as the adapter sync's test above takes it) are the single rank's."""
+def _one_rank_and_two(model_path: str, graph: bool, timeout_s: float):
+    """One eager rank's learner and per-step metrics, and the outputs of two SimpleFSDP ranks (`graph`: the captured
+    step) trained on the same batches, all sending merged weights."""
     merged = (*LORA, "sync.lora=merged")
-    single = _learner(tiny_qwen3, "sync.lora=merged")
+    single = _learner(model_path, "sync.lora=merged")
     single_metrics = [combine_rank_metrics([single.train_step(b)]) for b in _batches()]
     context = mp.get_context("spawn")
     results = context.Queue()
     port = find_free_port()
-    procs = [context.Process(target=_rank, args=(r, 2, tiny_qwen3, port, False, results, merged)) for r in range(2)]
+    procs = [context.Process(target=_rank, args=(r, 2, model_path, port, graph, results, merged)) for r in range(2)]
     for p in procs:
         p.start()
-    outputs = [results.get(timeout=600) for _ in procs]
+    outputs = [results.get(timeout=timeout_s) for _ in procs]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    return single, single_metrics, outputs
+
+
+def test_two_sharded_ranks_train_the_adapters_as_one_rank_does(tiny_qwen3):
+    """SimpleFSDP over two ranks: the same losses, and the merged weights each rank sends (its own rows, merged
+    without a collective: lora_A is replicated, as the adapter sync's test above takes it) are the single rank's."""
+    single, single_metrics, outputs = _one_rank_and_two(tiny_qwen3, graph=False, timeout_s=600)
     local = {rank: shards for *_, rank, shards in outputs}
     full = single.full_state_dict()
     assert local[0].keys() == full.keys()
@@ -459,19 +466,7 @@ def test_the_captured_step_trains_the_adapters_as_the_eager_step_does_and_compil
 def test_two_sharded_ranks_capture_the_adapters_step_as_one_eager_rank_trains_it(tiny_qwen3):
     """SimpleFSDP over two ranks with learner.graph: the same losses, KL and gradient norms as one eager rank, the
     same merged weights (so the same adapters on the same base), and one compiled graph for three steps."""
-    merged = (*LORA, "sync.lora=merged")
-    single = _learner(tiny_qwen3, "sync.lora=merged")
-    single_metrics = [combine_rank_metrics([single.train_step(b)]) for b in _batches()]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = find_free_port()
-    procs = [context.Process(target=_rank, args=(r, 2, tiny_qwen3, port, True, results, merged)) for r in range(2)]
-    for p in procs:
-        p.start()
-    outputs = [results.get(timeout=1200) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    single, single_metrics, outputs = _one_rank_and_two(tiny_qwen3, graph=True, timeout_s=1200)
     local = {rank: shards for *_, rank, shards in outputs}
     for name, value in single.full_state_dict().items():
         together = torch.from_numpy(np.concatenate([local[0][name], local[1][name]]))
