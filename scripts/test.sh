@@ -6,6 +6,22 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
+# Room on disk first: a build that runs out of it midway leaves a broken environment behind. Sizes measured on a
+# fresh machine (GB): .venv 5; .venv-xla and .venv-tpu 8 each (PyPI's torch for them is the CUDA build, with its
+# nvidia-* libraries); the suite's own files (compiled kernels, runs) a few. Built environments need nothing.
+need_gb=4
+for lane in ".venv:1:${RLPIPE_VENV:-$root/.venv}:5" "xla:${RLPIPE_XLA:-1}:${RLPIPE_XLA_VENV:-$root/.venv-xla}:8" \
+    "tpu:${RLPIPE_TPU_CONTRACT:-1}:${RLPIPE_TPU_VENV:-$root/.venv-tpu}:8"; do
+  IFS=: read -r _ wanted venv_dir size <<<"$lane"
+  if [ "$wanted" != 0 ] && [ ! -f "$venv_dir/.rlpipe-setup" ]; then need_gb=$((need_gb + size)); fi
+done
+free_gb="$(df -Pk "$root" | awk 'NR == 2 {print int($4 / 1048576)}')"
+if [ "$free_gb" -lt "$need_gb" ]; then
+  echo "rlpipe: only $free_gb GB free on the disk of $root; the environments still to build and the tests need about" \
+       "$need_gb GB (free some, or leave a lane out: RLPIPE_XLA=0, RLPIPE_TPU_CONTRACT=0)" >&2
+  exit 1
+fi
+
 # The three environments are independent: own folders, and only .venv builds packages from source, so no two
 # builds write one entry of pip's wheel cache (its HTTP cache writes atomically). A pip process works on one core
 # and waits on downloads much of the time, so .venv-xla and .venv-tpu build in the background while .venv builds,
