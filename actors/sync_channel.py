@@ -204,15 +204,19 @@ class SyncChannel:
         # they come first.
         if self.probe_by_decoding:  # the continuation must fit in the engine's context
             probe_tokens = probe_tokens[: self.max_model_len - DECODE_TOKENS]
-        expected = None
+        expected, reference_s = None, None
         if self.routes.shared_host:
+            started = time.perf_counter()
             expected = self._wait([learner.probe_reference.remote(probe_tokens, self.probe_by_decoding)
                                    for learner in self.learners], "a learner rank", "probe_reference")[0]
+            reference_s = time.perf_counter() - started
         targets = list(range(len(self.pool.engines))) if engines is None else list(engines)
         failures = 0
         while True:
             try:
                 metrics, results, expected = self._transfer_to(version, probe_tokens, expected, rehearsal, targets)
+                if reference_s is not None:  # the learner's probe forward, before the transfer: part of the phase
+                    metrics["sync/reference_s"] = reference_s
                 return metrics, results
             # RayTaskError: an engine refused the version (a checksum, the probe) or a learner's send failed.
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, CallTimeout) as err:
@@ -310,6 +314,7 @@ class SyncChannel:
             "sync/bytes": float(sum(sent)),
             "sync/transfer_s": transfer_s,
             "sync/write_s": max(result["write_s"] for result in results),
+            "sync/probe_s": max(result["probe_s"] for result in results),
         }
         return metrics, results, expected
 

@@ -148,7 +148,8 @@ def bench_sync_in_run(transports: list[str], rounds: int, steps: int) -> dict:
     `steps` steps per transport, each run in a fresh process, the transports in turn for `rounds` rounds (every
     other round in reverse order). Per run, from its metrics: the start-up rehearsal, the first step's sync, and
     the medians over the later steps of `sync/transfer_s` (learner ranks to the engines), `sync/write_s` (the
-    engine's write and probe) and `time/sync` (the step's whole sync phase, the learner's probe log-probs too)."""
+    engine's write), `sync/probe_s` (its replay of the probe), `sync/reference_s` (the learner's probe log-probs,
+    where computed before the transfer) and `time/sync` (the step's whole sync phase)."""
     from rlpipe.bench.common import in_fresh_process
 
     with tempfile.TemporaryDirectory(prefix="rlpipe-bench-sync-") as folder:
@@ -188,7 +189,8 @@ def in_run_summary(steps: list[dict], rehearsal: dict) -> dict:
 
     def figures(step: dict) -> dict:
         transfer, write = step["sync/transfer_s"], step["sync/write_s"]
-        return {"transfer_s": transfer, "write_s": write, "transfer_write_s": transfer + write,
+        probes = {key[len("sync/"):]: step[key] for key in ("sync/probe_s", "sync/reference_s") if key in step}
+        return {"transfer_s": transfer, "write_s": write, "transfer_write_s": transfer + write, **probes,
                 "sync_s": step["time/sync"]}
 
     each = [figures(step) for step in synced]
@@ -203,7 +205,9 @@ def format_in_run(run: dict) -> str:
     def part(figures: dict | None) -> str:
         if not figures:
             return "-"
-        return (f"transfer {figures['transfer_s']:.3f} + write {figures['write_s']:.3f} s, "
+        probes = "".join(f", {name} {figures[key]:.3f} s" for key, name in
+                         (("probe_s", "engine's probe"), ("reference_s", "learner's probe")) if key in figures)
+        return (f"transfer {figures['transfer_s']:.3f} + write {figures['write_s']:.3f} s{probes}, "
                 f"sync phase {figures['sync_s']:.3f} s")
 
     return (f"  {run['transport']:>4} (round {run['round']}): rehearsal transfer {run['rehearsal']['transfer_s']:.2f} + "

@@ -66,8 +66,8 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
         log.note(
             f"weight sync ({roles.routes.in_words()}) checked before training: "
             f"{check['sync/bytes'] / 1e9:.2f} GB from the learner in "
-            f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, "
-            f"probe max |engine - learner| {check['sync/probe_max_abs']:.1e}"
+            f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, probe replayed in "
+            f"{check['sync/probe_s']:.2f} s, max |engine - learner| {check['sync/probe_max_abs']:.1e}"
         )
         sync_mode, why_merged = lora_sync(cfg, run.model_path)
         if sync_mode == "adapters":

@@ -131,15 +131,17 @@ class WeightReceiver:
         with self._paused():
             started = time.perf_counter()
             probe, gap_max, gap_mean, failure = [], float("nan"), float("nan"), None
+            write_s = probe_s = float("nan")
             try:
                 self._write(weights)
+                write_s = time.perf_counter() - started
                 measured = self._probe(probe_tokens)
+                probe_s = time.perf_counter() - started - write_s
             except Exception as err:  # a write that broke off may have left some layers new and some old
                 failure = f"writing the weights failed ({type(err).__name__}: {err})"
             except BaseException as err:  # no rollback runs now: the engine may hold layers of two versions
                 self.unusable = f"weight sync v{version}: the write broke off ({type(err).__name__})"
                 raise
-            write_s = time.perf_counter() - started
             if failure is None:
                 try:
                     reference = expected() if callable(expected) else expected
@@ -173,6 +175,7 @@ class WeightReceiver:
                 "probe_max_abs": gap_max,
                 "probe_mean_abs": gap_mean,
                 "write_s": write_s,
+                "probe_s": probe_s,
                 "bytes": staging.bytes_received,
                 "probe": probe,
             }

@@ -52,6 +52,9 @@ def _check_run(run_dir, summary, route, samples_per_step=8, export=True):
         assert record["sync/policy_shift"] > 1e-3
         assert record["policy_version"] == record["step"]
         assert record["samples_trained"] == samples_per_step
+        # The phase's parts, timed apart: the write alone, the engine's replay of the probe, and the learner's probe
+        # forward (run before the transfer: the learner shares this host with the engines).
+        assert record["sync/write_s"] > 0 and record["sync/probe_s"] > 0 and record["sync/reference_s"] > 0
         for key in ("reward/mean", "accuracy", "completion_len/mean", "truncated_fraction", "clip_fraction",
                     "entropy", "logprob_gap/mean_abs", "logprob_gap/max_abs", "time/generate", "time/reward",
                     "time/train", "time/sync", "tokens_per_s/generate"):
@@ -256,7 +259,7 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_pat
     assert [r["step"] for r in split] == [1, 2, 3]
     assert set(whole_summary["sync_routes"].values()) == {"shm"}  # the default, auto, on one host
     assert all(r["sync/pairs_shm"] == 1 and r["sync/pairs_ray"] == 0 and r["sync/probe_max_abs"] < 1e-5 for r in split)
-    timing = ("time/", "tokens_per_s/", "sync/transfer_s", "sync/write_s")
+    timing = ("time/", "tokens_per_s/", "sync/transfer_s", "sync/write_s", "sync/probe_s", "sync/reference_s")
     for uninterrupted, resumed in zip(whole[1:], split[1:], strict=True):
         compared = [key for key in uninterrupted if not key.startswith(timing)]
         assert "loss" in compared and "reward/mean" in compared and set(compared) <= set(resumed)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlpipe.bench.sync import format_row, in_run_summary, sync_row
+from rlpipe.bench.sync import format_in_run, format_row, in_run_summary, sync_row
 
 
 def _sync(seconds: float, memcpy: float, streaming: float | None = None) -> dict:
@@ -40,3 +40,13 @@ def test_a_runs_syncs_are_its_first_steps_and_the_median_of_the_later_ones():
     # A step that trained on nothing did not sync and is left out; the medians are over the three after the first.
     assert run["steady"] == pytest.approx({"transfer_s": 0.1, "write_s": 0.5, "transfer_write_s": 0.6, "sync_s": 0.8})
     assert len(run["steps"]) == 4
+
+
+def test_a_runs_probe_times_are_kept_where_its_steps_have_them():
+    steps = [{"sync/transfer_s": 0.1, "sync/write_s": 0.2, "sync/probe_s": 0.3, "sync/reference_s": 0.4,
+              "time/sync": 1.1} for _ in range(3)]
+    run = in_run_summary(steps, {"sync/transfer_s": 1.2, "sync/write_s": 3.0})
+    assert run["steady"] == pytest.approx({"transfer_s": 0.1, "write_s": 0.2, "transfer_write_s": 0.3,
+                                           "probe_s": 0.3, "reference_s": 0.4, "sync_s": 1.1})
+    run.update(transport="shm", round=1)
+    assert "engine's probe 0.300 s, learner's probe 0.400 s" in format_in_run(run)

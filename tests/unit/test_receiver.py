@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 
 import pytest
 import torch
@@ -90,6 +91,20 @@ def test_a_version_is_written_whole_inside_the_pause_once_every_part_arrived(cha
     assert engine.written_while_paused == [True]
     for name, tensor in first.items():
         assert torch.equal(engine.held[name], tensor), name
+    receiving.close()
+
+
+def test_the_write_and_the_probe_are_timed_apart(channel, monkeypatch):
+    """`write_s` is the write alone and `probe_s` the engine's answer to the probe: the two are reported apart."""
+    shapes, engine, receiver, send = channel
+    write, probe = engine.write, engine.probe
+    monkeypatch.setattr(engine, "write", lambda weights: (time.sleep(0.02), write(weights)))
+    monkeypatch.setattr(engine, "probe", lambda tokens: (time.sleep(0.5), probe(tokens))[1])
+    receiving = receiver()
+    first = _full_tensors(shapes, seed=1)
+    send(receiving, 1, first)
+    result = receiving.commit(1, PROBE, expected_for(first))
+    assert 0.02 <= result["write_s"] < 0.5 <= result["probe_s"]
     receiving.close()
 
 
