@@ -494,6 +494,7 @@ def evaluate_saved_weights(args) -> int:
         if cfg.rollout.environment_factory:  # as in training: reward functions also get the episodes' environments
             columns = [*columns, *EPISODE_COLUMNS]
         preflight.check_reward_functions(cfg.reward, columns)
+        preflight.check_rollout_tools(cfg.rollout)
         eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows),
                              max_prompt_tokens=cfg.max_prompt_tokens)
         if cfg.data.overlong == "drop":  # the prompts the run itself evaluated

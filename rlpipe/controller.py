@@ -223,14 +223,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     if cfg.rollout.environment_factory:  # reward functions also get each episode's environment (TRL's)
         columns = [*columns, *EPISODE_COLUMNS]
     preflight.check_reward_functions(cfg.reward, columns)
-    if cfg.rollout.tools:  # a tool that cannot load, or cannot be sandboxed here, is refused in one line
-        from rlpipe.tools import check_tools
-
-        check_tools(cfg.rollout)
-    if cfg.rollout.verifiers_tools:  # its tool servers are refused here, in one line, rather than in the engines
-        from rlpipe.verifiers_env import taskset_tools
-
-        taskset_tools(cfg.rollout.verifiers_tools)
+    preflight.check_rollout_tools(cfg.rollout)
     limit = cfg.max_prompt_tokens
     train_set = PromptSet(train_rows, tokenizer, cfg.data, max_prompt_tokens=limit)
     eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows), max_prompt_tokens=limit)

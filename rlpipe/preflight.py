@@ -204,6 +204,20 @@ def check_reward_functions(reward: RewardConfig, columns: list[str]) -> None:
     RewardRunner([asdict(f) for f in reward.functions], timeout_s=reward.timeout_s, columns=columns)
 
 
+def check_rollout_tools(rollout) -> None:
+    """The recipe's tools (`rollout`: a RolloutConfig), before any cluster starts: a tool that cannot load, or that
+    runs model-written code where the sandbox cannot isolate it, and a verifiers task set whose tool servers do not
+    start, are refused in one line here rather than as an engine's error."""
+    if rollout.tools:
+        from rlpipe.tools import check_tools
+
+        check_tools(rollout)
+    if rollout.verifiers_tools:
+        from rlpipe.verifiers_env import taskset_tools
+
+        taskset_tools(rollout.verifiers_tools)
+
+
 def check_prompts_per_step(cfg: Config, train_prompts: int) -> None:
     """A step draws distinct prompts: more than the training set holds would repeat some within the step."""
     if cfg.train.prompts_per_step > train_prompts:

@@ -604,6 +604,13 @@ def test_the_cli_refuses_the_python_tool_in_one_line_where_the_sandbox_is_missin
                               "unavailable") and len(err.splitlines()) == 1, err
         with pytest.raises(ReachedRay):  # the opt-out passes every check
             main([*args, "rollout.unsafe_no_sandbox=true"])
+        # `rlpipe eval` checks the recipe's tools as training does, before Ray starts.
+        evaluation = ["eval", f"--out={tmp_path / 'eval.json'}", str(tiny_qwen3), *args[2:], "data.eval_size=2"]
+        capfd.readouterr()
+        assert main(evaluation) == 2
+        _, err = capfd.readouterr()
+        assert "python runs model-written code, and code sandbox unavailable" in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "eval.json").exists()
     finally:
         sandbox._probe.cache_clear()
 
