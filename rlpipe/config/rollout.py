@@ -11,8 +11,9 @@ from rlpipe.config.errors import require
 from rlpipe.config.keys import key
 from rlpipe.config.sync import SyncConfig
 
-# Above this, sampling is close to uniform over the vocabulary: no recipe means it, a typo (100 for 1.0) might.
-MAX_TEMPERATURE = 10.0
+# vLLM's SamplingParams refuses a temperature above 2 (vllm/sampling_params.py, in vLLM for CPU and for TorchTPU):
+# refused here, in one line, before any engine starts.
+MAX_TEMPERATURE = 2.0
 
 # vLLM SamplingParams fields rollout.generation_kwargs may set (TRL's generation_kwargs): those rlpipe does not set
 # itself from its own keys, and that leave the completion's token ids and log-probs what the learner trains on.
@@ -25,7 +26,7 @@ _RESHAPING_KWARGS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tok
 class RolloutConfig:
     group_size: int = key(8, "completions sampled per prompt")
     max_tokens: int = key(128, "maximum completion length in tokens")
-    temperature: float = key(1.0, "sampling temperature, 0 (greedy) to 10")
+    temperature: float = key(1.0, "sampling temperature, 0 (greedy) to 2")
     top_p: float = key(1.0, "nucleus sampling threshold")
     top_k: int = key(-1, "sample among the k most likely tokens only; -1: all tokens")
     min_p: float = key(0.0, "leave out tokens less likely than min_p times the most likely one; 0: none")

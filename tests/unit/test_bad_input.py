@@ -303,12 +303,12 @@ def top_p_zero(d):
 
 @case
 def temperature_above_the_bound(d):
-    return Case(["rollout.temperature=50"], ["rollout.temperature: must be between 0 (greedy) and 10, got 50.0"])
+    return Case(["rollout.temperature=50"], ["rollout.temperature: must be between 0 (greedy) and 2, got 50.0"])
 
 
 @case
 def temperature_negative(d):
-    return Case(["rollout.temperature=-0.5"], ["rollout.temperature: must be between 0 (greedy) and 10, got -0.5"])
+    return Case(["rollout.temperature=-0.5"], ["rollout.temperature: must be between 0 (greedy) and 2, got -0.5"])
 
 
 @case

@@ -339,14 +339,14 @@ def test_a_run_name_must_be_one_folder_inside_the_output_dir(name):
     assert _error(f"run.name={name}").startswith(f"run.name: {name!r} must be one folder name inside run.output_dir")
 
 
-@pytest.mark.parametrize("value", ["-0.1", "10.5", ".nan", ".inf"])
+@pytest.mark.parametrize("value", ["-0.1", "2.5", ".nan", ".inf"])
 def test_temperature_is_bounded(value):
-    assert _error(f"rollout.temperature={value}").startswith("rollout.temperature: must be between 0 (greedy) and 10")
+    assert _error(f"rollout.temperature={value}").startswith("rollout.temperature: must be between 0 (greedy) and 2")
 
 
 def test_temperature_bounds_are_allowed():
     assert load_config(None, ["rollout.temperature=0"]).rollout.temperature == 0.0
-    assert load_config(None, ["rollout.temperature=10"]).rollout.temperature == 10.0
+    assert load_config(None, ["rollout.temperature=2"]).rollout.temperature == 2.0
 
 
 # ---------------------------------------------------------------- help
