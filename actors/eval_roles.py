@@ -20,7 +20,7 @@ from rlpipe.config import Config
 from rlpipe.logs import LogSetup
 from rlpipe.rewards.runner import reward_names
 from rlpipe.tpu_layout import slice_shares
-from rlpipe.types import Group, Prompt
+from rlpipe.types import Group, Prompt, StepScores
 
 
 class EvalRoles:
@@ -85,7 +85,7 @@ class EvalRoles:
         for index in self.pool.seed(step):
             self.pool.seed_engine(index, step)
 
-    def score(self, groups: list[Group], trainer_state: dict | None = None) -> tuple[dict[str, int], dict[str, str]]:
+    def score(self, groups: list[Group], trainer_state: dict | None = None) -> StepScores:
         return self.rewards.score(groups, trainer_state)
 
     def shutdown(self) -> None:

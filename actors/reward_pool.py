@@ -7,7 +7,7 @@ import ray
 from rlpipe.actors.engine_pool import split
 from rlpipe.rewards import RewardResult
 from rlpipe.rewards import trainer_state as start_state
-from rlpipe.types import Group
+from rlpipe.types import Group, StepScores
 
 
 class RewardPool:
@@ -20,9 +20,10 @@ class RewardPool:
         self.workers, self.max_tokens, self.max_restarts = workers, max_tokens, max_restarts
         self.deadline_s, self.names = deadline_s, list(names)
 
-    def score(self, groups: list[Group], trainer_state: dict | None = None) -> tuple[dict[str, int], dict[str, str]]:
-        """Fill each group's rewards; returns failures per reward function and the first error of each.
-        `trainer_state`: what reward functions get as `trainer_state` (default: a run's start)."""
+    def score(self, groups: list[Group], trainer_state: dict | None = None) -> StepScores:
+        """Fill each group's rewards (and what the functions kept per sample); returns failures per reward function,
+        the first error of each, and the step's means of what they gave `log_metric`. `trainer_state`: what reward
+        functions get as `trainer_state` (default: a run's start)."""
         state = dict(trainer_state or start_state())
         shares = [s for s in split(groups, len(self.workers)) if s]
         futures = []
@@ -43,6 +44,7 @@ class RewardPool:
             futures.append(worker.score.remote(prompts, texts, columns, sizes, ids, state))
         failures: dict[str, int] = {}
         errors: dict[str, str] = {}
+        logged: dict[str, list[float]] = {}
         results = self._results(futures, [sum(len(g.completions) for g in share) for share in shares])
         for share, result in zip(shares, results):
             start = 0
@@ -50,12 +52,15 @@ class RewardPool:
                 window = slice(start, start + len(group.completions))
                 group.rewards = result.totals[window]
                 group.reward_parts = {name: values[window] for name, values in result.per_function.items()}
+                group.reward_extras = {key: values[window] for key, values in result.extras.items()}
                 start = window.stop
             for name, count in result.failures.items():
                 failures[name] = failures.get(name, 0) + count
             for name, message in result.first_errors.items():
                 errors.setdefault(name, message)
-        return failures, errors
+            for name, values in result.metrics.items():
+                logged.setdefault(name, []).extend(values)
+        return StepScores(failures, errors, {name: sum(values) / len(values) for name, values in logged.items()})
 
     def _results(self, futures: list, sizes: list[int]) -> list[RewardResult]:
         """Each worker's result; a worker that has not answered within deadline_s is restarted, and its share

@@ -29,7 +29,7 @@ from rlpipe.rewards.runner import reward_names
 from rlpipe.learner import combine_rank_metrics
 from rlpipe.logs import LogSetup
 from rlpipe.tpu_layout import SliceShare, slice_shares
-from rlpipe.types import Group, Prompt, TrainBatch
+from rlpipe.types import Group, Prompt, StepScores, TrainBatch
 
 
 class Roles:
@@ -231,7 +231,7 @@ class Roles:
 
     # ------------------------------------------------------------------ rewards, training, the sync
 
-    def score(self, groups: list[Group], trainer_state: dict | None = None) -> tuple[dict[str, int], dict[str, str]]:
+    def score(self, groups: list[Group], trainer_state: dict | None = None) -> StepScores:
         return self.rewards.score(groups, trainer_state)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:

@@ -8,8 +8,9 @@ its calls, so a call costs a round trip through two pipes, not a process start.
 Protocol: the parent writes length-prefixed pickles to the child's request pipe and reads one reply per request
 from its reply pipe (file descriptors named on the child's command line; its stdout and stderr stay the worker's,
 for whatever the functions print). The first request is the list of function names to load; the child answers
-it when they are loaded. Then each request is `(name, kwargs)` and its reply `("value", result)` or
-`("error", "Type: message", traceback)`.
+it when they are loaded. Then each request is `(name, kwargs)` and its reply `("value", result, logged)` or
+`("error", "Type: message", traceback)`; `logged` holds what the call passed to TRL's `log_extra` and `log_metric`
+(`Logged`), which the child gives every function that takes them.
 """
 
 from __future__ import annotations
@@ -30,13 +31,21 @@ import sys
 import time
 import traceback
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
+from rlpipe.rewards.contract import LOG_CALLBACKS
 from rlpipe.rewards.registry import describe_error, load_reward, shown_name
 
 _HEADER = struct.Struct("<Q")
 _PR_SET_PDEATHSIG = 1
 _LAUNCH = "import sys; from rlpipe.rewards.child import serve; serve(*map(int, sys.argv[1:4]))"
+
+
+class Logged(NamedTuple):
+    """What one call logged: `extra` columns (each the values given, in order) and `metrics` (each the numbers given)."""
+
+    extra: dict[str, list]
+    metrics: dict[str, list]
 
 
 class CallFailed(Exception):
@@ -88,8 +97,9 @@ class ChildProcess:
         self._finalizer = weakref.finalize(self, _stop, self._process, request_write, reply_read)
         _write_message(self._requests, pickle.dumps(self.names), deadline=time.monotonic() + 60)
 
-    def call(self, name: str, kwargs: dict[str, Any], timeout_s: float, start_deadline: float) -> Any:
-        """`name(**kwargs)` in the child: its value, or the exception it raised as `CallFailed("Type: message")`
+    def call(self, name: str, kwargs: dict[str, Any], timeout_s: float, start_deadline: float) -> tuple[Any, Logged]:
+        """`name(**kwargs)` in the child: its value and what it logged, or the exception it raised as
+        `CallFailed("Type: message")`
         with the traceback's text as `details`. Raises CallFailed after `timeout_s` (the child is then killed) or
         when the child dies. A child still starting may take until `start_deadline` (time.monotonic()) to load the
         functions before the call's own `timeout_s` begins."""
@@ -109,7 +119,7 @@ class ChildProcess:
         except (OSError, EOFError) as err:
             raise self._died(err) from None
         if reply[0] == "value":
-            return reply[1]
+            return reply[1], Logged(*reply[2])
         failure = CallFailed(reply[1])
         failure.details = reply[2]
         raise failure
@@ -233,14 +243,18 @@ def serve(request_fd: int, reply_fd: int, parent_pid: int) -> None:
             functions[name] = load_reward(name)
         except Exception as err:
             load_error = load_error or f"{shown_name(name)}: {describe_error(err)}"
+    callbacks = {name: _log_callbacks_taken(function) for name, function in functions.items()}
     _send(replies, pickle.dumps(load_error))
     while True:
         try:
             name, kwargs = pickle.loads(_receive(requests))
         except EOFError:
             return
+        logged = Logged({}, {})
+        given = {"log_extra": _log_extra(logged), "log_metric": _log_metric(logged)}
+        kwargs = {**kwargs, **{callback: given[callback] for callback in callbacks.get(name, ())}}
         try:
-            reply = ("value", _call(functions[name], kwargs))
+            reply = ("value", _call(functions[name], kwargs), tuple(logged))
         # BaseException too: user code may raise SystemExit or KeyboardInterrupt, which must not end the child.
         except BaseException as err:
             reply = ("error", describe_error(err), traceback.format_exc())
@@ -249,6 +263,34 @@ def serve(request_fd: int, reply_fd: int, parent_pid: int) -> None:
         except Exception as err:
             payload = pickle.dumps(("error", f"its result cannot be sent back: {describe_error(err)}", ""))
         _send(replies, payload)
+
+
+def _log_callbacks_taken(function: Any) -> tuple[str, ...]:
+    """Which of TRL's `log_extra` and `log_metric` `function` takes: those it names, or both where it takes
+    **kwargs (TRL's contract); a function that does neither is called without them."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return LOG_CALLBACKS
+    return tuple(p.name for p in parameters if p.name in LOG_CALLBACKS)
+
+
+def _log_extra(logged: Logged):
+    def log_extra(column: str, values: list) -> None:
+        """A column of the samples' table: one value per sample of this call, in order."""
+        logged.extra.setdefault(str(column), []).extend(values)
+
+    return log_extra
+
+
+def _log_metric(logged: Logged):
+    def log_metric(name: str, value: float) -> None:
+        """A number, averaged with the step's other calls into the step's metric `reward/logged/<name>`."""
+        logged.metrics.setdefault(str(name), []).append(value)
+
+    return log_metric
 
 
 def _call(function: Any, kwargs: dict[str, Any]) -> Any:

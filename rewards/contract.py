@@ -13,6 +13,7 @@
 - `environments`: with rollout.environment_factory, each sample's environment instance after its episode (TRL's
   `environments`);
 - `trainer_state`: a TrainerState;
+- `log_extra` and `log_metric`: TRL's logging callables (LOG_CALLBACKS), to functions that take them;
 - the function's `kwargs` from config, which win over a dataset column of the same name.
 
 All lists hold one entry per sample. A function may be `async def`. It returns one score per sample: a number,
@@ -32,7 +33,11 @@ SAMPLE_COLUMNS = ("completion_tokens", "finish_reason", "max_tokens")
 ended ("stop" or "length") and the length limit it was sampled under. Datasets may not use these names."""
 EPISODE_COLUMNS = ("environments",)
 """Columns the reward pool adds only for multi-turn episodes with an environment factory."""
-RESERVED_COLUMNS = CALL_ARGUMENTS + SAMPLE_COLUMNS + EPISODE_COLUMNS
+LOG_CALLBACKS = ("log_extra", "log_metric")
+"""TRL's callables, given to each function that takes them (by name, or in **kwargs): `log_extra(column, values)`,
+one value per sample of the call, kept with the samples as `"{function}/{column}"`; `log_metric(name, value)`, a
+number, averaged over the step's calls into the step's metric `reward/logged/{name}`."""
+RESERVED_COLUMNS = CALL_ARGUMENTS + SAMPLE_COLUMNS + EPISODE_COLUMNS + LOG_CALLBACKS
 
 
 class TrainerState(dict):

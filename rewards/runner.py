@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlpipe.rewards.child import CallFailed, ChildProcess
-from rlpipe.rewards.contract import CALL_ARGUMENTS, EPISODE_COLUMNS, SAMPLE_COLUMNS, call_arguments
+from rlpipe.rewards.child import CallFailed, ChildProcess, Logged
+from rlpipe.rewards.contract import CALL_ARGUMENTS, EPISODE_COLUMNS, LOG_CALLBACKS, SAMPLE_COLUMNS, call_arguments
 from rlpipe.rewards.contract import trainer_state as start_state
 from rlpipe.rewards.registry import RewardConfigError, display_name, load_reward, shown_name
 
@@ -43,7 +43,10 @@ class RewardResult:
     first_errors: dict[str, str] = field(default_factory=dict)
     """One line per function that failed in this call, starting with the function's name."""
     extras: dict[str, list] = field(default_factory=dict)
-    """Non-`score` keys of dict returns, as `"{function}/{key}"`; None where a sample lacked the key."""
+    """Non-`score` keys of dict returns and the columns given to `log_extra`, as `"{function}/{key}"`; None where a
+    sample lacked the key."""
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    """The numbers given to `log_metric`, by name, one per call that logged it (TRL averages them per step)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class _Outcome:
     first_error: str | None = None
     details: str = ""
     """The traceback of the first error, where the function raised."""
+    metrics: dict[str, list[float]] = field(default_factory=dict)
 
 
 class RewardRunner:
@@ -163,7 +167,7 @@ class RewardRunner:
             outcomes[reward.name] = outcome
         return _combine(self._rewards, outcomes, num_samples)
 
-    def _call(self, reward: _Reward, arguments: dict[str, Any], limit_s: float, deadline: float) -> Any:
+    def _call(self, reward: _Reward, arguments: dict[str, Any], limit_s: float, deadline: float) -> tuple[Any, Logged]:
         left = deadline - time.monotonic()
         if left <= 0:
             raise CallFailed(f"not called: the batch's reward.deadline_s of {self.deadline_s:g}s had passed")
@@ -173,34 +177,34 @@ class RewardRunner:
 
     def _score_batch(self, reward: _Reward, batch: _Batch, num_samples: int, deadline: float) -> _Outcome:
         try:
-            value = self._call(reward, batch.arguments(reward.kwargs), self.timeout_s, deadline)
+            value, logged = self._call(reward, batch.arguments(reward.kwargs), self.timeout_s, deadline)
         except CallFailed as failure:
             logger.debug("reward function %s failed on the batch (%s); calling it per sample", reward.name, failure)
             return self._score_each(reward, batch, num_samples, deadline)
-        return _validate(reward.name, value, num_samples)
+        return _with_logged(_validate(reward.name, value, num_samples), logged, reward.name)
 
     def _score_each(self, reward: _Reward, batch: _Batch, num_samples: int, deadline: float) -> _Outcome:
         parts = []
         for index in range(num_samples):
             try:
-                value = self._call(
+                value, logged = self._call(
                     reward, batch.arguments(reward.kwargs, slice(index, index + 1)), self.sample_timeout_s, deadline
                 )
             except CallFailed as failure:
                 parts.append(_failed_call(1, f"{reward.name}: {failure} (sample {index})", failure))
                 continue
-            parts.append(_validate(reward.name, value, 1, first_index=index))
+            parts.append(_with_logged(_validate(reward.name, value, 1, first_index=index), logged, reward.name))
         return _merge(parts)
 
     def _score_group(self, reward: _Reward, batch: _Batch, window: slice, deadline: float) -> _Outcome:
         # A group function scores completions against each other, so a failing group is not split: it is unscored.
         size = window.stop - window.start
         try:
-            value = self._call(reward, batch.arguments(reward.kwargs, window), self.timeout_s, deadline)
+            value, logged = self._call(reward, batch.arguments(reward.kwargs, window), self.timeout_s, deadline)
         except CallFailed as failure:
             where = f"group of samples {window.start}-{window.stop - 1}"
             return _failed_call(size, f"{reward.name}: {failure} ({where})", failure)
-        return _validate(reward.name, value, size, first_index=window.start)
+        return _with_logged(_validate(reward.name, value, size, first_index=window.start), logged, reward.name)
 
     def _log_failure(self, name: str, outcome: _Outcome) -> None:
         details = f"\n{outcome.details}" if outcome.details else ""
@@ -261,6 +265,7 @@ def _merge(parts: list[_Outcome]) -> _Outcome:
         merged.failures += part.failures
         if merged.first_error is None and part.first_error is not None:
             merged.first_error, merged.details = part.first_error, part.details
+    merged.metrics = _joined_metrics(part.metrics for part in parts)
     return merged
 
 
@@ -289,6 +294,27 @@ def _validate(name: str, values: Any, num_samples: int, first_index: int = 0) ->
         if problem is not None:
             outcome.failures += 1
             outcome.first_error = outcome.first_error or f"{name}: {problem}"
+    return outcome
+
+
+def _with_logged(outcome: _Outcome, logged: Logged, name: str) -> _Outcome:
+    """`outcome` with what its call gave `log_extra` (columns of one value per sample of the call) and `log_metric`
+    (finite numbers). What does not fit is left out with a warning; it never changes a score."""
+    num_samples = len(outcome.scores)
+    for column, values in logged.extra.items():
+        if len(values) == num_samples:
+            outcome.extras[column] = list(values)
+        else:
+            logger.warning("reward function %s: log_extra(%r, ...) gave %d values for the call's %d samples; left out",
+                           name, column, len(values), num_samples)
+    for metric, values in logged.metrics.items():
+        numbers_given = [float(v) for v in values
+                         if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)]
+        if len(numbers_given) < len(values):
+            logger.warning("reward function %s: log_metric(%r, ...) was given a value that is not a finite number; "
+                           "left out", name, metric)
+        if numbers_given:
+            outcome.metrics.setdefault(metric, []).extend(numbers_given)
     return outcome
 
 
@@ -325,7 +351,18 @@ def _combine(rewards: list[_Reward], outcomes: dict[str, _Outcome], num_samples:
         extras={
             f"{name}/{key}": values for name, outcome in outcomes.items() for key, values in outcome.extras.items()
         },
+        metrics=_joined_metrics(outcome.metrics for outcome in outcomes.values()),
     )
+
+
+def _joined_metrics(parts) -> dict[str, list[float]]:
+    """The `log_metric` numbers of several calls (or functions) by name: TRL's metric names are the run's, not a
+    function's."""
+    joined: dict[str, list[float]] = {}
+    for metrics in parts:
+        for name, values in metrics.items():
+            joined.setdefault(name, []).extend(values)
+    return joined
 
 
 def _parse_specs(specs: list[dict], columns: list[str] | None) -> list[_Reward]:
@@ -394,7 +431,8 @@ def _check_signature(path: str, fn: Callable, kwargs: Mapping[str, Any], columns
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some C callables have no signature to check
         return
-    keywords = call_keywords(columns, kwargs)
+    # TRL's logging callables are given to a function that takes them (rewards/child.py).
+    keywords = call_keywords(columns, kwargs) + [name for name in LOG_CALLBACKS if name in signature.parameters]
     try:
         if columns is None:
             signature.bind_partial(**dict.fromkeys(keywords))

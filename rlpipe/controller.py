@@ -96,9 +96,10 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
             ahead.start(until=step + cfg.train.max_staleness)  # later steps generate while this one trains
             metrics = staleness_metrics(groups, roles.policy_version)
             with clock("reward"), log.activity(f"{doing} scoring"):
-                failures, errors = roles.score(groups, reward_state(cfg, run, step - 1))
-            log.reward_errors(errors)
-            watch.update(failures, len(groups) * cfg.rollout.group_size, errors)  # a function broken for good stops
+                scores = roles.score(groups, reward_state(cfg, run, step - 1))
+            log.reward_errors(scores.errors)
+            # A function broken for good stops the run.
+            watch.update(scores.failures, len(groups) * cfg.rollout.group_size, scores.errors)
             batch, batch_metrics = make_train_batch(groups, cfg, run.pad_id)
             metrics.update(batch_metrics)
             if batch is not None:  # every sample unscored or filtered: nothing to learn from this step
@@ -106,7 +107,8 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
                     metrics.update(roles.train(batch))
                 with clock("sync"), log.activity(f"{doing} syncing weights"):
                     metrics.update(roles.sync_weights(probe=groups[0]))
-            metrics.update(rollout_metrics(groups, cfg.reward.success_threshold, failures))
+            metrics.update(rollout_metrics(groups, cfg.reward.success_threshold, scores.failures))
+            metrics.update({f"reward/logged/{name}": value for name, value in scores.logged.items()})
             metrics.update(clock.metrics(generated_tokens=metrics["completion_tokens"]))
             metrics["rollout/restarts"] = float(sum(roles.engine_restarts))  # engines started again so far
             if evaluation.due(step, cfg):

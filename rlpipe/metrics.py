@@ -128,12 +128,14 @@ class MetricsLogger:
                     "rewards": group.rewards,
                     "reward_parts": group.reward_parts,
                 }
+                if group.reward_extras:  # dict returns' other keys, log_extra's columns
+                    record["reward_extras"] = group.reward_extras
                 if any(c.messages is not None for c in group.completions):  # multi-turn episodes
                     record["conversations"] = [c.messages for c in group.completions]
                     record["turns"] = [c.turns for c in group.completions]
                     record["tool_calls"] = [c.tool_calls for c in group.completions]
                     record["tool_errors"] = [c.tool_errors for c in group.completions]
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record, default=repr) + "\n")  # a function's extras may be any object
 
     def format_line(self, step: int, metrics: dict[str, float]) -> str:
         elapsed = time.monotonic() - self.started

@@ -59,6 +59,18 @@ class Group:
     completions: list[Completion]
     rewards: list[float | None] = field(default_factory=list)  # None: no reward function could score it
     reward_parts: dict[str, list[float | None]] = field(default_factory=dict)
+    # What functions kept per sample beside their scores ("function/key": a dict return's other keys, log_extra's).
+    reward_extras: dict[str, list] = field(default_factory=dict)
+
+
+@dataclass
+class StepScores:
+    """What scoring a step's groups reports beside the rewards it fills in: samples each reward function failed to
+    score, the first error of each that failed, and the means of what functions gave `log_metric`, by name."""
+
+    failures: dict[str, int]
+    errors: dict[str, str]
+    logged: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -449,6 +449,13 @@ def test_trl_documentation_rewards_and_a_verl_compute_score_run_as_written(tmp_p
     _scores_match(record, groups, "async_reward_func", lambda g: [float(bool(t)) for t in texts(g)])
     _scores_match(record, groups, "logging_reward",
                   lambda g: docs.logging_reward(completions=texts(g), ground_truth=truths(g)))
+    # What it gives TRL's log_metric and log_extra reaches the step's metrics and its samples.
+    scored = [value for group in groups for value in group["reward_parts"]["logging_reward"]]
+    assert record["reward/logged/accuracy"] == pytest.approx(sum(scored) / len(scored))
+    for group in groups:
+        extras = group["reward_extras"]
+        assert extras["logging_reward/golden_answer"] == truths(group)
+        assert len(extras["logging_reward/extracted_answer"]) == len(group["completions"])
     _scores_match(record, groups, "verl", lambda g: [
         verl.compute_score(g["row"]["data_source"], t, g["row"]["ground_truth"], g["row"]["extra_info"])
         for t in texts(g)])

@@ -87,8 +87,9 @@ def group_failing_on_x(completions, answer, **_):
 
 def recording(**kwargs):
     """1.0 per sample, with the call's keyword arguments as the extra `call` (functions run in a process of their
-    own, so what they saw comes back with the result)."""
-    return [{"score": 1.0, "call": kwargs} for _ in kwargs["completions"]]
+    own, so what they saw comes back with the result; a callable given, by its name)."""
+    call = {key: f"callable {value.__name__}" if callable(value) else value for key, value in kwargs.items()}
+    return [{"score": 1.0, "call": call} for _ in kwargs["completions"]]
 
 
 def reads_trainer_state(completions, trainer_state, **_):
@@ -149,3 +150,33 @@ def stalls_on(prompts, completions, marker="stall", how="sleep", **_):
 def utf8_length(completions, **_):
     """Bytes of each completion in UTF-8: raises on a lone surrogate, which has none."""
     return [float(len(completion.encode("utf-8"))) for completion in completions]
+
+
+def logs_like_trl(completions, log_extra=None, log_metric=None, **_):
+    """TRL's logging contract: a column of one value per sample, and one number per call."""
+    log_extra("length", [len(completion) for completion in completions])
+    log_metric("calls", 1.0)
+    log_metric("mean_length", sum(len(c) for c in completions) / len(completions))
+    return [1.0] * len(completions)
+
+
+def logs_what_does_not_fit(completions, log_extra, log_metric, **_):
+    """A column one value short, and metrics that are not finite numbers: left out, the scores kept."""
+    log_extra("short", [0] * (len(completions) - 1))
+    log_metric("text", "high")
+    log_metric("nan", math.nan)
+    log_metric("kept", 2)
+    return [1.0] * len(completions)
+
+
+def names_log_metric_only(completions, log_metric, answer=None, completion_ids=None, prompts=None, trainer_state=None,
+                          completion_tokens=None, finish_reason=None, max_tokens=None):
+    """No **kwargs: given only the callable it names."""
+    log_metric("seen", float(len(completions)))
+    return [0.0] * len(completions)
+
+
+def without_log_callbacks(completions, answer=None, completion_ids=None, prompts=None, trainer_state=None,
+                          completion_tokens=None, finish_reason=None, max_tokens=None):
+    """Neither callable named and no **kwargs: called as before, without them."""
+    return [0.0] * len(completions)

@@ -38,6 +38,7 @@ def _groups(count: int) -> list[Group]:
 
 def test_a_worker_that_does_not_answer_by_the_deadline_is_restarted_and_its_share_unscored(tmp_path):
     from rlpipe.actors.reward_pool import RewardPool
+    from rlpipe.types import StepScores
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -46,16 +47,16 @@ def test_a_worker_that_does_not_answer_by_the_deadline_is_restarted_and_its_shar
         workers = [FirstLifeStalls.remote(str(answering)), FirstLifeStalls.remote(str(tmp_path / "stalling"))]
         pool = RewardPool(workers, max_tokens=8, max_restarts=1, deadline_s=2.0, names=["answer"])
         groups = _groups(4)
-        failures, errors = pool.score(groups)
+        scores = pool.score(groups)
         assert [g.rewards for g in groups] == [[1.0, 1.0]] * 2 + [[None, None]] * 2
         assert [g.reward_parts for g in groups[2:]] == [{"answer": [None, None]}] * 2
-        assert failures == {"answer": 4}
-        assert errors == {"answer": "answer: reward worker 1 did not answer within reward.deadline_s=2s: restarted, "
+        assert scores.failures == {"answer": 4}
+        assert scores.errors == {"answer": "answer: reward worker 1 did not answer within reward.deadline_s=2s: restarted, "
                                     "its 4 samples unscored"}
         # The restarted worker (a new process: give it time to start) answers the next step.
         pool.deadline_s = 60.0
         groups = _groups(4)
-        assert pool.score(groups) == ({"answer": 0}, {})
+        assert pool.score(groups) == StepScores({"answer": 0}, {}, {})
         assert [g.rewards for g in groups] == [[1.0, 1.0]] * 4
     finally:
         ray.shutdown()

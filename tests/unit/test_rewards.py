@@ -263,6 +263,23 @@ def test_dict_returns_give_scores_and_extras():
     assert result.extras == {"with_extras/length": [1, 3], "with_extras/format_ok": [True, True]}
 
 
+def test_trls_log_extra_and_log_metric_are_given_to_functions_that_take_them(caplog):
+    """TRL's logging callables: a column of one value per sample joins the extras, a call's numbers are kept per name
+    whichever function logged them; what does not fit is left out with a warning and never changes a score."""
+    runner = RewardRunner([{**spec("logs_like_trl"), "group": True}, spec("names_log_metric_only"),
+                           spec("without_log_callbacks"), spec("logs_what_does_not_fit")])
+    completions = ["a", "bbb", "cc"]
+    with caplog.at_level(logging.WARNING, logger="rewards"):
+        result = runner.score(["", "", ""], completions, {"answer": ["1", "2", "3"]}, group_sizes=[2, 1])
+    assert result.failures == dict.fromkeys(result.per_function, 0) and None not in result.totals
+    assert result.extras == {"logs_like_trl/length": [1, 3, 2]}
+    # One call per group for the group function, one for the batch otherwise.
+    assert result.metrics == {"calls": [1.0, 1.0], "mean_length": [2.0, 2.0], "seen": [3.0], "kept": [2.0]}
+    warnings = [record.getMessage() for record in caplog.records]
+    assert any("log_extra('short', ...) gave 2 values for the call's 3 samples" in w for w in warnings), warnings
+    assert sum("is not a finite number" in w for w in warnings) == 2, warnings
+
+
 def test_raising_function_unscores_its_samples_and_is_logged_once(caplog):
     runner = RewardRunner([spec("constant"), spec("raising")])
     with caplog.at_level(logging.DEBUG, logger="rewards"):
@@ -566,7 +583,8 @@ def test_every_call_passes_the_same_keywords_as_trl_plus_the_pool_columns():
                           completion_ids=[[5], [6, 7, 8]], trainer_state=state)
     call = result.extras["recording/call"][0]
     assert set(call) == {"prompts", "completions", "completion_ids", "trainer_state", "answer", "entry",
-                         "completion_tokens", "finish_reason", "max_tokens"}
+                         "completion_tokens", "finish_reason", "max_tokens", "log_extra", "log_metric"}
+    assert call["log_extra"] == "callable log_extra" and call["log_metric"] == "callable log_metric"
     assert call["prompts"] == PROMPTS and call["completions"] == COMPLETIONS  # plain text for a text dataset
     assert call["completion_ids"] == [[5], [6, 7, 8]]
     assert call["answer"] == ["from config", "from config"]  # config kwargs win over a column of the same name

@@ -43,7 +43,7 @@ async def async_reward_func(prompts, completions, **kwargs):
     return [1.0 if completion else 0.0 for completion in completions]
 
 
-# Example 6 (`reward_func`): optional `log_extra` / `log_metric` callables (rlpipe passes neither: they stay None).
+# Example 6 (`reward_func`): the optional `log_extra` / `log_metric` callables, which rlpipe passes as TRL does.
 def logging_reward(completions, ground_truth, log_extra=None, log_metric=None, **kwargs):
     extracted = [re.search(r"\\boxed\{(.*?)\}", c) for c in completions]
     extracted = [m.group(1) if m else None for m in extracted]
