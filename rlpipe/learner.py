@@ -11,7 +11,7 @@ import torch
 
 from rlpipe.algo import build_objective
 from rlpipe.config import Config
-from rlpipe.lora import lora_sync
+from rlpipe.lora import adapters_off, lora_sync
 from rlpipe.models import read_hf_config
 from rlpipe.models.moe import balance_loss_from_sums
 from rlpipe.models.registry import model_architecture
@@ -47,8 +47,10 @@ class Learner:
             # vLLM reports log-probs after temperature; greedy decoding (0) has no temperature to divide by.
             temperature=temperature or 1.0, rank=rank, world_size=world_size, sync_adapters=sync_adapters,
         )
-        # Without a KL term there is nothing to compare against, so no second copy of the model is held.
-        self.reference = self.engine.frozen_copy() if self.objective.needs_reference else None
+        # Without a KL term there is nothing to compare against, so no second copy of the model is held; with LoRA
+        # the reference is the frozen base itself, read with the adapters off (`_reference_logprobs`).
+        needs_copy = self.objective.needs_reference and learner.lora is None
+        self.reference = self.engine.frozen_copy() if needs_copy else None
         # A sample with advantage 0 adds exactly 0 to a policy loss and its gradient; only a term such as KL or the
         # router loss gives it one. Static shapes (a compiled step, xla) keep every row.
         self.skip_zero_advantage = (
@@ -119,9 +121,9 @@ class Learner:
         if several_steps:
             for rows, inputs in running:
                 inputs.old_logprobs = engine.logprobs(rows, self.model)
-        if self.reference is not None:
+        if self.objective.needs_reference:
             for rows, inputs in running:
-                inputs.ref_logprobs = engine.logprobs(rows, self.reference)
+                inputs.ref_logprobs = self._reference_logprobs(rows)
         sums: dict[str, float | list] = defaultdict(float)
         for rows, inputs in mini_batches * self.num_iterations:
             out = engine.optimizer_step(rows, inputs)
@@ -131,6 +133,14 @@ class Learner:
             accumulate(sums, out)
         engine.policy_version += 1
         return dict(sums)
+
+    def _reference_logprobs(self, rows: TrainBatch) -> torch.Tensor:
+        """The KL reference's log-probs of `rows`: the frozen copy's, or under LoRA the policy's with its adapters
+        off, which is the starting model (the base never trains)."""
+        if self.reference is not None:
+            return self.engine.logprobs(rows, self.reference)
+        with adapters_off(self.model):
+            return self.engine.logprobs(rows, self.model)
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         return self.engine.sequence_logprobs(token_ids)

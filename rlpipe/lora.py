@@ -24,6 +24,7 @@ LoRA buffers vLLM set up for it (rlpipe/vllm_worker.py `rlpipe_write_adapters`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -54,12 +55,29 @@ class LoraLinear(nn.Linear):
     lora_B: nn.Linear
     lora_scaling: float
     lora_dropout: float
+    lora_enabled: bool  # False inside `adapters_off`: the frozen base alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
+        if not self.lora_enabled:
+            return out
         if self.lora_dropout and self.training and torch.is_grad_enabled():
             x = F.dropout(x, self.lora_dropout)
         return out + self.lora_B(self.lora_A(x)) * self.lora_scaling
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` as its frozen base inside the context: every LoraLinear computes x W^T + b alone, exactly what the
+    starting model computes. It is the KL reference under LoRA, so no second copy of the model is held."""
+    layers = [module for module in model.modules() if isinstance(module, LoraLinear)]
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True
 
 
 def is_adapter_key(name: str) -> bool:
@@ -99,6 +117,7 @@ def add_adapters(model: nn.Module, lora) -> dict[str, torch.Tensor]:
         module.lora_B = nn.Linear(lora.rank, module.out_features, bias=False, device=device, dtype=dtype)
         module.lora_scaling = scaling(lora)
         module.lora_dropout = lora.dropout
+        module.lora_enabled = True
         setattr(module.lora_A.weight, REPLICATED, True)
         a = torch.empty(lora.rank, module.in_features, dtype=dtype)
         nn.init.kaiming_uniform_(a, a=5**0.5)  # nn.Linear's own initialisation, as PEFT's default

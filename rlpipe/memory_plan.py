@@ -13,7 +13,8 @@ Learner (M = learner.ranks; SimpleFSDP shards every parameter Shard(0) over M ra
                                                         the reduce-scatter runs in learner.reduce_dtype
 - AdamW moments   2 x P x master_bytes / M              torch AdamW / FunctionalAdamW keep exp_avg and exp_avg_sq
                                                         in the parameter's dtype (8P/M for float32 masters)
-- reference model P x master_bytes / M                  only when algo.kl_beta > 0
+- reference model P x master_bytes / M                  only when algo.kl_beta > 0 without learner.lora (with it
+                                                        the reference is the frozen base, read with adapters off)
 - gathered weights only when sharded (M > 1 or param_dtype != model.dtype); U = the largest unit gathered at once:
                   one decoder layer, the input embedding or the output projection. r' = reduce_bytes when the
                   reduce-scatter runs in another dtype than the compute dtype, else 0.
@@ -68,7 +69,7 @@ Peaks outside the steady step (s = the stored dtype's bytes, config.json's "dtyp
 absent; b = master bytes; rb = rollout bytes; R = learner ranks per host, one per chip; E = engines per host =
 rollout chips per host / T; a tensor's rows = the ceil(rows / M) of its Shard(0) split one rank owns):
 - learner load, per chip: the model is built on `meta` and each rank materialises only its own shards, read from
-  the safetensors files. P x b / M (its parameter shard; twice with the reference model, algo.kl_beta > 0) +
+  the safetensors files. P x b / M (its parameter shard; twice with a reference copy: algo.kl_beta > 0, no LoRA) +
   U x (s + b): the largest unit (as above) on the chip at once as read, in the stored dtype, and as cast to the
   master dtype the parameters are kept in. Compared with the learner's usable HBM, as the step is.
 - learner host RAM, per host: the largest of its phases, which do not overlap:
@@ -561,7 +562,7 @@ def learner_peaks(
     master, stored = cfg.model.dtype, arch.stored_dtype
     b, s = DTYPE_BYTES[master], DTYPE_BYTES.get(stored, 4)
     rb = DTYPE_BYTES[cfg.rollout.dtype]
-    models = 2 if cfg.algo.kl_beta > 0 else 1  # the frozen reference model is loaded too
+    models = 2 if _reference_copy(cfg) else 1  # the frozen reference model is loaded too
     unit = arch.largest_unit_params
     load = [Part("load_shard", f"parameter shard ({master}, 1/{M})", P * b / M)]
     if models == 2:
@@ -647,6 +648,12 @@ def synced_params(cfg: Config, arch: ModelSize) -> int:
     return arch.params
 
 
+def _reference_copy(cfg: Config) -> bool:
+    """Whether the learner holds a frozen copy of the model as its KL reference: with a KL term, unless LoRA
+    trains, where the frozen base is the reference (rlpipe/learner.py)."""
+    return cfg.algo.kl_beta > 0 and cfg.learner.lora is None
+
+
 def _lora_buffers(cfg: Config, arch: ModelSize, rb: int, T: int) -> tuple[Part, ...]:
     """vLLM's buffers for the one adapter an engine serves when syncs send the adapters alone: every targeted layer
     at max_lora_rank (the rank rounded up to a value vLLM takes)."""
@@ -716,7 +723,7 @@ def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = No
             Part("gradients", f"adapter gradients ({master})", A * b),
             Part("optimizer", f"AdamW moments of the adapters (2 x {master})", 2 * A * b),
         ]
-    if cfg.algo.kl_beta > 0:
+    if _reference_copy(cfg):
         parts.append(Part("reference", f"reference model ({master}, 1/{M})", P * b / M))
     sharded = M > 1 or compute != master
     recompute = cfg.learner.activation_checkpointing

@@ -91,6 +91,22 @@ def test_the_base_is_frozen_and_only_the_adapters_train_and_hold_optimizer_state
     assert all(torch.count_nonzero(g) for g in grads)
 
 
+def test_under_lora_the_kl_reference_is_the_base_with_its_adapters_off_and_no_copy_is_held(tiny_qwen3):
+    learner = _learner(tiny_qwen3, "algo.kl_beta=0.1")
+    assert learner.reference is None and learner.engine.frozen == []
+    first = learner.train_step(four_samples())
+    assert first["kl"] == pytest.approx(0.0, abs=1e-7)  # B starts at zero: the policy is the reference
+    assert learner.train_step(four_samples(seed=1))["kl"] > 0
+    # However far the adapters moved, the reference is the starting model's log-probs, bit for bit, and the adapters
+    # are on again after it.
+    _randomise_adapters(learner)
+    start = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1, False))
+    batch = four_samples(seed=2)
+    reference = learner._reference_logprobs(batch)
+    assert torch.equal(reference, start.engine.logprobs(batch, start.model))
+    assert not torch.equal(learner.engine.logprobs(batch, learner.model), reference)
+
+
 def test_sync_lora_sends_adapters_where_the_engines_take_them_else_merged_weights_with_the_reason(
     tiny_qwen3, tiny_qwen3_moe
 ):

@@ -424,6 +424,12 @@ def test_peaks_of_a_small_architecture_by_hand(tmp_path):
     # The reference model (algo.kl_beta > 0) is loaded too: a second shard on the chip.
     kl = plan(_tiny_config(folder, "algo.kl_beta=0.1"), manifests=_manifests(tmp_path / "kl")).peak("learner_load")
     assert kl.total_bytes == 2 * P * 4 / 2 + layer * 6
+    # Under LoRA the frozen base is the reference: no second shard, at load or in the step.
+    lora_kl = plan(_tiny_config(folder, "algo.kl_beta=0.1", "learner.lora.rank=2"), manifests=_manifests(tmp_path / "lk"))
+    assert lora_kl.peak("learner_load").total_bytes == P * 4 / 2 + layer * 6
+    assert "reference" not in {part.key for part in lora_kl.learner.parts}
+    assert "reference" in {part.key for part in plan(_tiny_config(folder, "algo.kl_beta=0.1"),
+                                                     manifests=_manifests(tmp_path / "k2")).learner.parts}
 
 
 def test_the_stored_dtype_is_read_from_config_json():
