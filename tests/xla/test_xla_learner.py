@@ -146,17 +146,20 @@ def test_checkpoint_round_trip_on_xla(tiny_qwen3, tmp_path):
 LORA = ("learner.lora.rank=2", "learner.lora.alpha=4")
 
 
-def test_lora_on_xla_trains_the_adapters_as_the_cpu_eager_learner_does(tiny_qwen3):
+@pytest.mark.parametrize("kl", [[], ["algo.kl_beta=0.1"]], ids=["no-kl", "kl-to-the-base"])
+def test_lora_on_xla_trains_the_adapters_as_the_cpu_eager_learner_does(tiny_qwen3, kl):
     """learner.lora on the xla learner: the base frozen on the device and unchanged, AdamW's state for the adapters
     alone, and after three steps (the first moves B off zero, the later ones A as well) the CPU eager learner's
-    losses and adapters, one program a step. (Both learners start from the same adapters: the learner seeds torch
-    before it adds them.)"""
+    losses and adapters, one program a step; with a KL term, its reference is the base read with the adapters off
+    on the device too, no copy. (Both learners start from the same adapters: the learner seeds torch before it adds
+    them.)"""
     from rlpipe.lora import is_adapter_key
     from rlpipe.models import load_model
 
     batches = [_batch(seed) for seed in range(STEPS)]
-    eager = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=cpu", "learner.graph=false", *LORA))
-    xla = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *LORA))
+    eager = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=cpu", "learner.graph=false", *LORA, *kl))
+    xla = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *LORA, *kl))
+    assert xla.reference is None and xla.engine.frozen == []
     adapters = {name: param for name, param in xla.model.named_parameters() if is_adapter_key(name)}
     start = {name: param.detach().cpu() for name, param in adapters.items()}
     step = xla.graph_step
