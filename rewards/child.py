@@ -99,10 +99,9 @@ class ChildProcess:
 
     def call(self, name: str, kwargs: dict[str, Any], timeout_s: float, start_deadline: float) -> tuple[Any, Logged]:
         """`name(**kwargs)` in the child: its value and what it logged, or the exception it raised as
-        `CallFailed("Type: message")`
-        with the traceback's text as `details`. Raises CallFailed after `timeout_s` (the child is then killed) or
-        when the child dies. A child still starting may take until `start_deadline` (time.monotonic()) to load the
-        functions before the call's own `timeout_s` begins."""
+        `CallFailed("Type: message")` with the traceback's text as `details`. Raises CallFailed after `timeout_s`
+        (the child is then killed) or when the child dies. A child still starting may take until `start_deadline`
+        (time.monotonic()) to load the functions before the call's own `timeout_s` begins."""
         self.start()
         if not self._ready:
             self._await_ready(start_deadline)

@@ -16,6 +16,7 @@ import itertools
 import logging
 import math
 import numbers
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -314,8 +315,15 @@ def _with_logged(outcome: _Outcome, logged: Logged, name: str) -> _Outcome:
             logger.warning("reward function %s: log_metric(%r, ...) was given a value that is not a finite number; "
                            "left out", name, metric)
         if numbers_given:
-            outcome.metrics.setdefault(metric, []).extend(numbers_given)
+            outcome.metrics.setdefault(_metric_name(metric), []).extend(numbers_given)
     return outcome
+
+
+def _metric_name(name: str) -> str:
+    """`name` as every tracker takes it: letters, digits, `_`, `.` and `-`, the rest `_` (MLflow refuses a run's
+    whole batch over one bad name), and never a path step such as `..`."""
+    cleaned = re.sub(r"[^\w.\-]", "_", name)
+    return cleaned if cleaned.strip(".") else "_" * max(1, len(cleaned))
 
 
 def _as_score(value: Any, index: int) -> tuple[float | None, str | None]:

@@ -166,6 +166,8 @@ def logs_what_does_not_fit(completions, log_extra, log_metric, **_):
     log_metric("text", "high")
     log_metric("nan", math.nan)
     log_metric("kept", 2)
+    log_metric("pass@1 (greedy)", 0.5)  # renamed to what trackers take
+    log_metric("..", 1.0)
     return [1.0] * len(completions)
 
 

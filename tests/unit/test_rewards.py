@@ -274,7 +274,8 @@ def test_trls_log_extra_and_log_metric_are_given_to_functions_that_take_them(cap
     assert result.failures == dict.fromkeys(result.per_function, 0) and None not in result.totals
     assert result.extras == {"logs_like_trl/length": [1, 3, 2]}
     # One call per group for the group function, one for the batch otherwise.
-    assert result.metrics == {"calls": [1.0, 1.0], "mean_length": [2.0, 2.0], "seen": [3.0], "kept": [2.0]}
+    assert result.metrics == {"calls": [1.0, 1.0], "mean_length": [2.0, 2.0], "seen": [3.0], "kept": [2.0],
+                              "pass_1__greedy_": [0.5], "__": [1.0]}
     warnings = [record.getMessage() for record in caplog.records]
     assert any("log_extra('short', ...) gave 2 values for the call's 3 samples" in w for w in warnings), warnings
     assert sum("is not a finite number" in w for w in warnings) == 2, warnings
