@@ -30,7 +30,9 @@ def _train_command(hosts, output_dir: Path, model: str, name: str, *extra: str) 
     return [
         sys.executable, "-m", "rlpipe.cli", "train", f"ray.address={hosts.address}",
         f"run.output_dir={output_dir}", f"run.name={name}", f"model.path={model}", "learner.ranks=2",
-        f"rollout.group_size={GROUP_SIZE}", "rollout.max_tokens=8", "rollout.max_model_len=128",
+        # 24 tokens: a step's generation lasts long enough for a test to lose the engine's host in the middle of it,
+        # even on a loaded machine.
+        f"rollout.group_size={GROUP_SIZE}", "rollout.max_tokens=24", "rollout.max_model_len=144",
         "data.max_prompt_tokens=112", "data.size=32", "data.eval_size=0", f"train.steps={STEPS}",
         "train.prompts_per_step=2", "train.micro_batch_size=4", "train.lr=1e-3", "metrics.tensorboard=false",
         "metrics.plot=false", "metrics.export=false",
