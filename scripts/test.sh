@@ -8,8 +8,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # Room on disk first: a build that runs out of it midway leaves a broken environment behind. Sizes measured on a
 # fresh machine (GB): .venv 5; .venv-xla and .venv-tpu 8 each (PyPI's torch for them is the CUDA build, with its
-# nvidia-* libraries); the suite's own files (compiled kernels, runs) a few. Built environments need nothing.
-need_gb=4
+# nvidia-* libraries); the suite's own files (compiled kernels, runs) about 2. Built environments need nothing.
+need_gb=2
 for lane in ".venv:1:${RLPIPE_VENV:-$root/.venv}:5" "xla:${RLPIPE_XLA:-1}:${RLPIPE_XLA_VENV:-$root/.venv-xla}:8" \
     "tpu:${RLPIPE_TPU_CONTRACT:-1}:${RLPIPE_TPU_VENV:-$root/.venv-tpu}:8"; do
   IFS=: read -r _ wanted venv_dir size <<<"$lane"
