@@ -238,8 +238,9 @@ def padded_token_logprobs(
     """Log-prob of each token of the right-padded rows input_ids [B, T] given the ones before it, aligned with
     input_ids (position 0 gets 0), from an rlpipe model through its output projection with `kernels.logprob` (by
     default in vocabulary chunks, so [tokens x vocab] logits never exist). With `with_entropy`, also the policy's
-    entropy at each position (with its gradient where the kernel has one: the entropy bonus trains on it). A `router_logits` list receives a
-    mixture-of-experts model's router logits, one [B * T, experts] tensor per MoE layer."""
+    entropy at each position (with its gradient where the kernel has one: the entropy bonus trains on it). A
+    `router_logits` list receives a mixture-of-experts model's router logits, one [B * T, experts] tensor per MoE
+    layer."""
     kernels = kernels or KernelsConfig()
     targets = input_ids[:, 1:]
     hidden = model.hidden_states(input_ids, router_logits=router_logits)[:, :-1]

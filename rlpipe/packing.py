@@ -79,9 +79,10 @@ def packed_token_logprobs(
     router_logits: list[torch.Tensor] | None = None,
 ):
     """Log-prob of each token of the right-padded rows input_ids [B, T] given the ones before it (and with
-    `with_entropy` the policy's entropy there, detached), computed by an rlpipe model on the rows packed into one
-    (`pack`), so no padding token is computed: 0 at the first token of each row, at padding, and where `scored`
-    ([B, T] bool, e.g. the completion mask) is False; only the scored tokens go through the output projection. With
+    `with_entropy` the policy's entropy there, as `padded_token_logprobs` gives it), computed by an rlpipe model on
+    the rows packed into one (`pack`), so no padding token is computed: 0 at the first token of each row, at padding,
+    and where `scored` ([B, T] bool, e.g. the completion mask) is False; only the scored tokens go through the output
+    projection. With
     `prompt_lengths`, rows with the same prompt run it once (see `pack`). A `router_logits` list receives a
     mixture-of-experts model's router logits, one [tokens, experts] tensor per MoE layer, over the real tokens in
     row order."""
@@ -212,10 +213,11 @@ def packed_static_token_logprobs(
     router_logits: list[torch.Tensor] | None = None,
 ):
     """Log-prob of each token of the rows input_ids [B, T] given the ones before it (and with `with_entropy` the
-    policy's entropy there, detached), computed on their packed row `layout` with shapes fixed by (B, T, W):
-    0 at the first token of each row, at padding, and where `scored` ([B, T] bool) is False. What
-    `packed_token_logprobs` gives, as pure tensor code (no data-dependent shape), so a captured graph holds it. The output projection runs once per packed position (W of
-    them, a shared prompt's tokens once for the group), and each row reads its tokens' values back by index.
+    policy's entropy there, as `padded_token_logprobs` gives it), computed on their packed row `layout` with shapes
+    fixed by (B, T, W): 0 at the first token of each row, at padding, and where `scored` ([B, T] bool) is False.
+    What `packed_token_logprobs` gives, as pure tensor code (no data-dependent shape), so a captured graph holds it.
+    The output projection runs once per packed position (W of them, a shared prompt's tokens once for the group),
+    and each row reads its tokens' values back by index.
     A `router_logits` list receives a mixture-of-experts model's router logits, one [W, experts] tensor per MoE
     layer, over the packed row as run (padding included); `layout.packed_mask(scored)` marks its completion tokens."""
     kernels = kernels or KernelsConfig()
