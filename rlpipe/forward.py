@@ -6,7 +6,8 @@
 - `StaticPaddedForward`, `StaticPackedForward`: the same with static shapes, for a captured step (learner.graph) or
   a lazy device (xla, where packing is off): rows padded to train.micro_batch_size, columns to a length bucket (the
   packed row to a packed bucket, its layout as tensors), and empty passes up to the step's largest pass count, so
-  the step compiles once per bucket rather than per batch.
+  the step compiles once per bucket rather than per batch. Every rank holds the whole mini-batch, so each takes
+  these shapes from every rank's micro-batches: all ranks run the same program, whose collectives then match.
 
 A variant builds a mini-batch's micro-batches (`MicroBatch`, typed: ids, the objective's `LossInputs` and the
 variant's own layout) and runs one through the model to `ModelOutputs`: each token's log-prob and entropy, and for a
@@ -62,9 +63,12 @@ class MicroBatch:
 
 
 class Forward(Protocol):
-    def micro_batches(self, rows: TrainBatch, inputs: LossInputs, parts: list[Part]) -> list[MicroBatch]:
-        """The micro-batches of `parts` of the mini-batch `rows` ([B, T] and [B] tensors on the host), whose
-        objective inputs are `inputs`."""
+    def micro_batches(
+        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[Part]], rank: int
+    ) -> list[MicroBatch]:
+        """The micro-batches of rank `rank`'s parts `shares[rank]` of the mini-batch `rows` ([B, T] and [B] tensors
+        on the host), whose objective inputs are `inputs`. `shares` holds every rank's parts, so that a variant with
+        static shapes takes them from the whole step and every rank compiles the same program."""
 
     def __call__(self, model, micro: MicroBatch) -> ModelOutputs:
         """The model's outputs for one placed micro-batch (pure tensor code: it runs eagerly and traced)."""
@@ -76,8 +80,10 @@ class PaddedForward:
     def __init__(self, temperature: float, kernels: KernelsConfig):
         self.temperature, self.kernels = temperature, kernels
 
-    def micro_batches(self, rows: TrainBatch, inputs: LossInputs, parts: list[Part]) -> list[MicroBatch]:
-        return [_cut(rows, inputs, part) for part in parts]
+    def micro_batches(
+        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[Part]], rank: int
+    ) -> list[MicroBatch]:
+        return [_cut(rows, inputs, part) for part in shares[rank]]
 
     def __call__(self, model, micro: MicroBatch) -> ModelOutputs:
         router_logits: list[Tensor] = []
@@ -106,8 +112,10 @@ class PackedForward:
         micro.prompt_lengths = self._prompt_lengths(micro.lengths, micro.loss_inputs.mask)
         return micro
 
-    def micro_batches(self, rows: TrainBatch, inputs: LossInputs, parts: list[Part]) -> list[MicroBatch]:
-        return [self.micro_batch(rows, inputs, part) for part in parts]
+    def micro_batches(
+        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[Part]], rank: int
+    ) -> list[MicroBatch]:
+        return [self.micro_batch(rows, inputs, part) for part in shares[rank]]
 
     def _prompt_lengths(self, lengths: Tensor, mask: Tensor) -> Tensor | None:
         if not self.share_prompts:
@@ -147,11 +155,14 @@ class StaticPaddedForward(PaddedForward):
         super().__init__(temperature, kernels)
         self.buckets, self.micro_batch_size, self.passes = buckets, micro_batch_size, passes
 
-    def micro_batches(self, rows: TrainBatch, inputs: LossInputs, parts: list[Part]) -> list[MicroBatch]:
-        if not parts:
+    def micro_batches(
+        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[Part]], rank: int
+    ) -> list[MicroBatch]:
+        if not shares[rank]:
             return []
+        # The mini-batch's longest row and the pass count are the same on every rank: one program for all.
         width = bucket_length(int(rows.lengths.max()), self.buckets)
-        parts = _with_empty_passes(parts, self.passes)
+        parts = _with_empty_passes(shares[rank], self.passes)
         return [_padded_to(_cut(rows, inputs, part, width), self.micro_batch_size, width) for part in parts]
 
     def logprobs(self, model, rows: TrainBatch, device: torch.device) -> Tensor:
@@ -164,9 +175,9 @@ class StaticPaddedForward(PaddedForward):
 class StaticPackedForward:
     """Packed rows with static shapes: each micro-batch's rows (cut to the bucket of `buckets` that holds the
     mini-batch's longest row) packed as `packed` packs them, into one row padded for the whole step to the
-    smallest of `packed_buckets` that holds the longest, with its layout as tensors only (`PackedLayout`); the rows'
-    columns are padded to that width too, so it alone decides the graph's shapes. `micro_batch_size` rows a pass,
-    `passes` passes a step (padding passes added)."""
+    smallest of `packed_buckets` that holds the longest packed micro-batch of any rank, with its layout as tensors
+    only (`PackedLayout`); the rows' columns are padded to that width too, so it alone decides the graph's shapes.
+    `micro_batch_size` rows a pass, `passes` passes a step (padding passes added)."""
 
     def __init__(
         self, packed: PackedForward, buckets: list[int], packed_buckets: list[int], micro_batch_size: int, passes: int
@@ -174,15 +185,24 @@ class StaticPackedForward:
         self.packed, self.buckets, self.packed_buckets = packed, buckets, packed_buckets
         self.micro_batch_size, self.passes = micro_batch_size, passes
 
-    def micro_batches(self, rows: TrainBatch, inputs: LossInputs, parts: list[Part]) -> list[MicroBatch]:
-        if not parts:
+    def micro_batches(
+        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[Part]], rank: int
+    ) -> list[MicroBatch]:
+        if not shares[rank]:
             return []
         width = bucket_length(int(rows.lengths.max()), self.buckets)
-        parts = _with_empty_passes(parts, self.passes)
-        micro_batches = [self.packed.micro_batch(rows, inputs, part, width) for part in parts]
-        longest = max(packed_length(micro.input_ids, micro.lengths, micro.prompt_lengths) for micro in micro_batches)
-        width = bucket_length(longest, self.packed_buckets)
-        return [self._laid_out(micro, width) for micro in micro_batches]
+        # The packed width shapes the step's program, and TorchTPU compiles the collectives into it without checking
+        # that every rank compiled the same one (rlpipe/tpu_env.py): so it is the bucket of the longest packed
+        # micro-batch of any rank, read by each rank from the mini-batch it holds, with no collective to agree on it.
+        every_rank = [_with_empty_passes(parts, self.passes) for parts in shares]
+        longest = max(self._packed_length(rows, inputs, part) for parts in every_rank for part in parts)
+        packed_width = bucket_length(longest, self.packed_buckets)
+        micro_batches = [self.packed.micro_batch(rows, inputs, part, width) for part in every_rank[rank]]
+        return [self._laid_out(micro, packed_width) for micro in micro_batches]
+
+    def _packed_length(self, rows: TrainBatch, inputs: LossInputs, part: Part) -> int:
+        micro = self.packed.micro_batch(rows, inputs, part)
+        return packed_length(micro.input_ids, micro.lengths, micro.prompt_lengths)
 
     def _laid_out(self, micro: MicroBatch, width: int) -> MicroBatch:
         rows = self.micro_batch_size

@@ -180,20 +180,21 @@ class TrainEngine:
         same function runs eagerly and traced into the compiled step)."""
         return self.loss(self.forward(model, micro), micro.loss_inputs)
 
-    def _rank_micro_batches(self, first: int, last: int) -> list[Part]:
-        """This rank's micro-batches of rows [first, last) as (start, stop, real).
+    def _micro_batch_shares(self, first: int, last: int) -> list[list[Part]]:
+        """Every rank's micro-batches of rows [first, last) as (start, stop, real), by rank.
 
         Ranks take contiguous shares. Every rank runs the same number of forward passes, because each pass gathers
-        parameters collectively; a rank whose share runs out runs a masked-out `real=False` pass.
+        parameters collectively; a rank whose share runs out runs a masked-out `real=False` pass. Every rank holds
+        the whole batch and computes all shares alike, so what shapes a step can be agreed without a collective.
         """
         shares = torch.arange(first, last).tensor_split(self.world_size)
         micro = self.train.micro_batch_size
         passes = max(math.ceil(len(share) / micro) for share in shares)
-        mine = shares[self.rank].tolist()
         out = []
-        for index in range(passes):
-            rows = mine[index * micro : (index + 1) * micro]
-            out.append((rows[0], rows[-1] + 1, True) if rows else (first, first + 1, False))
+        for share in shares:
+            rows = share.tolist()
+            chunks = [rows[index * micro : (index + 1) * micro] for index in range(passes)]
+            out.append([(chunk[0], chunk[-1] + 1, True) if chunk else (first, first + 1, False) for chunk in chunks])
         return out
 
     @torch.no_grad()
@@ -202,7 +203,7 @@ class TrainEngine:
         rows stay 0."""
         model = model if model is not None else self.model
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for start, stop, real in self._rank_micro_batches(0, len(batch)):
+        for start, stop, real in self._micro_batch_shares(0, len(batch))[self.rank]:
             part = batch.slice(start, stop)
             rows, width = part.input_ids.shape
             values = self.forward_only.logprobs(model, part, self.device)
@@ -244,8 +245,9 @@ class TrainEngine:
         loss, grad_norm, lr and counts."""
         self.ready()
         lr = self.train.lr * self.lr_factor(self.optimizer_steps_taken)
-        parts = self._rank_micro_batches(0, len(rows)) if rows is not None else []
-        micro_batches = [self.strategy.place(micro) for micro in self.forward.micro_batches(rows, inputs, parts)]
+        shares = self._micro_batch_shares(0, len(rows)) if rows is not None else [[]] * self.world_size
+        micro_batches = self.forward.micro_batches(rows, inputs, shares, self.rank)
+        micro_batches = [self.strategy.place(micro) for micro in micro_batches]
         out = self.step_fn.step(micro_batches, lr=lr)
         counts = {name: out.pop(name) for name in ("compiles", "graph_breaks")}
         if self.static_shapes:

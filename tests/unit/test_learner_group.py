@@ -202,3 +202,61 @@ def test_activation_checkpointing_on_two_ranks_changes_no_numbers(tiny_qwen3):
     for rank in range(2):
         gathers, recomputed = outputs[rank][1][(True, True)]
         assert recomputed == layer_params and gathers > recomputed  # the forward's own gathers stay, as named
+
+
+def _one_program_rank(rank, model_path, port, results):
+    """One compiled step on a rank of two; reports the micro-batches it ran and each graph Dynamo handed the
+    backend (a hash of its code and its inputs' shapes), what a compiler of the graph would see."""
+    import hashlib
+
+    torch.set_num_threads(1)
+    cfg = _config(model_path, 2, True, "learner.packed_buckets=[4,8,16,24,32]", "algo.kl_beta=0")
+    learner = Learner.from_config(model_path, cfg, rank, 2)
+    learner.join_process_group("127.0.0.1", port)
+    step = learner.engine.step_fn
+    graphs, micro_batches = [], []
+    eager = torch._dynamo.backends.registry.lookup_backend("eager")  # the graph is what matters, not its code
+
+    def recording(graph_module, example_inputs):
+        shapes = [tuple(value.shape) for value in example_inputs if isinstance(value, torch.Tensor)]
+        graphs.append((hashlib.sha256(graph_module.code.encode()).hexdigest(), shapes))
+        return eager(graph_module, example_inputs)
+
+    step._counter.backend = recording
+    run = step.step
+
+    def recorded(batch, lr=None):
+        micro_batches.extend(
+            (tuple(m.input_ids.shape), tuple(m.layout.input_ids.shape), int(m.loss_inputs.mask.sum())) for m in batch
+        )
+        return run(batch, lr)
+
+    step.step = recorded
+    prompts = [[5, 6]] * 3 + [list(range(10, 18))] * 3  # group 0 short (rank 0's rows), group 1 long (rank 1's)
+    completions = [[7]] * 3 + [list(range(20, 28))] * 3
+    batch = TrainBatch.from_sequences(prompts, completions, [[-1.0] * len(c) for c in completions],
+                                      [1.0, -1.0, 0.5, 1.0, -1.0, 0.5])
+    learner.train_step(batch)
+    results.put((rank, micro_batches, graphs))
+    torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_with_different_shares_compile_one_program(tiny_qwen3):
+    """The compiled packed step on two ranks whose rows differ (rank 0 a group of 4-token rows, rank 1 one of
+    16-token rows): both run micro-batches of the same shapes, packed to the width of the longest micro-batch of
+    either rank, and hand the compiler the same graph; no rank compiles a program of its own."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = find_free_port()
+    procs = [context.Process(target=_one_program_rank, args=(r, tiny_qwen3, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    outputs = {rank: (micro, graphs) for rank, micro, graphs in (results.get(timeout=600) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (micro_0, graphs_0), (micro_1, graphs_1) = outputs[0], outputs[1]
+    assert [trained for *_, trained in micro_0] != [trained for *_, trained in micro_1]  # different rows
+    assert len(graphs_0) == 1 and graphs_0[0][0] == graphs_1[0][0] and graphs_0[0][1] == graphs_1[0][1]
+    # Rank 1's first pass: an 8-token prompt once and two 8-token completions, 24 tokens, the 24 bucket.
+    assert [shapes for *shapes, _ in micro_0] == [shapes for *shapes, _ in micro_1] == [[(2, 24), (1, 24)]] * 2
