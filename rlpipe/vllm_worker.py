@@ -210,6 +210,7 @@ class WeightWriter:
                 yield item
 
         self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        _wait_for_chip(model)
         return given[0]
 
     def rlpipe_layout(self) -> tuple[dict[str, list[str]], list[str]]:
@@ -310,6 +311,16 @@ def _packs_its_gemm(module: torch.nn.Module) -> bool:
 def _not_a_reload_buffer(loader) -> bool:
     """vLLM's layerwise reload wraps each parameter's own loader in one that buffers the tensors it is given."""
     return getattr(loader, "__name__", "") != "online_process_loader"
+
+
+def _wait_for_chip(model) -> None:
+    """Wait until the chip has done every copy of a write: the host tensors it copies from (views of the shared copy,
+    or decoded bytes) are released as soon as the write returns. On torch >= 2.11 `torch.tpu.synchronize` raises when
+    called from outside torch and torch_tpu, naming `torch.accelerator.synchronize` (which vllm-torchtpu's platform
+    calls too) instead."""
+    device = next((param.device for param in model.parameters() if param.device.type != "cpu"), None)
+    if device is not None:  # a model on the CPU has nothing in flight
+        torch.accelerator.synchronize(device)
 
 
 # vllm-torchtpu's mark on a linear layer whose weight it has transposed for the TPU matmul.

@@ -150,6 +150,39 @@ def test_vllms_own_reload_alone_fails_on_the_transposed_layers(tmp_path, vllm_di
             _runner(model, config).reload_weights(weights_iterator=list(second.items()), is_checkpoint_format=True)
 
 
+def test_a_write_on_torchtpu_waits_for_the_chip_before_its_host_pages_are_released(tmp_path, monkeypatch,
+                                                                                   tpu_device_name):
+    """The write of a version from the engine's shared host copy, through rlpipe's worker extension and the copy's
+    own reader: the chip is synchronised after the runner's reload and before the pages the reload copied from are
+    released. TorchTPU's own `torch.tpu.synchronize` refuses callers outside torch and torch_tpu, hence
+    torch.accelerator's."""
+    from rlpipe.weightsync import hostcopy
+
+    with pytest.raises(RuntimeError, match="internal to TorchTPU.*torch.accelerator.synchronize"):
+        torch.tpu.synchronize()
+    events: list[str] = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: events.append(f"synchronize {device}"))
+    release = hostcopy._Mapping.drop_read_pages
+    monkeypatch.setattr(hostcopy._Mapping, "drop_read_pages", lambda self: (events.append("pages released"),
+                                                                           release(self)))
+
+    def reload_weights(weights_iterator, is_checkpoint_format):
+        assert [name for name, _ in weights_iterator] == ["w"]
+        events.append("reload")
+
+    on_chip = types.SimpleNamespace(device=torch.device("tpu"))
+    model = types.SimpleNamespace(modules=lambda: [], parameters=lambda: iter([on_chip]))
+    worker = types.SimpleNamespace(
+        model_runner=types.SimpleNamespace(get_model=lambda: model, reload_weights=reload_weights),
+    )
+    worker._rlpipe_apply = types.MethodType(WeightWriter._rlpipe_apply, worker)
+    worker._reload_on_torchtpu = types.MethodType(WeightWriter._reload_on_torchtpu, worker)
+    worker._check_written = types.MethodType(WeightWriter._check_written, worker)
+    with hostcopy.HostCopy(directory=str(tmp_path)).publish({"w": torch.ones(4)}) as shared:
+        assert WeightWriter.rlpipe_load_weights(worker, shared.message()) == 1
+    assert events[:3] == ["reload", "synchronize tpu", "pages released"]
+
+
 def test_rlpipes_model_builds_in_vllm_on_torchtpu_with_the_configured_kernels(tmp_path, vllm_distributed):
     """`rollout.model_impl: rlpipe` on this platform: the engine's arguments as RolloutEngine builds them, the model
     vLLM builds from them is rlpipe's, and its norms run the kernel `model.kernels.rmsnorm` names (on `tpu` tensors
