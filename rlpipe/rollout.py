@@ -144,7 +144,8 @@ class RolloutEngine:
             from rlpipe.vllm_model import engine_overrides, register
 
             register()  # in this process; vLLM's worker processes register it through the plugin entry point
-            kernels = kernels or KernelsConfig()
+            # vLLM on TorchTPU compiles the model for TorchTPU.
+            kernels = (kernels or KernelsConfig()).decided(compiled_for_tpu=platform == "torchtpu")
             extra["hf_overrides"] = engine_overrides(kernels.rmsnorm, kernels.experts)
         self.lora = lora
         self._lora_request = None  # the adapter every generation applies; None: the base alone (version 0)

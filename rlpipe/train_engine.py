@@ -81,7 +81,8 @@ class TrainEngine:
         self.loss = loss
         self.total_steps = total_steps
         self.rank, self.world_size = rank, world_size
-        self.kernels = model.kernels
+        # One choice for the model: its eager passes (the forward-only ones) run the compiled step's kernels too.
+        self.kernels = model.kernels.decided(compiled_for_tpu=learner.device == "tpu" and learner.graph)
         self.dtype = getattr(torch, model.dtype)
         self.hf_config = read_hf_config(model_path)
         self.backend = backend(learner.device)

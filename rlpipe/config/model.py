@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rlpipe.config.errors import require
@@ -24,15 +24,24 @@ class KernelsConfig:
         "pallas: JAX's splash kernel (torch.tpu.ops.splash_sdpa on TorchTPU; packed rows by segment ids, no shared "
         "prompts; interpreted off TPU)",
     )
-    experts: Literal["torch", "pallas", "loop"] = key(
-        "torch",
+    experts: Literal["auto", "torch", "pallas", "loop"] = key(
+        "auto",
         "mixture-of-experts layers: tokens sorted by expert, one grouped matmul per projection with the torch "
-        "reference or the Pallas kernel (interpreted off TPU); loop: one slice per expert (transformers' way, eager "
-        "only)",
+        "reference or the Pallas kernel (TorchTPU's ragged_dot on tpu, interpreted megablox elsewhere); loop: one "
+        "slice per expert (transformers' way, eager only); auto: pallas in a program compiled for TorchTPU, torch "
+        "elsewhere",
     )
 
     def check(self) -> None:
         require(self.logprob_chunk >= 1, "model.kernels.logprob_chunk: must be >= 1")
+
+    def decided(self, compiled_for_tpu: bool) -> KernelsConfig:
+        """These kernels as a program runs them, `experts: auto` decided: pallas where the program is compiled for
+        TorchTPU (`compiled_for_tpu`), which cannot run the torch reference (it splits rows by group sizes read on
+        the host), torch elsewhere."""
+        if self.experts != "auto":
+            return self
+        return replace(self, experts="pallas" if compiled_for_tpu else "torch")
 
 
 @dataclass

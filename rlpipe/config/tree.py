@@ -193,3 +193,8 @@ class Config:
             "model.kernels.experts: 'loop' has shapes that depend on the routing and runs eagerly only; "
             "use torch or pallas with learner.graph=true",
         )
+        require(
+            not (learner.graph and learner.device == "tpu" and self.model.kernels.experts == "torch"),
+            "model.kernels.experts: 'torch' splits the rows by group sizes read on the host, which a step compiled "
+            "for TorchTPU (learner.graph on tpu) cannot do; use pallas (TorchTPU's ragged_dot) or auto",
+        )

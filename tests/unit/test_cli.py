@@ -129,6 +129,7 @@ def test_version(capsys):
         (["config", "show", "train.steps=abc"], "train.steps"),
         (["train", "algo.loss_agg=foo"], "algo.loss_agg"),
         (["train", "rollout.group_size=1"], "rollout.group_size"),
+        (["train", "learner.device=tpu", "learner.graph=true", "model.kernels.experts=torch"], "model.kernels.experts"),
     ],
 )
 def test_bad_override_exits_2_with_one_line(capsys, argv, key):

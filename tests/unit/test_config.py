@@ -513,6 +513,10 @@ def test_moe_settings_name_their_key():
     assert _error("model.kernels.experts=loop", "learner.graph=true").startswith("model.kernels.experts:")
     assert load_config(None, ["model.kernels.experts=loop"]).model.kernels.experts == "loop"  # eager: fine
     assert _error("model.kernels.experts=grouped").startswith("model.kernels.experts")
+    tpu_step = ("learner.device=tpu", "learner.graph=true")
+    assert _error(*tpu_step, "model.kernels.experts=torch").startswith("model.kernels.experts: 'torch' splits")
+    assert load_config(None, ["learner.device=tpu", "model.kernels.experts=torch"])  # eager on tpu: fine
+    assert load_config(None, list(tpu_step)).model.kernels.experts == "auto"  # a dense recipe need not name one
     assert _error("algo.router_aux_loss_coef=-1").startswith("algo.router_aux_loss_coef:")
     assert load_config(None, []).algo.router_aux_loss_coef is None
 
@@ -566,3 +570,24 @@ def test_a_missing_reward_file_names_its_key_and_where_it_looked(tmp_path, monke
     with pytest.raises(ConfigError) as raised:
         load_config(None, ['reward.functions=[{name: "nowhere/r.py:fn"}]'])
     assert str(raised.value) == f"reward.functions[0].name: file nowhere/r.py not found (looked in {tmp_path / 'nowhere'})"
+
+
+def test_auto_experts_are_the_pallas_kernel_in_a_compiled_tpu_program_and_torch_elsewhere():
+    kernels = load_config(None, []).model.kernels
+    assert kernels.experts == "auto"
+    assert kernels.decided(compiled_for_tpu=True).experts == "pallas"
+    assert kernels.decided(compiled_for_tpu=False).experts == "torch"
+    named = load_config(None, ["model.kernels.experts=loop"]).model.kernels
+    assert named.decided(compiled_for_tpu=True) is named
+
+
+def test_every_shipped_recipe_compiled_for_tpu_runs_experts_a_tpu_program_holds():
+    """Every recipe loads, and where it compiles its learner step for TorchTPU its mixture-of-experts layers (if
+    any) run TorchTPU's ragged_dot, never the torch reference, whose host-side split such a program cannot run."""
+    compiled = {}
+    for recipe in sorted(DEFAULT_RECIPE.parent.glob("*.yaml")):
+        cfg = load_config(recipe)
+        if cfg.learner.device == "tpu" and cfg.learner.graph:
+            compiled[recipe.name] = cfg.model.kernels.decided(compiled_for_tpu=True).experts
+    assert compiled["qwen3-30b-a3b-v6e.yaml"] == "pallas"
+    assert set(compiled.values()) == {"pallas"}, compiled
