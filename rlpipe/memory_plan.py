@@ -94,6 +94,8 @@ rollout chips per host / T; a tensor's rows = the ceil(rows / M) of its Shard(0)
   buckets in flight, 3 (the one shipped and the two the sender packs ahead) of B = max(sync.bucket_mb MiB, the
   largest tensor in rollout bytes: a tensor is never split); the rollback copy. Compared with the rollout slice's
   worker group limit, found the same way.
+- /dev/shm of a learner host and of an engine host: the staged versions and rollback copies engines keep there, and
+  Ray's object store at its capacity, against the worker group's /dev/shm sizeLimit (rlpipe/plan_limits.py).
   A slice whose hosts both roles share, or one no manifest runs, gets a note instead of a verdict.
   Not counted on hosts: the interpreters, libraries and runtimes of the processes, Ray's own memory.
 
@@ -101,8 +103,8 @@ Fit: a side fits when its total <= a usable share of the chip's HBM: USABLE_FRAC
 rest for the compiler's temporaries, collectives' buffers and the runtime), rollout.gpu_memory_utilization for the
 rollout (the share vLLM claims for weights plus KV cache); a peak when it is <= what it is compared with. The
 plan is OK (exit 0) when both sides and every peak fit and no problem was found (slice sizes against learner.ranks
-and num_engines x tensor_parallel, topology, kv-head split, context length); a side without a TPU slice
-(placement.<role>.tpu null) is shown without a verdict. A peak that does not fit is named, with by how much, on
+and num_engines x tensor_parallel, chip counts TPUs start on, topology, kv-head split, context length); a side
+without a TPU slice (placement.<role>.tpu null) is shown without a verdict. A peak that does not fit is named, with by how much, on
 the last line.
 """
 
@@ -119,10 +121,10 @@ from rlpipe.config.sync import vllm_lora_rank
 from rlpipe.device import TpuSlice, backend
 from rlpipe.tpu_layout import SliceShare, slice_problems, slice_shares
 from rlpipe.models.hf import MAX_SHARD_BYTES
+from rlpipe.plan_limits import GIB, LimitCheck, Part, Peak, _keyed, limit_checks, shm_peaks
 from rlpipe.pod_limits import pod_memory_limit
 from rlpipe.models.registry import model_architecture, model_type_of
 
-GIB = 2**30
 USABLE_FRACTION = 0.9
 MODELS_DIR = recipes_dir() / "models"
 
@@ -387,25 +389,6 @@ def load_architecture(model_path: str) -> tuple[ModelSize, Path]:
 # ------------------------------------------------------------------ the plan
 
 
-def _keyed(items, key: str):
-    """The item of `items` (parts, peaks) whose `key` is `key`."""
-    for item in items:
-        if item.key == key:
-            return item
-    raise KeyError(key)
-
-
-@dataclass(frozen=True)
-class Part:
-    key: str  # stable name for tests: "parameters", "kv_cache", ...
-    label: str  # what the table prints
-    bytes: float
-
-    @property
-    def gib(self) -> float:
-        return self.bytes / GIB
-
-
 @dataclass(frozen=True)
 class SidePlan:
     role: str  # "learner" | "rollout"
@@ -440,42 +423,6 @@ class SidePlan:
 
 
 @dataclass(frozen=True)
-class Peak:
-    """A moment's memory, outside the steady step, against what it must fit in: the learner's load per chip
-    (`learner_load`), a learner host's RAM (`learner_host`, the largest of its phases) and an engine host's RAM
-    at a sync (`rollout_host`)."""
-
-    key: str
-    name: str  # what the NOT OK line and the notes call it
-    title: str  # what the table prints above the parts
-    parts: tuple[Part, ...]
-    limit_bytes: float | None  # what it must fit in; None: nothing to compare against (`missing` says why)
-    limit_label: str = ""
-    missing: str = ""
-    largest_part: bool = False  # the parts are phases that do not overlap: the peak is the largest, not the sum
-
-    @property
-    def total_bytes(self) -> float:
-        sizes = [part.bytes for part in self.parts]
-        return max(sizes) if self.largest_part else sum(sizes)
-
-    @property
-    def total_gib(self) -> float:
-        return self.total_bytes / GIB
-
-    @property
-    def fits(self) -> bool | None:
-        return None if self.limit_bytes is None else self.total_bytes <= self.limit_bytes
-
-    @property
-    def over_gib(self) -> float:
-        return (self.total_bytes - (self.limit_bytes or 0)) / GIB
-
-    def part(self, key: str) -> Part:
-        return _keyed(self.parts, key)
-
-
-@dataclass(frozen=True)
 class MemoryPlan:
     model: ModelSize
     source: Path
@@ -496,6 +443,17 @@ class MemoryPlan:
 
     def peak(self, key: str) -> Peak:
         return _keyed(self.peaks, key)
+
+    def checks(self) -> list[LimitCheck]:
+        """Every limit, one (name, passed, reason) each (rlpipe/plan_limits.py)."""
+        return limit_checks(self)
+
+
+def plan_checks(cfg: Config, manifests: Path | None = None) -> list[LimitCheck]:
+    """The plan's limits for a resolved config, one `LimitCheck(name, passed, reason)` each: chip counts and slice
+    layout, HBM per chip, the learner's load, each host's pod memory and /dev/shm against deploy/kuberay (or
+    `manifests`). `passed` is None where nothing here says the limit (no slice, no manifest)."""
+    return plan(cfg, manifests=manifests).checks()
 
 
 def kv_heads_per_chip(kv_heads: int, tensor_parallel: int) -> int:
@@ -815,7 +773,9 @@ def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = No
     if usable is not None:
         usable_label = f"{usable / GIB:.2f} usable ({learner.usable_fraction:.0%} of {learner.slice.hbm_gib})"
     load_peak, host_peak = learner_peaks(cfg, arch, learner_share, usable, usable_label, manifests)
-    peaks = (load_peak, host_peak, rollout_peak(cfg, arch, rollout_share, manifests))
+    adapters_only = synced_params(cfg, arch) != P
+    shm = shm_peaks(cfg, synced_params(cfg, arch) * rb, adapters_only, shares, manifests)
+    peaks = (load_peak, host_peak, rollout_peak(cfg, arch, rollout_share, manifests), *shm)
     for peak in peaks:
         if peak.fits is None and peak.missing and peak.key != "learner_load":
             notes.append(f"{peak.name}: {peak.missing}")
