@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 from rlpipe.config import Config, ConfigError, PlacementConfig
 from rlpipe.device import TpuSlice, tpu_slice
+from rlpipe.tpu_env import CHIP_BLOCK_BOUNDS
 
-# The chip counts vLLM on TorchTPU can start an engine on, by generation: those torch_tpu's PCI scan knows a topology
-# for (its hardware maps), since the engine takes its topology from there. No 2-chip block of a v5e or v6e host.
+# The chip counts of one host torch_tpu's PCI scan knows a topology for (its hardware maps), by generation: what vLLM
+# on TorchTPU starts an engine on, since the engine takes its topology from there, and what a TorchTPU learner can
+# take of a host it shares with the engines (its topology is that block's). No 2-chip block of a v5e or v6e host.
 ENGINE_CHIP_COUNTS = {"v4": (1, 2, 4), "v5p": (1, 2, 4), "v5litepod": (1, 4, 8), "v6e": (1, 4, 8)}
 
 
@@ -78,9 +80,16 @@ def slice_shares(placement: PlacementConfig) -> dict[str, SliceShare]:
     }
 
 
+def _share_counts(device: str, generation: str) -> tuple[int, ...]:
+    """The chips a learner can take of a host it shares: TorchTPU's topology blocks, or libtpu's process bounds
+    (rlpipe/tpu_env.py) for an xla learner."""
+    return ENGINE_CHIP_COUNTS[generation] if device == "tpu" else tuple(sorted(CHIP_BLOCK_BOUNDS))
+
+
 def slice_problems(cfg: Config) -> list[str]:
     """What cannot run on the configured slices, one line each: actors that do not fill their role's chips,
-    engines across hosts or misaligned, a learner device that does not run on a TPU."""
+    engines across hosts or misaligned, a learner device that does not run on a TPU, a learner's share of a host's
+    chips that its TPU runtime has no topology for."""
     shares = slice_shares(cfg.placement)
     problems = []
     learner, rollout = shares.get("learner"), shares.get("rollout")
@@ -92,6 +101,14 @@ def slice_problems(cfg: Config) -> list[str]:
             problems.append(
                 f"learner.ranks = {cfg.learner.ranks} but placement.learner takes {learner.chips} chips of "
                 f"{learner.describe()} (one rank per chip)"
+            )
+        elif learner.shared and learner.chips not in _share_counts(device, learner.tslice.generation):
+            *most, last = _share_counts(device, learner.tslice.generation)
+            counts = f"{', '.join(str(count) for count in most)} or {last}"
+            whose = "torch_tpu knows a topology for" if device == "tpu" else "libtpu takes as one process's bounds"
+            problems.append(
+                f"placement.learner.chips: a {device} learner starts on {counts} chips of a "
+                f"{learner.tslice.generation} host (the blocks {whose}), not {learner.chips}"
             )
         elif device == "xla" and learner.tslice.hosts > 1:
             problems.append(
