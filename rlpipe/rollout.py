@@ -133,6 +133,10 @@ class RolloutEngine:
         sync = sync or SyncConfig()
         if platform == "torchtpu" and (refused := torchtpu_refusal(cfg, sync)):
             raise RuntimeError(refused)
+        if platform == "torchtpu" and lora is not None:  # the run was decided for another platform's engines
+            raise RuntimeError(
+                "learner.lora: this engine runs vLLM on TorchTPU, whose LoRA path is not verified; set sync.lora=merged"
+            )
 
         self.cfg = cfg
         self.sync_cfg = sync

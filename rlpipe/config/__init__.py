@@ -26,15 +26,16 @@ from rlpipe.config.model import KernelsConfig, ModelConfig
 from rlpipe.config.placement import PlacementConfig, RolePlacement
 from rlpipe.config.ray import RayConfig
 from rlpipe.config.reward import RewardConfig, RewardFunctionConfig
-from rlpipe.config.rollout import MAX_TEMPERATURE, RolloutConfig, torchtpu_refusal
+from rlpipe.config.rollout import ENGINE_PLATFORMS, MAX_TEMPERATURE, EnginePlatform, RolloutConfig, torchtpu_refusal
 from rlpipe.config.run import RunConfig
 from rlpipe.config.sync import SyncConfig
 from rlpipe.config.train import TrainConfig
 from rlpipe.config.tree import Config
 
 __all__ = [
-    "MAX_TEMPERATURE", "RENDERING_ARGUMENTS", "TRACKERS",
-    "AlgoConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "FileSource", "HumanEvalSource", "KernelsConfig",
+    "ENGINE_PLATFORMS", "MAX_TEMPERATURE", "RENDERING_ARGUMENTS", "TRACKERS",
+    "AlgoConfig", "Config", "ConfigError", "DataConfig", "EnginePlatform", "EvalConfig", "FileSource",
+    "HumanEvalSource", "KernelsConfig",
     "LearnerConfig", "MetricsConfig", "ModelConfig", "PromptSource", "ReasoningGymSource", "VerifiersSource",
     "PlacementConfig", "RayConfig", "RewardConfig", "RewardFunctionConfig", "RolePlacement", "RolloutConfig",
     "RunConfig", "SyncConfig", "TrainConfig",

@@ -190,6 +190,14 @@ class RolloutConfig:
         return "raw_logprobs" if self.reshaping_keys() else "processed_logprobs"
 
 
+# The vLLM build a rollout engine runs (the device table of docs/architecture.md): vLLM for CPU, vLLM for CUDA, vLLM
+# on TorchTPU. Decided once, at start-up, from where the engines are placed (`Config.engine_platform`); what vLLM
+# on TorchTPU cannot do is refused by it, and the engine checks the platform it finds against it.
+EnginePlatform = Literal["vllm-cpu", "vllm", "vllm-torchtpu"]
+# The engine platform of each platform name `rlpipe.vllm_worker.vllm_platform` reports.
+ENGINE_PLATFORMS: dict[str, EnginePlatform] = {"cpu": "vllm-cpu", "cuda": "vllm", "torchtpu": "vllm-torchtpu"}
+
+
 def torchtpu_refusal(cfg: RolloutConfig, sync: SyncConfig) -> str | None:
     """What vLLM on TorchTPU cannot do, or would change without a word (read from vllm-torchtpu 0.29's source): it
     computes in bfloat16 whatever dtype it is given, reports each sampled token's log-prob before temperature (the

