@@ -37,12 +37,15 @@ class Backend:
     # record rather than a Dynamo graph, and its shapes must be static (each new one compiles a program of its own),
     # so batches pad to length buckets and never pack.
     lazy: bool = False
+    # rlpipe's Pallas kernels run as ops of the device's own bridge to JAX kernels (TorchTPU's `jax_op`), which must
+    # be registered before a step that calls them is traced.
+    bridged_kernels: bool = False
 
 
 BACKENDS = {
     "cpu": Backend("cpu", "cpu", "gloo", "inductor"),
     "cuda": Backend("cuda", "cuda", "nccl", "inductor"),
-    "tpu": Backend("tpu", "tpu", "tpu_dist", "tpu"),
+    "tpu": Backend("tpu", "tpu", "tpu_dist", "tpu", bridged_kernels=True),
     "xla": Backend("xla", "xla", "xla", "openxla", sharding="xla_spmd", lazy=True),
 }
 

@@ -24,11 +24,12 @@ class Learner:
     """One rank of the learner group: the train engine plus what GRPO asks of it. `algo` is that config section;
     `model`, `learner` and `train` go to the engine; `samples_per_step` is a step's batch (prompts x group size),
     `temperature` and `max_tokens` the rollout's sampling temperature and longest completion; `sync_adapters`: weight
-    sync sends learner.lora's adapters alone (`TrainEngine`)."""
+    sync sends learner.lora's adapters alone; `engine_options` go to the `TrainEngine` as they are."""
 
     def __init__(
         self, model_path: str, *, model, learner, train, algo, samples_per_step: int, temperature: float,
         max_tokens: int, seed: int = 0, rank: int = 0, world_size: int = 1, sync_adapters: bool = False,
+        **engine_options,
     ):
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
@@ -46,6 +47,7 @@ class Learner:
             step_rows=samples_per_step // self.optimizer_steps_per_batch,
             # vLLM reports log-probs after temperature; greedy decoding (0) has no temperature to divide by.
             temperature=temperature or 1.0, rank=rank, world_size=world_size, sync_adapters=sync_adapters,
+            **engine_options,
         )
         # Without a KL term there is nothing to compare against, so no second copy of the model is held; with LoRA
         # the reference is the frozen base itself, read with the adapters off (`_reference_logprobs`).

@@ -71,12 +71,15 @@ class TrainEngine:
     mini-batch; `temperature` the one the rollout engine sampled at (its log-probs are taken after it). Ranks of a
     group of several call `join_process_group` together before training; a single process finishes its set-up itself.
     `sync_adapters`: with learner.lora, weight sync sends the adapters alone (`Config.lora_sync`), else the merged
-    weights."""
+    weights. `weights_from(model_path, model, dtype)` gives the weights each rank reads its rows from (default: the
+    model folder's safetensors files)."""
 
     def __init__(
         self, model_path: str, model, learner, train, *, loss, total_steps: int, step_rows: int | None = None,
         temperature: float = 1.0, rank: int = 0, world_size: int = 1, sync_adapters: bool = False,
+        weights_from=CheckpointWeights,
     ):
+        self.weights_from = weights_from
         self.model_path, self.model_section, self.learner, self.train = model_path, model, learner, train
         self.loss = loss
         self.total_steps = total_steps
@@ -116,7 +119,7 @@ class TrainEngine:
         kernels = self.kernels
         model = meta_model(self.model_path)
         model.use_kernels(rmsnorm=kernels.rmsnorm, attention=kernels.attention, experts=kernels.experts)
-        weights = CheckpointWeights(self.model_path, model, self.dtype)
+        weights = self.weights_from(self.model_path, model, self.dtype)
         if adapters:
             weights = WeightsWithAdapters(weights, add_adapters(model, self.lora))
         if self.strategy.needs_process_group:
@@ -145,6 +148,10 @@ class TrainEngine:
         for model, weights in self._unloaded:
             self.strategy.load(model, weights)
         self._unloaded.clear()
+        if self.backend.bridged_kernels:
+            from rlpipe.kernels import register_torchtpu_ops
+
+            register_torchtpu_ops()
         train = self.train
         self.step_fn = GraphTrainStep(
             self.model,

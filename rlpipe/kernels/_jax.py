@@ -12,7 +12,6 @@ never pay for it.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Callable
 
@@ -70,26 +69,51 @@ def run_kernel(kernel: Callable, *args):
 
 
 def call(op, kernel: Callable, *args):
-    """rlpipe's op `op` on `args`; on TorchTPU tensors, `kernel` as a TorchTPU op instead."""
+    """rlpipe's op `op` on `args`; on TorchTPU tensors, `kernel` as a TorchTPU op instead. Inside a compiled graph
+    that op must already exist (`register_torchtpu_ops`): Dynamo cannot trace its registration."""
     if any(isinstance(arg, torch.Tensor) and arg.device.type == "tpu" for arg in args):
-        return torchtpu_op(kernel)(*args, False)
+        if torch.compiler.is_compiling():
+            tpu_op = _TORCHTPU_OPS.get(kernel)
+            if tpu_op is None:
+                raise RuntimeError(
+                    f"the TorchTPU op of {kernel.__module__}.{kernel.__name__} is not registered; "
+                    "call rlpipe.kernels.register_torchtpu_ops() before compiling code that runs it"
+                )
+        else:
+            tpu_op = torchtpu_op(kernel)
+        return tpu_op(*args, False)
     return op(*args)
 
 
 _AUTOGRAD: dict[Callable, tuple[Callable, Callable]] = {}
+# Every kernel `call` may run as a TorchTPU op (forward and backward passes), and the ops made of them so far: a
+# plain dict, which a compiled graph reads like any other global, where a cached registration function would be
+# traced into (and stop a `fullgraph` compile at its warning filter).
+_KERNELS: list[Callable] = []
+_TORCHTPU_OPS: dict[Callable, Callable] = {}
 
 
-def with_autograd(op, kernel: Callable, backward: Callable, setup_context: Callable) -> None:
-    """Differentiate rlpipe's op `op` with `backward`, and `kernel`'s TorchTPU op the same way once it is made."""
+def with_autograd(op, kernel: Callable, backward: Callable, setup_context: Callable, backward_kernel: Callable) -> None:
+    """Differentiate rlpipe's op `op` with `backward`, and `kernel`'s TorchTPU op the same way once it is made;
+    `backward_kernel` is the kernel `backward` runs."""
     op.register_autograd(backward, setup_context=setup_context)
     _AUTOGRAD[kernel] = (backward, setup_context)
+    _KERNELS.extend((kernel, backward_kernel))
 
 
-@functools.cache
+def register_torchtpu_ops() -> None:
+    """Make every kernel's TorchTPU op now, before a step on `tpu` tensors is traced (once per process)."""
+    for kernel in _KERNELS:
+        torchtpu_op(kernel)
+
+
 def torchtpu_op(kernel: Callable):
     """`kernel` registered as the TorchTPU op `rlpipe_tpu::<module>_<name>` (once per process). `kernel`'s
     annotations are what the bridge builds the op's schema from: tensors (annotated `torch.Tensor`, the op's own
     types; the function itself sees jax arrays) and static scalars."""
+    op = _TORCHTPU_OPS.get(kernel)
+    if op is not None:
+        return op
     import torch_tpu  # noqa: F401  (adds torch.tpu)
 
     name = f"rlpipe_tpu::{kernel.__module__.rsplit('.', 1)[-1]}_{kernel.__name__.strip('_')}"
@@ -102,6 +126,7 @@ def torchtpu_op(kernel: Callable):
             lambda ctx, *grads: (*backward(ctx, *grads), None),
             setup_context=lambda ctx, inputs, output: setup_context(ctx, inputs[:-1], output),
         )
+    _TORCHTPU_OPS[kernel] = op
     return op
 
 

@@ -236,7 +236,7 @@ def _backward(ctx, grad_out):
     return (*grads, None, None)
 
 
-with_autograd(_splash_attention_op, _forward, _backward, _setup_context)
+with_autograd(_splash_attention_op, _forward, _backward, _setup_context, _backward_pass)
 
 
 def splash_attention(q, k, v, segments: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:

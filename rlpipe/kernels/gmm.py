@@ -167,4 +167,4 @@ def _backward(ctx, grad):
     return (*call(_pallas_grouped_matmul_backward, _backward_pass, x, weights, group_sizes, grad), None)
 
 
-with_autograd(pallas_grouped_matmul, _forward, _backward, _save_inputs)
+with_autograd(pallas_grouped_matmul, _forward, _backward, _save_inputs, _backward_pass)

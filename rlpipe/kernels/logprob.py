@@ -351,4 +351,4 @@ def _backward(ctx, grad_logprob, grad_entropy, grad_lse):
     return grad_hidden, grad_weight, None, None
 
 
-with_autograd(pallas_linear_logprob, _forward, _backward, _setup_context)
+with_autograd(pallas_linear_logprob, _forward, _backward, _setup_context, _backward_pass)

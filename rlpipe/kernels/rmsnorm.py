@@ -150,4 +150,4 @@ def _backward(ctx, grad):
     return grad_x, grad_weight, None
 
 
-with_autograd(pallas_rms_norm, _forward, _backward, _setup_context)
+with_autograd(pallas_rms_norm, _forward, _backward, _setup_context, _backward_pass)
