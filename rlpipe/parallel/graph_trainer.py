@@ -292,13 +292,18 @@ class GraphTrainStep:
         if grads is None:  # no micro-batch: AdamW steps on zero gradients (momentum and weight decay still act)
             grads = [torch.zeros_like(param) for param in self.params]
             total_loss = torch.zeros((), device=self.device)
+        return total_loss, self.clip_and_update(grads, lr), total_stats
+
+    def clip_and_update(self, grads: list[Tensor], lr: Tensor) -> Tensor:
+        """The step after the backward: clip `grads` (one per trainable parameter) by their global norm, then AdamW;
+        returns the norm before clipping."""
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
         grad_norm = torch.linalg.vector_norm(torch.stack(norms))
         # As clip_grad_norm_: scale by min(1, max_norm / norm) without a data-dependent branch.
         clip_coef = torch.clamp(self.grad_clip / (grad_norm + _CLIP_EPS), max=1.0)
         grads = [g * clip_coef.to(g.dtype) for g in grads]
         self.optimizer.update(self.params, grads, lr)
-        return total_loss, grad_norm, total_stats
+        return grad_norm
 
     @staticmethod
     def _reported(loss: Tensor, grad_norm: Tensor, stats: dict[str, Tensor]) -> Tensor:

@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # DTensor's own shard arithmetic
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from rlpipe.parallel.mesh import SHARD_DIM
 
@@ -135,7 +136,8 @@ def shard_model(
 def _read_shard(weights, name: str, shape: torch.Size, mesh: DeviceMesh, placements) -> DTensor:
     """This rank's rows of the checkpoint weight `name` (full shape `shape`) as the DTensor `distribute_tensor`
     would have made of the whole tensor."""
-    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    with unset_fake_temporarily():  # host arithmetic on the mesh, also where the tensors are fake (rlpipe/tpu/step.py)
+        local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     rows = slice(offset[0], offset[0] + local_shape[0]) if len(shape) else None
     local = weights.read(name, rows).to(mesh.device_type)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape))
