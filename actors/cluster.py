@@ -10,6 +10,7 @@ from ray._private import ray_constants
 
 from rlpipe.config import Config
 from rlpipe.preflight import actors_needed
+from rlpipe.tpu_env import compile_cache_env
 
 # glibc serves large blocks by mmap and gives freed memory back to the kernel, so every training step and every
 # weight write would fault its memory in again, zeroed by the kernel (docs/benchmarks.md has the cost). The
@@ -22,14 +23,19 @@ KEEP_FREED_MEMORY = (
 )
 
 
-def compute_env() -> dict[str, str]:
+def compute_env(cfg: Config | None = None) -> dict[str, str]:
     """The environment of the actors that compute (learner ranks, engines). Ray sets OMP_NUM_THREADS to an
     actor's logical CPU share (1); the roles take turns in synchronous mode, so each may use every core while it
-    runs. Freed memory stays in the process, unless GLIBC_TUNABLES is already set (then it is left as it is)."""
-    return {
+    runs. Freed memory stays in the process, unless GLIBC_TUNABLES is already set (then it is left as it is). With a
+    role on a TPU slice, TorchTPU's compilation cache goes to a folder of the run (rlpipe/tpu_env.py), so that a
+    restarted actor does not compile its programs again."""
+    env = {
         "OMP_NUM_THREADS": str(os.cpu_count() or 1),
         "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_FREED_MEMORY),
     }
+    if cfg is not None and (cfg.placement.learner.tpu is not None or cfg.placement.rollout.tpu is not None):
+        env.update(compile_cache_env(cfg.run_dir))
+    return env
 
 
 def job_runtime_env(cfg: Config) -> dict | None:

@@ -74,7 +74,7 @@ class EnginePool:
 
     def _start(self, index: int):
         log = None if self.log is None else replace(self.log, who=f"rollout-{index}")
-        return RolloutActor.options(**self.placement.options(index, compute_env())).remote(
+        return RolloutActor.options(**self.placement.options(index, compute_env(self.cfg))).remote(
             self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync, log,
             self.cfg.model.kernels,
             self.cfg.learner.lora if self.receives_adapters else None,

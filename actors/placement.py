@@ -162,7 +162,7 @@ def slice_slots(
             elif learner_device is not None:
                 env = tpu_chip_block_env(first_chip, chips_per_actor)
             else:  # an engine: a job of its own on a few chips of one host
-                env = engine_process_env(first_chip)
+                env = engine_process_env(first_chip, chips_per_actor)
             slots.append(Slot(bundle, env, chips_per_actor))
     return slots
 

@@ -84,7 +84,7 @@ class Roles:
         generation_wait_s = cfg.rollout.generate_timeout_s if finish_first else 0.0
         self.sync = SyncChannel(cfg.sync, cfg.rollout.max_model_len, learners.hosts(), self.pool, self.note,
                                 generation_wait_s)
-        env = compute_env() | learner_env(cfg.learner.device, cfg.learner.ranks)
+        env = compute_env(cfg) | learner_env(cfg.learner.device, cfg.learner.ranks)
         self.learners = [
             LearnerActor.options(**learners.options(rank, env)).remote(
                 model_path, cfg, rank, ranks, self._log_setup("learner", rank)

@@ -14,6 +14,7 @@ import ast
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,7 +25,7 @@ import pytest
 import yaml
 
 from rlpipe.config import load_config
-from rlpipe.tpu_env import GIVEN, keep_only_given_tpu_env, torchtpu_process_env
+from rlpipe.tpu_env import GIVEN, LAYOUT, engine_process_env, keep_only_given_tpu_env, torchtpu_process_env
 from rlpipe.tpu_layout import ENGINE_CHIP_COUNTS, slice_shares
 from rlpipe.actors.placement import slice_slots
 
@@ -72,8 +73,25 @@ class _Stop(Exception):
     """Raised where the worker would start its collectives: its environment is complete by then."""
 
 
+def opened_chip(env: dict[str, str]) -> int:
+    """The chip a worker with environment `env` opens: the one `TPU_VISIBLE_CHIPS` and `TPU_VISIBLE_DEVICES` both
+    name, where they agree (vllm-torchtpu's pin of a one-chip replica: vllm_torchtpu/worker/tpu_worker.py), else
+    `LOCAL_RANK`, which torch_tpu copies into `TPU_VISIBLE_CHIPS` for libtpu
+    (vllm_torchtpu/worker/tpu_rank_binding.py)."""
+    chip = env.get("TPU_VISIBLE_CHIPS")
+    if chip is not None and chip == env.get("TPU_VISIBLE_DEVICES") and chip.isdigit():
+        return int(chip)
+    return int(env["LOCAL_RANK"])
+
+
 def engine_worker_chips(env: dict[str, str], tp: int, monkeypatch) -> list[int]:
     """The chip each of an engine's `tp` workers opens, from the environment its actor starts with."""
+    return [opened_chip(worker) for worker in engine_worker_envs(env, tp, monkeypatch)]
+
+
+def engine_worker_envs(env: dict[str, str], tp: int, monkeypatch) -> list[dict[str, str]]:
+    """The environment each of an engine's `tp` workers has where it starts its collectives (its chip is bound by
+    then), from the environment its actor starts with."""
     from vllm.config import ParallelConfig
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
@@ -97,7 +115,7 @@ def engine_worker_chips(env: dict[str, str], tp: int, monkeypatch) -> list[int]:
     vllm_torchtpu._patch_multiproc_worker_global_rank_env()
     monkeypatch.setattr(tpu_worker, "init_distributed_environment", lambda **kwargs: (_ for _ in ()).throw(_Stop()))
 
-    chips = []
+    workers = []
     for local_rank in range(tp):
         os.environ.clear()
         os.environ.update(engine_env)
@@ -111,8 +129,36 @@ def engine_worker_chips(env: dict[str, str], tp: int, monkeypatch) -> list[int]:
         )
         with pytest.raises(_Stop):
             tpu_worker.TPUWorker.init_device(worker)
-        chips.append(int(os.environ["LOCAL_RANK"]))  # torch_tpu copies it into TPU_VISIBLE_CHIPS for libtpu
-    return chips
+        workers.append(dict(os.environ))
+    return workers
+
+
+# What pins a one-chip worker to its chip (vllm_torchtpu/worker/tpu_worker.py, the dense data-parallel branch of
+# `TPUWorker.init_device`). WORLD_SIZE is left out: a one-worker engine's own preparation removes it
+# (`TpuPlatform._prepare_singlehost_tpu_env`), where a replica of a data-parallel engine keeps "1".
+ONE_CHIP_PIN = ("TPU_VISIBLE_CHIPS", "TPU_VISIBLE_DEVICES", "ALLOW_MULTIPLE_LIBTPU_LOAD", "LOCAL_RANK", "RANK")
+
+
+def own_replica_env(chip: int, host_chips: int, monkeypatch) -> dict[str, str]:
+    """The environment vllm-torchtpu's own worker gives the one-chip replica on `chip` of a data-parallel engine
+    spanning the host's `host_chips` chips, where it starts its collectives."""
+    from vllm.config import ParallelConfig
+
+    from vllm_torchtpu.worker import tpu_worker
+
+    for name in list(os.environ):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.setenv("TORCH_TPU_DP_MASTER_PORT", "29600")  # what its data-parallel launcher gives every replica
+    monkeypatch.setattr(tpu_worker, "init_distributed_environment", lambda **kwargs: (_ for _ in ()).throw(_Stop()))
+    parallel = ParallelConfig(tensor_parallel_size=1, data_parallel_size=host_chips, data_parallel_rank=chip)
+    worker = types.SimpleNamespace(
+        parallel_config=parallel, rank=0, local_rank=0, devices=None,
+        distributed_init_method="tcp://127.0.0.1:29511", vllm_config=None,
+    )
+    with pytest.raises(_Stop):
+        tpu_worker.TPUWorker.init_device(worker)
+    return dict(os.environ)
 
 
 ENGINE_CASES = [
@@ -156,6 +202,33 @@ def test_every_engine_worker_opens_a_chip_of_its_own_share(recipe, overrides, tm
     assert sorted(taken) == list(own_share)
 
 
+ONE_CHIP_ENGINE_CASES = [
+    pytest.param(recipe, [], id=recipe) for recipe in TPU_RECIPES
+    if load_config(REPO / "configs" / recipe).rollout.tensor_parallel == 1
+]
+
+
+@pytest.mark.parametrize("recipe, overrides", ONE_CHIP_ENGINE_CASES)
+def test_one_chip_engines_are_pinned_as_vllm_torchtpu_pins_its_own_one_chip_replicas(recipe, overrides, tmp_path,
+                                                                                    monkeypatch, tpu_device_name):
+    """Each one-chip engine's worker, from the environment rlpipe gives its actor (a GKE slice's layout inherited
+    too), ends with the pin vllm-torchtpu's worker gives its own replica on that chip."""
+    from torch_tpu._internal.utils import hardware
+
+    cfg, share, slots = _host_chips(recipe, overrides)
+    fake_pci_tree(tmp_path, share.tslice.generation, share.tslice.chips_per_host)
+    monkeypatch.setattr(hardware, "pathlib", rooted_pathlib(tmp_path))
+    chips = []
+    for slot in slots:
+        [ours] = engine_worker_envs({**GKE_SLICE_ENV, "PATH": "/usr/bin", **slot.env}, 1, monkeypatch)
+        chip = opened_chip(ours)
+        theirs = own_replica_env(chip, share.tslice.chips_per_host, monkeypatch)
+        assert theirs["TPU_VISIBLE_CHIPS"] == theirs["TPU_VISIBLE_DEVICES"] == str(chip)
+        assert {key: ours.get(key) for key in ONE_CHIP_PIN} == {key: theirs.get(key) for key in ONE_CHIP_PIN}
+        chips.append(chip)
+    assert chips == list(range(share.first_chip, share.first_chip + share.chips_per_host))
+
+
 def test_the_old_libtpu_style_engine_environment_puts_every_engine_on_the_same_chips(tmp_path, monkeypatch,
                                                                                     tpu_device_name):
     """What engines got before (TPU_VISIBLE_CHIPS lists, libtpu's bounds): vllm-torchtpu ignores it."""
@@ -183,6 +256,64 @@ def test_engines_start_only_on_chip_counts_torch_tpu_knows_a_topology_for(genera
         known.append(count)
     host_chips = 8 if generation in ("v5litepod", "v6e") else 4  # v4 and v5p hosts carry 4 chips
     assert tuple(count for count in known if count <= host_chips) == ENGINE_CHIP_COUNTS[generation]
+
+
+# ------------------------------------------------------------------ what a TPU actor's process keeps
+
+_ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]{2,}$")
+# Set by the packages' binding code, yet no layout: libtpu's permission to load in several processes of a host.
+NOT_LAYOUT = {"ALLOW_MULTIPLE_LIBTPU_LOAD"}
+
+
+def _env_names(obj, dict_keys_only: bool = False) -> set[str]:
+    """The environment variable names in `obj`'s source: string constants and `envs.NAME` reads (or, for a
+    launcher building its workers' environments, the keys of its dict literals)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    names = set()
+    for node in ast.walk(tree):
+        if dict_keys_only:
+            if isinstance(node, ast.Dict):
+                names |= {key.value for key in node.keys if isinstance(key, ast.Constant)
+                          and isinstance(key.value, str)}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "envs":
+            names.add(node.attr)
+    return {name for name in names if _ENV_NAME.match(name)}
+
+
+def launchers_layout_names() -> set[str]:
+    """What the packages' own launchers and binding code set or read to place a process in its job: torch_tpu's
+    `set_tpu_launch_env`, vllm-torchtpu's worker binding and its Ray executors' worker environments."""
+    import vllm_torchtpu
+    from torch.tpu import distributed as tpu_distributed
+    from vllm_torchtpu.executors import ray_distributed_executor, ray_distributed_executor_v2
+    from vllm_torchtpu.platforms.tpu_platform import TpuPlatform
+    from vllm_torchtpu.worker import tpu_rank_binding, tpu_worker
+
+    names = set()
+    for code in (tpu_distributed.set_tpu_launch_env, tpu_worker.TPUWorker.init_device,
+                 tpu_worker._configure_tpu_process_env, TpuPlatform._prepare_singlehost_tpu_env,
+                 vllm_torchtpu._patch_multiproc_worker_global_rank_env, tpu_rank_binding):
+        names |= _env_names(code)
+    for executor in (ray_distributed_executor, ray_distributed_executor_v2):
+        names |= _env_names(executor, dict_keys_only=True)
+    assert {"TPU_VISIBLE_CHIPS", "TORCH_TPU_SLICEBUILDER_ADDRESSES", "TPU_LOCAL_RANK_OFFSET"} <= names  # still read
+    return names
+
+
+def test_the_worker_hook_drops_every_layout_variable_the_packages_launchers_set_and_nothing_else():
+    from vllm_torchtpu import envs
+
+    layout = launchers_layout_names() - NOT_LAYOUT
+    assert layout <= LAYOUT, sorted(layout - LAYOUT)
+    # vllm-torchtpu's own switches that are no layout (its tuning, its compilation cache), and libtpu's flags.
+    tuning = {name for name in envs.environment_variables if name not in LAYOUT} | {"LIBTPU_INIT_ARGS", "XLA_FLAGS"}
+    assert {"TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", "TPU_MOE_SEQUENCE_PARALLEL"} <= tuning
+    for given in (engine_process_env(2, 1), engine_process_env(4, 4), torchtpu_process_env(["h"], 4, 0, 1)):
+        environ = {**{name: "inherited" for name in layout | tuning | NOT_LAYOUT}, **given}
+        keep_only_given_tpu_env(environ)
+        assert set(environ) == set(given) | tuning | NOT_LAYOUT
 
 
 # ------------------------------------------------------------------ learner ranks

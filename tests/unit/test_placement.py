@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from ray._private.accelerators.tpu import get_chips_per_host, get_num_chips_from_topology
@@ -24,7 +25,10 @@ from rlpipe.actors.placement import (
 from rlpipe.actors.cluster import KEEP_FREED_MEMORY, compute_env
 from rlpipe.config import ConfigError, RolePlacement, load_config
 from rlpipe.device import tpu_slice
-from rlpipe.tpu_env import GIVEN, engine_process_env, host_rank_order, keep_only_given_tpu_env
+from rlpipe.tpu_env import (
+    COMPILE_CACHE, COMPILE_CACHE_DEFAULT, GIVEN, engine_process_env, host_rank_order, keep_only_given_tpu_env,
+    torchtpu_process_env,
+)
 from rlpipe.tpu_layout import SliceShare, slice_problems, slice_shares
 
 
@@ -127,6 +131,16 @@ def test_engines_name_their_first_chip_to_vllm_torchtpus_binding():
     assert all(slot.tpu_chips == 2 and "TPU_VISIBLE_CHIPS" not in slot.env for slot in slots)
 
 
+def test_one_chip_engines_are_pinned_as_vllm_torchtpu_pins_its_one_chip_replicas():
+    """Both chip variables agree (TorchTPU honours the pin only then) and libtpu may load in several processes of a
+    host; no offset, which vllm-torchtpu reads as a debugging aid (tests/tpu_contract/test_chip_binding.py runs it)."""
+    slots = slice_slots(_whole("v6e-8"), {0: "node-0"}, _described_slice(1)[1], chips_per_actor=1)
+    assert [slot.env["TPU_VISIBLE_CHIPS"] for slot in slots] == [str(chip) for chip in range(8)]
+    assert all(slot.env["TPU_VISIBLE_DEVICES"] == slot.env["TPU_VISIBLE_CHIPS"] for slot in slots)
+    assert all(slot.env["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1" and slot.tpu_chips == 1 for slot in slots)
+    assert not any("TPU_LOCAL_RANK_OFFSET" in slot.env or "DEBUG_TPU_LOCAL_RANK_OFFSET" in slot.env for slot in slots)
+
+
 def test_one_tpu_vm_splits_its_chips_between_learner_and_engines():
     cfg = load_config(None, ["placement.learner.tpu=v6e-8", "placement.rollout.tpu=v6e-8", "placement.learner.chips=4",
                              "placement.rollout.chips=4", "learner.ranks=4", "learner.device=tpu",
@@ -173,7 +187,7 @@ def test_sharing_a_slice_is_checked(overrides, message):
 
 
 def test_a_tpu_actor_keeps_only_the_launch_variables_rlpipe_gave_it():
-    given = engine_process_env(4)
+    given = engine_process_env(4, 4)
     inherited = {"TORCH_TPU_TOPOLOGY": "4,4,1", "TPU_WORKER_HOSTNAMES": "a,b", "MASTER_PORT": "1234",
                  "TPU_VISIBLE_CHIPS": "0,1,2,3", "TPU_ACCELERATOR_TYPE": "v6e-16", "HOME": "/root"}
     environ = {**inherited, **given}
@@ -182,6 +196,42 @@ def test_a_tpu_actor_keeps_only_the_launch_variables_rlpipe_gave_it():
     assert environ == {**given, "TPU_ACCELERATOR_TYPE": "v6e-16", "HOME": "/root"}
     untouched = dict(inherited)
     assert keep_only_given_tpu_env(untouched) == [] and untouched == inherited  # not a TPU actor
+    one_chip = engine_process_env(3, 1)
+    environ = {**inherited, **one_chip}
+    keep_only_given_tpu_env(environ)
+    assert environ == {**one_chip, "TPU_ACCELERATOR_TYPE": "v6e-16", "HOME": "/root"}  # its own chip, not the host's
+
+
+def test_a_tpu_actor_keeps_the_tuning_and_cache_variables_it_inherits():
+    """Only layout is dropped: a compilation cache, libtpu's and XLA's flags, vllm-torchtpu's and TorchTPU's own
+    switches and libtpu's permission to load in several processes stay as the host set them."""
+    kept = {"TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": "/cache/tpu", "TORCH_TPU_TIER2_COMPILATION_CACHE": "t2",
+            "LIBTPU_INIT_ARGS": "--xla_tpu_enable_latency_hiding_scheduler=true", "XLA_FLAGS": "--xla_dump_to=/d",
+            "TPU_MOE_SEQUENCE_PARALLEL": "1", "TPU_PREMAPPED_BUFFER_SIZE": "4294967296",
+            "TORCH_TPU_INTERNAL_XLA_OPTIONS": "x", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_NAME": "slice-a"}
+    for given in (engine_process_env(0, 2), torchtpu_process_env(["h"], 4, 0, 1)):
+        environ = {**kept, **given, "TPU_WORKER_ID": "2", "MEGASCALE_SLICE_ID": "1"}
+        assert sorted(keep_only_given_tpu_env(environ)) == ["MEGASCALE_SLICE_ID", "TPU_WORKER_ID"]
+        assert environ == {**kept, **given}
+
+
+def test_tpu_actors_compile_into_a_cache_of_the_run_unless_the_host_names_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", raising=False)
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=r", "placement.rollout.tpu=v6e-8",
+                             "rollout.dtype=bfloat16", "rollout.num_engines=8"])
+    env = compute_env(cfg)
+    folder = str(tmp_path / "r" / "tpu_compile_cache")
+    assert env[COMPILE_CACHE_DEFAULT] == folder
+    environ = {**env, **engine_process_env(0, 1)}
+    keep_only_given_tpu_env(environ)
+    assert environ[COMPILE_CACHE] == folder and Path(folder).is_dir()  # survives the actor: a restart reads it
+    assert environ["TORCH_TPU_TIER2_COMPILATION_CACHE"] == "tpu_tier2_cache"  # the tier the disk one needs
+    host = {**env, **engine_process_env(0, 1), COMPILE_CACHE: "/host/cache"}
+    keep_only_given_tpu_env(host)
+    assert host[COMPILE_CACHE] == "/host/cache"  # the host's own setting wins
+    monkeypatch.setenv(COMPILE_CACHE, "/user/cache")
+    assert compute_env(cfg)[COMPILE_CACHE_DEFAULT] == "/user/cache"  # so does the driver's
+    assert COMPILE_CACHE_DEFAULT not in compute_env(load_config(None, []))  # no TPU role: nothing to cache
 
 
 def test_fallback_bundles_pin_every_host_to_the_head_hosts_slice():
