@@ -45,7 +45,9 @@ class Backend:
 BACKENDS = {
     "cpu": Backend("cpu", "cpu", "gloo", "inductor"),
     "cuda": Backend("cuda", "cuda", "nccl", "inductor"),
-    "tpu": Backend("tpu", "tpu", "tpu_dist", "tpu", bridged_kernels=True),
+    # Tensors' collectives on TorchTPU's `tpu_dist`, objects' (torch.distributed.checkpoint plans with
+    # all_gather_object) on gloo: torch sends an object collective to the group's cpu backend where it has one.
+    "tpu": Backend("tpu", "tpu", "cpu:gloo,tpu:tpu_dist", "tpu", bridged_kernels=True),
     "xla": Backend("xla", "xla", "xla", "openxla", sharding="xla_spmd", lazy=True),
 }
 
