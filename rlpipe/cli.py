@@ -30,6 +30,12 @@ def _parser() -> argparse.ArgumentParser:
             "per-chip memory of learner and rollout against the TPU slices' HBM, load and host-RAM peaks against "
             "the deploy manifests' pod limits (exit 1: does not fit)",
         ),
+        (
+            "rehearse",
+            "run every start-up step of a TPU recipe that needs no chip, in a real start's order: the plan, the "
+            "engines' config, the learner step compiled on fake TPU tensors, the kernels compiled for the chip "
+            "(needs the tpu extra; exit 1 when a check fails)",
+        ),
     ):
         sub = commands.add_parser(
             name,
@@ -43,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("action", choices=["show"])
         sub.add_argument("recipe", nargs="?", help=f"YAML recipe (default: {DEFAULT_RECIPE.name})")
         sub.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        if name == "rehearse":
+            sub.add_argument("--json", metavar="PATH", help="also write every check, with what it measured, as JSON")
         if name == "train":
             sub.add_argument("--address", help="join this Ray cluster (same as ray.address=...)")
             sub.add_argument(
@@ -400,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
+        if args.command == "rehearse":
+            from rlpipe.tpu.rehearse import rehearse_command
+
+            return rehearse_command(cfg, args.json)
         if args.command == "plan":
             from rlpipe.memory_plan import format_plan, plan
 
