@@ -73,7 +73,7 @@ def learner_generation(cfg) -> str:
 
     shares = slice_shares(cfg.placement)
     if "learner" not in shares:
-        raise ValueError("placement.learner.tpu names no TPU slice: this recipe does not train on TPU")
+        raise ValueError("placement.learner.tpu: names no TPU slice, so this recipe has no TPU start to rehearse")
     return shares["learner"].tslice.generation
 
 
@@ -194,8 +194,9 @@ def rehearse_command(cfg, json_path: str | None = None) -> int:
     try:
         learner_generation(cfg)
     except ValueError as err:
-        print(f"rlpipe: rehearse: {err}", file=sys.stderr)
+        print(f"rlpipe: config error: {err}", file=sys.stderr)
         return 2
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one line per check, not vLLM's start-up log
     started = time.perf_counter()
     checks = rehearse(cfg)
     print(summary(checks, time.perf_counter() - started))

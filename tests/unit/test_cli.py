@@ -255,3 +255,23 @@ def test_an_auto_resumed_run_waits_for_a_lost_host_but_a_new_run_that_cannot_be_
     outcomes[:] = [WorkerLost("lost"), no_room, no_room, no_room]
     with pytest.raises(WorkerLost, match="cannot place"):  # given up after max_auto_resumes attempts
         train_with_restarts(cfg, None, auto_resume=True)
+
+
+def test_rehearse_refuses_in_one_line_where_the_tpu_extra_is_missing(capsys):
+    """This environment is the CPU stack (no torch_tpu, vllm_torchtpu, libtpu): `rlpipe rehearse` says what is missing
+    and how to get it, before it checks anything."""
+    assert main(["rehearse", "configs/qwen3-8b-v6e.yaml"]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("rlpipe: rehearse needs the tpu extra") and "torch_tpu" in line and "rlpipe[tpu]" in line
+    assert captured.out == ""
+
+
+def test_rehearse_refuses_a_recipe_that_trains_on_no_tpu(capsys, monkeypatch):
+    """A recipe without a TPU learner has nothing to rehearse (the package check is what this host lacks, so it is
+    taken as passed here)."""
+    from rlpipe.tpu import rehearse
+
+    monkeypatch.setattr(rehearse, "missing_tpu_packages", lambda: [])
+    assert main(["rehearse"]) == 2
+    _one_error_line(capsys, "placement.learner.tpu", "names no TPU slice")
