@@ -1,5 +1,7 @@
-"""The shipped TPU recipes in the TPU environment (Python 3.12, the `tpu` extra's transformers): they load, pass
-`rlpipe plan`, and ask for what vLLM on TorchTPU computes in."""
+"""The shipped TPU recipes in the TPU environment (Python 3.12, the `tpu` extra's transformers): they load and pass
+`rlpipe plan`. Loading refuses a TPU rollout in any dtype but bfloat16, the only one vLLM on TorchTPU computes in;
+the engine settings go through vLLM-TorchTPU's own config validation in `rlpipe rehearse`'s engines check
+(test_rehearse.py)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,7 @@ TPU_RECIPES = sorted(
 
 
 @pytest.mark.parametrize("recipe", TPU_RECIPES)
-def test_a_tpu_recipe_loads_plans_and_rolls_out_in_bfloat16(recipe):
+def test_a_tpu_recipe_loads_and_plans(recipe):
     cfg = load_config(REPO / "configs" / recipe)
     assert cfg.learner.device == "tpu" and cfg.placement.learner.tpu and cfg.placement.rollout.tpu
     assert main(["plan", str(REPO / "configs" / recipe)]) == 0
-    # What vllm-torchtpu computes in (test_vllm_torchtpu.py::test_the_platform_computes_in_bfloat16_whatever_it_is_given).
-    assert cfg.rollout.dtype == "bfloat16"
