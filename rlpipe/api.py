@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
-from rlpipe.config import Config, ConfigError, load_yaml
+from rlpipe.config import Config, ConfigError, first_line, load_yaml
 from rlpipe.config.coerce import OverrideText, build
 from rlpipe.config.loading import _set_path, find_recipe, recipes_dir
 
@@ -89,10 +89,41 @@ def train(
 
         check_can_push(cfg.metrics.push_to_hub, "metrics.push_to_hub")
 
-    from rlpipe.cli import train_with_restarts
     from rlpipe.hub_push import after_run
 
     return after_run(cfg, train_with_restarts(cfg, resume, auto_resume))
+
+
+def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> dict:
+    """`rlpipe train` and `rlpipe.train`; with `auto_resume`, a run that loses a worker for good starts again from its
+    latest checkpoint (from the beginning when it has none: the run directory then holds only what this run wrote).
+    Raises WorkerLost when it gives up."""
+    import ray
+
+    from rlpipe.actors.calls import WorkerLost
+    from rlpipe.actors.placement import PlacementTimeout
+    from rlpipe import checkpoint
+    from rlpipe.checkpoint import CheckpointError
+    from rlpipe.controller import train
+
+    restarts = 0
+    while True:
+        try:
+            return train(cfg, resume)
+        except (WorkerLost, ray.exceptions.RayActorError, PlacementTimeout) as err:
+            if isinstance(err, PlacementTimeout) and not restarts:
+                raise  # at the run's start: the cluster never had the room this configuration asks for
+            first = first_line(err)
+            if not auto_resume or restarts == cfg.train.max_auto_resumes:
+                raise WorkerLost(first) from err
+            restarts += 1
+            try:
+                resume, where = "latest", checkpoint.resolve(cfg.run_dir).name
+            except CheckpointError:
+                resume, where = None, "the beginning (no checkpoint yet)"
+                cfg.run.overwrite = True
+            print(f"rlpipe: {first}; restarting from {where} (auto-resume {restarts} of {cfg.train.max_auto_resumes})",
+                  file=sys.stderr)
 
 
 def reward_specs(funcs: RewardFunc | Sequence[RewardFunc], weights: Sequence[float] | None = None) -> list[dict]:

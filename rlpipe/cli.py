@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rlpipe.rewards import RewardConfigError, RewardFailure
 from rlpipe.checkpoint import CheckpointError
-from rlpipe.config import Config, ConfigError, first_line, help_text, load_config, recipes_dir
+from rlpipe.api import add_reward_search_path, train_with_restarts
+from rlpipe.config import Config, ConfigError, help_text, load_config, recipes_dir
 
 DEFAULT_RECIPE = recipes_dir() / "default.yaml"
 
@@ -227,7 +228,6 @@ def _resolve(args) -> Config:
 def _search_beside(recipe: str | None) -> None:
     """A reward module beside the recipe or in the current directory imports in every process of the run, without
     PYTHONPATH."""
-    from rlpipe.api import add_reward_search_path
     from rlpipe.config import find_recipe
 
     add_reward_search_path(*([str(find_recipe(recipe).resolve().parent)] if recipe else []), str(Path.cwd()))
@@ -537,37 +537,6 @@ def _evaluate_on_engines(cfg: Config, model_path: str, tokenizer_path: str | Non
             return evaluation.evaluate(roles, eval_set, cfg, step, state)
         finally:
             roles.shutdown()
-
-
-def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> dict:
-    """`rlpipe train`; with `auto_resume`, a run that loses a worker for good starts again from its latest checkpoint
-    (from the beginning when it has none: the run directory then holds only what this run wrote). Raises WorkerLost
-    when it gives up."""
-    import ray
-
-    from rlpipe.actors.calls import WorkerLost
-    from rlpipe.actors.placement import PlacementTimeout
-    from rlpipe import checkpoint
-    from rlpipe.controller import train
-
-    restarts = 0
-    while True:
-        try:
-            return train(cfg, resume)
-        except (WorkerLost, ray.exceptions.RayActorError, PlacementTimeout) as err:
-            if isinstance(err, PlacementTimeout) and not restarts:
-                raise  # at the run's start: the cluster never had the room this configuration asks for
-            first = first_line(err)
-            if not auto_resume or restarts == cfg.train.max_auto_resumes:
-                raise WorkerLost(first) from err
-            restarts += 1
-            try:
-                resume, where = "latest", checkpoint.resolve(cfg.run_dir).name
-            except CheckpointError:
-                resume, where = None, "the beginning (no checkpoint yet)"
-                cfg.run.overwrite = True
-            print(f"rlpipe: {first}; restarting from {where} (auto-resume {restarts} of {cfg.train.max_auto_resumes})",
-                  file=sys.stderr)
 
 
 if __name__ == "__main__":

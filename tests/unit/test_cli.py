@@ -222,41 +222,6 @@ def test_train_takes_overrides_before_and_after_resume(argv, tmp_path, monkeypat
     assert (cfg.run.name, cfg.train.steps, cfg.rollout.group_size, resume) == ("mine", 3, 4, "latest")
 
 
-def test_an_auto_resumed_run_waits_for_a_lost_host_but_a_new_run_that_cannot_be_placed_is_a_config_error(
-    tmp_path, monkeypatch, capsys
-):
-    """A placement timeout at a run's start is the configuration's fault (exit 2). After a lost worker, the same
-    timeout most likely means the lost host is not back yet: auto-resume tries again, within train.max_auto_resumes."""
-    import rlpipe.controller
-    from rlpipe.actors.calls import WorkerLost
-    from rlpipe.actors.placement import PlacementTimeout
-    from rlpipe.cli import train_with_restarts
-    from rlpipe.config import load_config
-
-    cfg = load_config(None, [f"run.output_dir={tmp_path}", "train.max_auto_resumes=3"])
-    no_room = PlacementTimeout("placement.rollout: the cluster cannot place 1 bundle(s) within 1 s")
-    outcomes = []
-
-    def train(cfg, resume):
-        outcome = outcomes.pop(0)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return {"resumed_from": resume}
-
-    monkeypatch.setattr(rlpipe.controller, "train", train)
-    outcomes[:] = [no_room]
-    with pytest.raises(PlacementTimeout):
-        train_with_restarts(cfg, None, auto_resume=True)
-    outcomes[:] = [WorkerLost("rollout engine 0 lost its host"), no_room, no_room, {"done": True}]
-    assert train_with_restarts(cfg, None, auto_resume=True) == {"resumed_from": None}
-    restarts = [line for line in capsys.readouterr().err.splitlines() if "restarting from" in line]
-    assert [line.split("(auto-resume ")[1] for line in restarts] == ["1 of 3)", "2 of 3)", "3 of 3)"]
-    assert "cannot place" in restarts[1] and "lost its host" in restarts[0]
-    outcomes[:] = [WorkerLost("lost"), no_room, no_room, no_room]
-    with pytest.raises(WorkerLost, match="cannot place"):  # given up after max_auto_resumes attempts
-        train_with_restarts(cfg, None, auto_resume=True)
-
-
 def test_rehearse_refuses_in_one_line_where_the_tpu_extra_is_missing(capsys):
     """This environment is the CPU stack (no torch_tpu, vllm_torchtpu, libtpu): `rlpipe rehearse` says what is missing
     and how to get it, before it checks anything."""
