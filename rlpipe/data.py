@@ -20,6 +20,7 @@ from rlpipe.config import (
     VerifiersSource,
     one_line,
 )
+from rlpipe.optional import optional_source
 from rlpipe.types import Prompt
 
 _FILE_FORMATS = {
@@ -78,22 +79,6 @@ def _same_columns(rows: list[dict], held_out: list[dict], where: str, training: 
 def reward_columns(rows: list[dict], prompt_field: str) -> list[str]:
     """The dataset columns reward functions are called with: every field of the rows but the prompt."""
     return sorted(key for key in (rows[0] if rows else {}) if key != prompt_field)
-
-
-def optional_source(module: str, source: str, extra: str):
-    """The package behind an optional data source, or one line naming the extra that installs it."""
-    import importlib
-
-    package = module.partition(".")[0]
-    try:
-        importlib.import_module(package)  # the package first: a submodule imported already would hide its absence
-        return importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name != package and not (err.name or "").startswith(f"{package}."):
-            raise  # the package is there but something it imports is not: its own error says what
-        raise ConfigError(
-            f"data.source: {source} needs the {extra!r} extra, which is not installed: pip install 'rlpipe[{extra}]'"
-        ) from None
 
 
 def _reasoning_gym_rows(

@@ -18,6 +18,7 @@ import inspect
 import json
 
 from rlpipe.config.errors import ConfigError, one_line
+from rlpipe.optional import optional_source
 from rlpipe.rewards.contract import RESERVED_COLUMNS
 
 TASKSET_COLUMN = "verifiers_taskset"
@@ -25,8 +26,6 @@ INDEX_COLUMN = "verifiers_idx"
 
 
 def _verifiers():
-    from rlpipe.data import optional_source
-
     return optional_source("verifiers.v1", "verifiers", "verifiers")
 
 
