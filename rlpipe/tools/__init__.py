@@ -15,7 +15,7 @@ token ids from start to end.
   (TRL's rendering of a failed call); the episode goes on. Calls run on threads of their own (ToolThreads): one past
   its time limit is written off, not waited for.
 - The built-in tools, `calculator` and `python` (model-written code in the kernel sandbox, never in this process),
-  live in rlpipe/builtin_tools.py; recipes name them here, as `rlpipe.tools:calculator` and `rlpipe.tools:python`.
+  live in rlpipe/tools/builtins.py; recipes name them here, as `rlpipe.tools:calculator` and `rlpipe.tools:python`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The built-in tools, under the names recipes give them (`rlpipe.tools:python`).
-from rlpipe.builtin_tools import PYTHON_LIMITS, ProgramFailed, calculator, python, sandboxed_python  # noqa: F401
+from rlpipe.tools.builtins import PYTHON_LIMITS, ProgramFailed, calculator, python, sandboxed_python  # noqa: F401
 from rlpipe.config.errors import ConfigError
 from rlpipe.rewards import sandbox
 

@@ -1,6 +1,7 @@
 """The built-in tools recipes name as `rlpipe.tools:calculator` and `rlpipe.tools:python` (rlpipe.tools exports
 them): arithmetic without running anything, and model-written Python run in the kernel sandbox
-(rlpipe.rewards.sandbox), never in this process."""
+(rlpipe.rewards.sandbox), never in this process. Plain functions on TRL's tool contract; this module imports the
+sandbox and nothing else of rlpipe, so a recipe's own module may build on it (`sandboxed_python`)."""
 
 from __future__ import annotations
 
