@@ -88,12 +88,6 @@ def push_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, 
     return commit.commit_url
 
 
-def push_export(export_dir: str | os.PathLike, repo_id: str, private: bool, config: dict, summary: dict | None) -> str:
-    """Write the model card into `export_dir` and push the folder to `repo_id`."""
-    write_model_card(export_dir, config, summary)
-    return push_folder(export_dir, repo_id, private)
-
-
 def checkpoint_card_inputs(checkpoint: str | os.PathLike) -> tuple[dict, dict]:
     """The config and held-out figures a checkpoint's run recorded: its trainer state's config and eval_before, and
     eval_after from the run's summary.json when the checkpoint is the run's last step (the one evaluated after)."""
