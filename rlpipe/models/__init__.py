@@ -5,7 +5,6 @@ from rlpipe.models.hf import (
     load_model_weights,
     load_state_dict,
     read_hf_config,
-    save_model,
     save_state_dict,
 )
 from rlpipe.models.llama import CausalLM, ModelArchitecture
@@ -19,6 +18,5 @@ __all__ = [
     "load_model_weights",
     "load_state_dict",
     "read_hf_config",
-    "save_model",
     "save_state_dict",
 ]

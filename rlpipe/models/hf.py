@@ -228,29 +228,6 @@ def shape_mismatch(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[
     return "; ".join(problems) or None
 
 
-def save_model(
-    model: CausalLM,
-    hf_config: dict,
-    out_dir: str | os.PathLike,
-    *,
-    source_dir: str | os.PathLike | None = None,
-    max_shard_bytes: int = MAX_SHARD_BYTES,
-    overwrite: bool = False,
-) -> Path:
-    """Write `model` as a Hugging Face folder that transformers and vLLM load: config.json (with its dtype set
-    to the weights'), safetensors shards of at most `max_shard_bytes` (one tensor larger than that gets a shard
-    of its own), and tokenizer / chat template / generation config copied from `source_dir`.
-
-    The folder is assembled next to `out_dir` and renamed into place, so `out_dir` never holds a partial model.
-    An existing `out_dir` is an error unless `overwrite`.
-    """
-    if type(model.config).from_hf(hf_config) != model.config:
-        raise ValueError("hf_config describes a different architecture than the model being saved")
-    return save_state_dict(
-        model.state_dict(), hf_config, out_dir, source_dir=source_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite
-    )
-
-
 def save_state_dict(
     state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     hf_config: dict,
@@ -260,9 +237,16 @@ def save_state_dict(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> Path:
-    """`save_model` for whole tensors under the model's names (stacked experts are written per expert, as Hugging
-    Face checkpoints hold them): a mapping, or (name, tensor) pairs, which are written as they come, so that no
-    more than one safetensors shard's worth is held at once (an export streamed from a sharded learner)."""
+    """Write whole tensors under the model's names as a Hugging Face folder that transformers and vLLM load:
+    config.json (with its dtype set to the weights'), safetensors shards of at most `max_shard_bytes` (one tensor
+    larger than that gets a shard of its own), and tokenizer / chat template / generation config copied from
+    `source_dir`. Stacked experts are written per expert, as Hugging Face checkpoints hold them. `state` is a mapping,
+    or (name, tensor) pairs, which are written as they come, so that no more than one safetensors shard's worth is
+    held at once (an export streamed from a sharded learner).
+
+    The folder is assembled next to `out_dir` and renamed into place, so `out_dir` never holds a partial model.
+    An existing `out_dir` is an error unless `overwrite`.
+    """
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")

@@ -20,7 +20,9 @@ from transformers import (
 )
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from rlpipe.models import CausalLM, ModelArchitecture, build_model, load_model, load_state_dict, read_hf_config, save_model
+from rlpipe.models import (
+    CausalLM, ModelArchitecture, build_model, load_model, load_state_dict, read_hf_config, save_state_dict
+)
 from rlpipe.models.checks import ModelFileError
 from rlpipe.models.hf import check_weights
 from rlpipe.models.moe import load_balancing_loss, split_expert_weights, stack_expert_weights
@@ -232,7 +234,7 @@ def test_router_logits_and_load_balancing_loss_equal_transformers(checkpoints):
 def test_moe_export_is_per_expert_and_loads_in_transformers(checkpoints, tmp_path):
     hf_model, folder = checkpoints("qwen3-moe-sparse-step-2-tied")
     model = load_model(folder)
-    save_model(model, read_hf_config(folder), tmp_path / "export")
+    save_state_dict(model.state_dict(), read_hf_config(folder), tmp_path / "export")
     assert set(load_state_dict(tmp_path / "export")) == set(load_state_dict(folder))
     reloaded = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "export").eval()
     with torch.no_grad():
@@ -320,7 +322,7 @@ def test_loaded_parameters_own_their_memory(checkpoints):
     assert [name for name, param in model.named_parameters() if in_file(param)] == []
 
 
-def test_save_model_round_trip(checkpoints, tmp_path):
+def test_save_state_dict_round_trip(checkpoints, tmp_path):
     _, folder = checkpoints("qwen2-tied")
     source = tmp_path / "source"
     source.mkdir()
@@ -330,7 +332,7 @@ def test_save_model_round_trip(checkpoints, tmp_path):
     hf_config = read_hf_config(folder)
     out = tmp_path / "export"
 
-    save_model(model, hf_config, out, source_dir=source, max_shard_bytes=40_000)
+    save_state_dict(model.state_dict(), hf_config, out, source_dir=source, max_shard_bytes=40_000)
 
     assert (out / "model.safetensors.index.json").is_file()
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= {
@@ -345,13 +347,13 @@ def test_save_model_round_trip(checkpoints, tmp_path):
         assert max_abs_diff(hf_reloaded(random_ids()).logits, model(random_ids())) < TOLERANCE
 
 
-def test_save_model_records_dtype_and_refuses_to_clobber(checkpoints, tmp_path):
+def test_save_state_dict_records_dtype_and_refuses_to_clobber(checkpoints, tmp_path):
     _, folder = checkpoints("llama-llama3-untied")
     model = load_model(folder, dtype=torch.bfloat16)
     out = tmp_path / "export"
     hf_config = {**read_hf_config(folder), "torch_dtype": "float32"}
 
-    save_model(model, hf_config, out)
+    save_state_dict(model.state_dict(), hf_config, out)
 
     saved_config = read_hf_config(out)
     assert saved_config["dtype"] == saved_config["torch_dtype"] == "bfloat16"
@@ -359,16 +361,9 @@ def test_save_model_records_dtype_and_refuses_to_clobber(checkpoints, tmp_path):
     reloaded = load_model(out, dtype=None)
     assert reloaded.output_embedding().dtype == torch.bfloat16
     with pytest.raises(FileExistsError, match="overwrite"):
-        save_model(model, hf_config, out)
-    save_model(model.float(), hf_config, out, overwrite=True)
+        save_state_dict(model.state_dict(), hf_config, out)
+    save_state_dict(model.float().state_dict(), hf_config, out, overwrite=True)
     assert read_hf_config(out)["dtype"] == "float32"
-
-
-def test_save_model_rejects_a_config_of_another_architecture(checkpoints, tmp_path):
-    _, folder = checkpoints("qwen2-tied")
-    wrong_config = {**read_hf_config(folder), "num_hidden_layers": 3}
-    with pytest.raises(ValueError, match="different architecture"):
-        save_model(load_model(folder), wrong_config, tmp_path / "export")
 
 
 def test_pickle_only_folder_is_refused(checkpoints, tmp_path):
