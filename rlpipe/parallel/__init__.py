@@ -6,7 +6,6 @@ from rlpipe.parallel.simple_fsdp import (
     MixedPrecision,
     full_state_dict,
     gathering_disabled,
-    load_full_state_dict,
     shard_model,
 )
 
@@ -17,7 +16,6 @@ __all__ = [
     "full_state_dict",
     "gathering_disabled",
     "init_distributed",
-    "load_full_state_dict",
     "make_mesh",
     "shard_model",
 ]

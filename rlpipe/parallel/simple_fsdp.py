@@ -16,8 +16,7 @@ Consequences worth knowing:
 - Reading a parameter attribute outside forward (`model.lm_head.weight`, `model.output_embedding()`, a hook,
   `print` of a module whose repr reads weights) is a collective: every rank must do it, in the same order.
 - In-place writes through the attribute land in a temporary gathered copy and are lost. Initialise or edit
-  weights under `gathering_disabled()` (the attribute then is the sharded DTensor parameter itself), or use
-  `load_full_state_dict`.
+  weights under `gathering_disabled()` (the attribute then is the sharded DTensor parameter itself).
 - A weight used twice per step (tied embeddings read for the input lookup and the output projection) is gathered
   twice; the two gradients are reduce-scattered separately and summed into the one sharded `.grad`.
 
@@ -36,7 +35,7 @@ assembles every expert on every rank, as for dense weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -172,28 +171,6 @@ def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """`full_tensors` all at once: every rank receives the whole model."""
     return dict(full_tensors(model))
-
-
-def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy full (unsharded) tensors into a sharded model; every rank passes the same full state and keeps its own
-    shard of it, so no communication happens. Keys must match the model's state-dict names exactly."""
-    targets = model.state_dict(keep_vars=True)
-    missing, unexpected = sorted(targets.keys() - state.keys()), sorted(state.keys() - targets.keys())
-    if missing or unexpected:
-        raise KeyError(f"state does not match the model: missing {missing}, unexpected {unexpected}")
-    with torch.no_grad():
-        for name, target in targets.items():
-            source = state[name]
-            if tuple(source.shape) != tuple(target.shape):
-                raise ValueError(f"{name}: full shape {tuple(source.shape)} != model shape {tuple(target.shape)}")
-            if isinstance(target, DTensor):
-                source_local = source.to(device=target.to_local().device, dtype=target.dtype)
-                # src_data_rank=None: every rank already holds the full tensor and just keeps its own chunk.
-                target.copy_(
-                    distribute_tensor(source_local, target.device_mesh, target.placements, src_data_rank=None)
-                )
-            else:
-                target.copy_(source)
 
 
 def _parameter_placements(mesh: DeviceMesh) -> list[Placement]:

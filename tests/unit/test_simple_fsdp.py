@@ -28,7 +28,6 @@ from rlpipe.parallel import (
     full_state_dict,
     gathering_disabled,
     init_distributed,
-    load_full_state_dict,
     make_mesh,
     shard_model,
 )
@@ -249,10 +248,6 @@ def _sharded_run(config_name: str, replicate: int, mp: MixedPrecision, rank: int
     final_full = full_state_dict(model)
     master_dtypes = {name: str(param.dtype) for name, param in model.named_parameters()}
 
-    # Loading the initial weights back must restore them exactly.
-    load_full_state_dict(model, initial_full)
-    reloaded_full = full_state_dict(model)
-
     return dict(
         unsharded_names=unsharded_names,
         layout=layout,
@@ -265,7 +260,6 @@ def _sharded_run(config_name: str, replicate: int, mp: MixedPrecision, rank: int
         losses=losses,
         final_full=final_full,
         master_dtypes=master_dtypes,
-        reloaded_full=reloaded_full,
     )
 
 
@@ -445,8 +439,6 @@ def test_full_state_dict_equals_unsharded_weights(sharded, reference):
                 name: 0.0 for name in reference["initial"]
             }
             assert all(type(value) is torch.Tensor for value in observed["initial_full"].values())
-            # load_full_state_dict put the initial weights back exactly.
-            assert max(_max_difference(observed["reloaded_full"], reference["initial"]).values()) == 0.0
 
 
 def test_gathering_disabled_exposes_shards(sharded):
