@@ -7,7 +7,8 @@ import os
 import pytest
 
 # The builders live in bench/ (the e2e bench builds the same tiny model); re-exported for the tests.
-from rlpipe.bench.tiny_model import CHATML, SPECIALS, build_tiny_model, build_tiny_tool_model, build_tokenizer
+from rlpipe.bench.tiny_model import CHATML, SPECIALS, build_tiny_model, build_tokenizer
+from tests.tiny_tool_model import build_tiny_tool_model
 
 __all__ = ["CHATML", "SPECIALS", "build_tiny_model", "build_tiny_tool_model", "build_tokenizer"]
 

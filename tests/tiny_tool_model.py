@@ -1,0 +1,96 @@
+"""A tiny Qwen3 trained in seconds to call the calculator tool, for the multi-turn tests: its episodes call the real
+tool. Only the tests use it, so it lives here rather than in the package."""
+
+from __future__ import annotations
+
+import json
+
+from rlpipe.bench.tiny_model import train_tokenizer
+
+# A ChatML template that renders `tools=` itself, in one short line (the names of the tools), so that a tiny model's
+# prompts stay short; tool messages render as ChatML turns of the role "tool".
+TOOL_CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% if loop.first and tools %}\nTools: {{ tools | map(attribute='function.name') | join(', ') }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def arithmetic_question(rng) -> tuple[str, str]:
+    """A question of the calculator recipe's kind (reasoning-gym's basic_arithmetic with three terms of 2-3 digits,
+    + - *) and its expression."""
+    terms = [str(rng.randint(10, 999)) for _ in range(3)]
+    operators = [rng.choice("+-*") for _ in range(2)]
+    expression = f"{terms[0]} {operators[0]} {terms[1]} {operators[1]} {terms[2]}"
+    return f"Calculate {expression}.", expression
+
+
+def tool_conversation(tokenizer, system_prompt: str, question: str, expression: str) -> tuple[list[int], list[int]]:
+    """One episode as the engine would run it when the model calls the calculator on the question's expression and
+    then answers with its result: the ids (prompt, first turn, the tool message as rlpipe.tools appends it, second
+    turn) and which of them the model writes (1)."""
+    from rlpipe.tools import calculator, render_conversation, tool_schemas, tool_suffix_ids
+
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+    prompt = render_conversation(tokenizer, messages, tool_schemas([calculator]))
+    call = {"name": "calculator", "arguments": {"expression": expression}}
+    end = [tokenizer.eos_token_id]
+    first = tokenizer(f"<tool_call>{json.dumps(call)}</tool_call>", add_special_tokens=False)["input_ids"] + end
+    suffix = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "calculator", "content": calculator(expression)}])
+    second = tokenizer(calculator(expression), add_special_tokens=False)["input_ids"] + end
+    ids = prompt + first + suffix + second
+    return ids, [0] * len(prompt) + [1] * len(first) + [0] * len(suffix) + [1] * len(second)
+
+
+def build_tiny_tool_model(folder, system_prompt: str, prompt_suffix: str = "", seed: int = 0, steps: int = 400,
+                          lr: float = 5e-3) -> str:
+    """A tiny Qwen3 that calls the calculator tool (rlpipe.tools:calculator): trained briefly (supervised, on the
+    model's tokens) on episodes of the calculator recipe's kind, whose first turn is a Qwen-style <tool_call> of the
+    question's expression and whose second turn is the tool's result. Sampled at temperature 1, most episodes call
+    the tool and some answer right. Its tokenizer splits digits one by one and learns the call's JSON as few tokens."""
+    import random
+
+    import torch
+    import transformers
+    from tokenizers import pre_tokenizers
+
+    rng = random.Random(seed)
+    questions = [arithmetic_question(rng) for _ in range(2048)]
+    call = json.dumps({"name": "calculator", "arguments": {"expression": "1 + 2"}})
+    corpus = [f"system\n{system_prompt}\nTools: calculator\nuser\n{q}{prompt_suffix}\nassistant\n"
+              f"<tool_call>{call}</tool_call>\ntool\n" for q, _ in questions[:256]]
+    digits_apart = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer = train_tokenizer(folder, digits_apart, corpus, 448, TOOL_CHATML)
+
+    rows = [tool_conversation(tokenizer, system_prompt, q + prompt_suffix, e) for q, e in questions]
+    config = transformers.Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / steps)
+    batch_size = 16
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small trains faster on one thread than on two that other work shares
+    try:
+        for step in range(steps):
+            chosen = [rows[(step * batch_size + i) % len(rows)] for i in range(batch_size)]
+            width = max(len(ids) for ids, _ in chosen)
+            ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in chosen])
+            labels = torch.tensor([[t if m else -100 for t, m in zip(i, mask)] + [-100] * (width - len(i))
+                                   for i, mask in chosen])
+            loss = model(input_ids=ids, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    return str(folder)
