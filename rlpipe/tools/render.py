@@ -1,0 +1,87 @@
+"""Tool turns through the chat template, and tool calls read from the model's text: a conversation's prompt rendered
+with its tools' schemas, the ids of tool messages appended after a finished assistant turn (TRL's
+`_get_tool_suffix_ids`), and Qwen/Hermes-style `<tool_call>` blocks parsed as TRL's `parse_response` gives them. Pure
+functions of a tokenizer and text; it imports nothing of rlpipe."""
+
+from __future__ import annotations
+
+import json
+import re
+
+# Qwen/Hermes-style tool calls, the format TRL's response schemas parse for those families.
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+# Said to a model whose chat template does not render `tools=` (ChatML templates without tool support, e.g.
+# SmolLM2's): the tool block Qwen2.5's template writes into the system message, so the model learns one format.
+TOOLS_SYSTEM_BLOCK = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def render_conversation(tokenizer, messages: list[dict], schemas: list[dict], **template_kwargs) -> list[int]:
+    """Token ids of a conversation's prompt with its tools: rendered by the chat template with `tools=`; a template
+    that ignores tools gets them in its system message (TOOLS_SYSTEM_BLOCK), so the model is told of them."""
+
+    def render(conversation, **extra) -> str:
+        return tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True, **template_kwargs, **extra
+        )
+
+    text = render(messages, tools=schemas)
+    if schemas and text == render(messages):
+        block = TOOLS_SYSTEM_BLOCK.format(tools="\n".join(json.dumps(s) for s in schemas))
+        if messages and messages[0]["role"] == "system":
+            messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{block}"}, *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": block}, *messages]
+        text = render(messages)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], **template_kwargs) -> list[int]:
+    """The ids that follow a finished assistant turn when `tool_messages` answer it, up to the next assistant
+    header: TRL's `_get_tool_suffix_ids` (a minimal conversation rendered with and without the tool messages, the
+    shorter cut after its last end-of-sequence token, the difference taken)."""
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+
+    def ids(conversation, generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=generation_prompt, **template_kwargs
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prefix, full = ids(dummy, False), ids(dummy + tool_messages, True)
+    ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
+    if ends:
+        prefix = prefix[: ends[-1] + 1]
+    if full[: len(prefix)] != prefix:
+        raise ValueError("the chat template renders a tool message by changing what came before it")
+    return full[len(prefix) :]
+
+
+def parse_tool_calls(text: str) -> dict:
+    """An assistant turn as TRL's `parse_response` gives it: {"role": "assistant", "content": ..., "tool_calls":
+    [{"type": "function", "function": {"name", "arguments"}}]} when the text holds Qwen-style tool calls. A malformed
+    call makes the whole turn plain text, as TRL's fallback does."""
+    found = TOOL_CALL.findall(text)
+    if not found:
+        return {"role": "assistant", "content": text}
+    calls = []
+    for body in found:
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return {"role": "assistant", "content": text}
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return {"role": "assistant", "content": text}
+        arguments = call.get("arguments")
+        if arguments is None:
+            arguments = {}
+        calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
+    content = text[: text.index("<tool_call>")].strip()
+    return {"role": "assistant", "content": content, "tool_calls": calls}
+
