@@ -50,13 +50,13 @@ def main() -> None:
     parser.add_argument("--out", help="also write the figures as JSON here")
     args = parser.parse_args()
 
-    import rlpipe.tools
+    import rlpipe.tools.episodes
     from rlpipe import preflight
     from rlpipe.config import load_config
     from rlpipe.data import PromptSet, load_rows
     from rlpipe.models.builtin import resolve_model_path
     from rlpipe.rollout import RolloutEngine
-    from rlpipe.tools import ToolSet
+    from rlpipe.tools.runner import SingleTurn
 
     cfg = load_config(args.recipe, [f"data.eval_size={args.prompts}"])
     model_path = resolve_model_path(cfg.model.path)
@@ -65,15 +65,15 @@ def main() -> None:
     prompts = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows),
                         max_prompt_tokens=cfg.max_prompt_tokens).prompts(range(len(eval_rows)))
     engine = RolloutEngine(model_path, cfg.rollout, cfg.run.seed, tokenizer_path, cfg.sync, progress_bars=False)
-    tools = engine.toolset
+    multi_turn = engine.episode_runner
     rows = {"multi": [], "single": []}
     try:
         engine.generate(prompts[:2], 1)  # warm-up: the first generation builds what later ones reuse
         for _ in range(args.rounds):
             spent: dict[str, float] = {}
-            engine.toolset = tools
+            engine.episode_runner = multi_turn
             started = time.perf_counter()
-            with _timed(engine, "_run", spent), _timed(rlpipe.tools, "run_tool_calls", spent):
+            with _timed(engine, "_run", spent), _timed(rlpipe.tools.episodes, "run_tool_calls", spent):
                 groups = engine.generate(prompts, args.samples)
             wall = time.perf_counter() - started
             episodes = [c for group in groups for c in group]
@@ -85,7 +85,7 @@ def main() -> None:
                 "tool_calls": sum(c.tool_calls for c in episodes),
                 "engine_s": spent.get("_run", 0.0), "tools_s": spent.get("run_tool_calls", 0.0),
             })
-            engine.toolset = ToolSet()
+            engine.episode_runner = SingleTurn()
             max_tokens = max(1, round(model_tokens / len(episodes)))
             started = time.perf_counter()
             groups = engine.generate(prompts, args.samples, max_tokens=max_tokens)
@@ -94,7 +94,7 @@ def main() -> None:
             rows["single"].append({"wall_s": wall, "samples": len(completions), "max_tokens": max_tokens,
                                    "model_tokens": sum(len(c.token_ids) for c in completions)})
     finally:
-        engine.toolset = tools
+        engine.episode_runner = multi_turn
         engine.close()
 
     def median(kind: str, key: str) -> float:

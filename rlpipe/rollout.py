@@ -1,6 +1,8 @@
 """The rollout engine adapter: one vLLM engine that samples groups with logprobs and takes weight updates.
 
-No Ray here, so it runs (and is tested) in one process; actors/rollout.py wraps it as an actor. The engine's end
+No Ray here, so it runs (and is tested) in one process; actors/rollout.py wraps it as an actor. What one generate
+call samples, single completions or multi-turn episodes with tools, is the episode runner's, chosen when the engine
+starts (rlpipe/tools/runner.py); the engine starts vLLM and runs the requests the runner makes. The engine's end
 of the weight sync is a `WeightReceiver` (rlpipe/weightsync/receiver.py) given this engine's write, probe and
 pause; the write itself runs in vLLM's workers (rlpipe/vllm_worker.py). An engine given LoRA adapters' config
 (`sync.lora` adapters) loads the base once and receives only the adapters: the first version is loaded through
@@ -23,7 +25,7 @@ from rlpipe.config.sync import vllm_lora_rank
 from rlpipe.lora import AdapterFolders, adapter_root
 from rlpipe.lora import scaling as lora_scaling
 from rlpipe.models.hf import load_model_weights, read_hf_config
-from rlpipe.tools import Episode, EpisodeLimits, ToolSet, Turn, render_conversation, run_episodes
+from rlpipe.tools.runner import episode_runner
 from rlpipe.types import Completion, Prompt
 from rlpipe.vllm_worker import encode_weights, vllm_platform
 from rlpipe.weightsync import (
@@ -94,10 +96,6 @@ class WriteTimedOut(BaseException):
     """vLLM gave up waiting for a worker's write. Its executor matches replies to calls by order, so nothing more may
     go through it (a rollback's write would take the late reply as its own): like a write that broke off, it leaves
     the engine unusable, and the engine is replaced."""
-
-
-class _EpisodesAborted(Exception):
-    """A sync aborted a turn's requests (`sync.on_generation: abort`)."""
 
 
 class RolloutEngine:
@@ -191,12 +189,8 @@ class RolloutEngine:
         # _staging_memory); else one copy of this engine's, for the length of the write.
         self.host_copy = HostCopy(chunk_bytes=int(sync.bucket_mb * 2**20))
         self._shared_with_workers: bool | None = None
-        # Multi-turn episodes: the recipe's tools, loaded here where the episodes run.
-        self.toolset = (
-            ToolSet.load(cfg.tools, cfg.environment_factory, cfg.verifiers_tools, tool_timeout_s=cfg.tool_timeout_s,
-                         unsafe_no_sandbox=cfg.unsafe_no_sandbox)
-            if cfg.multi_turn else ToolSet()
-        )
+        # Single- or multi-turn, decided here: a multi-turn runner loads the recipe's tools in this process.
+        self.episode_runner = episode_runner(cfg)
         if not workers_in_process(cfg):  # asked now, while the engine is idle: staging asks at every sync
             self._workers_share_memory()
         self.sync = WeightReceiver(
@@ -230,96 +224,22 @@ class RolloutEngine:
     def generate(
         self, prompts: list[Prompt], n: int, *, temperature: float | None = None, max_tokens: int | None = None
     ) -> list[list[Completion]]:
-        """`n` completions per prompt, each with its sampled tokens' logprobs. A prompt whose requests a weight
-        sync aborted (`sync.on_generation: abort`) comes back with no completions; callers resubmit it."""
-        from vllm.inputs import TokensPrompt
-
+        """`n` completions (or episodes, rlpipe/tools/runner.py) per prompt, each with its sampled tokens' logprobs.
+        A prompt whose requests a weight sync aborted (`sync.on_generation: abort`) comes back with no completions;
+        callers resubmit it."""
         params = sampling_params(self.cfg, n, temperature=temperature, max_tokens=max_tokens)
         with self._state:
             self._state.wait_for(lambda: not self._sync_waiting)
             if self.sync.unusable:
                 raise SyncError(self.sync.unusable)
             self._generating, version = True, self.sync.policy_version
-        try:
-            if self.toolset:  # the whole episode runs under one policy version: a sync waits for it, or aborts it
-                return self._episodes(prompts, n, params, version)
-            outputs = self._run([TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts], params)
+        try:  # a whole episode runs under one policy version: a sync waits for it, or aborts it
+            return self.episode_runner.run(prompts, n, params, version, sample=self._run,
+                                           tokenizer=self.llm.get_tokenizer())
         finally:
             with self._state:
                 self._generating = self._abort_generation = False
                 self._state.notify_all()
-        groups = []
-        for output in outputs:
-            completions = []
-            for sample in output.outputs if output is not None else []:
-                token_ids = list(sample.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids)]
-                completions.append(
-                    Completion(token_ids, logprobs, self._text(sample), sample.finish_reason or "length", version)
-                )
-            groups.append(completions)
-        return groups
-
-    def _text(self, sample) -> str:
-        """The completion's text, as its token ids read: vLLM cuts the text of a completion that a stop string ended
-        at the string's end, while its last token may hold more."""
-        if isinstance(sample.stop_reason, str):
-            return self.llm.get_tokenizer().decode(sample.token_ids, skip_special_tokens=True)
-        return sample.text
-
-    def _episodes(self, prompts: list[Prompt], n: int, params, version: int) -> list[list[Completion]]:
-        """`n` multi-turn episodes per prompt (rlpipe/tools.py), every live episode's next turn submitted to the
-        engine together. A sync that aborts generation aborts every episode: all prompts come back with no
-        completions, to be regenerated."""
-        from vllm.inputs import TokensPrompt
-
-        tokenizer = self.llm.get_tokenizer()
-        episodes = []
-        for prompt in prompts:
-            for _ in range(n):
-                environment = self.toolset.new_environment()
-                messages = [dict(m) for m in prompt.chat or [{"role": "user", "content": prompt.question}]]
-                if environment is not None and (observation := environment.reset(prompt=prompt.for_rewards, **prompt.columns)) is not None:
-                    messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
-                tools = self.toolset.episode_tools(environment)
-                schemas = self.toolset.schemas(environment)
-                ids = render_conversation(tokenizer, messages, schemas, **prompt.template_kwargs)
-                episodes.append(Episode(ids, {tool.__name__: tool for tool in tools}, environment))
-        turn_params = params.clone()
-        turn_params.n = 1
-
-        def sample_turn(requests: list[tuple[list[int], int]]) -> list[Turn]:
-            per_request = []
-            for _, max_tokens in requests:
-                request_params = turn_params.clone()
-                request_params.max_tokens = max_tokens
-                per_request.append(request_params)
-            outputs = self._run([TokensPrompt(prompt_token_ids=ids) for ids, _ in requests], per_request)
-            if any(output is None for output in outputs):
-                raise _EpisodesAborted
-            turns = []
-            for output in outputs:
-                sample = output.outputs[0]
-                ids = list(sample.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
-                turns.append(Turn(ids, logprobs, sample.text, sample.finish_reason or "length"))
-            return turns
-
-        limits = EpisodeLimits(self.cfg.max_turns, params.max_tokens, self.cfg.max_model_len, self.cfg.tool_timeout_s)
-        try:
-            # One recipe's prompts share data.chat_template_kwargs: the tool messages render as its prompts did.
-            run_episodes(episodes, sample_turn, tokenizer, limits, prompts[0].template_kwargs if prompts else None)
-        except _EpisodesAborted:
-            return [[] for _ in prompts]
-        completions = [
-            Completion(
-                e.token_ids, e.logprobs, e.text, e.finish_reason, version, mask=e.mask, prompt_ids=e.prompt_ids,
-                messages=e.messages, environment=e.environment, turns=e.turns, tool_calls=e.tool_calls,
-                tool_errors=e.tool_errors,
-            )
-            for e in episodes
-        ]
-        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _run(self, prompts: list, params) -> list:
         """vLLM's offline loop, written out so that a sync can abort it between engine steps."""

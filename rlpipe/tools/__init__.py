@@ -12,29 +12,23 @@ token ids from start to end.
 - Every turn submits the next request of every live episode together (`sample_turn`), so the engine batches
   episodes across turns.
 - A tool that raises, is unknown, or outlives `rollout.tool_timeout_s` becomes `{"error": ...}` in the conversation
-  (TRL's rendering of a failed call); the episode goes on. Calls run on threads of their own (ToolThreads): one past
-  its time limit is written off, not waited for.
+  (TRL's rendering of a failed call); the episode goes on. Calls run on threads of their own (ToolThreads), held by
+  the engine's episode runner: one past its time limit is written off, not waited for.
 - The built-in tools, `calculator` and `python` (model-written code in the kernel sandbox, never in this process);
   recipes name them here, as `rlpipe.tools:calculator` and `rlpipe.tools:python`.
 
 A module per job: loading.py (the recipe's tools and environment factory, checked), render.py (chat rendering of tool
 turns, tool-call parsing), calls.py (calls with deadlines on threads their owner holds), episodes.py (the engine-free
-episode loop), builtins.py (the built-in tools). This module gathers their public names for recipes, tests,
-benchmarks and the engine; it imports only its own modules.
+episode loop), runner.py (the engine's episode runner, single- or multi-turn), builtins.py (the built-in tools). This
+module gathers their public names for recipes, tests and benchmarks; it imports only its own modules, and not
+runner.py, which the engine imports.
 """
 
 from __future__ import annotations
 
 # The built-in tools, under the names recipes give them (`rlpipe.tools:python`).
 from rlpipe.tools.builtins import PYTHON_LIMITS, ProgramFailed, calculator, python, sandboxed_python
-from rlpipe.tools.calls import (
-    MAX_RUNNING_TOOL_CALLS,
-    MAX_STUCK_TOOL_CALLS,
-    TOOL_THREADS,
-    ToolCall,
-    ToolThreads,
-    run_tool_calls,
-)
+from rlpipe.tools.calls import MAX_RUNNING_TOOL_CALLS, MAX_STUCK_TOOL_CALLS, ToolCall, ToolThreads, run_tool_calls
 from rlpipe.tools.episodes import Episode, EpisodeLimits, Turn, run_episodes
 from rlpipe.tools.loading import (
     ToolConfigError,
@@ -49,8 +43,7 @@ from rlpipe.tools.loading import (
 from rlpipe.tools.render import TOOL_CALL, TOOLS_SYSTEM_BLOCK, parse_tool_calls, render_conversation, tool_suffix_ids
 
 __all__ = [
-    "MAX_RUNNING_TOOL_CALLS", "MAX_STUCK_TOOL_CALLS", "PYTHON_LIMITS", "TOOLS_SYSTEM_BLOCK", "TOOL_CALL", "TOOL_THREADS",
-    "Episode",
+    "MAX_RUNNING_TOOL_CALLS", "MAX_STUCK_TOOL_CALLS", "PYTHON_LIMITS", "TOOLS_SYSTEM_BLOCK", "TOOL_CALL", "Episode",
     "EpisodeLimits", "ProgramFailed", "ToolCall", "ToolConfigError", "ToolSet", "ToolThreads", "Turn", "calculator",
     "check_tools", "environment_tools", "load_object", "load_tools", "parse_tool_calls", "python",
     "render_conversation", "run_episodes", "run_tool_calls", "sandboxed_python", "sandboxed_tools", "tool_schemas",

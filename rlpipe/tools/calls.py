@@ -1,6 +1,7 @@
 """Running tool calls with deadlines: each call on a thread of its own, a bounded number at once, a call past its time
-limit answered with an error and written off, and new calls refused while too many written-off ones still run
-(`ToolThreads`). It imports nothing of rlpipe."""
+limit answered with an error and written off, and new calls refused while too many written-off ones still run. The
+threads belong to a `ToolThreads` its owner holds (the engine's episode runner, one per engine); there is no
+process-wide pool. It imports nothing of rlpipe."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ class ToolThreads:
     running place, so later calls go on, but it counts as stuck until it returns. While `max_stuck` calls are stuck,
     new calls are answered with an error at once, not started: stuck threads share the engine's process (a spinning
     one takes its share of the interpreter from the engine), and an engine that keeps starting them slows unseen.
-    The threads are daemons: a stuck one does not hold the process at exit."""
+    The threads are daemons: a stuck one does not hold the process at exit. An engine's episode runner holds one
+    for the engine's life, so its stuck calls count whichever episodes started them."""
 
     def __init__(self, max_running: int = MAX_RUNNING_TOOL_CALLS, max_stuck: int = MAX_STUCK_TOOL_CALLS):
         self.max_running, self.max_stuck = max_running, max_stuck
@@ -96,12 +98,7 @@ class ToolThreads:
         )
 
 
-TOOL_THREADS = ToolThreads()  # one per process: stuck threads are the process's, whichever episodes started them
-
-
-def run_tool_calls(
-    calls: list[ToolCall], timeout_s: float, threads: ToolThreads = TOOL_THREADS
-) -> list[tuple[Any, bool]]:
+def run_tool_calls(calls: list[ToolCall], timeout_s: float, threads: ToolThreads) -> list[tuple[Any, bool]]:
     """Each call's result and whether it failed. The calls run at once, at most `threads.max_running` together; a
     call that raises, names no tool, is not done within `timeout_s` of its start, or is refused while too many
     earlier calls are stuck (ToolThreads) gives {"error": ...}. Nothing here waits for a call past its time limit.

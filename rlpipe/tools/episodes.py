@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlpipe.tools.calls import ToolCall, run_tool_calls
+from rlpipe.tools.calls import ToolCall, ToolThreads, run_tool_calls
 from rlpipe.tools.render import parse_tool_calls, tool_suffix_ids
 
 @dataclass
@@ -86,12 +86,15 @@ def run_episodes(
     tokenizer,
     limits: EpisodeLimits,
     template_kwargs: dict | None = None,
+    threads: ToolThreads | None = None,
 ) -> list[Episode]:
     """Play `episodes` to their end. `sample_turn(requests)` samples one turn per (context ids, max tokens) request,
     all of them submitted together. An episode ends when the model's turn calls no tool, is cut at max_tokens,
     reaches max_turns, or when the context would not fit its next turn (those three end with finish_reason
-    "length": the episode was cut, not finished)."""
+    "length": the episode was cut, not finished). Tool calls run on `threads`, the caller's (an engine's runner
+    passes its own, so calls stuck in one step count in the next); None: threads of this call alone."""
     template_kwargs = template_kwargs or {}
+    threads = threads if threads is not None else ToolThreads()
     live = list(episodes)
     while live:
         for episode in live:
@@ -122,7 +125,7 @@ def run_episodes(
             for index, (episode, message) in enumerate(calling)
             for call in message["tool_calls"]
         ]
-        results = run_tool_calls(calls, limits.tool_timeout_s)
+        results = run_tool_calls(calls, limits.tool_timeout_s, threads)
         replies: list[list[dict]] = [[] for _ in calling]
         for call, (result, failed) in zip(calls, results):
             episode = calling[call.episode][0]

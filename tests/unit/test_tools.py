@@ -1,4 +1,4 @@
-"""Multi-turn episodes with tools (rlpipe/tools.py): TRL's parsing and rendering, the token-in/token-out loop against
+"""Multi-turn episodes with tools (rlpipe/tools/): TRL's parsing and rendering, the token-in/token-out loop against
 a scripted engine, the limits, and the loss mask that keeps tool tokens out of every loss term."""
 
 from __future__ import annotations
@@ -439,7 +439,6 @@ def test_the_calculator_recipes_worked_examples_call_the_tool_as_the_parser_read
 
 from rlpipe.rewards import sandbox  # noqa: E402
 from rlpipe.tools import (  # noqa: E402
-    TOOL_THREADS,
     ToolCall,
     ToolThreads,
     check_tools,
@@ -532,8 +531,8 @@ def test_a_hostile_program_gives_the_model_an_error_and_leaves_nothing_behind(at
     token = uuid.uuid4().hex
     code, expected = HOSTILE[attack]
     episode, engine = _code_episode(tokenizer, LINGERER.format(token=token) + code)
-    started = time.monotonic()
-    run_episodes([episode], engine, tokenizer, CODE_LIMITS)
+    started, threads = time.monotonic(), ToolThreads()
+    run_episodes([episode], engine, tokenizer, CODE_LIMITS, threads=threads)
     assert time.monotonic() - started < 2 + 5  # the wall limit and the stop: never the tool's 30 s
     tool_message = episode.messages[1]["content"]
     assert tool_message.startswith("{'error': ") and re.search(expected, tool_message), tool_message
@@ -546,7 +545,7 @@ def test_a_hostile_program_gives_the_model_an_error_and_leaves_nothing_behind(at
         if thread.name == "rlpipe-tool-python":
             thread.join(1)  # past setting the call's result
     assert not [t for t in threading.enumerate() if t.name == "rlpipe-tool-python" and t.is_alive()]
-    assert "python" not in TOOL_THREADS.stuck()
+    assert "python" not in threads.stuck()
 
 
 def test_without_isolation_the_python_tool_is_refused_unless_the_recipe_opts_out(monkeypatch, caplog):
@@ -678,3 +677,78 @@ def test_a_tool_that_exits_the_interpreter_is_an_error_not_the_engines_end():
         raise SystemExit("bye")
 
     assert run_tool_calls([ToolCall(0, "quits", {}, quits)], 5.0, ToolThreads()) == [({"error": "bye"}, True)]
+
+
+# ---------------------------------------------------------------------------------------------- the engine's runner
+
+
+from types import SimpleNamespace  # noqa: E402
+
+from rlpipe.config import RolloutConfig  # noqa: E402
+from rlpipe.tools.runner import MultiTurn, SingleTurn, episode_runner  # noqa: E402
+from rlpipe.types import Prompt  # noqa: E402
+
+
+def _vllm_sample(scripted: ScriptedEngine, abort: bool = False):
+    """vLLM's requests as the engine's `sample` runs them, answered by `scripted`: one output per request, holding
+    one sample with vLLM's fields (None for every request when a sync aborted them)."""
+    submitted = []
+
+    def sample(prompts, params):
+        per_request = params if isinstance(params, list) else [params] * len(prompts)
+        submitted.append([(p["prompt_token_ids"], q.n, q.max_tokens) for p, q in zip(prompts, per_request)])
+        if abort:
+            return [None] * len(prompts)
+        turns = scripted([(p["prompt_token_ids"], q.max_tokens) for p, q in zip(prompts, per_request)])
+        return [SimpleNamespace(outputs=[SimpleNamespace(
+            token_ids=tuple(turn.token_ids), text=turn.text, finish_reason=turn.finish_reason, stop_reason=None,
+            logprobs=[{token: SimpleNamespace(logprob=lp)} for token, lp in zip(turn.token_ids, turn.logprobs)],
+        )]) for turn in turns]
+
+    return sample, submitted
+
+
+def test_the_runner_is_chosen_once_from_the_recipe_and_each_multi_turn_runner_holds_its_own_threads():
+    assert isinstance(episode_runner(RolloutConfig()), SingleTurn)
+    cfg = RolloutConfig(tools=["rlpipe.tools:calculator"], max_model_len=1024)
+    first, second = episode_runner(cfg), episode_runner(cfg)
+    assert isinstance(first, MultiTurn) and [t.__name__ for t in first.toolset.tools] == ["calculator"]
+    assert isinstance(first.threads, ToolThreads) and first.threads is not second.threads
+    # No module of the package holds threads of the process's.
+    import rlpipe.tools as package
+    from rlpipe.tools import calls, episodes, loading, render, runner
+
+    modules = (package, calls, episodes, loading, render, runner)
+    assert not [name for m in modules for name, value in vars(m).items() if isinstance(value, ToolThreads)]
+
+
+def test_the_multi_turn_runner_renders_each_episode_requests_turns_together_and_keeps_the_engines_ids(tokenizer):
+    from vllm import SamplingParams
+
+    runner = MultiTurn(ToolSet([add]), RolloutConfig(max_turns=3, max_model_len=4000, tool_timeout_s=5.0))
+    prompts = [Prompt(i, "Calculate 2 + 3.", [], chat=[{"role": "user", "content": f"{m}: Calculate 2 + 3."}])
+               for i, m in enumerate("AB")]
+    rendered = [render_conversation(tokenizer, p.chat, runner.toolset.schemas(None)) for p in prompts]
+    texts = {0: [call_text("add", a=2, b=3)] * 2 + ["5"] * 2, 1: ["6"] * 2}  # a prompt's two episodes, turn by turn
+    scripted = ScriptedEngine(tokenizer, {})
+
+    def turns(requests):  # the rendered prompts share their first ids (the tools' system message)
+        answered = []
+        for context, max_tokens in requests:
+            which = next(i for i, ids in enumerate(rendered) if context[: len(ids)] == ids)
+            scripted.scripts[context[0]] = [texts[which].pop(0)]
+            answered += scripted([(context, max_tokens)])
+        return answered
+
+    sample, submitted = _vllm_sample(turns)
+    params = SamplingParams(n=2, max_tokens=200, logprobs=0)
+    groups = runner.run(prompts, 2, params, 7, sample=sample, tokenizer=tokenizer)
+    assert [len(requests) for requests in submitted] == [4, 2]  # every live episode's turn in one submission
+    assert all(n == 1 and max_tokens == 200 for requests in submitted for _, n, max_tokens in requests)
+    assert [len(group) for group in groups] == [2, 2]
+    first, last = groups[0][0], groups[1][1]
+    assert (first.turns, first.tool_calls, first.policy_version, first.prompt_ids) == (2, 1, 7, rendered[0])
+    assert first.messages[1] == {"role": "tool", "name": "add", "content": "5"} and 0 in first.mask
+    assert (last.turns, last.tool_calls, last.mask, last.prompt_ids) == (1, 0, [1] * len(last.token_ids), rendered[1])
+    aborted, _ = _vllm_sample(turns, abort=True)
+    assert runner.run(prompts, 1, params, 7, sample=aborted, tokenizer=tokenizer) == [[], []]
