@@ -5,7 +5,8 @@ samples to run, and hands mini-batches to the algorithm-blind engine (rlpipe/tra
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from functools import reduce
+from operator import add
 
 import torch
 
@@ -16,8 +17,8 @@ from rlpipe.models import read_hf_config
 from rlpipe.models.moe import balance_loss_from_sums
 from rlpipe.models.registry import model_architecture
 from rlpipe.train_engine import TrainEngine
-from rlpipe.types import LossInputs, TrainBatch
-from rlpipe.weightsync.probe import DECODE_TOKENS, DecodedProbe
+from rlpipe.types import LossInputs, LossStats, TrainBatch, TrainSums
+from rlpipe.weightsync.probe import DecodedProbe, decode_probe
 
 
 class Learner:
@@ -97,10 +98,10 @@ class Learner:
         rows = first + torch.nonzero(batch.advantages[first:last]).flatten()
         return batch.take(rows) if len(rows) else None
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float | list]:
+    def train_step(self, batch: TrainBatch) -> TrainSums:
         """One GRPO update on a step's samples: a mini-batch per optimizer step, every mini-batch once per iteration
-        (train.num_iterations). Returns this rank's sums (floats, and nested lists of them for the router's
-        per-expert counts); `combine_rank_metrics` turns every rank's sums into the step's metrics."""
+        (train.num_iterations). Returns this rank's sums; `combine_rank_metrics` turns every rank's into the step's
+        metrics."""
         engine = self.engine
         engine.ready()
         # With one optimizer step per batch the policy cannot move before every token has been seen, so the "old"
@@ -126,15 +127,9 @@ class Learner:
         if self.objective.needs_reference:
             for rows, inputs in running:
                 inputs.ref_logprobs = self._reference_logprobs(rows)
-        sums: dict[str, float | list] = defaultdict(float)
-        for rows, inputs in mini_batches * self.num_iterations:
-            out = engine.optimizer_step(rows, inputs)
-            for count in ("compiles", "graph_breaks"):  # running counts, not per-step amounts
-                if count in out:
-                    sums[count] = out.pop(count)
-            accumulate(sums, out)
+        steps = [engine.optimizer_step(rows, inputs) for rows, inputs in mini_batches * self.num_iterations]
         engine.policy_version += 1
-        return dict(sums)
+        return reduce(TrainSums.then, steps)
 
     def _reference_logprobs(self, rows: TrainBatch) -> torch.Tensor:
         """The KL reference's log-probs of `rows`: the frozen copy's, or under LoRA the policy's with its adapters
@@ -151,7 +146,7 @@ class Learner:
         """What an engine's probe is checked against: the log-probs of `token_ids`, or for an engine that decodes
         its probe, the greedy continuation of them (rlpipe/weightsync/probe.py)."""
         if by_decoding:
-            return self.engine.decoded_probe(token_ids, DECODE_TOKENS)
+            return decode_probe(token_ids, self.engine.next_token, self.engine.sequence_logprobs)
         return self.engine.sequence_logprobs(token_ids)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -173,53 +168,38 @@ class Learner:
         return self.engine.export(out_dir)
 
 
-def combine_rank_metrics(per_rank: list[dict[str, float | list]]) -> dict[str, float]:
-    """The step's metrics from every rank's sums (rank-local token sums add up; norms and lr are shared)."""
-    total: dict[str, float] = defaultdict(float)
-    for sums in per_rank:
-        accumulate(total, sums)
+def combine_rank_metrics(per_rank: list[TrainSums]) -> dict[str, float]:
+    """The step's metrics from every rank's sums (rank-local sums add up; norms and lr are shared)."""
     first = per_rank[0]
-    steps = max(1.0, first.get("optimizer_steps", 0.0))
+    steps = max(1.0, first.optimizer_steps)
+    stats = [sums.stats for sums in per_rank if sums.stats is not None]
+    total = reduce(LossStats.combine, stats) if stats else None
+    figures = total.metrics() if total is not None else {"train_tokens": 0.0}
     metrics = {
-        "loss": total["loss"] / steps,
-        "grad_norm": first.get("grad_norm", 0.0) / steps,
-        "lr": first.get("lr", 0.0) / steps,
-        "train_tokens": total["tokens"],
-        "learner/samples_run": first.get("samples_run", 0.0),  # every rank sees every row
+        "loss": reduce(add, [sums.loss for sums in per_rank]) / steps,
+        "grad_norm": first.grad_norm / steps,
+        "lr": first.lr / steps,
+        "train_tokens": figures.pop("train_tokens"),
+        "learner/samples_run": first.samples_run,  # every rank sees every row
     }
-    if "compiles" in first:  # the captured step (learner.graph, or xla), counted since the learner started
-        metrics["learner/graph_compiles"] = first["compiles"]
-        metrics["learner/graph_breaks"] = first["graph_breaks"]  # on xla: programs run beyond one per step
-    tokens = total["tokens"]
-    if not tokens:  # no token ran (every sample had advantage 0): nothing to average over
-        return metrics
-    metrics.update({
-        "clip_fraction": total["clip_fraction"] / tokens,
-        "entropy": total["entropy"] / tokens,
-        "logprob_gap/mean_abs": total["gap_abs"] / tokens,
-        "logprob_gap/max_abs": total["gap_max"],
-        "logprob_gap/kl": total["gap_kl"] / tokens,
-    })
-    if "kl" in total:
-        metrics["kl"] = total["kl"] / tokens
-    if "mis_dropped" in total:
-        metrics["mis/dropped_fraction"] = total["mis_dropped"] / tokens
-    metrics.update(_router_metrics(total, tokens))
+    if first.compiles is not None:  # the captured step (learner.graph, or xla), counted since the learner started
+        metrics["learner/graph_compiles"] = first.compiles
+        metrics["learner/graph_breaks"] = first.graph_breaks  # on xla: programs run beyond one per step
+    metrics.update(figures)
+    if metrics["train_tokens"] and total.router_tokens is not None:
+        metrics.update(_router_metrics(total.router_tokens, total.router_probability, metrics["train_tokens"]))
     return metrics
 
 
-def _router_metrics(total: dict[str, float | list], tokens: float) -> dict[str, float]:
-    """Expert load of a mixture-of-experts step from the routed copies per (MoE layer, expert), summed over ranks:
-    the least and most loaded expert as a multiple of the balanced share (1.0 each when balanced; 0 for an expert
-    that got nothing), worst over layers, and the entropy of the load over experts as a fraction of its maximum
-    (log of the expert count), averaged over layers; and the load-balancing loss of the whole step's completion
-    tokens. Routing is dropless (no capacity), so no token is dropped."""
-    if "router_tokens" not in total:  # a dense model
-        return {}
-    per_layer = total["router_tokens"]
+def _router_metrics(router_tokens: torch.Tensor, router_probability: torch.Tensor, tokens: float) -> dict[str, float]:
+    """Expert load of a mixture-of-experts step from the routed copies per (MoE layer, expert) and the router
+    probability per expert, summed over ranks: the least and most loaded expert as a multiple of the balanced share
+    (1.0 each when balanced; 0 for an expert that got nothing), worst over layers, and the entropy of the load over
+    experts as a fraction of its maximum (log of the expert count), averaged over layers; and the load-balancing loss
+    of the whole step's completion tokens. Routing is dropless (no capacity), so no token is dropped."""
+    per_layer = router_tokens.double()
     shares, entropies = [], []
-    for counts in per_layer:
-        load = torch.tensor(counts, dtype=torch.float64)
+    for load in per_layer:
         if load.sum() <= 0:
             continue
         shares.append(load / load.mean())
@@ -227,28 +207,12 @@ def _router_metrics(total: dict[str, float | list], tokens: float) -> dict[str, 
         entropies.append(float(-(p[p > 0] * p[p > 0].log()).sum() / math.log(len(load))))
     if not shares:
         return {}
-    copies = torch.tensor([sum(layer[expert] for layer in per_layer) for expert in range(len(per_layer[0]))])
-    probability = torch.tensor(total["router_probability"])
+    copies = reduce(add, per_layer)  # layer by layer, in order
     return {
         "moe/expert_load_min": float(min(share.min() for share in shares)),
         "moe/expert_load_max": float(max(share.max() for share in shares)),
         "moe/expert_load_entropy": sum(entropies) / len(entropies),
-        "moe/aux_loss": float(balance_loss_from_sums(copies, probability, tokens * len(per_layer))),
+        "moe/aux_loss": float(
+            balance_loss_from_sums(copies.float(), router_probability.float(), tokens * len(per_layer))
+        ),
     }
-
-
-def accumulate(sums: dict[str, float | list], values: dict[str, float | list]) -> None:
-    """Add into running sums (lists element by element); keys ending in `_max` keep the maximum."""
-    for key, value in values.items():
-        if key not in sums:
-            sums[key] = value
-        elif key.endswith("_max"):
-            sums[key] = max(sums[key], value)
-        else:
-            sums[key] = _added(sums[key], value)
-
-
-def _added(total: float | list, value: float | list) -> float | list:
-    if isinstance(value, list):
-        return [_added(a, b) for a, b in zip(total, value, strict=True)]
-    return total + value

@@ -34,8 +34,7 @@ from rlpipe.models import read_hf_config, save_state_dict
 from rlpipe.models.hf import CheckpointWeights, meta_model
 from rlpipe.parallel.graph_trainer import GraphTrainStep
 from rlpipe.parallel.strategy import choose_strategy
-from rlpipe.types import LossInputs, TrainBatch
-from rlpipe.weightsync.probe import DecodedProbe
+from rlpipe.types import LossInputs, TrainBatch, TrainSums
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -225,17 +224,12 @@ class TrainEngine:
             ids = torch.tensor([token_ids], device=self.device)
             return token_logprobs(self.model, ids, kernels=self.kernels)[0].tolist()
 
-    def decoded_probe(self, token_ids: list[int], count: int) -> DecodedProbe:
-        """`count` tokens decoded greedily after `token_ids`, for engines that cannot replay a sequence
-        (rlpipe/weightsync/probe.py); the log-probs come from `sequence_logprobs`, as a replayed probe's do."""
-        tokens = list(token_ids)
+    def next_token(self, token_ids: list[int]) -> int:
+        """The policy's most likely token after `token_ids` (greedy decoding, for a decoded probe)."""
         with torch.no_grad():
-            for _ in range(count):
-                ids = torch.tensor([tokens], device=self.device)
-                logits = F.linear(self.model.hidden_states(ids)[0, -1], self.model.output_embedding())
-                tokens.append(int(logits.argmax()))
-        logprobs = self.sequence_logprobs(tokens)
-        return DecodedProbe(tokens[len(token_ids):], logprobs[len(token_ids):], logprobs[: len(token_ids)])
+            ids = torch.tensor([token_ids], device=self.device)
+            logits = F.linear(self.model.hidden_states(ids)[0, -1], self.model.output_embedding())
+            return int(logits.argmax())
 
     # ------------------------------------------------------------------ the update
 
@@ -245,26 +239,26 @@ class TrainEngine:
         train = self.train
         return lr_factor(step, train.warmup_steps, self.total_steps, train.lr_schedule, train.min_lr_ratio)
 
-    def optimizer_step(self, rows: TrainBatch | None, inputs: LossInputs | None) -> dict[str, float | list]:
+    def optimizer_step(self, rows: TrainBatch | None, inputs: LossInputs | None) -> TrainSums:
         """One optimizer step over the mini-batch `rows` (this rank takes its share, micro-batch by micro-batch):
         gradients accumulated over micro-batches, clipped by their global norm, AdamW. `inputs` are the objective's
         inputs for those rows. `rows` None steps on zero gradients (momentum and weight decay still act). Returns
-        this rank's sums of the objective's stats (by their `LossStats` names; the router's as nested lists), the
-        loss, grad_norm, lr and counts."""
+        this rank's figures of the step: the loss, grad_norm, lr, the objective's `LossStats` and, with static shapes,
+        the step's counts of compiles and graph breaks."""
         self.ready()
         lr = self.train.lr * self.lr_factor(self.optimizer_steps_taken)
         shares = self._micro_batch_shares(0, len(rows)) if rows is not None else [[]] * self.world_size
         micro_batches = self.forward.micro_batches(rows, inputs, shares, self.rank)
         micro_batches = [self.strategy.place(micro) for micro in micro_batches]
-        out = self.step_fn.step(micro_batches, lr=lr)
-        counts = {name: out.pop(name) for name in ("compiles", "graph_breaks")}
-        if self.static_shapes:
-            out.update(counts)
+        report = self.step_fn.step(micro_batches, lr=lr)
         self.optimizer_steps_taken += 1
-        out["lr"] = lr
-        out["optimizer_steps"] = 1.0
-        out["samples_run"] = float(len(rows)) if rows is not None else 0.0
-        return out
+        return TrainSums(
+            loss=report.loss, grad_norm=report.grad_norm, lr=lr, optimizer_steps=1.0,
+            samples_run=float(len(rows)) if rows is not None else 0.0, stats=report.stats,
+            # Counted where the step is captured (an eager step compiles nothing).
+            compiles=report.compiles if self.static_shapes else None,
+            graph_breaks=report.graph_breaks if self.static_shapes else None,
+        )
 
     # ------------------------------------------------------------------ weights, checkpoints, export
 

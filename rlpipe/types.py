@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
+from torch import Tensor
 
 
 @dataclass
@@ -200,20 +201,120 @@ class ModelOutputs:
     router_mask: torch.Tensor | None = None
 
 
-@dataclass
+def _stat(metric: str | None = None, *, maximum: bool = False, optional: bool = False):
+    """A `LossStats` field, reported under `metric` (per trained token; a maximum as it is) and combined by its sum,
+    or by its largest value where `maximum`; an `optional` one is None where the objective has no such term."""
+    metadata = {"metric": metric, "maximum": maximum}
+    return field(default=None, metadata=metadata) if optional else field(metadata=metadata)
+
+
+@dataclass(kw_only=True)
 class LossStats:
     """What the objective reports for one micro-batch, as sums over its trained tokens (detached tensors). They add
-    up over micro-batches, mini-batches and ranks, except `gap_max`, a maximum (the `_max` suffix says so);
-    `rlpipe.learner.combine_rank_metrics` turns them into the step's metrics. A field left None is not reported
-    (its term is not part of the objective)."""
+    up over micro-batches, mini-batches and ranks (`combine`), except the fields declared maxima, and `metrics` turns
+    the total into the step's figures. A field left None is not reported (its term is not part of the objective).
 
-    tokens: torch.Tensor  # trained tokens
-    entropy: torch.Tensor  # the policy's entropy
-    gap_abs: torch.Tensor  # |old - rollout| log-prob: the learner's numbers against the rollout engine's
-    gap_max: torch.Tensor  # the largest of those
-    gap_kl: torch.Tensor  # k3 estimate of KL(rollout || learner) on the rollout's samples
-    clip_fraction: torch.Tensor | None = None  # tokens the policy loss clipped (set once it has run)
-    kl: torch.Tensor | None = None  # KL(policy || reference), the KL term's estimator
-    mis_dropped: torch.Tensor | None = None  # tokens masked importance sampling left out
-    router_tokens: torch.Tensor | None = None  # [MoE layers, experts]: routed copies of the trained tokens
-    router_probability: torch.Tensor | None = None  # [experts]: router probability, summed over layers
+    Inside the step these are device tensors; what a learner rank sends back holds float64 CPU tensors, which pickle
+    as numpy arrays (the driver may run another torch version)."""
+
+    tokens: Tensor = _stat()  # trained tokens
+    # tokens the policy loss clipped (set once it has run)
+    clip_fraction: Tensor | None = _stat("clip_fraction", optional=True)
+    entropy: Tensor = _stat("entropy")  # the policy's entropy
+    # |old - rollout| log-prob: the learner's numbers against the rollout engine's; and the largest of those
+    gap_abs: Tensor = _stat("logprob_gap/mean_abs")
+    gap_max: Tensor = _stat("logprob_gap/max_abs", maximum=True)
+    gap_kl: Tensor = _stat("logprob_gap/kl")  # k3 estimate of KL(rollout || learner) on its samples
+    kl: Tensor | None = _stat("kl", optional=True)  # KL(policy || reference), the KL term's estimator
+    # tokens masked importance sampling left out
+    mis_dropped: Tensor | None = _stat("mis/dropped_fraction", optional=True)
+    router_tokens: Tensor | None = _stat(optional=True)  # [MoE layers, experts]: routed copies of the trained tokens
+    router_probability: Tensor | None = _stat(optional=True)  # [experts]: router probability, summed over layers
+
+    def combine(self, other: LossStats) -> LossStats:
+        """These and `other`'s together: sums added, maxima the larger (pure tensor code, for the compiled step)."""
+        values = {}
+        for name, maximum in _LOSS_STATS_FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is None:
+                values[name] = theirs
+            elif theirs is None:
+                values[name] = mine
+            else:
+                values[name] = torch.maximum(mine, theirs) if maximum else mine + theirs
+        return LossStats(**values)
+
+    def map(self, change: Callable[[Tensor], Tensor]) -> LossStats:
+        """`change` applied to every field that is set."""
+        return LossStats(**{name: change(value) for name, value in self._set()})
+
+    def tensors(self) -> list[Tensor]:
+        """The fields that are set, in declaration order (`with_tensors` puts such a list back)."""
+        return [value for _, value in self._set()]
+
+    def with_tensors(self, values: list[Tensor]) -> LossStats:
+        """These stats with the set fields holding `values` (as `tensors` lists them) instead."""
+        return LossStats(**{name: value for (name, _), value in zip(self._set(), values, strict=True)})
+
+    def metrics(self) -> dict[str, float]:
+        """The step's figures from stats summed over it: every sum per trained token, maxima as they are (nothing
+        per token when no token was trained). The router's sums are read by the learner (expert load)."""
+        tokens = float(self.tokens)
+        figures = {"train_tokens": tokens}
+        if not tokens:
+            return figures
+        for name, metric, maximum in _LOSS_STATS_METRICS:
+            value = getattr(self, name)
+            if value is not None:
+                figures[metric] = float(value) if maximum else float(value) / tokens
+        return figures
+
+    def _set(self) -> list[tuple[str, Tensor]]:
+        return [(name, getattr(self, name)) for name, _ in _LOSS_STATS_FIELDS if getattr(self, name) is not None]
+
+    def __reduce__(self):
+        return _loss_stats_from_arrays, ({name: value.numpy() for name, value in self._set()},)
+
+
+# Read once here, so that the compiled step iterates over plain tuples.
+_LOSS_STATS_FIELDS = tuple((f.name, f.metadata["maximum"]) for f in fields(LossStats))
+_LOSS_STATS_METRICS = tuple(
+    (f.name, f.metadata["metric"], f.metadata["maximum"]) for f in fields(LossStats) if f.metadata["metric"]
+)
+
+
+def _loss_stats_from_arrays(arrays: dict) -> LossStats:
+    return LossStats(**{name: torch.from_numpy(array.copy()) for name, array in arrays.items()})
+
+
+@dataclass
+class TrainSums:
+    """One learner rank's figures of a training step (or of one of its optimizer steps), as sums over its optimizer
+    steps: the loss, the gradient norm before clipping, the learning rate, the steps themselves, the rows run, and
+    the objective's stats (None where no micro-batch ran); a captured step (static shapes) adds its running counts
+    of compiled graphs and graph breaks, which are the latest, not sums. `rlpipe.learner.combine_rank_metrics`
+    turns every rank's into the step's metrics."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    optimizer_steps: float
+    samples_run: float
+    stats: LossStats | None = None
+    compiles: float | None = None
+    graph_breaks: float | None = None
+
+    def then(self, later: TrainSums) -> TrainSums:
+        """These sums with those of a later optimizer step of the same rank added."""
+        return TrainSums(
+            loss=self.loss + later.loss,
+            grad_norm=self.grad_norm + later.grad_norm,
+            lr=self.lr + later.lr,
+            optimizer_steps=self.optimizer_steps + later.optimizer_steps,
+            samples_run=self.samples_run + later.samples_run,
+            stats=later.stats if self.stats is None else self.stats if later.stats is None else self.stats.combine(
+                later.stats
+            ),
+            compiles=later.compiles,
+            graph_breaks=later.graph_breaks,
+        )

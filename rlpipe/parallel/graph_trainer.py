@@ -23,7 +23,7 @@ Why this and not the alternatives:
 
 What changes between calls and what does not. `dynamic=False` specialises the graph on every input shape, which
 is what static-shape backends (XLA, TorchTPU) want, so sequence lengths must come from a small set: the caller pads
-each batch to `bucket_length(length, buckets)` with `pad_to`, and each bucket compiles once. Values that change
+each batch to `bucket_length(length, buckets)`, and each bucket compiles once. Values that change
 every step — the learning rate, the optimizer step count, token normalisers inside the batch — are 0-d tensors,
 never Python floats, because Dynamo specialises on Python scalars and would recompile for each new value. Dynamo's
 recompile limit (8 by default) is raised to `len(buckets) + 2`, and hitting it raises instead of quietly running
@@ -33,9 +33,10 @@ Micro-batching. `step` takes one batch or a list of micro-batches. The loop over
 same graph: each micro-batch's loss is differentiated on its own (so only one micro-batch's activations need be
 alive at a time) and the gradients are summed before clipping and the update. `loss_fn` must therefore scale each
 micro-batch's loss so that the sum over micro-batches is the loss of the whole batch (for a token mean, divide by
-the token count of the whole batch, not the micro-batch's). The reported loss and stats are the sums over
-micro-batches (stats named `*_max` take the maximum instead), so scale the stats the same way if you want
-batch-level values. The number of micro-batches is part of the graph: a different count compiles a new graph.
+the token count of the whole batch, not the micro-batch's). The reported loss is the sum over micro-batches and
+the stats are combined by their own rule (`Stats.combine`: sums, or a maximum where the stats declare one), so
+scale the stats the same way if you want batch-level values. The number of micro-batches is part of the graph: a
+different count compiles a new graph.
 
 `compile=False` runs the very same function eagerly (`learner.graph: false`), giving the same numbers up to
 floating-point reassociation.
@@ -52,24 +53,49 @@ that ran on the host.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol, Self
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-# A micro-batch is whatever the loss function takes (a dict of tensors, a dataclass of them). Its stats are named
-# tensors of any shape: a mapping of them, or a dataclass whose fields hold them (a field left None is not reported).
+# A micro-batch is whatever the loss function takes (a dict of tensors, a dataclass of them).
 Batch = Any
-Stats = Any
-LossFn = Callable[[nn.Module, Batch], tuple[Tensor, Stats]]
+
+
+class Stats(Protocol):
+    """A loss function's statistics of one micro-batch (e.g. `rlpipe.types.LossStats`): tensors of any shape that
+    know how they add up over micro-batches. A plain mapping of named tensors serves too; each of those adds up."""
+
+    def combine(self, other: Self) -> Self:
+        """Both micro-batches' stats in one (pure tensor code: it runs inside the compiled step)."""
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor held, in a fixed order."""
+
+    def with_tensors(self, values: list[Tensor]) -> Self:
+        """The same stats holding `values` (ordered as `tensors` lists them)."""
+
+
+LossFn = Callable[[nn.Module, Batch], tuple[Tensor, Stats | Mapping[str, Tensor]]]
 
 # Guards clip_coef = max_norm / (norm + eps) against a zero norm, as torch.nn.utils.clip_grad_norm_ does.
 _CLIP_EPS = 1e-6
-_REPORTED_BY_STEP = ("loss", "grad_norm", "compiles", "graph_breaks")
+
+
+@dataclass
+class StepReport:
+    """What one optimizer step reports, read back in one host transfer: the loss and the gradient norm before
+    clipping; the loss function's stats combined over the micro-batches, of the type it returned, holding float64
+    CPU tensors (None without a micro-batch); and the trainer's running counts of compiled graphs and graph breaks."""
+
+    loss: float
+    grad_norm: float
+    stats: Stats | Mapping[str, Tensor] | None
+    compiles: float
+    graph_breaks: float
 
 
 def bucket_length(length: int, buckets: Sequence[int]) -> int:
@@ -80,16 +106,6 @@ def bucket_length(length: int, buckets: Sequence[int]) -> int:
             f"sequence length {length} is longer than the largest bucket ({max(buckets)}); buckets: {sorted(buckets)}"
         )
     return min(fitting)
-
-
-def pad_to(tensor: Tensor, length: int, value: float | int) -> Tensor:
-    """A [B, T] tensor right-padded with `value` to [B, length]."""
-    if tensor.dim() != 2:
-        raise ValueError(f"pad_to expects a [B, T] tensor, got shape {tuple(tensor.shape)}")
-    current = tensor.shape[1]
-    if current > length:
-        raise ValueError(f"cannot pad a tensor of length {current} to the shorter length {length}")
-    return F.pad(tensor, (0, length - current), value=value)
 
 
 class FunctionalAdamW:
@@ -196,13 +212,12 @@ class GraphTrainStep:
     """Forward + loss + backward + global-norm clipping + AdamW of `model`, compiled as one graph per input shape.
 
     `loss_fn(model, batch) -> (loss, stats)` is pure tensor code (no `.item()`, no data-dependent Python
-    branches); `stats` are named tensors (see `Stats`), reported as floats, or as nested lists for those of more
-    than 0 dimensions. See the module docstring for micro-batch scaling. `lazy`: the parameters live on a device
-    that records ops (xla), whose step runs as one program at `rlpipe.device.step_boundary` instead of compiling.
-    With `fullgraph=False`, a graph break no longer raises: the step then runs as several graphs and the metrics
-    show it. `compiles` counts graphs compiled by this trainer; `graph_breaks` counts the breaks Dynamo met while
-    compiling them (read from its process-wide counters during this trainer's calls), so both stay flat once
-    every shape has been seen.
+    branches); `stats` are tensors of any shape (see `Stats`), reported with the step (`StepReport`). See the module
+    docstring for micro-batch scaling. `lazy`: the parameters live on a device that records ops (xla), whose step
+    runs as one program at `rlpipe.device.step_boundary` instead of compiling. With `fullgraph=False`, a graph break
+    no longer raises: the step then runs as several graphs and the metrics show it. `compiles` counts graphs
+    compiled by this trainer; `graph_breaks` counts the breaks Dynamo met while compiling them (read from its
+    process-wide counters during this trainer's calls), so both stay flat once every shape has been seen.
     """
 
     def __init__(
@@ -262,13 +277,13 @@ class GraphTrainStep:
             return self._xla_compiles
         return self._counter.graphs if self._counter is not None else 0
 
-    def _train_step(self, micro_batches: list[Batch], lr: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def _train_step(self, micro_batches: list[Batch], lr: Tensor) -> tuple[Tensor, Tensor, Stats | None]:
         grads: list[Tensor] | None = None
         total_loss: Tensor | None = None
-        total_stats: dict[str, Tensor] = {}
+        total_stats = None
         for batch in micro_batches:
             loss, stats = self.loss_fn(self.model, batch)
-            stats = _named(stats)
+            stats = _rebuilt(stats, [value.detach() for value in _tensors(stats)])
             # allow_unused: eagerly, a parameter no token reached this time (an expert in the per-expert loop) has
             # no gradient; it gets zeros.
             micro_grads = torch.autograd.grad(loss, self.params, allow_unused=True)
@@ -281,14 +296,7 @@ class GraphTrainStep:
                 grads = [acc.add_(g) for acc, g in zip(grads, micro_grads)]
             loss = loss.detach()
             total_loss = loss if total_loss is None else total_loss + loss
-            for name, value in stats.items():
-                value = value.detach()
-                if name not in total_stats:
-                    total_stats[name] = value
-                elif name.endswith("_max"):  # maxima combine by max, everything else by sum
-                    total_stats[name] = torch.maximum(total_stats[name], value)
-                else:
-                    total_stats[name] = total_stats[name] + value
+            total_stats = stats if total_stats is None else _combined(total_stats, stats)
         if grads is None:  # no micro-batch: AdamW steps on zero gradients (momentum and weight decay still act)
             grads = [torch.zeros_like(param) for param in self.params]
             total_loss = torch.zeros((), device=self.device)
@@ -306,20 +314,15 @@ class GraphTrainStep:
         return grad_norm
 
     @staticmethod
-    def _reported(loss: Tensor, grad_norm: Tensor, stats: dict[str, Tensor]) -> Tensor:
+    def _reported(loss: Tensor, grad_norm: Tensor, stats: Stats | None) -> Tensor:
         """Every number the step reports in one flat tensor, so reading them is one host transfer."""
-        for name in stats:
-            if name in _REPORTED_BY_STEP:
-                raise ValueError(f"loss_fn stat {name!r} collides with a metric the step reports itself")
-        reported = [loss, grad_norm, *stats.values()]
+        reported = [loss, grad_norm, *(_tensors(stats) if stats is not None else [])]
         # Under SimpleFSDP the gradient norm is a DTensor holding per-rank partial results.
         reported = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in reported]
         return torch.cat([value.float().reshape(-1) for value in reported])
 
-    def step(self, batch: Batch | list[Batch], lr: float | Tensor | None = None) -> dict[str, float | list]:
-        """One optimizer step over `batch` (or a list of micro-batches); returns loss, grad_norm, the stats,
-        `compiles` and `graph_breaks` as floats (a stat of more than 0 dimensions as nested lists of them). `lr`
-        defaults to the constructor's."""
+    def step(self, batch: Batch | list[Batch], lr: float | Tensor | None = None) -> StepReport:
+        """One optimizer step over `batch` (or a list of micro-batches); `lr` defaults to the constructor's."""
         micro_batches = batch if isinstance(batch, list) else [batch]
         lr = self.lr if lr is None else lr
         lr_tensor = torch.as_tensor(lr, dtype=torch.float32, device=self.optimizer.step.device)
@@ -349,20 +352,32 @@ class GraphTrainStep:
                 loss, grad_norm, stats = self._step_fn(micro_batches, lr_tensor)
             self.graph_breaks += _graph_break_count() - breaks_before
             values_tensor = self._reported(loss, grad_norm, stats)
-        values = values_tensor.cpu()
-        metrics = {"loss": float(values[0]), "grad_norm": float(values[1])}
-        start = 2
-        for name, value in stats.items():
-            metrics[name] = values[start : start + value.numel()].reshape(value.shape).tolist()
-            start += value.numel()
-        metrics["compiles"] = float(self.compiles)
-        metrics["graph_breaks"] = float(self.graph_breaks)
-        return metrics
+        # float64: what the caller adds up over steps and ranks keeps every bit of each step's float32 numbers.
+        values = values_tensor.cpu().double()
+        if stats is not None:
+            pieces, start = [], 2
+            for value in _tensors(stats):
+                pieces.append(values[start : start + value.numel()].reshape(value.shape))
+                start += value.numel()
+            stats = _rebuilt(stats, pieces)
+        return StepReport(
+            loss=float(values[0]), grad_norm=float(values[1]), stats=stats, compiles=float(self.compiles),
+            graph_breaks=float(self.graph_breaks),
+        )
 
 
-def _named(stats: Stats) -> dict[str, Tensor]:
-    """A loss function's stats by name: a mapping's items, or a dataclass's fields that hold a tensor."""
+# A loss function's stats are a `Stats`, or a mapping of named tensors that each add up.
+
+
+def _tensors(stats: Stats | Mapping[str, Tensor]) -> list[Tensor]:
+    return list(stats.values()) if isinstance(stats, Mapping) else stats.tensors()
+
+
+def _rebuilt(stats: Stats | Mapping[str, Tensor], values: list[Tensor]) -> Stats | dict[str, Tensor]:
+    return dict(zip(stats, values, strict=True)) if isinstance(stats, Mapping) else stats.with_tensors(values)
+
+
+def _combined(total: Stats | Mapping[str, Tensor], stats: Stats | Mapping[str, Tensor]) -> Stats | dict[str, Tensor]:
     if isinstance(stats, Mapping):
-        return dict(stats)
-    named = {field.name: getattr(stats, field.name) for field in dataclasses.fields(stats)}
-    return {name: value for name, value in named.items() if value is not None}
+        return {name: total[name] + value for name, value in stats.items()}
+    return total.combine(stats)

@@ -9,6 +9,7 @@ do; after it the contexts differ).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DECODE_TOKENS = 16
@@ -22,6 +23,20 @@ class DecodedProbe:
     tokens: list[int]
     logprobs: list[float]
     sequence_logprobs: list[float] | None = None
+
+
+def decode_probe(
+    token_ids: list[int], next_token: Callable[[list[int]], int], sequence_logprobs: Callable[[list[int]], list[float]],
+    count: int = DECODE_TOKENS,
+) -> DecodedProbe:
+    """A model's decoded probe: `count` tokens continued greedily after `token_ids` (`next_token`: the model's most
+    likely token after a sequence), with the log-probs of the continued tokens and of `token_ids` themselves from
+    `sequence_logprobs`, as a replayed probe's are."""
+    tokens = list(token_ids)
+    for _ in range(count):
+        tokens.append(next_token(tokens))
+    logprobs = sequence_logprobs(tokens)
+    return DecodedProbe(tokens[len(token_ids):], logprobs[len(token_ids):], logprobs[: len(token_ids)])
 
 
 def decoded_gaps(engine: DecodedProbe, learner: DecodedProbe) -> list[float]:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlpipe.models import build_model
-from rlpipe.parallel.graph_trainer import FunctionalAdamW, GraphTrainStep, bucket_length, pad_to
+from rlpipe.parallel.graph_trainer import FunctionalAdamW, GraphTrainStep, bucket_length
+from rlpipe.types import LossStats
 
 TINY_LLAMA = dict(
     model_type="llama",
@@ -82,13 +83,6 @@ def test_bucket_length_picks_smallest_fitting_bucket():
         bucket_length(17, [8, 16])
 
 
-def test_pad_to_right_pads_rows():
-    padded = pad_to(torch.tensor([[1, 2], [3, 4]]), 4, value=0)
-    assert padded.tolist() == [[1, 2, 0, 0], [3, 4, 0, 0]]
-    with pytest.raises(ValueError, match="shorter"):
-        pad_to(torch.ones(1, 5), 4, value=0)
-
-
 def test_functional_adamw_matches_torch_adamw():
     torch.manual_seed(0)
     params = [torch.randn(4, 3), torch.randn(5)]
@@ -145,13 +139,13 @@ def test_compiled_step_is_one_graph_and_matches_eager():
         batch = make_batch(seed=step_index, lengths=[8, 5], bucket=8)
         graph_metrics = graph_step.step(batch, lr)
         eager_metrics = eager_step.step(batch, lr)
-        assert graph_metrics["loss"] == pytest.approx(eager_metrics["loss"], abs=PARAM_TOLERANCE)
-        assert graph_metrics["grad_norm"] == pytest.approx(eager_metrics["grad_norm"], rel=1e-5)
-        assert graph_metrics["tokens"] == eager_metrics["tokens"] == 11
+        assert graph_metrics.loss == pytest.approx(eager_metrics.loss, abs=PARAM_TOLERANCE)
+        assert graph_metrics.grad_norm == pytest.approx(eager_metrics.grad_norm, rel=1e-5)
+        assert graph_metrics.stats["tokens"] == eager_metrics.stats["tokens"] == 11
 
-    assert graph_metrics["compiles"] == 1
-    assert graph_metrics["graph_breaks"] == 0
-    assert eager_metrics["compiles"] == 0
+    assert graph_metrics.compiles == 1
+    assert graph_metrics.graph_breaks == 0
+    assert eager_metrics.compiles == 0
     assert graph_step.optimizer.step.item() == eager_step.optimizer.step.item() == len(learning_rates)
     assert_same_parameters(graph_model, eager_model)
     # The update really happened inside the graph, not only in the eager twin.
@@ -165,8 +159,8 @@ def test_recompiles_are_bounded_by_buckets():
     for step_index, longest in enumerate(longest_in_row):
         bucket = bucket_length(longest, BUCKETS)
         metrics = trainer.step(make_batch(seed=step_index, lengths=[longest, 2], bucket=bucket), 1e-2)
-    assert metrics["compiles"] == len(BUCKETS)
-    assert metrics["graph_breaks"] == 0
+    assert metrics.compiles == len(BUCKETS)
+    assert metrics.graph_breaks == 0
 
 
 def _micro_batch_case():
@@ -191,10 +185,10 @@ def test_micro_batches_sum_to_the_whole_batch(compile):
     for lr in (1e-2, 5e-3):
         whole_metrics = reference.step(whole, lr)
         micro_metrics = micro.step(halves, lr)
-        assert micro_metrics["loss"] == pytest.approx(whole_metrics["loss"], abs=PARAM_TOLERANCE)
-        assert micro_metrics["grad_norm"] == pytest.approx(whole_metrics["grad_norm"], rel=1e-5)
-        assert micro_metrics["tokens"] == whole_metrics["tokens"]
-    assert micro_metrics["compiles"] == (1 if compile else 0)
+        assert micro_metrics.loss == pytest.approx(whole_metrics.loss, abs=PARAM_TOLERANCE)
+        assert micro_metrics.grad_norm == pytest.approx(whole_metrics.grad_norm, rel=1e-5)
+        assert micro_metrics.stats["tokens"] == whole_metrics.stats["tokens"]
+    assert micro_metrics.compiles == (1 if compile else 0)
     assert_same_parameters(micro_model, reference_model)
 
 
@@ -206,15 +200,25 @@ def test_step_reports_stats_of_any_shape_summed_over_micro_batches():
     trainer = GraphTrainStep(tiny_model(), loss_with_vector_stat, **HYPERPARAMETERS, compile=False, buckets=BUCKETS)
     _, halves = _micro_batch_case()
     metrics = trainer.step(halves, 1e-2)
-    assert metrics["per_row"] == (halves[0]["loss_mask"].sum(-1) + halves[1]["loss_mask"].sum(-1)).tolist()
-    assert metrics["tokens"] == sum(float(half["loss_mask"][:, 1:].sum()) for half in halves)
+    per_row = halves[0]["loss_mask"].sum(-1) + halves[1]["loss_mask"].sum(-1)
+    assert metrics.stats["per_row"].tolist() == per_row.tolist()
+    assert metrics.stats["tokens"] == sum(float(half["loss_mask"][:, 1:].sum()) for half in halves)
 
 
-def test_step_rejects_stats_named_like_its_own_metrics():
-    def loss_with_colliding_stat(model, batch):
+def test_typed_stats_combine_over_micro_batches_by_their_own_rule():
+    """`LossStats` add up over micro-batches except the fields declared maxima, and come back as that type."""
+
+    def loss_with_loss_stats(model, batch):
         loss, stats = next_token_loss(model, batch)
-        return loss, {**stats, "grad_norm": stats["tokens"]}
+        rows = batch["loss_mask"][:, 1:].sum(-1)
+        return loss, LossStats(tokens=stats["tokens"], entropy=rows.sum(), gap_abs=rows.sum(), gap_max=rows.max(),
+                               gap_kl=rows.sum(), router_probability=rows)
 
-    trainer = GraphTrainStep(tiny_model(), loss_with_colliding_stat, **HYPERPARAMETERS, compile=False, buckets=BUCKETS)
-    with pytest.raises(ValueError, match="grad_norm"):
-        trainer.step(make_batch(seed=0, lengths=[4, 4], bucket=8), 1e-2)
+    trainer = GraphTrainStep(tiny_model(), loss_with_loss_stats, **HYPERPARAMETERS, compile=False, buckets=BUCKETS)
+    _, halves = _micro_batch_case()
+    stats = trainer.step(halves, 1e-2).stats
+    rows = [half["loss_mask"][:, 1:].sum(-1) for half in halves]
+    assert isinstance(stats, LossStats) and stats.kl is None and stats.tokens.dtype == torch.float64
+    assert float(stats.gap_max) == max(float(r.max()) for r in rows)
+    assert float(stats.gap_abs) == sum(float(r.sum()) for r in rows)
+    assert stats.router_probability.tolist() == (rows[0] + rows[1]).tolist()

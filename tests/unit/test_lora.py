@@ -95,8 +95,8 @@ def test_under_lora_the_kl_reference_is_the_base_with_its_adapters_off_and_no_co
     learner = _learner(tiny_qwen3, "algo.kl_beta=0.1")
     assert learner.reference is None and learner.engine.frozen == []
     first = learner.train_step(four_samples())
-    assert first["kl"] == pytest.approx(0.0, abs=1e-7)  # B starts at zero: the policy is the reference
-    assert learner.train_step(four_samples(seed=1))["kl"] > 0
+    assert float(first.stats.kl) == pytest.approx(0.0, abs=1e-7)  # B starts at zero: the policy is the reference
+    assert float(learner.train_step(four_samples(seed=1)).stats.kl) > 0
     # However far the adapters moved, the reference is the starting model's log-probs, bit for bit, and the adapters
     # are on again after it.
     _randomise_adapters(learner)
