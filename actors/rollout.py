@@ -28,6 +28,7 @@ from rlpipe.models.hf import read_hf_config
 from rlpipe.rollout import RolloutEngine, workers_in_process
 from rlpipe.types import Completion, Prompt
 from rlpipe.weightsync import SyncPlan
+from rlpipe.weightsync.receiver import CommitResult
 
 logger = logging.getLogger("rlpipe.rollout")
 
@@ -135,7 +136,7 @@ class RolloutActor:
         return self.engine.sync.receive(version, bucket, rank, handle, nbytes, digest)
 
     @ray.method(concurrency_group="sync")
-    def commit(self, version: int, probe_tokens: list[int], expected, rehearsal: bool = False) -> dict:
+    def commit(self, version: int, probe_tokens: list[int], expected, rehearsal: bool = False) -> CommitResult:
         """`expected`: the learner's probe reference, or a one-item list of the ObjectRef it will arrive in (a list,
         so that Ray hands the reference over instead of waiting for it before the write starts)."""
         if isinstance(expected, list) and len(expected) == 1 and isinstance(expected[0], ray.ObjectRef):

@@ -25,6 +25,7 @@ from rlpipe.actors.engine_pool import EnginePool
 from rlpipe.config import ConfigError, SyncConfig
 from rlpipe.types import Group
 from rlpipe.weightsync import DECODE_TOKENS, NonFiniteWeights, SyncError, SyncPlan, plan_routes, plan_sync
+from rlpipe.weightsync.receiver import CommitResult
 
 # After a failed attempt, how long its calls still running are waited for (their errors are dropped).
 _SETTLE_S = 10.0
@@ -187,12 +188,14 @@ class SyncChannel:
         self.version = version
         sampled = completion.mask or [1] * len(completion.token_ids)  # an episode's tool tokens were not sampled
         metrics["sync/policy_shift"] = max(
-            (abs(a - b) for a, b, m in zip(results[0]["probe"][len(prompt):], completion.logprobs, sampled) if m),
+            (abs(a - b) for a, b, m in zip(results[0].probe[len(prompt):], completion.logprobs, sampled) if m),
             default=0.0,
         )
         return metrics
 
-    def _transfer(self, version: int, probe_tokens: list[int], rehearsal: bool = False, engines: list[int] | None = None):
+    def _transfer(
+        self, version: int, probe_tokens: list[int], rehearsal: bool = False, engines: list[int] | None = None
+    ) -> tuple[dict[str, float], list[CommitResult]]:
         """Stream the learner's weights to the engines (all, or those indexed by `engines`) as `version`, then write
         and check them there. An engine that dies on the way (or stops answering, or can no longer serve) is
         replaced and the transfer repeated for the engines that have not committed the version; the others keep it.
@@ -295,7 +298,7 @@ class SyncChannel:
             calls += commits
             # The write, the learner's probe reference, the probe and a rollback: each within sync.timeout_s; and the
             # generation in flight that the engine lets finish first.
-            results = self._wait(commits, "a rollout engine", "commit (write and probe)",
+            results: list[CommitResult] = self._wait(commits, "a rollout engine", "commit (write and probe)",
                                  3 * timeout_s + self.generation_wait_s)
             expected = expected or self._wait(probes, "a learner rank", "probe_reference")[0]
             done = True
@@ -309,12 +312,12 @@ class SyncChannel:
                 settle(releases, _SETTLE_S)
         metrics = {
             **self.routes.counts(),
-            "sync/probe_max_abs": max(result["probe_max_abs"] for result in results),
-            "sync/probe_mean_abs": max(result["probe_mean_abs"] for result in results),
+            "sync/probe_max_abs": max(result.probe_max_abs for result in results),
+            "sync/probe_mean_abs": max(result.probe_mean_abs for result in results),
             "sync/bytes": float(sum(sent)),
             "sync/transfer_s": transfer_s,
-            "sync/write_s": max(result["write_s"] for result in results),
-            "sync/probe_s": max(result["probe_s"] for result in results),
+            "sync/write_s": max(result.write_s for result in results),
+            "sync/probe_s": max(result.probe_s for result in results),
         }
         return metrics, results, expected
 

@@ -236,8 +236,8 @@ def measure(model: str, transport: str, syncs: int, bucket_mb: float) -> dict:
             result = engine.sync.commit(version, PROBE, expected, rehearsal=rehearsal)
         learner.release()
         rows.append({"sync": "rehearsal" if rehearsal else f"v{version}", "rest_rss": rest_rss, "rest_pss": rest_pss,
-                     "peak_rss": sampler.peak_rss, "peak_pss": sampler.peak_pss, "probe": result["probe_max_abs"],
-                     "write_s": result["write_s"], "sync_s": time.perf_counter() - started,
+                     "peak_rss": sampler.peak_rss, "peak_pss": sampler.peak_pss, "probe": result.probe_max_abs,
+                     "write_s": result.write_s, "sync_s": time.perf_counter() - started,
                      "samples": sampler.samples})
     engine.close()
     learner.close()

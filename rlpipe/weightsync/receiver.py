@@ -8,6 +8,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import ContextManager, Protocol
 
 import torch
@@ -29,6 +30,20 @@ class HostMemory(Protocol):
     def staging_memory(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> Weights: ...
 
     def holds(self, tensor: torch.Tensor) -> bool: ...
+
+
+@dataclass
+class CommitResult:
+    """A version an engine committed: the probe's largest and mean gap to the learner's log-probs, the seconds the
+    write and the probe took, the bytes received, and the probe sequence's log-probs under the new weights (the
+    engine's own, or the learner's where the engine decodes: `probe_gaps`)."""
+
+    probe_max_abs: float
+    probe_mean_abs: float
+    write_s: float
+    probe_s: float
+    bytes: int
+    probe: list[float]
 
 
 @contextlib.contextmanager
@@ -116,7 +131,7 @@ class WeightReceiver:
         probe_tokens: list[int],
         expected: ProbeResult | Callable[[], ProbeResult],
         rehearsal: bool = False,
-    ) -> dict:
+    ) -> CommitResult:
         """Apply a fully received version: pause generation, write, check the probe, resume.
 
         `expected` is the learner's answer to the probe, or a function that waits for it (the learner may compute it
@@ -171,14 +186,10 @@ class WeightReceiver:
             if not rehearsal:
                 self.policy_version = version
             self.unusable = None
-            return {
-                "probe_max_abs": gap_max,
-                "probe_mean_abs": gap_mean,
-                "write_s": write_s,
-                "probe_s": probe_s,
-                "bytes": staging.bytes_received,
-                "probe": probe,
-            }
+            return CommitResult(
+                probe_max_abs=gap_max, probe_mean_abs=gap_mean, write_s=write_s, probe_s=probe_s,
+                bytes=staging.bytes_received, probe=probe,
+            )
 
     def _keep(self, weights: Weights, staging: Staging) -> None:
         """Keep what a rollback needs of the version now served (staging's own memory: the engine's copy, never a

@@ -148,7 +148,7 @@ def test_an_adapter_version_whose_probe_fails_is_rolled_back_to_the_adapters_ser
     assert engine.policy_version == 0 and _served(engine) == base  # the base alone again
 
     _send(engine, learner, plan, 1)
-    assert engine.sync.commit(1, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+    assert engine.sync.commit(1, PROBE, learner.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
     first = _served(engine)
     assert _max_gap(first[0], base[0]) > 1e-2  # the adapters change what the engine computes
 
@@ -171,7 +171,7 @@ def test_an_adapter_version_whose_probe_fails_is_rolled_back_to_the_adapters_ser
 
     # The good version 2 is taken.
     _send(engine, learner, plan, 2)
-    assert engine.sync.commit(2, PROBE, expected)["probe_max_abs"] < 1e-5
+    assert engine.sync.commit(2, PROBE, expected).probe_max_abs < 1e-5
     assert engine.policy_version == 2 and _max_gap(engine.sequence_logprobs(PROBE), expected) < 1e-5
 
 
@@ -183,9 +183,9 @@ def test_after_a_sync_the_engine_gives_the_learners_logprobs(setup):
     version = engine.policy_version + 1
     _send(engine, learner, plan, version)
     result = engine.sync.commit(version, PROBE, expected)
-    assert result["probe_max_abs"] < 1e-5
+    assert result.probe_max_abs < 1e-5
     assert _max_gap(engine.sequence_logprobs(PROBE), expected) < 1e-5
-    assert engine.policy_version == version and result["bytes"] == plan.nbytes
+    assert engine.policy_version == version and result.bytes == plan.nbytes
 
 
 def test_a_corrupt_bucket_is_detected_and_the_engine_keeps_its_version(setup):
@@ -200,7 +200,7 @@ def test_a_corrupt_bucket_is_detected_and_the_engine_keeps_its_version(setup):
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
     # The next clean sync goes through.
     _send(engine, learner, plan, version + 1)
-    assert engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+    assert engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
 
 
 def _swap_two_embedding_rows(buffer, bucket, plan):
@@ -290,8 +290,8 @@ def test_an_engine_that_cannot_replay_a_sequence_checks_its_weights_by_decoding(
         version = engine.policy_version + 1
         _send(engine, learner, plan, version)
         result = engine.sync.commit(version, PROBE, reference)
-        assert result["probe_max_abs"] < 1e-5 and engine.policy_version == version
-        assert result["probe"] == reference.sequence_logprobs
+        assert result.probe_max_abs < 1e-5 and engine.policy_version == version
+        assert result.probe == reference.sequence_logprobs
         assert engine.decoded_probe(PROBE).tokens == reference.tokens  # the same weights decode the same tokens
 
         stale = learner.probe_reference(PROBE, True)  # the reference of weights other than those sent next
@@ -340,7 +340,7 @@ def test_the_engine_writes_as_configured(setup):
     _perturb(learner, 20)
     version = engine.policy_version + 1
     _send(engine, learner, plan, version)
-    assert engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+    assert engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
     kept = _kept_linear_weights(engine)
     assert bool(kept) == (engine.cfg.model_impl == "vllm")  # rlpipe's model has no vLLM linear layers
     if kept:  # vLLM's reload packs each weight and drops it; an in-place write keeps it to write into
@@ -353,7 +353,7 @@ def test_the_learners_probe_may_arrive_while_the_engine_writes(setup):
     before, version = engine.sequence_logprobs(PROBE), engine.policy_version
     _perturb(learner, 30)
     _send(engine, learner, plan, version + 1)
-    assert engine.sync.commit(version + 1, PROBE, lambda: learner.sequence_logprobs(PROBE))["probe_max_abs"] < 1e-5
+    assert engine.sync.commit(version + 1, PROBE, lambda: learner.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
 
     def lost():
         raise RuntimeError("learner rank 0 died")
@@ -424,7 +424,7 @@ if __name__ == "__main__":
         rolled_back = "rolled back to version 0" in str(err)
     back = max(abs(a - b) for a, b in zip(engine.sequence_logprobs(probe)[1:], started[1:]))
     send(2)
-    after = engine.sync.commit(2, probe, expected)["probe_max_abs"]
+    after = engine.sync.commit(2, probe, expected).probe_max_abs
     own = [name for name in os.listdir("/dev/shm") if name.startswith(engine.host_copy.segment_prefix())]
     mapped = sorted({m.path for child in psutil.Process().children(recursive=True) for m in child.memory_maps()
                      if "/rlpipe-" in m.path})
@@ -440,7 +440,7 @@ if __name__ == "__main__":
             param.mul_(0.98)
     expected = learner.sequence_logprobs(probe)
     send(3)
-    ray_after = engine.sync.commit(3, probe, expected)["probe_max_abs"]
+    ray_after = engine.sync.commit(3, probe, expected).probe_max_abs
     staged = [name for name in os.listdir("/dev/shm") if name.startswith(engine.host_copy.segment_prefix())]
     transport.close()
     engine.close()
@@ -626,7 +626,7 @@ def test_a_sync_during_generation_follows_the_policy(setup, policy):
     result = engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE))
     committed_at = time.monotonic()
     worker.join()
-    assert result["probe_max_abs"] < 1e-5 and engine.policy_version == version
+    assert result.probe_max_abs < 1e-5 and engine.policy_version == version
     groups = finished["groups"]
     if policy == "finish":
         # Every request ran to its end on the old weights, then the sync wrote the new ones.

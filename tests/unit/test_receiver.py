@@ -87,7 +87,7 @@ def test_a_version_is_written_whole_inside_the_pause_once_every_part_arrived(cha
     send(receiving, 1, first)
     assert engine.writes == []  # received and checked, nothing written yet
     result = receiving.commit(1, PROBE, expected_for(first))
-    assert receiving.policy_version == 1 and result["probe_max_abs"] == 0.0
+    assert receiving.policy_version == 1 and result.probe_max_abs == 0.0
     assert engine.written_while_paused == [True]
     for name, tensor in first.items():
         assert torch.equal(engine.held[name], tensor), name
@@ -104,7 +104,7 @@ def test_the_write_and_the_probe_are_timed_apart(channel, monkeypatch):
     first = _full_tensors(shapes, seed=1)
     send(receiving, 1, first)
     result = receiving.commit(1, PROBE, expected_for(first))
-    assert 0.02 <= result["write_s"] < 0.5 <= result["probe_s"]
+    assert 0.02 <= result.write_s < 0.5 <= result.probe_s
     receiving.close()
 
 
