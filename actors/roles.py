@@ -32,7 +32,98 @@ from rlpipe.tpu_layout import SliceShare, slice_shares
 from rlpipe.types import Group, Prompt, StepScores, TrainBatch
 
 
-class Roles:
+class EngineRoles:
+    """The engine pool and the reward pool of a run, placed as the config says; what a loop drives
+    (`rlpipe.types.LoopRoles`): generation (an engine that dies is replaced, see `_admit`), seeding and scoring.
+    `Roles` adds the learner ranks and the weight sync; `EvalRoles` (actors/eval_roles.py) is these alone."""
+
+    def __init__(self, cfg: Config, note: Callable[[str], None] = print, log: LogSetup | None = None):
+        self.cfg, self.note, self.log = cfg, note, log
+        self.placements: list[PlacedRole] = []
+        self.rewarders: list = []
+        self.pool: EnginePool | None = None
+        self.rewards: RewardPool | None = None
+
+    def _place(
+        self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0,
+        learner_device: str | None = None, share: SliceShare | None = None, sharing: PlacedRole | None = None,
+    ) -> PlacedRole:
+        placed = place_role(
+            role, getattr(self.cfg.placement, role), actors, self.cfg.ray.placement_timeout_s, chips_per_actor,
+            gpus_per_actor, learner_device, share, sharing,
+        )
+        self.placements.append(placed)
+        return placed
+
+    def _start_rewards(self, placed: PlacedRole, columns: list[str] | None) -> None:
+        """The reward workers on `placed`, and the pool that shares samples out to them."""
+        cfg = self.cfg
+        specs = [asdict(spec) for spec in cfg.reward.functions]
+        # Reward actors hold no state a step needs, so Ray restarts a dead one and re-runs its call there: the share
+        # it was scoring is scored once, by the new process (tests/integration/test_grpo_e2e.py kills one).
+        restarts = cfg.reward.max_restarts
+        self.rewarders = [
+            RewardActor.options(**placed.options(index), max_restarts=restarts, max_task_retries=restarts).remote(
+                specs, cfg.reward, columns, self._log_setup("reward", index)
+            )
+            for index in range(cfg.reward.num_workers)
+        ]
+        self.rewards = RewardPool(
+            self.rewarders, cfg.rollout.max_tokens, restarts, cfg.reward.deadline_s, reward_names(specs)
+        )
+
+    def _log_setup(self, role: str, index: int) -> LogSetup | None:
+        return None if self.log is None else replace(self.log, who=f"{role}-{index}")
+
+    def _admit(self, index: int) -> None:
+        """Bring engine `index`, just started again by the pool, to the weights the others serve: here the model
+        folder's, which it loaded."""
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[Group]:
+        return self.finish_generation(self.start_generation(prompts, n, **sampling))
+
+    def start_generation(self, prompts: list[Prompt], n: int, **sampling) -> Generation:
+        """Send the prompts to the engines and return at once (asynchronous mode keeps the engines generating the
+        next step while the learner trains)."""
+        return self.pool.start_generation(prompts, n, **sampling)
+
+    def finish_generation(self, generation: Generation) -> list[Group]:
+        """Collect the completions. An engine that died (killed, out of memory) is replaced and given the current
+        weights, and only the prompts it held are generated again, so every prompt comes back exactly once. A prompt
+        whose requests a weight sync aborted comes back empty; it is sampled again too, by the new policy."""
+        completions, replaced = self.pool.collect(generation)
+        for index in replaced:
+            self._admit(index)
+        retry = [index for index, group in enumerate(completions) if not group]
+        if retry:
+            again = self.generate([generation.prompts[i] for i in retry], generation.n, **generation.sampling)
+            for index, group in zip(retry, again):
+                completions[index] = group.completions
+        return [Group(prompt, group) for prompt, group in zip(generation.prompts, completions)]
+
+    def seed(self, step: int) -> None:
+        """Seed every engine's sampling for this step (see RolloutEngine.seed); an engine that died since the last
+        step is replaced, brought to the current weights, then seeded."""
+        for index in self.pool.seed(step):
+            self._admit(index)
+            self.pool.seed_engine(index, step)
+
+    def score(self, groups: list[Group], trainer_state: dict | None = None) -> StepScores:
+        return self.rewards.score(groups, trainer_state)
+
+    def _actors(self) -> list:
+        return [*(self.pool.engines if self.pool is not None else []), *self.rewarders]
+
+    def shutdown(self) -> None:
+        for handle in self._actors():
+            ray.kill(handle)
+        for placed in self.placements:
+            placed.remove()
+
+
+class Roles(EngineRoles):
     """The learner ranks, the engine pool, the reward pool and the weight sync between learner and engines."""
 
     def __init__(
@@ -51,14 +142,10 @@ class Roles:
         signatures when the reward workers start (None: not known here, see RewardRunner).
         `log`: how the actors log (rlpipe/logs.py), each tagged with its role and index; None leaves their logging
         as the libraries set it."""
-        self.cfg, self.note, self.log = cfg, note, log
+        super().__init__(cfg, note, log)
         # An actor that cannot be placed waits forever; say so instead of hanging.
         check_cluster_resources(cfg, ray.cluster_resources())
-        self.placements: list[PlacedRole] = []
         self.learners: list = []
-        self.rewarders: list = []
-        self.pool: EnginePool | None = None
-        self.rewards: RewardPool | None = None
         self.sync: SyncChannel | None = None
         try:
             self._start(model_path, tokenizer_path, resume, reward_columns)
@@ -92,19 +179,7 @@ class Roles:
             for rank in range(ranks)
         ]
         self.pool.start()
-        specs = [asdict(spec) for spec in cfg.reward.functions]
-        # Reward actors hold no state a step needs, so Ray restarts a dead one and re-runs its call there: the share
-        # it was scoring is scored once, by the new process (tests/integration/test_grpo_e2e.py kills one).
-        restarts = cfg.reward.max_restarts
-        self.rewarders = [
-            RewardActor.options(**rewarders.options(index), max_restarts=restarts, max_task_retries=restarts).remote(
-                specs, cfg.reward, columns, self._log_setup("reward", index)
-            )
-            for index in range(cfg.reward.num_workers)
-        ]
-        self.rewards = RewardPool(
-            self.rewarders, cfg.rollout.max_tokens, restarts, cfg.reward.deadline_s, reward_names(specs)
-        )
+        self._start_rewards(rewarders, columns)
         # Surface a bad model folder or reward path now rather than at the first step.
         self._starting(
             [learner.policy_version.remote() for learner in self.learners]
@@ -129,20 +204,6 @@ class Roles:
 
     def _learning(self, refs: list, call: str) -> list:
         return get_all(refs, self.cfg.learner.call_timeout_s, "a learner rank", call, "learner.call_timeout_s")
-
-    def _log_setup(self, role: str, index: int) -> LogSetup | None:
-        return None if self.log is None else replace(self.log, who=f"{role}-{index}")
-
-    def _place(
-        self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0,
-        learner_device: str | None = None, share: SliceShare | None = None, sharing: PlacedRole | None = None,
-    ) -> PlacedRole:
-        placed = place_role(
-            role, getattr(self.cfg.placement, role), actors, self.cfg.ray.placement_timeout_s, chips_per_actor,
-            gpus_per_actor, learner_device, share, sharing,
-        )
-        self.placements.append(placed)
-        return placed
 
     # ------------------------------------------------------------------ what the GRPO loop reads
 
@@ -198,41 +259,11 @@ class Roles:
         return {role: self._starting([h.__ray_call__.remote(question) for h in handles], f"the {role} role", "a question")
                 for role, handles in roles.items()}
 
-    # ------------------------------------------------------------------ generation
+    # ------------------------------------------------------------------ training, the sync
 
-    def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[Group]:
-        return self.finish_generation(self.start_generation(prompts, n, **sampling))
+    def _admit(self, index: int) -> None:
+        self.sync.admit(index)
 
-    def start_generation(self, prompts: list[Prompt], n: int, **sampling) -> Generation:
-        """Send the prompts to the engines and return at once (asynchronous mode keeps the engines generating the
-        next step while the learner trains)."""
-        return self.pool.start_generation(prompts, n, **sampling)
-
-    def finish_generation(self, generation: Generation) -> list[Group]:
-        """Collect the completions. An engine that died (killed, out of memory) is replaced and given the current
-        weights, and only the prompts it held are generated again, so every prompt comes back exactly once. A prompt
-        whose requests a weight sync aborted comes back empty; it is sampled again too, by the new policy."""
-        completions, replaced = self.pool.collect(generation)
-        for index in replaced:
-            self.sync.admit(index)
-        retry = [index for index, group in enumerate(completions) if not group]
-        if retry:
-            again = self.generate([generation.prompts[i] for i in retry], generation.n, **generation.sampling)
-            for index, group in zip(retry, again):
-                completions[index] = group.completions
-        return [Group(prompt, group) for prompt, group in zip(generation.prompts, completions)]
-
-    def seed(self, step: int) -> None:
-        """Seed every engine's sampling for this step (see RolloutEngine.seed); an engine that died since the last
-        step is replaced, brought to the current weights, then seeded."""
-        for index in self.pool.seed(step):
-            self.sync.admit(index)
-            self.pool.seed_engine(index, step)
-
-    # ------------------------------------------------------------------ rewards, training, the sync
-
-    def score(self, groups: list[Group], trainer_state: dict | None = None) -> StepScores:
-        return self.rewards.score(groups, trainer_state)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
@@ -257,11 +288,10 @@ class Roles:
         except ray.exceptions.RayActorError as err:  # the save is abandoned; a restart from the last one may go on
             raise WorkerLost(f"a learner rank died while writing a checkpoint ({first_line(err)})") from err
 
+    def _actors(self) -> list:
+        return [*self.learners, *super()._actors()]
+
     def shutdown(self) -> None:
         if self.sync is not None:
             self.sync.close()
-        engines = self.pool.engines if self.pool is not None else []
-        for handle in [*self.learners, *engines, *self.rewarders]:
-            ray.kill(handle)
-        for placed in self.placements:
-            placed.remove()
+        super().shutdown()

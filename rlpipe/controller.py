@@ -25,7 +25,7 @@ from rlpipe.metrics import MetricsLogger, roles_summary, rollout_metrics, stalen
 from rlpipe.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
-from rlpipe.types import Group, TrainBatch
+from rlpipe.types import Group, LoopRoles, TrainBatch
 from rlpipe.rewards import FailureWatch, TrainerState, trainer_state
 from rlpipe.rewards.contract import EPISODE_COLUMNS
 
@@ -163,7 +163,7 @@ class Lookahead:
     a step's samples come from a policy at most S versions older than the learner that trains on them (the loss
     corrects for the lag with the importance weight against their behaviour log-probs, algo.tis_cap / mis)."""
 
-    def __init__(self, run: Run, roles, cfg: Config):
+    def __init__(self, run: Run, roles: LoopRoles, cfg: Config):
         self.run, self.roles, self.cfg = run, roles, cfg
         self.pending: deque[tuple[dict, object]] = deque()  # (sampler state before the step's draw, generation)
         self.next_step = run.first_step
@@ -295,7 +295,7 @@ def reward_state(cfg: Config, run: Run, steps_done: int, mode: str = "train") ->
                          run_name=cfg.run.name, mode=mode)
 
 
-def evaluate(roles, run: Run, cfg: Config, step: int, summary: dict, note: bool = True) -> dict[str, float]:
+def evaluate(roles: LoopRoles, run: Run, cfg: Config, step: int, summary: dict, note: bool = True) -> dict[str, float]:
     """The held-out evaluation after `step` steps (rlpipe/evaluation.py), added to the summary's points and noted
     (`note`; a step's evaluation shows in the step's line); returns its metrics for the step's record (none without
     held-out prompts)."""

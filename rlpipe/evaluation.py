@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from rlpipe.metrics import rollout_metrics
+from rlpipe.types import LoopRoles
 
 # Engines are seeded with step EVAL_SEED_STEP + s for the sampled evaluation after s steps: seeds no training step
 # uses, and the same in a resumed run. Each training step seeds the engines again before it generates, so an
@@ -52,7 +53,7 @@ def due(step: int, cfg) -> bool:
     return step == cfg.train.steps or (cfg.eval.every > 0 and step % cfg.eval.every == 0)
 
 
-def evaluate(roles, eval_set, cfg, step: int, trainer_state=None) -> dict | None:
+def evaluate(roles: LoopRoles, eval_set, cfg, step: int, trainer_state=None) -> dict | None:
     """The held-out figures of the engines' current weights after `step` training steps: {"step", "accuracy"
     (greedy), "tool_call_rate" (greedy episodes that called a tool, where the recipe has tools), and with
     eval.samples_per_prompt = k > 1 "mean@k" and "pass@j"}; None without held-out prompts.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -72,6 +72,25 @@ class StepScores:
     failures: dict[str, int]
     errors: dict[str, str]
     logged: dict[str, float] = field(default_factory=dict)
+
+
+class LoopRoles(Protocol):
+    """What a loop drives of a run's roles: the GRPO loop's generation ahead of training (`Lookahead`) and the
+    held-out evaluation. A run's `Roles` and `rlpipe eval`'s `EvalRoles` (actors/) both are one."""
+
+    def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[Group]:
+        """`n` completions per prompt, every prompt's exactly once."""
+
+    def start_generation(self, prompts: list[Prompt], n: int, **sampling) -> Any:
+        """Generation sent off; the handle returned is for `finish_generation`."""
+
+    def finish_generation(self, generation: Any) -> list[Group]: ...
+
+    def seed(self, step: int) -> None:
+        """Seed every engine's sampling for `step`."""
+
+    def score(self, groups: list[Group], trainer_state: dict | None = None) -> StepScores:
+        """Fill in the groups' rewards."""
 
 
 @dataclass
