@@ -256,20 +256,21 @@ class Roles(EngineRoles):
 
     def _ask_every_actor(self, question) -> dict[str, list]:
         roles = {"learner": self.learners, "rollout": self.pool.engines, "reward": self.rewarders}
-        return {role: self._starting([h.__ray_call__.remote(question) for h in handles], f"the {role} role", "a question")
-                for role, handles in roles.items()}
+        return {
+            role: self._starting([h.__ray_call__.remote(question) for h in handles], f"the {role} role", "a question")
+            for role, handles in roles.items()
+        }
 
     # ------------------------------------------------------------------ training, the sync
 
     def _admit(self, index: int) -> None:
         self.sync.admit(index)
 
-
     def train(self, batch: TrainBatch) -> dict[str, float]:
         batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
         try:
-            return combine_rank_metrics(self._learning([learner.train_step.remote(batch_ref) for learner in self.learners],
-                                                       "train_step"))
+            sums = self._learning([learner.train_step.remote(batch_ref) for learner in self.learners], "train_step")
+            return combine_rank_metrics(sums)
         except ray.exceptions.RayActorError as err:  # the other ranks cannot go on without it: the step stops
             raise WorkerLost(f"a learner rank died during a training step ({first_line(err)})") from err
 
