@@ -91,17 +91,24 @@ def plan_checks(cfg) -> list[Check]:
 
 
 def check_engines(cfg) -> tuple[bool, str]:
-    """The engines' settings through vLLM-TorchTPU's config validation, on the model's own config.json."""
+    """The engines' settings through vLLM-TorchTPU's config validation, on the model's own config.json, on a host
+    presented as the rollout's (its single-host preparation scans the chips for an engine of several)."""
+    from unittest import mock
+
     from vllm.engine.arg_utils import EngineArgs
 
     from rlpipe.config.rollout import torchtpu_refusal
     from rlpipe.memory_plan import architecture_source
+    from rlpipe.tpu.hosts import tpu_host
+    from rlpipe.tpu_layout import slice_shares
 
     refused = torchtpu_refusal(cfg.rollout, cfg.sync)
     if refused:
         return False, refused
-    rollout = cfg.rollout
-    with tempfile.TemporaryDirectory(prefix="rlpipe-engine-") as folder:
+    rollout, share = cfg.rollout, slice_shares(cfg.placement)["rollout"]
+    with (tempfile.TemporaryDirectory(prefix="rlpipe-engine-") as folder,
+          tpu_host(share.tslice.generation, share.tslice.chips_per_host),
+          mock.patch.dict(os.environ)):  # the platform's preparation writes the engine's layout into the process
         shutil.copy(architecture_source(cfg.model.path), Path(folder) / "config.json")
         config = EngineArgs(
             model=folder, skip_tokenizer_init=True, load_format="dummy", dtype=rollout.dtype,
@@ -163,6 +170,7 @@ def rehearse(cfg, out=sys.stdout) -> list[Check]:
         checks.append(_timed(what, check))
         print(checks[-1].line(), file=out, flush=True)
 
+    from rlpipe.tpu.hosts import environment_checks
     from rlpipe.tpu.step import name_tpu_device
 
     generation = learner_generation(cfg)
@@ -170,6 +178,11 @@ def rehearse(cfg, out=sys.stdout) -> list[Check]:
     for check in plan_checks(cfg):
         checks.append(check)
         print(check.line(), file=out, flush=True)
+    started = time.perf_counter()
+    found = environment_checks(cfg)
+    for name, passed, why in found:
+        checks.append(Check(name, passed, why, (time.perf_counter() - started) / max(1, len(found))))
+        print(checks[-1].line(), file=out, flush=True)
     run("engines", lambda: check_engines(cfg))
     run("learner step", lambda: check_step(cfg, generation))
     run("kernels", lambda: check_kernels(cfg, generation))
