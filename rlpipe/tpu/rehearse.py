@@ -163,30 +163,45 @@ def check_kernels(cfg, generation: str) -> tuple[bool, str]:
 
 def rehearse(cfg, out=sys.stdout) -> list[Check]:
     """Every check, in the order of a real start; each printed as it ends."""
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling takes no chip: no host-wide libtpu lock
-    checks: list[Check] = []
-
-    def run(what: str, check: Callable[[], tuple[bool, str]]) -> None:
-        checks.append(_timed(what, check))
-        print(checks[-1].line(), file=out, flush=True)
+    from unittest import mock
 
     from rlpipe.tpu.hosts import environment_checks
     from rlpipe.tpu.step import name_tpu_device
 
+    checks: list[Check] = []
+
+    def run(what: str, check: Callable[[], tuple]) -> None:
+        checks.append(_timed(what, check))
+        print(checks[-1].line(), file=out, flush=True)
+
     generation = learner_generation(cfg)
     name_tpu_device()  # vLLM's config and the step both parse `tpu` devices
-    for check in plan_checks(cfg):
-        checks.append(check)
-        print(check.line(), file=out, flush=True)
-    started = time.perf_counter()
-    found = environment_checks(cfg)
-    for name, passed, why in found:
-        checks.append(Check(name, passed, why, (time.perf_counter() - started) / max(1, len(found))))
-        print(checks[-1].line(), file=out, flush=True)
-    run("engines", lambda: check_engines(cfg))
-    run("learner step", lambda: check_step(cfg, generation))
-    run("kernels", lambda: check_kernels(cfg, generation))
+    with mock.patch.dict(os.environ, rollout_host_env(cfg)):
+        for check in plan_checks(cfg):
+            checks.append(check)
+            print(check.line(), file=out, flush=True)
+        started = time.perf_counter()
+        found = environment_checks(cfg)
+        for name, passed, why in found:
+            checks.append(Check(name, passed, why, (time.perf_counter() - started) / max(1, len(found))))
+            print(checks[-1].line(), file=out, flush=True)
+        run("engines", lambda: check_engines(cfg))
+        run("learner step", lambda: check_step(cfg, generation))
+        run("kernels", lambda: check_kernels(cfg, generation))
     return checks
+
+
+def rollout_host_env(cfg) -> dict[str, str]:
+    """What a rollout host of the recipe's slice tells vllm-torchtpu about itself (GKE and TPU VMs set these):
+    without them it asks the GCE metadata server, and takes a chip it does not recognise for TPU7x's geometry.
+    Compiling takes no chip, so no host-wide libtpu lock either."""
+    from rlpipe.tpu_layout import slice_shares
+
+    env = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1"}
+    share = slice_shares(cfg.placement).get("rollout")
+    if share is not None:
+        env.update(TPU_ACCELERATOR_TYPE=share.tslice.pod_type, TPU_NAME="rlpipe-rehearse", TPU_WORKER_ID="0")
+    return env
 
 
 def summary(checks: list[Check], seconds: float) -> str:

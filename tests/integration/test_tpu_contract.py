@@ -52,6 +52,6 @@ def test_every_extra_resolves_for_its_python(extra, tpu_python, tmp_path):
 
 def test_rlpipes_tpu_code_against_the_installed_tpu_packages(tpu_python):
     done = subprocess.run([tpu_python, "-m", "pytest", "tests/tpu_contract", "-q", "-p", "no:cacheprovider"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout
