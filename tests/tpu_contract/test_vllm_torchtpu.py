@@ -5,6 +5,7 @@ transposed — run on this host's CPU. What needs a chip (the model on `tpu` ten
 
 from __future__ import annotations
 
+import ast
 import inspect
 import socket
 import types
@@ -206,15 +207,11 @@ def test_rlpipes_model_builds_in_vllm_on_torchtpu_with_the_configured_kernels(tm
 )
 def test_an_engine_refuses_what_this_platform_would_change_silently(setting, message, tmp_path):
     """The platform's config check turns any dtype into bfloat16 (test_the_platform_computes_in_bfloat16_whatever_it_is_given),
-    and its runner gathers log-probs from the logits before temperature (read from its source)."""
-    from vllm_torchtpu.runner import tpu_runner
-
+    and its runner reports log-probs before temperature (test_the_runner_reports_log_probs_before_temperature)."""
     from rlpipe.bench.tiny_model import build_tiny_model
     from rlpipe.config import RolloutConfig, SyncConfig
     from rlpipe.rollout import RolloutEngine
 
-    runner_source = inspect.getsource(tpu_runner)
-    assert "original logits (before any penalties or\n                # temperature scaling)" in runner_source
     model = build_tiny_model(tmp_path / "qwen3", "qwen3")
     with pytest.raises(RuntimeError, match=message):
         sync = SyncConfig(probe=setting.pop("probe", "auto"))
@@ -244,7 +241,51 @@ def test_the_platform_takes_the_decoded_probe_and_returns_no_prompt_logprobs():
 
     from rlpipe.rollout import decoding_params
 
-    assert "prompt_logprobs_dict={req_id: None for req_id in req_ids}" in inspect.getsource(tpu_runner)
+    # Every output the runner builds gives each request None for its prompt log-probs.
+    outputs = [node for node in ast.walk(ast.parse(inspect.getsource(tpu_runner)))
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ModelRunnerOutput"]
+    assert outputs
+    for output in outputs:
+        (prompt,) = [keyword.value for keyword in output.keywords if keyword.arg == "prompt_logprobs_dict"]
+        assert isinstance(prompt, ast.DictComp) and isinstance(prompt.value, ast.Constant)
+        assert prompt.value.value is None
     current_platform.validate_request(None, decoding_params())
     with pytest.raises(ValueError, match="per-request seed"):
         current_platform.validate_request(None, SamplingParams(seed=1))
+
+
+def _calls(function: ast.AST, method: str) -> list[ast.Call]:
+    return [node for node in ast.walk(function) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute) and node.func.attr == method]
+
+
+def test_the_runner_reports_log_probs_before_temperature():
+    """Why rollout.temperature must be 1.0 on TorchTPU: the runner samples from tempered logits but reports the
+    sampled tokens' log-probs of the logits as the model gave them. Its sampler and gatherer run here on CPU tensors
+    (eagerly: TorchTPU compiles them on a chip), and every step that samples hands both the same logits."""
+    from vllm_torchtpu.runner.tpu_runner import TPUModelRunner
+
+    runner = object.__new__(TPUModelRunner)
+    runner.model_config = types.SimpleNamespace(max_logprobs=0)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=generator)
+    given = logits.clone()
+    temperature = 0.5
+    with torch.compiler.set_stance("force_eager"):
+        sampled = runner.sample_from_logits(
+            logits, torch.full((3, 1), temperature), torch.rand(3, 50, generator=generator),
+            torch.full((3, 1), 50), torch.ones(3, 1),
+        )
+        reported = runner.gather_logprobs(logits, sampled).logprobs
+    assert torch.equal(logits, given)  # sampling left the logits as they were
+    assert torch.allclose(reported, torch.log_softmax(logits, -1).gather(-1, sampled))
+    assert not torch.allclose(reported, torch.log_softmax(logits / temperature, -1).gather(-1, sampled))
+    steps = 0  # the runner's functions that sample and report log-probs
+    for function in ast.walk(ast.parse(inspect.getsource(TPUModelRunner))):
+        if not isinstance(function, ast.FunctionDef) or not _calls(function, "gather_logprobs"):
+            continue
+        samples = _calls(function, "sample_from_logits_func")
+        steps += bool(samples)
+        handed = {ast.dump(call.args[0]) for call in samples + _calls(function, "gather_logprobs")}
+        assert len(handed) == 1, function.name
+    assert steps
