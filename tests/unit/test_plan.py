@@ -492,14 +492,14 @@ def _rayjob_limits() -> dict[str, dict[str, float]]:
 
 
 # Which host peaks of each shipped TPU recipe a deploy manifest gives a pod memory limit for; the others have none
-# (the 30B learner's v6e-32 has no manifest; the one-VM recipe shares each host between the two roles).
+# (the one-VM recipe shares each host between the two roles).
 WITH_MANIFEST = {
     "qwen3-0.6b-gsm8k-v5e.yaml": {"learner_host", "rollout_host"},
     "qwen3-0.6b-gsm8k-v6e.yaml": {"learner_host", "rollout_host"},
     "qwen3-0.6b-gsm8k-v6e-8-one-vm.yaml": set(),
     "qwen3-8b-v6e.yaml": {"learner_host", "rollout_host"},
     "llama3-70b-v5p.yaml": {"learner_host", "rollout_host"},
-    "qwen3-30b-a3b-v6e.yaml": {"rollout_host"},
+    "qwen3-30b-a3b-v6e.yaml": {"learner_host", "rollout_host"},
 }
 
 
