@@ -55,7 +55,9 @@ def test_the_module_map_names_exactly_the_modules_that_exist():
 
 def test_the_check_finds_a_missing_a_stale_and_a_doubled_module():
     files = {"rlpipe/__init__.py", "rlpipe/lora.py", "rlpipe/tools/__init__.py", "rlpipe/tools/calls.py"}
-    rows = ["| `rlpipe/` | p |", "| `rlpipe/lora.py` | l |", "| `rlpipe/tools/` | t |", "| `rlpipe/tools/calls.py` | c |"]
+    rows = [
+        "| `rlpipe/` | p |", "| `rlpipe/lora.py` | l |", "| `rlpipe/tools/` | t |", "| `rlpipe/tools/calls.py` | c |"
+    ]
 
     def page(lines: list[str]) -> str:
         return "\n".join(["# A", "", "## Module map", "", "| module | owns |", "|---|---|", *lines, "", "## Next",
