@@ -423,13 +423,15 @@ def test_the_replayed_probe_is_cut_to_the_engines_context():
     """An episode whose prompt (its tools' schemas) filled the context ended with nothing sampled; the sync replays
     what fits in the context with one token to generate, not a sequence vLLM would refuse."""
     from rlpipe.types import Completion, Group
+    from rlpipe.weightsync.receiver import CommitResult
 
     sync, _ = _channel(retries=0)
     sync.max_model_len, sync.version, sent = 10, 0, []
 
     def transfer(version, tokens, **_):
         sent.append(list(tokens))
-        return {}, [{"probe": [0.0] + [-1.0] * (len(tokens) - 1)}]
+        probe = [0.0] + [-1.0] * (len(tokens) - 1)
+        return {}, [CommitResult(probe_max_abs=0.0, probe_mean_abs=0.0, write_s=0.0, probe_s=0.0, bytes=0, probe=probe)]
 
     sync._transfer = transfer
     prompt = Prompt(0, "q", [1, 2])
