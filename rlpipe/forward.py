@@ -29,8 +29,14 @@ from torch import Tensor
 
 from rlpipe.config import KernelsConfig
 from rlpipe.kernels import linear_logprob, logits_logprob
-from rlpipe.packing import PackedLayout, pack_static, packed_length, packed_static_token_logprobs, packed_token_logprobs
-from rlpipe.parallel.graph_trainer import bucket_length
+from rlpipe.packing import (
+    PackedLayout,
+    bucket_length,
+    pack_static,
+    packed_length,
+    packed_static_token_logprobs,
+    packed_token_logprobs,
+)
 from rlpipe.types import LossInputs, ModelOutputs, TrainBatch
 
 # A micro-batch's rows [start, stop) of the mini-batch, and whether it is real: a padding pass (False) runs so that

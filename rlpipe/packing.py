@@ -11,12 +11,24 @@ One set of rules (`_blocks`), two forms of the result, each with the learner's l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
 from rlpipe.config import KernelsConfig
 from rlpipe.kernels import linear_logprob
+
+
+def bucket_length(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds `length` tokens."""
+    fitting = [bucket for bucket in buckets if bucket >= length]
+    if not fitting:
+        raise ValueError(
+            f"sequence length {length} is longer than the largest bucket ({max(buckets)}); buckets: {sorted(buckets)}"
+        )
+    return min(fitting)
+
 
 # A packed row's padding tokens form a document of their own, which no real token's document id (>= 0) equals.
 PADDING_DOCUMENT = -1

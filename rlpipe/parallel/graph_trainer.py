@@ -23,7 +23,7 @@ Why this and not the alternatives:
 
 What changes between calls and what does not. `dynamic=False` specialises the graph on every input shape, which
 is what static-shape backends (XLA, TorchTPU) want, so sequence lengths must come from a small set: the caller pads
-each batch to `bucket_length(length, buckets)`, and each bucket compiles once. Values that change
+each batch to `rlpipe.packing.bucket_length(length, buckets)`, and each bucket compiles once. Values that change
 every step — the learning rate, the optimizer step count, token normalisers inside the batch — are 0-d tensors,
 never Python floats, because Dynamo specialises on Python scalars and would recompile for each new value. Dynamo's
 recompile limit (8 by default) is raised to `len(buckets) + 2`, and hitting it raises instead of quietly running
@@ -96,16 +96,6 @@ class StepReport:
     stats: Stats | Mapping[str, Tensor] | None
     compiles: float
     graph_breaks: float
-
-
-def bucket_length(length: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket that holds `length` tokens."""
-    fitting = [bucket for bucket in buckets if bucket >= length]
-    if not fitting:
-        raise ValueError(
-            f"sequence length {length} is longer than the largest bucket ({max(buckets)}); buckets: {sorted(buckets)}"
-        )
-    return min(fitting)
 
 
 class FunctionalAdamW:

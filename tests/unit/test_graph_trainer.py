@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlpipe.models import build_model
-from rlpipe.parallel.graph_trainer import FunctionalAdamW, GraphTrainStep, bucket_length
+from rlpipe.packing import bucket_length
+from rlpipe.parallel.graph_trainer import FunctionalAdamW, GraphTrainStep
 from rlpipe.types import LossStats
 
 TINY_LLAMA = dict(

@@ -10,8 +10,7 @@ import torch
 from rlpipe.config import KernelsConfig, load_config
 from rlpipe.kernels import linear_logprob
 from rlpipe.learner import Learner, combine_rank_metrics
-from rlpipe.packing import pack, packed_length
-from rlpipe.parallel.graph_trainer import bucket_length
+from rlpipe.packing import bucket_length, pack, packed_length
 from rlpipe.train_engine import token_logprobs
 from rlpipe.models import CausalLM, ModelArchitecture
 from rlpipe.models.llama import FULL_ATTENTION, SLIDING_ATTENTION
