@@ -19,9 +19,11 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from rlpipe.kernels import register_torchtpu_ops
 from rlpipe.models.llama import CausalLM, ModelArchitecture
 from rlpipe.models.moe import stack_expert_weights
 from rlpipe.models.registry import model_type_of
+from rlpipe.vllm_worker import vllm_platform
 
 ARCHITECTURE = "RlpipeForCausalLM"
 # The engine's hf_overrides entry carrying `model.kernels.rmsnorm` / `.experts` to the model's constructor.
@@ -49,6 +51,8 @@ class RlpipeForCausalLM(CausalLM):
         hf_config = vllm_config.model_config.hf_config.to_dict()
         super().__init__(ModelArchitecture.from_hf({**hf_config, "model_type": model_type_of(hf_config)}))
         self.use_kernels(**hf_config.get(KERNELS_KEY, {}))  # attention stays vLLM's (the paged KV cache)
+        if vllm_platform() == "torchtpu":  # vLLM compiles the model there, and cannot trace a kernel's registration
+            register_torchtpu_ops()
         for index, layer in enumerate(self.model.layers):
             attention = layer.self_attn
             # Named so that the module path equals the prefix vLLM binds this layer's KV cache under.

@@ -199,6 +199,20 @@ def test_rlpipes_model_builds_in_vllm_on_torchtpu_with_the_configured_kernels(tm
     assert {module.impl for module in model.modules() if isinstance(module, RMSNorm)} == {"pallas"}
 
 
+def test_rlpipes_model_in_vllm_on_torchtpu_makes_its_kernels_ops_before_vllm_compiles_it(tmp_path, vllm_distributed):
+    """vLLM on TorchTPU compiles the model, and a compile cannot make a kernel's TorchTPU op (rlpipe/kernels/_jax.py):
+    building rlpipe's model there makes every kernel's op first, as the learner does before its step."""
+    from rlpipe.bench.tiny_model import build_tiny_model
+    from rlpipe.kernels import _jax
+    from rlpipe.vllm_model import engine_overrides, register
+
+    register()
+    model_path = build_tiny_model(tmp_path / "qwen3", "qwen3")
+    _jax._TORCHTPU_OPS.clear()
+    _tpu_model(model_path, hf_overrides=engine_overrides(rmsnorm="pallas"))
+    assert _jax._KERNELS and set(_jax._KERNELS) <= set(_jax._TORCHTPU_OPS)
+
+
 @pytest.mark.parametrize(
     "setting, message",
     [({"dtype": "float32"}, "rollout.dtype: vLLM on TorchTPU computes in bfloat16 only"),
