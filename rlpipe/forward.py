@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlpipe.config import KernelsConfig
-from rlpipe.kernels import linear_logprob, logits_logprob
+from rlpipe.kernels import linear_logprob
 from rlpipe.packing import (
     PackedLayout,
     bucket_length,
@@ -303,15 +303,6 @@ def token_logprobs(
     return packed_token_logprobs(
         model, input_ids, lengths, prompt_lengths, scored, temperature, with_entropy, kernels, router_logits
     )
-
-
-def logits_token_logprobs(logits_of, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """`token_logprobs` for a model that is a plain callable returning logits [B, T, V] (e.g. a transformers
-    model's), read the plain way."""
-    targets = input_ids[:, 1:]
-    logits = logits_of(input_ids)[:, :-1]
-    picked, _ = logits_logprob(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), 1.0 / temperature)
-    return F.pad(picked.view(targets.shape), (1, 0))
 
 
 # ------------------------------------------------------------------ cutting and padding rows

@@ -4,7 +4,6 @@
 from rlpipe.parallel.mesh import destroy_distributed, find_free_port, init_distributed, make_mesh
 from rlpipe.parallel.simple_fsdp import (
     MixedPrecision,
-    full_state_dict,
     gathering_disabled,
     shard_model,
 )
@@ -13,7 +12,6 @@ __all__ = [
     "MixedPrecision",
     "destroy_distributed",
     "find_free_port",
-    "full_state_dict",
     "gathering_disabled",
     "init_distributed",
     "make_mesh",

@@ -168,11 +168,6 @@ def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, gathered
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """`full_tensors` all at once: every rank receives the whole model."""
-    return dict(full_tensors(model))
-
-
 def _parameter_placements(mesh: DeviceMesh) -> list[Placement]:
     """Shard(0) on the mesh's "shard" dimension, Replicate on any other (a 1-D mesh without names is all shard)."""
     names = mesh.mesh_dim_names
@@ -276,10 +271,3 @@ def shard_dim0_spmd(tensors, mesh) -> None:
     for tensor in tensors:
         if tensor.dim() > 0:
             xs.mark_sharding(tensor, mesh, (SHARD_DIM,) + (None,) * (tensor.dim() - 1))
-
-
-def xla_sharding(tensor: torch.Tensor) -> str:
-    """The sharding XLA holds for `tensor`, e.g. `{devices=[2,1]0,1}` or `{replicated}` (for tests and reports)."""
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_sharding_spec(tensor) or "{replicated}"

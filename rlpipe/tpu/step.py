@@ -215,6 +215,7 @@ def fake_process_group(ranks: int):
     fake backend, here for the `tpu` device too)."""
     import torch.distributed as dist
     from torch._C._distributed_c10d import FakeProcessGroup
+    from rlpipe.parallel.mesh import destroy_distributed
 
     name = "rlpipe_fake_tpu"
     if name not in dist.Backend.backend_list:
@@ -226,7 +227,7 @@ def fake_process_group(ranks: int):
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def full_rows_batch(cfg, pad_id: int = 0):
@@ -249,6 +250,7 @@ def compile_recipe_step(cfg, generation: str, layers: int = 2) -> StepReport:
     from rlpipe.memory_plan import architecture_source
     from rlpipe.parallel.mesh import make_mesh
     from rlpipe.types import LossInputs
+    from rlpipe.weightform import weight_form
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     ranks = cfg.learner.ranks
@@ -258,7 +260,7 @@ def compile_recipe_step(cfg, generation: str, layers: int = 2) -> StepReport:
             model_path, model=cfg.model, learner=cfg.learner, train=cfg.train, algo=cfg.algo,
             samples_per_step=cfg.samples_per_step, temperature=cfg.rollout.temperature,
             max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed, rank=0, world_size=ranks,
-            weights_from=ShapeOnlyWeights,
+            form=weight_form(cfg, model_path), weights_from=ShapeOnlyWeights,
         )
         engine = learner.engine
         strategy = engine.strategy

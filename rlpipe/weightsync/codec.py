@@ -173,7 +173,7 @@ def pack_part(
     `version`, the bucket and `rank`). `local[name]` is the rank's shard of that tensor: exactly the rows the plan
     assigns it. `out` is the rank's part (part_bytes long), or with `whole_bucket` the buffer every rank writes its
     rows into (bucket.nbytes long, the whole tensors end to end): then the rows go to their place in their tensor and
-    the checksum covers just them (`part_checksum`). Raises `NonFiniteWeights` on a NaN or inf, naming the tensor."""
+    the checksum covers just them. Raises `NonFiniteWeights` on a NaN or inf, naming the tensor."""
     copy_hash = native.copy_hash()
     hasher = PartHash.of_part(version, bucket, rank)
     exponent = _EXPONENT_BITS.get(dtype, 0)
@@ -229,14 +229,3 @@ def copy_hashed(source: np.ndarray, target: np.ndarray, seed: int, position: int
         np.copyto(written, source[start : start + _chunk_bytes()])
         total = _add(total, word_sums(written, seed, position + start))
     return total
-
-
-def part_checksum(bucket: Bucket, rank: int, buffer: np.ndarray, whole_bucket: bool = False, version: int = 0) -> int:
-    """The checksum of `rank`'s part of `bucket` in `version`: all of `buffer`, or with `whole_bucket` only that
-    rank's rows in the shared buffer. Equal to what `pack_part` returned for intact bytes."""
-    hasher = PartHash.of_part(version, bucket, rank)
-    data = buffer.reshape(-1).view(np.uint8)
-    for piece in bucket.parts[rank]:
-        position = piece.bucket_offset if whole_bucket else piece.offset
-        hasher.update(data[position : position + piece.nbytes], piece.offset)
-    return hasher.digest()

@@ -84,15 +84,14 @@ def _check_export(folder):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlpipe.forward import logits_token_logprobs
     from rlpipe.train_engine import token_logprobs
     from rlpipe.models import load_model
 
     tokens = list(range(5, 30))
     ours = token_logprobs(load_model(folder), torch.tensor([tokens]))[0]
-    theirs = logits_token_logprobs(
-        lambda ids: AutoModelForCausalLM.from_pretrained(folder)(ids).logits, torch.tensor([tokens])
-    )[0]
+    logits = AutoModelForCausalLM.from_pretrained(folder)(torch.tensor([tokens])).logits[0, :-1].float()
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    theirs = torch.cat([torch.zeros(1), picked])
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
     # vLLM pins the thread count of the process it runs in, so it gets a process of its own.
     script = (

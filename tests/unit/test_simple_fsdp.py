@@ -25,13 +25,13 @@ from rlpipe.parallel import (
     MixedPrecision,
     destroy_distributed,
     find_free_port,
-    full_state_dict,
     gathering_disabled,
     init_distributed,
     make_mesh,
     shard_model,
 )
 from rlpipe.parallel import simple_fsdp
+from rlpipe.parallel.simple_fsdp import full_tensors
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -181,7 +181,7 @@ def _recompute_run(config_name: str, rank: int) -> dict:
         model.model.activation_checkpointing = recompute
         observed = _observe_one_step(model, full_shapes, torch.float32)
         observed["losses"] = _train(model, rows, ids[:, 1:].numel())
-        observed["final_full"] = full_state_dict(model)
+        observed["final_full"] = dict(full_tensors(model))
         out["recompute" if recompute else "keep"] = observed
     return out
 
@@ -199,7 +199,7 @@ def _sharded_run(config_name: str, replicate: int, mp: MixedPrecision, rank: int
         name: (type(value).__name__, tuple(value.to_local().shape), [repr(p) for p in value.placements])
         for name, value in model.state_dict().items()
     }
-    initial_full = full_state_dict(model)
+    initial_full = dict(full_tensors(model))
 
     embedding_module = model.model.embed_tokens
     with gathering_disabled():
@@ -245,7 +245,7 @@ def _sharded_run(config_name: str, replicate: int, mp: MixedPrecision, rank: int
     ids = _token_ids()
     rows = ids.chunk(WORLD_SIZE)[rank]
     losses = _train(model, rows, ids[:, 1:].numel(), on_first_backward=record_grads)
-    final_full = full_state_dict(model)
+    final_full = dict(full_tensors(model))
     master_dtypes = {name: str(param.dtype) for name, param in model.named_parameters()}
 
     return dict(
@@ -272,7 +272,7 @@ def _plain_module_checks() -> dict:
     output = model(torch.randn(2, 5))
     with gathering_disabled(), torch.no_grad():
         model[0].weight.fill_(0.5)
-    return dict(output_dtype=str(output.dtype), weight_after_fill=full_state_dict(model)["0.weight"])
+    return dict(output_dtype=str(output.dtype), weight_after_fill=dict(full_tensors(model))["0.weight"])
 
 
 def _rank_main(rank: int, port: int, config_name: str, run_names: list[str], out_dir: str) -> None:
@@ -431,7 +431,7 @@ def test_hybrid_mesh_places_replicate_then_shard(sharded):
             assert observed["grads"][name][2] == placements, name
 
 
-def test_full_state_dict_equals_unsharded_weights(sharded, reference):
+def test_full_tensors_equal_unsharded_weights(sharded, reference):
     for per_rank in sharded:
         for run_name in RUNS:
             observed = per_rank[run_name]

@@ -10,8 +10,15 @@ import sys
 
 from rlpipe.device import xla_counters
 from rlpipe.learner import Learner, combine_rank_metrics
-from rlpipe.parallel.simple_fsdp import xla_sharding
+from rlpipe.weightform import weight_form
 from tests.xla.test_xla_learner import LORA, STEPS, _batch, _config
+
+
+def xla_sharding(tensor) -> str:
+    """The sharding XLA holds for `tensor`, e.g. `{devices=[2,1]0,1}` or `{replicated}`."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor) or "{replicated}"
 
 
 def main(model_path: str, devices: int) -> None:
@@ -21,10 +28,10 @@ def main(model_path: str, devices: int) -> None:
 
 def compare(model_path: str, devices: int, extra: tuple[str, ...]) -> None:
     batches = [_batch(seed) for seed in range(STEPS)]
-    sharded = Learner.from_config(
-        model_path, _config(model_path, "learner.device=xla", "learner.graph=true", f"learner.ranks={devices}", *extra)
-    )
-    eager = Learner.from_config(model_path, _config(model_path, "learner.device=cpu", "learner.graph=false", *extra))
+    sharded_cfg = _config(model_path, "learner.device=xla", "learner.graph=true", f"learner.ranks={devices}", *extra)
+    eager_cfg = _config(model_path, "learner.device=cpu", "learner.graph=false", *extra)
+    sharded = Learner.from_config(model_path, sharded_cfg, form=weight_form(sharded_cfg, model_path))
+    eager = Learner.from_config(model_path, eager_cfg, form=weight_form(eager_cfg, model_path))
     sharded.engine.ready()  # its one-off set-up (sharding the parameters and optimizer state) runs apart from the steps
     before = xla_counters()
     losses = {
