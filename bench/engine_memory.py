@@ -285,7 +285,7 @@ def format_table(before: dict, after: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="checkout measured first (the baseline)")
-    parser.add_argument("--after", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    parser.add_argument("--after", default=os.path.dirname(os.path.dirname(os.path.realpath(__file__))),
                         help="checkout measured second (default: this one)")
     parser.add_argument("--model", help="model folder (default: built once in a temporary folder)")
     parser.add_argument("--transports", default="shm,ray", help="sync.transport of each pair of measurements")

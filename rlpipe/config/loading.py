@@ -27,11 +27,9 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> 
 
 
 def recipes_dir() -> Path:
-    """The recipes rlpipe ships: configs/ beside rlpipe/ in a checkout (an editable install reads them there too),
-    rlpipe/configs/ once installed from a wheel."""
-    package = Path(__file__).resolve().parents[1]
-    inside = package / "configs"
-    return inside if inside.is_dir() else package.parent / "configs"
+    """The recipes rlpipe ships: rlpipe/configs/, which in a checkout is a link to the top-level configs/ (the
+    folder returned)."""
+    return (Path(__file__).resolve().parents[1] / "configs").resolve()
 
 
 def find_recipe(recipe: str | Path) -> Path:

