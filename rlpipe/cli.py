@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return rehearse_command(cfg, args.json)
         if args.command == "plan":
-            from rlpipe.memory_plan import format_plan, plan
+            from rlpipe.plan import format_plan, plan
 
             result = plan(cfg)
             print(format_plan(result))

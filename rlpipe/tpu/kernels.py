@@ -8,7 +8,7 @@ fit its scoped VMEM, which lowering alone never reaches.
 
 A case is a JAX function with its arguments as `jax.ShapeDtypeStruct`s; each kernel kind's builder (`CASES`) makes
 its forward and backward cases from a model's shapes, which come from a recipe and its model's config
-(`recipe_shapes`): tokens = one learner pass on one rank (`rlpipe.memory_plan.learner_sequence`: micro_batch_size
+(`recipe_shapes`): tokens = one learner pass on one rank (`rlpipe.plan.learner_sequence`: micro_batch_size
 rows x the bucketed sequence length), the widths from the model's Hugging Face config.json. Adding a kernel is one
 builder and one `CASES` entry; `recipe_cases` picks the ones a recipe's `model.kernels` runs.
 
@@ -68,7 +68,7 @@ class ModelShapes:
 def recipe_shapes(cfg, name: str = "") -> ModelShapes:
     """The shapes of the recipe `cfg` (a loaded `Config`) and of the model config.json its model.path resolves to
     (the downloaded folder, else configs/models/<name>.json), as `rlpipe plan` reads them."""
-    from rlpipe.memory_plan import architecture_source, learner_sequence
+    from rlpipe.plan import architecture_source, learner_sequence
 
     rows, seq = learner_sequence(cfg)
     hf = json.loads(architecture_source(cfg.model.path).read_text())

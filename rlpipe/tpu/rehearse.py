@@ -82,7 +82,7 @@ def learner_generation(cfg) -> str:
 
 def plan_checks(cfg) -> list[Check]:
     """`rlpipe plan`'s limits, a check each."""
-    from rlpipe.memory_plan import plan_checks as limits
+    from rlpipe.plan import plan_checks as limits
 
     started = time.perf_counter()
     found = limits(cfg)
@@ -98,7 +98,7 @@ def check_engines(cfg) -> tuple[bool, str]:
     from vllm.engine.arg_utils import EngineArgs
 
     from rlpipe.config.rollout import torchtpu_refusal
-    from rlpipe.memory_plan import architecture_source
+    from rlpipe.plan import architecture_source
     from rlpipe.tpu.hosts import tpu_host
     from rlpipe.tpu_layout import slice_shares
 

@@ -247,7 +247,7 @@ def compile_recipe_step(cfg, generation: str, layers: int = 2) -> StepReport:
     """The recipe `cfg`'s learner step on fake `tpu` tensors, rank 0 of its learner ranks, through TorchTPU's
     backend up to the chip (see the module docstring for what runs and where it stops)."""
     from rlpipe.learner import Learner
-    from rlpipe.memory_plan import architecture_source
+    from rlpipe.plan import architecture_source
     from rlpipe.parallel.mesh import make_mesh
     from rlpipe.types import LossInputs
     from rlpipe.weightform import weight_form

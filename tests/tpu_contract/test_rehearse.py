@@ -16,7 +16,7 @@ import yaml
 
 from rlpipe.config.loading import find_recipe, load_config
 from rlpipe.device import tpu_slice
-from rlpipe.memory_plan import learner_sequence
+from rlpipe.plan import learner_sequence
 from rlpipe.tpu.rehearse import COMPILE_CHIPS
 
 REPO = Path(__file__).resolve().parents[2]

@@ -171,7 +171,7 @@ def test_online_a_cached_model_is_used_when_the_hub_cannot_be_reached(hub_cache,
 
 
 def test_the_plan_reads_a_cached_hub_models_config_and_never_downloads(hub_cache, tmp_path, monkeypatch):
-    from rlpipe.memory_plan import MODELS_DIR, architecture_source
+    from rlpipe.plan import MODELS_DIR, architecture_source
 
     assert architecture_source(REPO_ID) == hub_cache / "config.json"
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # even online, the plan looks in the cache only

@@ -10,16 +10,10 @@ from rlpipe.cli import main
 from rlpipe.config import ConfigError, load_config
 from rlpipe.device import tpu_slice
 from rlpipe.models.registry import model_architecture
-from rlpipe.memory_plan import (
-    BUCKETS_IN_FLIGHT,
-    DCP_COPY_AHEAD,
-    GIB,
-    ModelSize,
-    kv_heads_per_chip,
-    load_architecture,
-    plan,
-)
-from rlpipe.pod_limits import MANIFESTS_DIR, PodLimit, memory_quantity, pod_memory_limit
+from rlpipe.plan import GIB, ModelSize, load_architecture, plan
+from rlpipe.plan.engine import BUCKETS_IN_FLIGHT, kv_heads_per_chip
+from rlpipe.plan.learner import DCP_COPY_AHEAD
+from rlpipe.plan.pods import MANIFESTS_DIR, PodLimit, memory_quantity, pod_memory_limit
 from rlpipe.weightsync.sender import _PACK_AHEAD
 
 REPO = Path(__file__).resolve().parents[2]

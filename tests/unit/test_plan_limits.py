@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 from rlpipe.config import ConfigError, load_config
-from rlpipe.memory_plan import GIB, format_plan, plan, plan_checks
-from rlpipe.plan_limits import LimitCheck
-from rlpipe.pod_limits import MANIFESTS_DIR, host_limits, ray_default_object_store
+from rlpipe.plan import GIB, LimitCheck, format_plan, plan, plan_checks
+from rlpipe.plan.pods import MANIFESTS_DIR, host_limits, ray_default_object_store
 from rlpipe.preflight import check_tpu_slices
 from rlpipe.tpu_env import torchtpu_process_env
 from rlpipe.tpu_layout import ENGINE_CHIP_COUNTS, slice_problems, slice_shares

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlpipe.config import recipes_dir
+from rlpipe.plan.parts import GIB
 from rlpipe.tpu_layout import SliceShare
 
 # The KubeRay manifests whose TPU worker groups give each host's pod memory limit (a checkout's deploy/kuberay).
@@ -173,3 +174,13 @@ def pod_memory_limit(share: SliceShare, manifests: Path | None = None, role: str
         return found
     smallest = min(found, key=lambda limits: (limits.memory, limits.manifest))
     return PodLimit(smallest.memory, smallest.manifest, smallest.group)
+
+
+def host_memory_limit(share: SliceShare | None, role: str, manifests: Path | None) -> tuple[float | None, str, str]:
+    """(limit bytes, what it is, why there is none) for one host of `role`."""
+    if share is None:
+        return None, "", f"no placement.{role}.tpu, so no deploy manifest to compare against"
+    limit = pod_memory_limit(share, manifests, role)
+    if isinstance(limit, str):
+        return None, "", limit
+    return limit.bytes, f"{limit.bytes / GIB:.0f} GiB pod limit ({limit.manifest}, group {limit.group})", ""
