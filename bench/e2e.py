@@ -254,7 +254,7 @@ class TrlReward:
     def __init__(self, name: str, weight: float = 1.0, kwargs: dict | None = None, max_tokens: int | None = None,
                  eos_token_id: int | None = None, **_):
         from rlpipe.rewards import load_reward
-        from rlpipe.rewards.registry import display_name
+        from rlpipe.callables import display_name
 
         self.fn, self.weight, self.kwargs = load_reward(name), weight, dict(kwargs or {})
         self.max_tokens, self.eos_token_id = max_tokens, eos_token_id

@@ -33,8 +33,8 @@ import traceback
 import weakref
 from typing import Any, NamedTuple
 
+from rlpipe.callables import describe_error, load_reward, shown_name
 from rlpipe.rewards.contract import LOG_CALLBACKS
-from rlpipe.rewards.registry import describe_error, load_reward, shown_name
 
 _HEADER = struct.Struct("<Q")
 _PR_SET_PDEATHSIG = 1

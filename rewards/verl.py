@@ -36,8 +36,8 @@ from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
+from rlpipe.callables import RewardConfigError, load_reward
 from rlpipe.rewards.contract import completion_text
-from rlpipe.rewards.registry import RewardConfigError, load_reward
 
 VERL_DEFAULT = "verl.utils.reward_score:default_compute_score"
 SAMPLE_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")

@@ -128,7 +128,7 @@ def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> d
 
 def reward_specs(funcs: RewardFunc | Sequence[RewardFunc], weights: Sequence[float] | None = None) -> list[dict]:
     """reward.functions entries for `funcs` (callables or names), weighted by `weights` (default 1.0 each)."""
-    from rlpipe.rewards.registry import by_value_name
+    from rlpipe.callables import by_value_name
 
     funcs = [funcs] if callable(funcs) or isinstance(funcs, str) else list(funcs)
     if weights is None:
@@ -150,7 +150,7 @@ def reward_specs(funcs: RewardFunc | Sequence[RewardFunc], weights: Sequence[flo
 def _named(target: Callable | str, where: str) -> str:
     """How a tool or environment factory given to `train` is named in the config: a name as it is, a callable by
     import path where every worker imports it so, else by value."""
-    from rlpipe.rewards.registry import by_value_name
+    from rlpipe.callables import by_value_name
 
     if isinstance(target, str):
         return target
@@ -161,8 +161,8 @@ def _named(target: Callable | str, where: str) -> str:
 
 def add_reward_search_path(*folders: str) -> None:
     """Let every process of the run (this one, the reward workers of a local cluster, their child processes) import
-    reward modules from `folders` too, after its own sys.path (rewards/registry.py reads RLPIPE_REWARD_PATH)."""
-    from rlpipe.rewards.registry import SEARCH_PATH_VARIABLE
+    reward modules from `folders` too, after its own sys.path (rlpipe/callables.py reads RLPIPE_REWARD_PATH)."""
+    from rlpipe.callables import SEARCH_PATH_VARIABLE
 
     known = [f for f in os.environ.get(SEARCH_PATH_VARIABLE, "").split(os.pathsep) if f]
     os.environ[SEARCH_PATH_VARIABLE] = os.pathsep.join(dict.fromkeys([*known, *folders]))
@@ -171,7 +171,7 @@ def add_reward_search_path(*folders: str) -> None:
 def check_by_value_rewards(cfg: Config) -> None:
     """A reward function passed by value needs cloudpickle where the reward workers run: refused before anything
     starts when placement.reward.python names an environment that lacks it."""
-    from rlpipe.rewards.registry import BY_VALUE_PREFIX, shown_name
+    from rlpipe.callables import BY_VALUE_PREFIX, shown_name
 
     by_value = [f.name for f in cfg.reward.functions if f.name.startswith(BY_VALUE_PREFIX)]
     if not by_value or cfg.placement.reward.python is None:
@@ -191,7 +191,7 @@ def check_by_value_rewards(cfg: Config) -> None:
 
 def _import_path(func: Callable) -> str | None:
     """"module:qualname" for a function every worker imports the same way (from an installed package), else None."""
-    from rlpipe.rewards.registry import importable_everywhere
+    from rlpipe.callables import importable_everywhere
 
     module = sys.modules.get(getattr(func, "__module__", None) or "")
     qualified = getattr(func, "__qualname__", "")

@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 
+from rlpipe.callables import readable
 from rlpipe.config import first_line
 from rlpipe.config.metrics import HUB_REPO_ID
-from rlpipe.rewards.registry import readable
 
 CARD = "README.md"
 CARD_TAGS = ["rlpipe", "grpo", "reinforcement-learning", "text-generation"]

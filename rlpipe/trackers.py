@@ -11,8 +11,8 @@ import math
 import time
 from pathlib import Path
 
+from rlpipe.callables import readable
 from rlpipe.config import Config, ConfigError, MetricsConfig
-from rlpipe.rewards.registry import readable
 
 # The module each optional tracker needs, and the rlpipe extra that installs it.
 _REQUIRED_MODULES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}

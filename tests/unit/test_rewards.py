@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import logging
 import math
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import rlpipe.rewards.registry
+import rlpipe.callables
 from rlpipe.rewards import RewardConfigError, RewardResult, RewardRunner, load_reward
 from rlpipe.rewards.extract import after_hashes, extract_answer, gold_answer, last_boxed, last_line, last_number
 from rlpipe.rewards.math import exact_match, numeric_answer
@@ -227,7 +228,7 @@ def test_load_reward_finds_entry_points(monkeypatch):
     def fake_entry_points(group, name):
         return [registered] if (group, name) == ("rlpipe.rewards", "my_length") else []
 
-    monkeypatch.setattr(rlpipe.rewards.registry, "entry_points", fake_entry_points)
+    monkeypatch.setattr(rlpipe.callables, "entry_points", fake_entry_points)
     assert load_reward("my_length") is reward_fixtures.length
     with pytest.raises(RewardConfigError, match="rlpipe.rewards"):
         load_reward("someone_elses")
@@ -374,22 +375,31 @@ def test_runner_needs_functions_and_a_positive_timeout():
         RewardRunner([spec("length")], timeout_s=0)
 
 
+SHARED = ("rlpipe.callables", "rlpipe.sandbox")  # what rlpipe.rewards shares with rlpipe.tools
+
+
 def test_rewards_package_imports_no_framework_code():
-    """Of rlpipe, rlpipe.rewards imports only itself (neither the core nor rlpipe.actors); and never ray."""
-    package_dir = Path(rlpipe.rewards.registry.__file__).parent
+    """Of rlpipe, rlpipe.rewards imports only itself and the two modules it shares with the tools, which import
+    nothing of rlpipe (neither the core nor rlpipe.actors); and never ray."""
+    package_dir = Path(rlpipe.rewards.__file__).parent
     for source in package_dir.glob("*.py"):
         tree = ast.parse(source.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = {node.module}
+                names = {f"rlpipe.{alias.name}" for alias in node.names} if node.module == "rlpipe" else {node.module}
             else:
                 continue
             for name in names:
                 root = name.split(".")[0]
-                own = name == "rlpipe.rewards" or name.startswith("rlpipe.rewards.")
+                own = name == "rlpipe.rewards" or name.startswith("rlpipe.rewards.") or name in SHARED
                 assert root not in ("ray", "actors") and (root != "rlpipe" or own), f"{source.name} imports {name}"
+    for module in SHARED:  # and those import nothing of rlpipe
+        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {name for name in imported if name.split(".")[0] in ("rlpipe", "ray")}, module
 
 
 def test_a_function_failing_on_most_samples_for_several_steps_stops_the_run():

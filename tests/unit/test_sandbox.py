@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.rewards import sandbox
-from rlpipe.rewards.sandbox import Limits, SandboxUnavailable, run
+from rlpipe import sandbox
+from rlpipe.sandbox import Limits, SandboxUnavailable, run
 
 FAST = Limits(cpu_s=2, wall_s=5, memory_mb=256, file_mb=4, scratch_mb=8, processes=16)
 MARGIN_S = 3  # the wall limit plus this bounds every call
@@ -194,7 +194,7 @@ def test_flooding_output_costs_the_caller_no_more_than_the_cap():
     # In a fresh interpreter, so that its peak memory is this call's alone: VmHWM, which a new program starts
     # afresh (ru_maxrss would keep the forking pytest worker's). 256 MiB on each of stdout and stderr.
     script = (
-        "from rlpipe.rewards.sandbox import Limits, run\n"
+        "from rlpipe.sandbox import Limits, run\n"
         "outcome = run('import os\\nchunk = b\"x\" * 2**20\\nfor _ in range(256):\\n    os.write(1, chunk)\\n"
         "    os.write(2, chunk)', Limits(wall_s=60))\n"
         "peak_kb = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM:'))\n"

@@ -437,7 +437,7 @@ def test_the_calculator_recipes_worked_examples_call_the_tool_as_the_parser_read
 # ---------------------------------------------------------------------------------------------- model-written code
 
 
-from rlpipe.rewards import sandbox  # noqa: E402
+from rlpipe import sandbox  # noqa: E402
 from rlpipe.tools import (  # noqa: E402
     ToolCall,
     ToolThreads,

