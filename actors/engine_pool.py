@@ -18,8 +18,8 @@ from rlpipe.actors.placement import PlacedRole
 from rlpipe.actors.rollout import RolloutActor
 from rlpipe.config import Config
 from rlpipe.logs import LogSetup
-from rlpipe.lora import lora_sync
 from rlpipe.types import Completion, Prompt
+from rlpipe.weightform import FULL, WeightForm
 from rlpipe.weightsync import SyncError
 
 
@@ -48,7 +48,8 @@ class EnginePool:
     """`cfg.rollout.num_engines` engines in `placement`, one slot each. `note` reports an engine started again.
 
     An engine that does not answer a call within its deadline (`rollout.generate_timeout_s` for what may wait on a
-    generation) is replaced like one that died."""
+    generation) is replaced like one that died. `form`: the run's weight form, which each engine is started for
+    (adapters: it takes them through vLLM's LoRA support); engines that only evaluate serve full weights."""
 
     def __init__(
         self,
@@ -58,13 +59,10 @@ class EnginePool:
         tokenizer_path: str | None,
         note: Callable[[str], None],
         log: LogSetup | None = None,
-        synced: bool = True,
+        form: WeightForm = FULL,
     ):
         self.cfg, self.placement, self.note, self.log = cfg, placement, note, log
-        self.model_path, self.tokenizer_path = model_path, tokenizer_path
-        # Engines of a training run that syncs the adapters alone are started to take them (enable_lora); those
-        # that only evaluate (EvalRoles, a merged export) are not.
-        self.receives_adapters = synced and lora_sync(cfg, model_path)[0] == "adapters"
+        self.model_path, self.tokenizer_path, self.form = model_path, tokenizer_path, form
         self.engines: list = []
         self.restarts = [0] * cfg.rollout.num_engines
 
@@ -76,8 +74,7 @@ class EnginePool:
         log = None if self.log is None else replace(self.log, who=f"rollout-{index}")
         return RolloutActor.options(**self.placement.options(index, compute_env(self.cfg))).remote(
             self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync, log,
-            self.cfg.model.kernels,
-            self.cfg.learner.lora if self.receives_adapters else None,
+            self.cfg.model.kernels, self.form,
         )
 
     def hosts(self) -> list[str]:

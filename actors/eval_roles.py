@@ -40,7 +40,8 @@ class EvalRoles(EngineRoles):
         engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel,
                               share=slice_shares(cfg.placement).get("rollout"))
         rewarders = self._place("reward", cfg.reward.num_workers)
-        self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log, synced=False)
+        # Engines that only evaluate take no sync: they serve the folder's weights whole (the pool's default form).
+        self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log)
         self.pool.start()
         self._start_rewards(rewarders, columns)
         get_all([e.policy_version.remote() for e in self.pool.engines] + [r.names.remote() for r in self.rewarders],

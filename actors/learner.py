@@ -15,6 +15,7 @@ from rlpipe.learner import Learner
 from rlpipe.logs import LogSetup, configure_worker
 from rlpipe.tpu_env import keep_only_given_tpu_env
 from rlpipe.types import TrainBatch
+from rlpipe.weightform import FULL, WeightForm
 from rlpipe.weightsync import SyncPlan, make_transport, stream_parts
 
 # Parts of this many buckets may be in flight per engine before the sender waits for receipts.
@@ -57,7 +58,10 @@ def send_parts(
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, model_path: str, cfg: Config, rank: int, world_size: int, log: LogSetup | None = None):
+    def __init__(
+        self, model_path: str, cfg: Config, rank: int, world_size: int, log: LogSetup | None = None,
+        form: WeightForm = FULL,
+    ):
         keep_only_given_tpu_env()  # also where Ray was started without rlpipe's job environment (actors/cluster.py)
         if log is not None:
             configure_worker(log)
@@ -65,7 +69,7 @@ class LearnerActor:
         # while it trains, since generation and training take turns in synchronous mode.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.cfg = cfg
-        self.learner = Learner.from_config(model_path, cfg, rank, world_size)
+        self.learner = Learner.from_config(model_path, cfg, rank, world_size, form)
         self.transport = make_transport(cfg.sync.transport)
 
     def rendezvous_address(self) -> tuple[str, int]:

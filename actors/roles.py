@@ -30,6 +30,7 @@ from rlpipe.learner import combine_rank_metrics
 from rlpipe.logs import LogSetup
 from rlpipe.tpu_layout import SliceShare, slice_shares
 from rlpipe.types import Group, Prompt, StepScores, TrainBatch
+from rlpipe.weightform import FULL, WeightForm
 
 
 class EngineRoles:
@@ -135,14 +136,17 @@ class Roles(EngineRoles):
         note: Callable[[str], None] = print,
         reward_columns: list[str] | None = None,
         log: LogSetup | None = None,
+        form: WeightForm = FULL,
     ):
         """`resume`: {"learner": directory of a checkpoint's learner state, "rng": each rank's RNG state or None}.
         `note`: where to report events worth a line in the run's log (an engine restarted).
         `reward_columns`: the dataset's columns every scored batch carries, checked against the reward functions'
         signatures when the reward workers start (None: not known here, see RewardRunner).
         `log`: how the actors log (rlpipe/logs.py), each tagged with its role and index; None leaves their logging
-        as the libraries set it."""
+        as the libraries set it.
+        `form`: the run's weight form (`rlpipe.weightform.weight_form`), handed to the learner ranks and the engines."""
         super().__init__(cfg, note, log)
+        self.form = form
         # An actor that cannot be placed waits forever; say so instead of hanging.
         check_cluster_resources(cfg, ray.cluster_resources())
         self.learners: list = []
@@ -164,7 +168,7 @@ class Roles(EngineRoles):
         engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel,
                               share=shares.get("rollout"), sharing=learners if one_host else None)
         rewarders = self._place("reward", cfg.reward.num_workers)
-        self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log)
+        self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log, self.form)
         # Before any actor starts: a route the cluster cannot take fails here.
         # In asynchronous mode an engine's commit may first let the generation in flight finish.
         finish_first = cfg.train.max_staleness > 0 and cfg.sync.on_generation == "finish"
@@ -174,7 +178,7 @@ class Roles(EngineRoles):
         env = compute_env(cfg) | learner_env(cfg.learner.device, cfg.learner.ranks)
         self.learners = [
             LearnerActor.options(**learners.options(rank, env)).remote(
-                model_path, cfg, rank, ranks, self._log_setup("learner", rank)
+                model_path, cfg, rank, ranks, self._log_setup("learner", rank), self.form
             )
             for rank in range(ranks)
         ]

@@ -21,12 +21,12 @@ from dataclasses import replace
 import ray
 
 from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig
-from rlpipe.config.learner import LoraConfig
 from rlpipe.logs import LogSetup, configure_worker
 from rlpipe.tpu_env import keep_only_given_tpu_env
 from rlpipe.models.hf import read_hf_config
 from rlpipe.rollout import RolloutEngine, workers_in_process
 from rlpipe.types import Completion, Prompt
+from rlpipe.weightform import FULL, WeightForm
 from rlpipe.weightsync import SyncPlan
 from rlpipe.weightsync.receiver import CommitResult
 
@@ -68,7 +68,7 @@ class RolloutActor:
         sync: SyncConfig | None = None,
         log: LogSetup | None = None,
         kernels: KernelsConfig | None = None,
-        lora: LoraConfig | None = None,
+        form: WeightForm = FULL,
     ):
         keep_only_given_tpu_env()  # also where Ray was started without rlpipe's job environment (actors/cluster.py)
         if log is not None:  # before vLLM is imported: its import logs too
@@ -76,7 +76,7 @@ class RolloutActor:
             configure_worker(replace(log, tied_output_layer=tied), vllm=True)
         progress_bars = log is None or log.verbose  # vLLM's bar for loading the weights
         self.engine = RolloutEngine(
-            model_path, cfg, seed, tokenizer_path, sync, kernels=kernels, progress_bars=progress_bars, lora=lora
+            model_path, cfg, seed, tokenizer_path, sync, kernels=kernels, progress_bars=progress_bars, form=form
         )
         if not workers_in_process(cfg):  # vLLM's processes may die under a live actor
             threading.Thread(target=self._watch, daemon=True, name="rlpipe-engine-watch").start()

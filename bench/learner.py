@@ -222,10 +222,11 @@ def _time_rank(
     import resource
 
     from rlpipe.learner import Learner
+    from rlpipe.weightform import weight_form
 
     config = _bench_config(model_path, shape, ranks, graph, device, experts=experts, share_prompts=share_prompts,
                            lora_rank=lora_rank)
-    learner = Learner.from_config(model_path, config, rank, ranks)
+    learner = Learner.from_config(model_path, config, rank, ranks, weight_form(config, model_path))
     learner.join_process_group("127.0.0.1", port)
     on_gpu = learner.engine.device if learner.engine.device.type == "cuda" else None
     if on_gpu is not None:
@@ -270,6 +271,7 @@ def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: 
     machine shared with other work, load that comes and goes then slows every mode alike instead of whichever
     happened to run at the time."""
     from rlpipe.learner import Learner
+    from rlpipe.weightform import weight_form
 
     torch.set_num_threads(threads)
     batch = _batch(shape)
@@ -278,7 +280,7 @@ def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: 
         graph, experts, share_prompts = _mode_settings(mode)
         config = _bench_config(model_path, shape, 1, graph, experts=experts, share_prompts=share_prompts,
                                lora_rank=_lora_rank(mode))
-        learners[mode] = Learner.from_config(model_path, config)
+        learners[mode] = Learner.from_config(model_path, config, form=weight_form(config, model_path))
         learners[mode].train_step(batch)  # warm-up, compilation included
     best = dict.fromkeys(modes, float("inf"))
     for _ in range(rounds):

@@ -20,12 +20,12 @@ from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError
 from rlpipe.data import PromptSet, Sampler, drop_overlong_prompts, load_rows, reward_columns
 from rlpipe.logs import LOG_FILE, LogSetup, driver_logging
-from rlpipe.lora import lora_sync
 from rlpipe.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
 from rlpipe.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, LoopRoles, TrainBatch
+from rlpipe.weightform import Kind, weight_form
 from rlpipe.rewards import FailureWatch, TrainerState, trainer_state
 from rlpipe.rewards.contract import EPISODE_COLUMNS
 
@@ -46,10 +46,12 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
 
     started = time.monotonic()
     try:
+        # What a version of the weights is (full, merged adapters, adapters alone), decided once for every role.
+        form = weight_form(cfg, run.model_path)
         with run.log.activity("starting Ray and the roles"):
             start_ray(cfg)
             roles = Roles(cfg, run.model_path, run.tokenizer_path, run.resume, note=run.log.note,
-                          reward_columns=run.reward_columns, log=logs)
+                          reward_columns=run.reward_columns, log=logs, form=form)
     except BaseException as err:  # the roles never started: leave no run directory behind that this call created
         run.log.close()
         if run.created_dir:
@@ -69,11 +71,8 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
             f"{check['sync/transfer_s']:.2f} s, written in {check['sync/write_s']:.2f} s, probe replayed in "
             f"{check['sync/probe_s']:.2f} s, max |engine - learner| {check['sync/probe_max_abs']:.1e}"
         )
-        sync_mode, why_merged = lora_sync(cfg, run.model_path)
-        if sync_mode == "adapters":
-            log.note(f"weight sync: LoRA adapters only ({check['sync/bytes'] / 1e6:.2f} MB a version)")
-        elif sync_mode == "merged":  # the engines hold no adapter: each sync sends W + (alpha / rank) B A
-            log.note(f"weight sync: merged LoRA weights ({why_merged})")
+        if form.kind is not Kind.FULL:
+            log.note(f"weight sync: {form.describe(adapter_bytes=check['sync/bytes'])}")
         summary = run.summary or {}
         summary.setdefault("eval", [])  # every held-out evaluation's figures, before training (step 0) on
         if "eval_before" not in summary:

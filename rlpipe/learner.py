@@ -12,24 +12,24 @@ import torch
 
 from rlpipe.algo import build_objective
 from rlpipe.config import Config
-from rlpipe.lora import adapters_off, lora_sync
 from rlpipe.models import read_hf_config
 from rlpipe.models.moe import balance_loss_from_sums
 from rlpipe.models.registry import model_architecture
 from rlpipe.train_engine import TrainEngine
 from rlpipe.types import LossInputs, LossStats, TrainBatch, TrainSums
+from rlpipe.weightform import FULL, WeightForm
 from rlpipe.weightsync.probe import DecodedProbe, decode_probe
 
 
 class Learner:
     """One rank of the learner group: the train engine plus what GRPO asks of it. `algo` is that config section;
     `model`, `learner` and `train` go to the engine; `samples_per_step` is a step's batch (prompts x group size),
-    `temperature` and `max_tokens` the rollout's sampling temperature and longest completion; `sync_adapters`: weight
-    sync sends learner.lora's adapters alone; `engine_options` go to the `TrainEngine` as they are."""
+    `temperature` and `max_tokens` the rollout's sampling temperature and longest completion; `form`: the run's weight
+    form (rlpipe/weightform.py), decided at start-up; `engine_options` go to the `TrainEngine` as they are."""
 
     def __init__(
         self, model_path: str, *, model, learner, train, algo, samples_per_step: int, temperature: float,
-        max_tokens: int, seed: int = 0, rank: int = 0, world_size: int = 1, sync_adapters: bool = False,
+        max_tokens: int, form: WeightForm, seed: int = 0, rank: int = 0, world_size: int = 1,
         **engine_options,
     ):
         torch.manual_seed(seed)
@@ -47,13 +47,12 @@ class Learner:
             total_steps=train.steps * self.optimizer_steps_per_batch * self.num_iterations,
             step_rows=samples_per_step // self.optimizer_steps_per_batch,
             # vLLM reports log-probs after temperature; greedy decoding (0) has no temperature to divide by.
-            temperature=temperature or 1.0, rank=rank, world_size=world_size, sync_adapters=sync_adapters,
+            temperature=temperature or 1.0, rank=rank, world_size=world_size, form=form,
             **engine_options,
         )
         # Without a KL term there is nothing to compare against, so no second copy of the model is held; with LoRA
-        # the reference is the frozen base itself, read with the adapters off (`_reference_logprobs`).
-        needs_copy = self.objective.needs_reference and learner.lora is None
-        self.reference = self.engine.frozen_copy() if needs_copy else None
+        # the reference is the frozen base itself, read with the adapters off (the weights view's).
+        self.reference = self.engine.weights.frozen_reference(self.engine) if self.objective.needs_reference else None
         # A sample with advantage 0 adds exactly 0 to a policy loss and its gradient; only a term such as KL or the
         # router loss gives it one. Static shapes (a compiled step, xla) keep every row.
         self.skip_zero_advantage = (
@@ -61,12 +60,19 @@ class Learner:
         )
 
     @classmethod
-    def from_config(cls, model_path: str, cfg: Config, rank: int = 0, world_size: int = 1) -> Learner:
+    def from_config(
+        cls, model_path: str, cfg: Config, rank: int = 0, world_size: int = 1, form: WeightForm = FULL
+    ) -> Learner:
+        """A rank as `cfg` configures it; `form`: the run's weight form (`rlpipe.weightform.weight_form`), which
+        must be given where learner.lora is set."""
+        if (form.lora is None) != (cfg.learner.lora is None):
+            raise ValueError("learner.lora and the weight form disagree: give the run's weight form "
+                             "(rlpipe.weightform.weight_form)")
         return cls(
             model_path, model=cfg.model, learner=cfg.learner, train=cfg.train, algo=cfg.algo,
             samples_per_step=cfg.samples_per_step, temperature=cfg.rollout.temperature,
             max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed, rank=rank, world_size=world_size,
-            sync_adapters=lora_sync(cfg, model_path)[0] == "adapters",
+            form=form,
         )
 
     @property
@@ -134,10 +140,7 @@ class Learner:
     def _reference_logprobs(self, rows: TrainBatch) -> torch.Tensor:
         """The KL reference's log-probs of `rows`: the frozen copy's, or under LoRA the policy's with its adapters
         off, which is the starting model (the base never trains)."""
-        if self.reference is not None:
-            return self.engine.logprobs(rows, self.reference)
-        with adapters_off(self.model):
-            return self.engine.logprobs(rows, self.model)
+        return self.engine.weights.reference_logprobs(self.engine, rows, self.reference)
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         return self.engine.sequence_logprobs(token_ids)

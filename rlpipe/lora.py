@@ -247,16 +247,6 @@ def adapter_shapes_problem(base: dict[str, tuple[int, ...]], adapters: dict[str,
     return None
 
 
-def lora_sync(cfg, model_path: str) -> tuple[str | None, str]:
-    """`Config.lora_sync` for the model in `model_path` (whether it has mixture-of-experts layers)."""
-    if cfg.learner.lora is None:
-        return None, ""
-    from rlpipe.models.hf import read_hf_config
-    from rlpipe.models.registry import model_architecture
-
-    return cfg.lora_sync(moe=bool(model_architecture(read_hf_config(model_path)).moe_layers))
-
-
 def adapter_rows(
     local: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], rank: int, ranks: int
 ) -> dict[str, torch.Tensor]:

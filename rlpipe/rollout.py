@@ -4,10 +4,11 @@ No Ray here, so it runs (and is tested) in one process; actors/rollout.py wraps 
 call samples, single completions or multi-turn episodes with tools, is the episode runner's, chosen when the engine
 starts (rlpipe/tools/runner.py); the engine starts vLLM and runs the requests the runner makes. The engine's end
 of the weight sync is a `WeightReceiver` (rlpipe/weightsync/receiver.py) given this engine's write, probe and
-pause; the write itself runs in vLLM's workers (rlpipe/vllm_worker.py). An engine given LoRA adapters' config
-(`sync.lora` adapters) loads the base once and receives only the adapters: the first version is loaded through
-vLLM's LoRA support (an adapter folder), later ones are written into the LoRA buffers vLLM set up for it, and every
-generation applies it.
+pause; the write itself runs in vLLM's workers (rlpipe/vllm_worker.py). How a version is written is the writer of
+the run's weight form (rlpipe/weightform.py), chosen once when the engine starts (`engine_writer`): whole weights
+(`WeightsWriter`, full or merged), or adapters alone (`AdapterWriter`): the engine loads the base once, the first
+version is loaded through vLLM's LoRA support (an adapter folder), later ones are written into the LoRA buffers vLLM
+set up for it, and every generation applies it.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ from collections.abc import Iterator
 import torch
 
 from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig, first_line, torchtpu_refusal
-from rlpipe.config.learner import LoraConfig
 from rlpipe.config.sync import vllm_lora_rank
 from rlpipe.lora import AdapterFolders, adapter_root
-from rlpipe.lora import scaling as lora_scaling
 from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.tools.runner import episode_runner
 from rlpipe.types import Completion, Prompt
 from rlpipe.vllm_worker import encode_weights, vllm_platform
+from rlpipe.weightform import FULL, Kind, WeightForm
 from rlpipe.weightsync import (
     DECODE_TOKENS,
     DecodedProbe,
@@ -150,11 +150,11 @@ class RolloutEngine:
         *,
         kernels: KernelsConfig | None = None,
         progress_bars: bool = True,
-        lora: LoraConfig | None = None,
+        form: WeightForm = FULL,
     ):
         """`kernels`: `model.kernels`, which rlpipe's model runs in the engine (`rollout.model_impl: rlpipe`);
-        `progress_bars`: vLLM's progress bar while it loads the weights; `lora`: learner.lora, where each sync sends
-        its adapters alone (`Config.lora_sync`), None where syncs send whole weights."""
+        `progress_bars`: vLLM's progress bar while it loads the weights; `form`: the run's weight form, whose writer
+        (`engine_writer`) writes each version."""
         _engine_env(cfg)  # before anything of vLLM reads its settings
         platform = vllm_platform()
         if platform == "tpu-inference":
@@ -165,29 +165,15 @@ class RolloutEngine:
         sync = sync or SyncConfig()
         if platform == "torchtpu" and (refused := torchtpu_refusal(cfg, sync)):
             raise RuntimeError(refused)
-        if platform == "torchtpu" and lora is not None:  # the run was decided for another platform's engines
-            raise RuntimeError(
-                "learner.lora: this engine runs vLLM on TorchTPU, whose LoRA path is not verified; set sync.lora=merged"
-            )
 
         self.cfg = cfg
         self.sync_cfg = sync
         # vLLM on TorchTPU returns no prompt log-probs, so there the probe is decoded (rlpipe/weightsync/probe.py).
         self.probe_by_decoding = sync.probe == "decode" or (sync.probe == "auto" and platform == "torchtpu")
         self.model_path = model_path
-        extra = {}
-        self.lora = lora
-        self._lora_request = None  # the adapter every generation applies; None: the base alone (version 0)
-        self._adapter_folders: AdapterFolders | None = None
-        self._lora_request_path: str | None = None  # the folder vLLM last loaded the adapter from (None: none yet)
-        if lora is not None:
-            if cfg.model_impl == "rlpipe":
-                raise RuntimeError("rollout: rlpipe's model in vLLM takes no LoRA adapters; sync.lora must be merged")
-            # One adapter, replaced in place at every sync; on CPU vLLM then runs the model uncompiled.
-            extra.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora.rank), max_loras=1)
-            self._adapter_folders = AdapterFolders(adapter_root(), lora, model_path)
+        self.writer = engine_writer(form, self, platform)
         self.llm = _start_vllm(model_path, tokenizer_path, cfg, seed, platform=platform, kernels=kernels,
-                               progress_bars=progress_bars, extra=extra)
+                               progress_bars=progress_bars, extra=self.writer.vllm_options())
         # Generation and weight writes exclude each other; a waiting sync blocks new generation.
         self._state = threading.Condition()
         self._generating = False
@@ -204,19 +190,15 @@ class RolloutEngine:
             self._workers_share_memory()
         self.sync = WeightReceiver(
             transport,
-            write=self._write,
+            write=self.writer.write,
             probe=self._probe,
-            # Under the learner's names, which both vLLM's loaders and rlpipe's model in vLLM take; with adapters,
-            # none: version 0 is the base alone (as the learner's fresh adapters, B = 0, leave it).
-            initial_weights=(lambda: {}) if lora is not None else (
-                lambda: load_model_weights(model_path, getattr(torch, cfg.dtype))
-            ),
+            initial_weights=self.writer.initial_weights,
             paused=self._generation_paused,
             tolerance=sync.probe_tolerance_for(cfg.dtype),
             # float32 engines reproduce the learner token for token; bf16 kernels differ a little on every token.
             exact=cfg.dtype == "float32",
             keep_previous=sync.keep_previous,
-            host_memory=self._staging_memory,
+            host_memory=self.writer.staging_memory,
         )
 
     def close(self) -> None:
@@ -225,8 +207,7 @@ class RolloutEngine:
         self.sync.close()
         self.host_copy.close()
         self.llm.llm_engine.engine_core.shutdown()
-        if self._adapter_folders is not None:
-            self._adapter_folders.remove()
+        self.writer.close()
 
     # ------------------------------------------------------------------ generation
 
@@ -254,7 +235,7 @@ class RolloutEngine:
         """vLLM's offline loop, written out so that a sync can abort it between engine steps."""
         engine = self.llm.llm_engine
         # enqueue() returns engine-internal ids ("<id>-<suffix>"); outputs and abort_request use the part before.
-        enqueued = self.llm.enqueue(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+        enqueued = self.llm.enqueue(prompts, params, use_tqdm=False, lora_request=self.writer.lora_request)
         request_ids = [internal.rsplit("-", 1)[0] for internal in enqueued]
         finished = {}
         while engine.has_unfinished_requests():
@@ -278,7 +259,7 @@ class RolloutEngine:
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False,
-                                      lora_request=self._lora_request)
+                                      lora_request=self.writer.lora_request)
         if output.prompt_logprobs is None:
             raise SyncError("this engine returns no log-probs of a given sequence (vLLM on TorchTPU); decode instead")
         return [0.0] + [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], token_ids[1:])]
@@ -289,7 +270,7 @@ class RolloutEngine:
         from vllm.inputs import TokensPrompt
 
         (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], decoding_params(), use_tqdm=False,
-                                      lora_request=self._lora_request)
+                                      lora_request=self.writer.lora_request)
         sample = output.outputs[0]
         tokens = list(sample.token_ids)
         return DecodedProbe(tokens, [step[token].logprob for step, token in zip(sample.logprobs, tokens)])
@@ -302,7 +283,7 @@ class RolloutEngine:
         (fused, params), *_ = self.llm.collective_rpc("rlpipe_layout")
         tp = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         layout = EngineLayout.from_hf_config(read_hf_config(self.model_path), tp, self.cfg.dtype, fused, params)
-        return layout, params if self.lora is None else None
+        return layout, self.writer.engine_params(params)
 
     @property
     def policy_version(self) -> int:
@@ -352,33 +333,87 @@ class RolloutEngine:
                                     f"{self.sync_cfg.timeout_s:g} s ({first_line(err)})") from err
             raise
 
-    def _staging_memory(self) -> HostCopy | None:
+
+
+class WeightsWriter:
+    """How an engine takes whole weights (the `full` and `merged` forms): every worker's vLLM loaders copy their part
+    of each tensor. Version 0 is the model folder's weights, under the learner's names (which both vLLM's loaders
+    and rlpipe's model in vLLM take)."""
+
+    lora_request = None  # generation applies no adapter
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+
+    def vllm_options(self) -> dict:
+        return {}
+
+    def engine_params(self, params: list[str]) -> list[str] | None:
+        """The names the sync plan is checked against: the engine's parameters."""
+        return params
+
+    def initial_weights(self) -> dict[str, torch.Tensor]:
+        engine = self.engine
+        return load_model_weights(engine.model_path, getattr(torch, engine.cfg.dtype))
+
+    def staging_memory(self) -> HostCopy | None:
         """Where staging assembles a version: in the host copy's shared memory when the workers read it (then the
-        write copies nothing), else (an in-process engine, workers elsewhere, adapters that this process writes to
-        a folder) in plain memory of the engine's."""
-        if self.lora is not None:
-            return None
-        return self.host_copy if not workers_in_process(self.cfg) and self._workers_share_memory() else None
+        write copies nothing), else (an in-process engine, workers elsewhere) in plain memory of the engine's."""
+        engine = self.engine
+        return engine.host_copy if not workers_in_process(engine.cfg) and engine._workers_share_memory() else None
 
-    def _write(self, weights: dict[str, torch.Tensor]) -> None:
+    def write(self, weights: dict[str, torch.Tensor]) -> None:
         """Every worker writes its part of `weights`. Workers in child processes on this host read one shared host
-        copy (rlpipe/weightsync/hostcopy.py): the RPC carries where each tensor lies, never its bytes. Adapters go
-        their own way (`_write_adapters`)."""
-        if self.lora is not None:
-            self._write_adapters(weights)
-            return
-        in_place = self.sync_cfg.engine_write == "in_place"
-        if workers_in_process(self.cfg):  # the worker is this process: the tensors themselves
-            self._load_weights(list(weights.items()), in_place)
-        elif self._workers_share_memory():
-            with self.host_copy.publish(weights) as shared:
-                self._load_weights(shared.message(), in_place)
+        copy (rlpipe/weightsync/hostcopy.py): the RPC carries where each tensor lies, never its bytes."""
+        engine = self.engine
+        in_place = engine.sync_cfg.engine_write == "in_place"
+        if workers_in_process(engine.cfg):  # the worker is this process: the tensors themselves
+            engine._load_weights(list(weights.items()), in_place)
+        elif engine._workers_share_memory():
+            with engine.host_copy.publish(weights) as shared:
+                engine._load_weights(shared.message(), in_place)
         else:  # some worker does not see this host's /dev/shm (vLLM's Ray executor may place them elsewhere)
-            self._load_weights(encode_weights(weights), in_place)
+            engine._load_weights(encode_weights(weights), in_place)
         # Cached prefixes hold keys/values computed by the old weights.
-        self.llm.reset_prefix_cache()
+        engine.llm.reset_prefix_cache()
 
-    def _write_adapters(self, adapters: dict[str, torch.Tensor]) -> None:
+    def close(self) -> None:
+        pass
+
+
+class AdapterWriter:
+    """How an engine takes the adapters alone (the `adapters` form): vLLM holds one adapter slot (enable_lora), the
+    base weights stay as loaded, and every generation applies the adapter (`lora_request`). Version 0 is the base
+    alone, as the learner's fresh adapters (B = 0) leave it. The adapters' settings are the form's."""
+
+    def __init__(self, engine: RolloutEngine, form: WeightForm, platform: str):
+        if platform == "torchtpu":  # the run was decided for another platform's engines
+            raise RuntimeError(
+                "learner.lora: this engine runs vLLM on TorchTPU, whose LoRA path is not verified; set sync.lora=merged"
+            )
+        if engine.cfg.model_impl == "rlpipe":
+            raise RuntimeError("rollout: rlpipe's model in vLLM takes no LoRA adapters; sync.lora must be merged")
+        self.engine, self.form = engine, form
+        self.lora_request = None  # the adapter every generation applies; None: the base alone (version 0)
+        self.folders = AdapterFolders(adapter_root(), form.lora, engine.model_path)
+        self._loaded_path: str | None = None  # the folder vLLM last loaded the adapter from (None: none yet)
+
+    def vllm_options(self) -> dict:
+        # One adapter, replaced in place at every sync; on CPU vLLM then runs the model uncompiled.
+        return dict(enable_lora=True, max_lora_rank=vllm_lora_rank(self.form.lora.rank), max_loras=1)
+
+    def engine_params(self, params: list[str]) -> list[str] | None:
+        """None: vLLM loads adapters by their own names through its LoRA support, not into parameters of the
+        engine's, so the sync plan is not checked against those."""
+        return None
+
+    def initial_weights(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def staging_memory(self) -> HostCopy | None:
+        return None  # this process writes the adapters (to a folder, or to the workers as bytes)
+
+    def write(self, adapters: dict[str, torch.Tensor]) -> None:
         """Serve `adapters` (the received, checked version; empty: the base alone, version 0). Once vLLM has loaded
         an adapter into its slot, each later version is written straight into that slot's LoRA buffers by the
         workers and read back there (`WeightWriter.rlpipe_write_adapters`). The first version, and any the slot
@@ -386,25 +421,38 @@ class RolloutEngine:
         removed after a direct write, so that vLLM cannot load an older version from it again."""
         from vllm.lora.request import LoRARequest
 
+        llm = self.engine.llm
         name, lora_id = POLICY_ADAPTER
         if not adapters:
-            self._lora_request = None
-        elif self._lora_request_path is not None and self._write_adapters_directly(adapters, lora_id):
-            self._adapter_folders.clear()
-            self._lora_request = LoRARequest(name, lora_id, self._lora_request_path)
+            self.lora_request = None
+        elif self._loaded_path is not None and self._write_directly(adapters, lora_id):
+            self.folders.clear()
+            self.lora_request = LoRARequest(name, lora_id, self._loaded_path)
         else:
-            folder = str(self._adapter_folders.write(adapters))
+            folder = str(self.folders.write(adapters))
             # load_inplace replaces the adapter held under this id; generation's requests leave it off, or every
             # engine step would load the folder again (vllm/lora/worker_manager.py add_adapter).
-            if not self.llm.llm_engine.add_lora(LoRARequest(name, lora_id, folder, load_inplace=True)):
+            if not llm.llm_engine.add_lora(LoRARequest(name, lora_id, folder, load_inplace=True)):
                 raise SyncError(f"vLLM did not load the adapter folder {folder}")
-            self._lora_request_path = folder
-            self._lora_request = LoRARequest(name, lora_id, folder)
+            self._loaded_path = folder
+            self.lora_request = LoRARequest(name, lora_id, folder)
         # Cached prefixes hold keys/values computed with the previous adapter (same id).
-        self.llm.reset_prefix_cache()
+        llm.reset_prefix_cache()
 
-    def _write_adapters_directly(self, adapters: dict[str, torch.Tensor], lora_id: int) -> bool:
+    def _write_directly(self, adapters: dict[str, torch.Tensor], lora_id: int) -> bool:
         """Every worker writes `adapters` into the slot of adapter `lora_id`; False where a worker's slot cannot take
         them (each checks before it writes; the folder that is loaded then replaces whatever another wrote)."""
-        tensors = list(adapters.items()) if workers_in_process(self.cfg) else encode_weights(adapters)
-        return all(self._call_workers("rlpipe_write_adapters", (tensors, lora_id, lora_scaling(self.lora))))
+        engine = self.engine
+        tensors = list(adapters.items()) if workers_in_process(engine.cfg) else encode_weights(adapters)
+        return all(engine._call_workers("rlpipe_write_adapters", (tensors, lora_id, self.form.scaling)))
+
+    def close(self) -> None:
+        self.folders.remove()
+
+
+def engine_writer(form: WeightForm, engine: RolloutEngine, platform: str) -> WeightsWriter | AdapterWriter:
+    """The writer of `form`'s versions for `engine` on vLLM's `platform`: whole weights (full or merged) or the
+    adapters alone."""
+    if form.kind is Kind.ADAPTERS:
+        return AdapterWriter(engine, form, platform)
+    return WeightsWriter(engine)

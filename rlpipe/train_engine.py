@@ -26,15 +26,13 @@ import torch.nn.functional as F
 from rlpipe.checkpoint import load_tensors, single_process_dcp
 from rlpipe.device import backend, step_boundary
 from rlpipe.forward import MicroBatch, Part, choose_forward, token_logprobs
-from rlpipe.lora import (
-    MergedWeights, WeightsWithAdapters, adapter_rows, add_adapters, is_adapter_key, merged, merged_stream, save_adapter,
-    scaling,
-)
 from rlpipe.models import read_hf_config, save_state_dict
 from rlpipe.models.hf import CheckpointWeights, meta_model
 from rlpipe.parallel.graph_trainer import GraphTrainStep
 from rlpipe.parallel.strategy import choose_strategy
 from rlpipe.types import LossInputs, TrainBatch, TrainSums
+from rlpipe.weight_views import weights_view
+from rlpipe.weightform import FULL, WeightForm
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -69,13 +67,13 @@ class TrainEngine:
     on every micro-batch; `total_steps` the optimizer steps the schedule spans; `step_rows` the rows of the largest
     mini-batch; `temperature` the one the rollout engine sampled at (its log-probs are taken after it). Ranks of a
     group of several call `join_process_group` together before training; a single process finishes its set-up itself.
-    `sync_adapters`: with learner.lora, weight sync sends the adapters alone (`Config.lora_sync`), else the merged
-    weights. `weights_from(model_path, model, dtype)` gives the weights each rank reads its rows from (default: the
-    model folder's safetensors files)."""
+    `form`: the run's weight form (rlpipe/weightform.py), whose view of the weights (rlpipe/weight_views.py: with
+    adapters or without, what a sync sends, what a checkpoint stores) the engine holds. `weights_from(model_path,
+    model, dtype)` gives the weights each rank reads its rows from (default: the model folder's safetensors files)."""
 
     def __init__(
         self, model_path: str, model, learner, train, *, loss, total_steps: int, step_rows: int | None = None,
-        temperature: float = 1.0, rank: int = 0, world_size: int = 1, sync_adapters: bool = False,
+        temperature: float = 1.0, rank: int = 0, world_size: int = 1, form: WeightForm = FULL,
         weights_from=CheckpointWeights,
     ):
         self.weights_from = weights_from
@@ -92,9 +90,9 @@ class TrainEngine:
         self.device = self.strategy.device
         self.frozen: list = []
         self._unloaded: list = []  # (model on meta, its weights) for a scheme that loads once its group exists
-        self.lora = learner.lora  # adapters on a frozen base (rlpipe/lora.py), or None: every parameter trains
-        self.sync_adapters = sync_adapters and self.lora is not None
-        self.model = self._load(adapters=self.lora is not None)
+        self.form = form
+        self.weights = weights_view(form, self.strategy, rank, world_size, model_path)
+        self.model = self._load(self.weights.weights_to_load)
         self.model.model.activation_checkpointing = learner.activation_checkpointing
         self.step_fn: GraphTrainStep | None = None
         self.optimizer_steps_taken = 0
@@ -111,16 +109,16 @@ class TrainEngine:
             lazy=self.backend.lazy, micro_batch_size=train.micro_batch_size, passes=passes,
         )
 
-    def _load(self, adapters: bool = False):
+    def _load(self, weights_to_load=None):
         """The model, built on `meta`; its weights come straight from the checkpoint, each rank reading only what it
-        keeps (the strategy's `load`): now where no group is needed, else when the group forms. With `adapters`,
-        learner.lora's adapters on a frozen base."""
+        keeps (the strategy's `load`): now where no group is needed, else when the group forms. `weights_to_load`
+        (the weights view's) adds adapters on a frozen base to the model and its weights."""
         kernels = self.kernels
         model = meta_model(self.model_path)
         model.use_kernels(rmsnorm=kernels.rmsnorm, attention=kernels.attention, experts=kernels.experts)
         weights = self.weights_from(self.model_path, model, self.dtype)
-        if adapters:
-            weights = WeightsWithAdapters(weights, add_adapters(model, self.lora))
+        if weights_to_load is not None:
+            weights = weights_to_load(model, weights)
         if self.strategy.needs_process_group:
             self._unloaded.append((model, weights))
         else:
@@ -265,27 +263,19 @@ class TrainEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors under Hugging Face names, on the CPU (a collective when sharded: every rank calls it); with
         adapters, the base weights with the adapters merged in."""
-        state = self.strategy.full_state_dict(self.model)
-        return merged(state, scaling(self.lora)) if self.lora is not None else state
+        return self.weights.full_state_dict(self.model)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """The full shape of every tensor weight sync sends, under its Hugging Face name, in state-dict order: every
-        weight, or with `sync_adapters` the adapters alone. No communication."""
-        return {
-            name: tuple(value.shape) for name, value in self.model.state_dict().items()
-            if is_adapter_key(name) == self.sync_adapters
-        }
+        weight, or with adapters the merged weights or the adapters alone (the weights view's). No communication."""
+        return {name: tuple(value.shape) for name, value in self.model.state_dict().items() if self.weights.synced(name)}
 
     def local_weights(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every tensor `weight_shapes` names (the whole tensor when unsharded), as weight sync
         reads them: no gather. Rows follow `rlpipe.weightsync.shard_rows`. With adapters merged, B's rows are the
         weight's rows and A is whole on every rank, so each rank merges its own rows, one weight at a time as the
-        sync reads it; with `sync_adapters`, the rank's rows of each adapter (`adapter_rows`)."""
-        if self.sync_adapters:  # the frozen base never leaves the device
-            adapters = self.strategy.local_weights(self.model, keep=is_adapter_key)
-            return adapter_rows(adapters, self.weight_shapes(), self.rank, self.world_size)
-        state = self.strategy.local_weights(self.model)
-        return MergedWeights(state, scaling(self.lora)) if self.lora is not None else state
+        sync reads it; with the adapters alone, the rank's rows of each adapter (`adapter_rows`)."""
+        return self.weights.local_weights(self.model)
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """Everything a resumed engine needs, as tensors under stable names: the weights (`model.<HF name>`), AdamW's
@@ -293,9 +283,9 @@ class TrainEngine:
         hold DTensor shards here, so torch.distributed.checkpoint writes each rank's own rows and loading into
         another layout reshards (any number of ranks)."""
         self.ready()
-        state = {f"model.{name}": value for name, value in self.model.state_dict().items()}
-        if self.lora is not None:  # the base is the model folder's, unchanged: only the adapters are state
-            state = {name: value for name, value in state.items() if is_adapter_key(name)}
+        # With adapters the base is the model folder's, unchanged: only the adapters are state.
+        state = {f"model.{name}": value for name, value in self.model.state_dict().items()
+                 if self.weights.checkpointed(name)}
         optimizer = self.step_fn.optimizer
         moments = {id(p): (m, v) for p, m, v in zip(self.step_fn.params, optimizer.exp_avg, optimizer.exp_avg_sq)}
         for name, param in self.model.named_parameters():
@@ -326,13 +316,8 @@ class TrainEngine:
         """The policy as a Hugging Face folder (rank 0 writes; every rank calls it, each tensor's gather is
         collective). Streamed: a whole tensor at a time on every rank, and a safetensors shard's worth on rank 0.
         With adapters: a PEFT adapter folder, or with `merge` a Hugging Face folder of the merged weights."""
-        tensors = self.strategy.full_tensors(self.model)
-        if self.lora is not None and merge:
-            tensors = merged_stream(tensors, scaling(self.lora))
-        elif self.lora is not None:
-            adapters = {name: value for name, value in tensors if is_adapter_key(name)}
-            if self.rank == 0:
-                save_adapter(adapters, self.lora, self.model_path, out_dir)
+        tensors = self.weights.export(self.strategy.full_tensors(self.model), out_dir, merge)
+        if tensors is None:  # the view wrote its own folder (adapters)
             return out_dir
         if self.rank == 0:
             save_state_dict(tensors, self.hf_config, out_dir, source_dir=self.model_section.tokenizer or self.model_path)

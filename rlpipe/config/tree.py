@@ -132,19 +132,20 @@ class Config:
     def lora_sync(self, moe: bool = False) -> tuple[str | None, str]:
         """What each weight sync sends with learner.lora, decided once at start-up: ("adapters", "") for the
         adapters alone, ("merged", why) for merged weights, (None, "") without adapters (every weight trains).
-        `moe`: the model has mixture-of-experts layers, which auto syncs merged (`rlpipe.lora.lora_sync` reads it
-        from the model folder)."""
+        `moe`: the model has mixture-of-experts layers, which auto syncs merged. A run's form is
+        `rlpipe.weightform.weight_form`'s."""
         if self.learner.lora is None:
             return None, ""
         if self.sync.lora == "merged":
             return "merged", "sync.lora: merged"
-        refused = self._adapters_refused()
+        refused = self.adapters_refused()
         if refused is None and moe and self.sync.lora == "auto":
             refused = "adapter syncs of mixture-of-experts models are not verified in vLLM"
         return ("merged", refused) if refused else ("adapters", "")
 
-    def _adapters_refused(self) -> str | None:
-        """Why the engines cannot take learner.lora's adapters, or None when they can."""
+    def adapters_refused(self) -> str | None:
+        """Why the engines cannot take learner.lora's adapters, or None when they can (the weight form then merges
+        them, `rlpipe.weightform.decide_weight_form`)."""
         lora = self.learner.lora
         if self.rollout.model_impl == "rlpipe":
             return "rlpipe's model in vLLM (rollout.model_impl: rlpipe) takes no adapters"
@@ -160,7 +161,7 @@ class Config:
         if self.sync.lora != "adapters":
             return
         require(self.learner.lora is not None, "sync.lora: adapters needs LoRA adapters (set learner.lora.rank)")
-        refused = self._adapters_refused()
+        refused = self.adapters_refused()
         require(refused is None, f"sync.lora: adapters is not possible here: {refused}; use auto or merged")
 
     def _check_engines_on_tpu(self) -> None:

@@ -13,6 +13,7 @@ import torch
 from rlpipe.config import RolloutConfig, load_config
 from rlpipe.learner import Learner
 from rlpipe.types import Prompt
+from rlpipe.weightform import weight_form
 from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
 
 pytestmark = pytest.mark.integration
@@ -103,11 +104,11 @@ def lora_engine(tiny_qwen3):
 
     cfg = load_config(None, [f"model.path={tiny_qwen3}", "sync.transport=shm", "sync.bucket_mb=0.002",
                              "sync.probe_tolerance=1e-5", "learner.lora.rank=2", "learner.lora.alpha=4"])
-    engine = RolloutEngine(tiny_qwen3, RolloutConfig(max_model_len=512, max_tokens=8), 0, sync=cfg.sync,
-                           lora=cfg.learner.lora)
+    form = weight_form(cfg, tiny_qwen3)
+    assert form.adapters
+    engine = RolloutEngine(tiny_qwen3, RolloutConfig(max_model_len=512, max_tokens=8), 0, sync=cfg.sync, form=form)
     try:
-        learner = Learner.from_config(tiny_qwen3, cfg)
-        assert learner.engine.sync_adapters
+        learner = Learner.from_config(tiny_qwen3, cfg, form=form)
         plan = plan_sync(learner.weight_shapes(), 1, engine.layout()[0], int(cfg.sync.bucket_mb * 2**20))
         yield engine, learner, plan
     finally:

@@ -18,7 +18,7 @@ NOT_ON_THIS_PLATFORM = {
     "TPUWorker.reload_weights": "rlpipe/vllm_worker.py's reload on other platforms' workers: `rlpipe_load_weights` "
     "returns through `_reload_on_torchtpu` (the runner's reload) first on vLLM for TorchTPU",
     "vllm.lora.layers.classifier.ClassificationHeadWithLoRA": "rlpipe/vllm_worker.py's direct write of LoRA adapters: "
-    "on TorchTPU `sync.lora` sends merged weights (Config.lora_sync), so no engine there takes adapters",
+    "on TorchTPU `sync.lora` sends merged weights (rlpipe/weightform.py), so no engine there takes adapters",
 }
 
 

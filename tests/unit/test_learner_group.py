@@ -12,6 +12,7 @@ from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.models import load_model
 from rlpipe.parallel.mesh import find_free_port
 from rlpipe.types import TrainBatch
+from rlpipe.weightform import weight_form
 from rlpipe.weightsync import shard_rows
 
 STEPS = 3
@@ -56,7 +57,8 @@ def _batches(zero_advantages: bool = False) -> list[TrainBatch]:
 
 def _rank(rank, world_size, model_path, port, graph, results, extra=(), zero_advantages=False):
     torch.set_num_threads(1)
-    learner = Learner.from_config(model_path, _config(model_path, world_size, graph, *extra), rank, world_size)
+    cfg = _config(model_path, world_size, graph, *extra)
+    learner = Learner.from_config(model_path, cfg, rank, world_size, weight_form(cfg, model_path))
     learner.join_process_group("127.0.0.1", port)
     sums = [learner.train_step(batch) for batch in _batches(zero_advantages)]
     state = learner.full_state_dict()

@@ -19,10 +19,11 @@ from rlpipe.config import ConfigError, load_config
 from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.lora import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, AdapterFolders, adapter_rows, adapter_shapes_problem, is_adapter_key,
-    lora_sync,
 )
 from rlpipe.models import load_model, read_hf_config
 from rlpipe.parallel.mesh import find_free_port
+from rlpipe.weight_views import AdapterView, MergedView
+from rlpipe.weightform import FULL, Kind, WeightForm, decide_weight_form, weight_form
 from rlpipe.weightsync import EngineLayout, Staging, pack_part, plan_sync, shard_rows
 from tests.batches import four_samples
 from tests.unit.test_learner_group import _batches, _config, _rank
@@ -32,7 +33,8 @@ SCALE = 2.0
 
 
 def _learner(model_path, *extra) -> Learner:
-    return Learner.from_config(model_path, _config(model_path, 1, False, *LORA, *extra))
+    cfg = _config(model_path, 1, False, *LORA, *extra)
+    return Learner.from_config(model_path, cfg, form=weight_form(cfg, model_path))
 
 
 def _adapters(learner: Learner) -> dict[str, torch.nn.Parameter]:
@@ -111,18 +113,19 @@ def test_sync_lora_sends_adapters_where_the_engines_take_them_else_merged_weight
     tiny_qwen3, tiny_qwen3_moe
 ):
     cfg = load_config(None, ["learner.lora.rank=1"])
-    assert cfg.lora_sync() == lora_sync(cfg, tiny_qwen3) == ("adapters", "")
-    mode, why = lora_sync(cfg, tiny_qwen3_moe)
-    assert mode == "merged" and "mixture-of-experts" in why
-    assert load_config(None, []).lora_sync() == (None, "")  # full fine-tuning: whole weights
+    assert decide_weight_form(cfg) == weight_form(cfg, tiny_qwen3) == WeightForm(Kind.ADAPTERS, cfg.learner.lora)
+    assert weight_form(cfg, tiny_qwen3).lora.rank == 1  # the adapters' settings travel with the form
+    form = weight_form(cfg, tiny_qwen3_moe)
+    assert form.kind is Kind.MERGED and "mixture-of-experts" in form.why_merged
+    assert decide_weight_form(load_config(None, [])) == FULL  # full fine-tuning: whole weights
     for extra, reason in [
         (["sync.lora=merged"], "sync.lora: merged"),
         (["rollout.model_impl=rlpipe"], "rollout.model_impl: rlpipe"),
         (["learner.lora.rank=600"], "above the largest adapter rank vLLM takes"),
         (["learner.lora.target_modules=[q_proj,lm_head]"], "lm_head"),
     ]:
-        mode, why = load_config(None, ["learner.lora.rank=1", *extra]).lora_sync()
-        assert mode == "merged" and reason in why, extra
+        form = decide_weight_form(load_config(None, ["learner.lora.rank=1", *extra]))
+        assert form.kind is Kind.MERGED and reason in form.why_merged, extra
     for bad, message in [
         (["sync.lora=adapters"], "sync.lora: adapters needs LoRA adapters"),
         (["learner.lora.rank=1", "sync.lora=adapters", "rollout.model_impl=rlpipe"],
@@ -137,7 +140,7 @@ def test_an_adapter_sync_sends_the_adapters_alone_and_two_ranks_send_each_row_on
     and its share of A's rows (A is whole on every rank): through the real plan, packing and staging, the engine
     assembles exactly the adapters."""
     learner = _learner(tiny_qwen3)
-    assert learner.engine.sync_adapters
+    assert isinstance(learner.engine.weights, AdapterView)
     _randomise_adapters(learner)
     adapters = {name: p.detach().clone() for name, p in _adapters(learner).items()}
     shapes = learner.weight_shapes()
@@ -176,7 +179,7 @@ def test_an_engine_writes_each_version_into_the_other_of_two_adapter_folders_tha
     from transformers import AutoModelForCausalLM
 
     learner = _learner(tiny_qwen3)
-    folders = AdapterFolders(tmp_path / "adapters", learner.engine.lora, tiny_qwen3)
+    folders = AdapterFolders(tmp_path / "adapters", learner.engine.form.lora, tiny_qwen3)
     versions = []
     for seed in (1, 2, 3):
         _randomise_adapters(learner, seed)
@@ -220,25 +223,25 @@ def test_an_engine_writes_later_adapter_versions_into_vllms_buffers_bit_for_bit_
     from rlpipe.weightsync import SyncError
 
     learner = _learner(tiny_qwen3)
-    lora = learner.engine.lora
+    form = learner.engine.form
     versions = []
     for seed in (1, 2, 3):
         _randomise_adapters(learner, seed)
         versions.append({name: p.detach().clone() for name, p in _adapters(learner).items()})
     sent = {name: value.clone() for name, value in versions[1].items()}
-    engine = RolloutEngine(tiny_qwen3, RolloutConfig(max_model_len=128, max_tokens=4), 0, lora=lora,
+    engine = RolloutEngine(tiny_qwen3, RolloutConfig(max_model_len=128, max_tokens=4), 0, form=form,
                            progress_bars=False)
     try:
-        folders = engine._adapter_folders.root
-        engine._write_adapters(versions[0])
+        folders = engine.writer.folders.root
+        engine.writer.write(versions[0])
         assert (folders / "a").is_dir()  # the first version: vLLM loaded it from a folder
         first = engine.llm.collective_rpc(_lora_slots)[0]
-        engine._write_adapters(versions[1])
+        engine.writer.write(versions[1])
         assert not (folders / "a").exists() and not (folders / "b").exists()  # written directly; no stale folder
         direct = engine.llm.collective_rpc(_lora_slots)[0]
         assert all(torch.equal(value, sent[name]) for name, value in versions[1].items())  # what arrived is unchanged
         name, lora_id = POLICY_ADAPTER
-        folder = save_adapter(versions[1], lora, tiny_qwen3, tmp_path / "second")
+        folder = save_adapter(versions[1], form.lora, tiny_qwen3, tmp_path / "second")
         assert engine.llm.llm_engine.add_lora(LoRARequest(name, lora_id, str(folder), load_inplace=True))
         loaded = engine.llm.collective_rpc(_lora_slots)[0]
         assert direct.keys() == loaded.keys() >= {"model.layers.1.self_attn.qkv_proj.b2", "model.layers.1.mlp.down_proj.b0"}
@@ -253,11 +256,11 @@ def test_an_engine_writes_later_adapter_versions_into_vllms_buffers_bit_for_bit_
 
         engine.llm.collective_rpc(corrupt)
         with pytest.raises(SyncError, match="LoRA buffers of .* do not hold the adapter"):
-            engine._write_adapters(versions[2])
+            engine.writer.write(versions[2])
         engine.llm.collective_rpc(lambda worker: [m.__dict__.pop("set_lora", None) for m in
                                                   worker.model_runner.lora_manager._adapter_manager.modules.values()])
         fewer = {key: value for key, value in versions[2].items() if ".mlp." not in key}
-        engine._write_adapters(fewer)  # the slot holds MLP adapters that these lack: vLLM loads them from a folder
+        engine.writer.write(fewer)  # the slot holds MLP adapters that these lack: vLLM loads them from a folder
         assert (folders / "a").is_dir() or (folders / "b").is_dir()
     finally:
         engine.close()
@@ -265,7 +268,7 @@ def test_an_engine_writes_later_adapter_versions_into_vllms_buffers_bit_for_bit_
 
 def test_engines_receive_the_merged_weights_which_give_the_adapted_models_logits(tiny_qwen3):
     learner = _learner(tiny_qwen3, "sync.lora=merged")
-    assert not learner.engine.sync_adapters
+    assert type(learner.engine.weights) is MergedView
     _randomise_adapters(learner)
     base = load_model(tiny_qwen3).state_dict()
     adapters = {name: p.detach() for name, p in _adapters(learner).items()}

