@@ -1,8 +1,8 @@
 """Reward functions and the runner that scores batches with them (rlpipe.rewards).
 
-Plain Python on purpose: of the rest of rlpipe this package imports only two modules that import nothing of rlpipe
-themselves, rlpipe.callables (a function resolved from its name, or carried by value) and rlpipe.sandbox (where
-model-written code runs); neither the core nor rlpipe.actors, and not `ray`, so it runs in any worker. The contract
+Plain Python on purpose: of the rest of rlpipe this package imports only rlpipe.callables (a function resolved from
+its name, or carried by value) and rlpipe.sandbox (where model-written code runs), which import nothing of rlpipe but
+rlpipe.orphans; neither the core nor rlpipe.actors, and not `ray`, so it runs in any worker. The contract
 functions are written against is TRL's, called by keyword (`rlpipe.rewards.contract`). Built-ins
 (`rlpipe.rewards.math`, `rlpipe.rewards.reasoning_gym`, `rlpipe.rewards.code`, `rlpipe.rewards.verl`) import their
 heavy dependencies only when loaded.

@@ -39,7 +39,7 @@ from torch import nn
 from rlpipe.config.learner import is_targeted
 from rlpipe.parallel.simple_fsdp import REPLICATED
 from rlpipe.weightsync.layout import shard_rows
-from rlpipe.weightsync.transport import orphans
+from rlpipe.orphans import remove_orphans
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -270,8 +270,7 @@ def adapter_root(directory: str | None = None) -> str:
     """A new private folder for an engine's adapter versions, named after this process. Folders of engines whose
     process is gone are removed first: an engine stopped by `ray.kill` never reaches its own clean-up."""
     directory = directory or tempfile.gettempdir()
-    for name in orphans(directory, ADAPTER_FOLDER_PREFIX):
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    remove_orphans(directory, ADAPTER_FOLDER_PREFIX, lambda path: shutil.rmtree(path, ignore_errors=True))
     return tempfile.mkdtemp(prefix=f"{ADAPTER_FOLDER_PREFIX}{os.getpid()}-", dir=directory)
 
 

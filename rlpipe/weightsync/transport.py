@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlpipe.orphans import remove_orphans
 from rlpipe.weightsync.errors import SyncError
 
 TRANSPORTS = ("auto", "ray", "shm", "gloo")
@@ -64,34 +65,7 @@ def remove_orphaned_segments(directory: str = "/dev/shm") -> list[str]:
     """Unlink segments whose creating process is gone. A learner killed mid-run (SIGKILL, OOM) cannot free its
     segments, and they would hold up to two model copies of RAM until the next reboot. Unlinking is safe even
     if an engine still maps one: the memory lives until the last mapping goes."""
-    removed = []
-    for name in orphans(directory, _SEGMENT_PREFIX):
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-    return removed
-
-
-def orphans(directory: str, prefix: str) -> list[str]:
-    """Names in `directory` of the form `<prefix><pid>-...` whose process `pid` is gone: what a process killed
-    before its own clean-up left behind."""
-    found = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            pid = name[len(prefix) :].split("-")[0]
-            if name.startswith(prefix) and pid.isdigit() and not _process_alive(int(pid)):
-                found.append(name)
-    return found
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
+    return remove_orphans(directory, _SEGMENT_PREFIX, os.unlink)
 
 
 def _nothing() -> None:

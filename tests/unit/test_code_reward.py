@@ -205,7 +205,7 @@ def readable_by_anyone():
     folder = Path(tempfile.mkdtemp(prefix="rlpipe-readable-"))
     try:
         (folder / "rlpipe").mkdir()
-        for module in ("__init__.py", "callables.py", "sandbox.py"):
+        for module in ("__init__.py", "callables.py", "sandbox.py", "orphans.py"):
             shutil.copy(REPO / "rlpipe" / module, folder / "rlpipe")
         shutil.copytree(REPO / "rewards", folder / "rlpipe" / "rewards")
         shutil.copy(pyseccomp.__file__, folder)
