@@ -11,12 +11,13 @@ Rollout (per chip of one engine; T = rollout.tensor_parallel, N = rollout.num_en
             kv_per_chip = kv_heads / T when T divides kv_heads, else 1 (a head replicated) when kv_heads divides T.
 - Engine activations, sampler and compiled-program workspace are not counted; the headroom covers them.
 
-- engine host RAM at a sync, per host: E x (P x rb + 3 x B + P x rb if sync.keep_previous): per engine, the
-  staged version, which is also the one copy all its tensor-parallel workers read (staging assembles it in the
-  engine's shared memory, rlpipe/weightsync/hostcopy.py; an in-process engine writes from it directly); the
-  buckets in flight, 3 (the one shipped and the two the sender packs ahead) of B = max(sync.bucket_mb MiB, the
-  largest tensor in rollout bytes: a tensor is never split); the rollback copy. Compared with the rollout slice's
-  worker group limit, found the same way.
+Engine host RAM at a sync, per host (rb = rollout bytes; E = engines per host = rollout chips per host / T):
+  E x (P x rb + F x B + P x rb if sync.keep_previous): per engine, the staged version, which is also the one copy
+  all its tensor-parallel workers read (staging assembles it in the engine's shared memory,
+  rlpipe/weightsync/hostcopy.py; an in-process engine writes from it directly); the buckets in flight, F of them
+  (the sender's `BUCKETS_IN_FLIGHT`: the one shipped and those packed ahead) of B = max(sync.bucket_mb MiB, the
+  largest tensor in rollout bytes: a tensor is never split); the rollback copy. Compared with the
+  `resources.limits.memory` of the worker group that runs the rollout slice (rlpipe/plan/pods.py).
 """
 
 from __future__ import annotations
@@ -31,10 +32,7 @@ from rlpipe.plan.parts import DTYPE_BYTES, Part, Peak, SidePlan
 from rlpipe.plan.pods import host_memory_limit
 from rlpipe.plan.synced import synced_params
 from rlpipe.tpu_layout import SliceShare
-
-# Buckets of one sender in flight at a sync: the one being shipped and the two packed ahead of it
-# (rlpipe/weightsync/sender.py packs two ahead).
-BUCKETS_IN_FLIGHT = 3
+from rlpipe.weightsync.sender import BUCKETS_IN_FLIGHT
 
 
 def kv_heads_per_chip(kv_heads: int, tensor_parallel: int) -> int:
@@ -42,7 +40,6 @@ def kv_heads_per_chip(kv_heads: int, tensor_parallel: int) -> int:
     if tensor_parallel <= kv_heads:
         return math.ceil(kv_heads / tensor_parallel)
     return 1
-
 
 
 def _lora_buffers(cfg: Config, arch: ModelSize, rb: int, T: int) -> tuple[Part, ...]:
@@ -77,7 +74,6 @@ def rollout_peak(cfg: Config, arch: ModelSize, share: SliceShare | None, manifes
     limit, limit_label, missing = host_memory_limit(share, "rollout", manifests)
     title = f"engine host RAM at a sync, per host ({engines} engine{'s' if engines > 1 else ''} x tensor-parallel {T})"
     return Peak("rollout_host", "engine host RAM at a sync", title, tuple(parts), limit, limit_label, missing)
-
 
 
 def rollout_side(cfg: Config, arch: ModelSize, rollout_share: SliceShare | None) -> tuple[SidePlan, list[str]]:

@@ -7,8 +7,9 @@ Learner (M = learner.ranks; SimpleFSDP shards every parameter Shard(0) over M ra
                                                         the reduce-scatter runs in learner.reduce_dtype
 - AdamW moments   2 x P x master_bytes / M              torch AdamW / FunctionalAdamW keep exp_avg and exp_avg_sq
                                                         in the parameter's dtype (8P/M for float32 masters)
-- reference model P x master_bytes / M                  only when algo.kl_beta > 0 without learner.lora (with it
-                                                        the reference is the frozen base, read with adapters off)
+- reference model P x master_bytes / M                  only when the objective reads a reference (algo.kl_beta
+                                                        > 0) without learner.lora (with it the reference is the
+                                                        frozen base, read with adapters off)
 - gathered weights only when sharded (M > 1 or param_dtype != model.dtype); U = the largest unit gathered at once:
                   one decoder layer, the input embedding or the output projection. r' = reduce_bytes when the
                   reduce-scatter runs in another dtype than the compute dtype, else 0.
@@ -21,9 +22,10 @@ Learner (M = learner.ranks; SimpleFSDP shards every parameter Shard(0) over M ra
                   they are all held at the peak, where backward starts; E_in is the untied input embedding, whose
                   lookup keeps only the token ids. Plus one unit's gradient, as above.
 - activations     for one micro-batch: n = rows x seq tokens; seq = data.max_prompt_tokens + rollout.max_tokens,
-                  padded up to the smallest of learner.length_buckets that holds it when learner.graph; rows =
-                  train.micro_batch_size with the graph (rows are padded), else min(micro_batch_size, the rank's share
-                  of a mini-batch). Always + n x ((4 + a) x h + 4): the final norm and the log-sum-exp kept per token.
+                  padded up to the smallest of learner.length_buckets that holds it where the step's forward has
+                  static shapes (rlpipe/forward.py `choose_forward`: learner.graph, or a lazy device); rows =
+                  train.micro_batch_size there (rows are padded), else min(micro_batch_size, the rank's share of a
+                  mini-batch). Always + n x ((4 + a) x h + 4): the final norm and the log-sum-exp kept per token.
     learner.activation_checkpointing on:   L x n x per_token_saved + n x per_token_layer
                   each layer keeps its input (a x h) and, because the fused attention kernels are tagged as seeded
                   (for dropout) and are never recomputed, their output and log-sum-exp (a x q + 4 x heads);
@@ -39,8 +41,8 @@ Learner (M = learner.ranks; SimpleFSDP shards every parameter Shard(0) over M ra
                     dense MLP         a x 4 I              gate, up, silu(gate), silu(gate) x up
                     MoE MLP           a x (E + k (2 h + 4 Ie))  router logits; per routed copy its input, its output
                                                            (kept for the routing-weight gradient) and gate/up/act/product
-- attention scores  model.kernels.attention=torch only, where sdpa forms them: on a packed row (learner.packing,
-                  one row of W = rows x seq, or its packed bucket) under its [W, W] mask, or on rows x seq padded rows
+- attention scores  model.kernels.attention=torch only, where sdpa forms them: on a packed row (where the step's
+                  forward packs: one row of W = rows x seq, or its packed bucket) under its [W, W] mask, or on rows x seq padded rows
                   on a tpu/xla learner: (L' + 1) x rows x heads x W^2 x a (the probabilities each kept layer holds
                   for backward, L' = 1 with activation checkpointing else L, plus the running layer's scores) + W^2
                   (the bool mask). The Pallas kernel (splash) keeps none.
@@ -79,9 +81,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from rlpipe.algo.objective import build_objective
 from rlpipe.config import Config
 from rlpipe.device import backend
+from rlpipe.forward import PackedForward, StaticPackedForward, StaticPaddedForward, choose_forward
 from rlpipe.models.hf import MAX_SHARD_BYTES
+from rlpipe.packing import bucket_length
 from rlpipe.plan.model_size import ModelSize
 from rlpipe.plan.parts import DTYPE_BYTES, GIB, Part, Peak, SidePlan
 from rlpipe.plan.pods import host_memory_limit
@@ -92,29 +97,46 @@ from rlpipe.tpu_layout import SliceShare
 DCP_COPY_AHEAD = 10_000_000
 
 
+def _train_forward(cfg: Config):
+    """The train step's forward variant the learner's engine chooses for this config (rlpipe/forward.py)."""
+    forward, _ = choose_forward(
+        cfg.learner, cfg.model.kernels, temperature=1.0, moe=False, lazy=backend(cfg.learner.device).lazy,
+        micro_batch_size=cfg.train.micro_batch_size, passes=0,
+    )
+    return forward
+
+
+def _bucket(length: int, buckets: list[int]) -> int:
+    """The bucket the step pads `length` to (rlpipe/packing.py); `length` itself where none holds it."""
+    try:
+        return bucket_length(length, buckets)
+    except ValueError:
+        return length
+
+
 def learner_sequence(cfg: Config) -> tuple[int, int]:
     """(rows, tokens per row) of one micro-batch on one rank."""
     longest = cfg.longest_sequence
-    if cfg.learner.graph:
-        fitting = [b for b in sorted(cfg.learner.length_buckets) if b >= longest]
-        return cfg.train.micro_batch_size, (fitting[0] if fitting else longest)
+    forward = _train_forward(cfg)
+    if isinstance(forward, (StaticPaddedForward, StaticPackedForward)):  # static shapes: rows and columns padded
+        return cfg.train.micro_batch_size, _bucket(longest, forward.buckets)
     mini = cfg.train.mini_batch_size or cfg.samples_per_step
     return min(cfg.train.micro_batch_size, math.ceil(mini / cfg.learner.ranks)), longest
 
 
 def attention_scores(cfg: Config, arch: ModelSize, rows: int, seq: int, a: int) -> Part | None:
     """The s x s attention scores of model.kernels.attention=torch where they exist: under a packed row's [W, W]
-    mask (learner.packing on a non-lazy device) and on a TPU or XLA device, whose sdpa is the plain math. None for
-    the Pallas kernel, which keeps none."""
+    mask (where the step packs its rows) and on a TPU or XLA device, whose sdpa is the plain math. None for the
+    Pallas kernel, which keeps none."""
     if cfg.model.kernels.attention != "torch":
         return None
-    packed = cfg.learner.packing and not backend(cfg.learner.device).lazy
+    forward = _train_forward(cfg)
+    packed = isinstance(forward, (PackedForward, StaticPackedForward))
     if not (packed or cfg.learner.device in ("tpu", "xla")):
         return None
     rows, width = (1, rows * seq) if packed else (rows, seq)
-    buckets = cfg.learner.packed_buckets
-    if packed and cfg.learner.graph and buckets:
-        width = min((b for b in buckets if b >= width), default=width)
+    if isinstance(forward, StaticPackedForward):
+        width = _bucket(width, forward.packed_buckets)
     per_layer = rows * arch.num_heads * width * width * a  # the probabilities a layer keeps for backward
     layers = 1 if cfg.learner.activation_checkpointing else arch.num_layers
     # Plus, transient, the layer being run's scores before the softmax; and a packed row's bool mask.
@@ -123,12 +145,12 @@ def attention_scores(cfg: Config, arch: ModelSize, rows: int, seq: int, a: int) 
     return Part("attention_scores", f"attention scores (attention=torch: {kind}; {layers} layers kept)", total)
 
 
-
 def _reference_copy(cfg: Config) -> bool:
-    """Whether the learner holds a frozen copy of the model as its KL reference: with a KL term, unless LoRA
-    trains, where the frozen base is the reference (rlpipe/learner.py)."""
-    return cfg.algo.kl_beta > 0 and cfg.learner.lora is None
-
+    """Whether the learner holds a frozen copy of the model as its KL reference: when its objective reads a
+    reference (rlpipe/algo/objective.py), unless LoRA trains, where the frozen base is the reference
+    (rlpipe/learner.py)."""
+    objective = build_objective(cfg.algo, max_tokens=cfg.rollout.max_tokens)
+    return objective.needs_reference and cfg.learner.lora is None
 
 
 def learner_side(cfg: Config, arch: ModelSize, learner_share: SliceShare | None) -> SidePlan:
@@ -180,7 +202,7 @@ def learner_side(cfg: Config, arch: ModelSize, learner_share: SliceShare | None)
             )
     rows, seq = learner_sequence(cfg)
     tokens = rows * seq
-    layer_kinds = [(moe, count) for moe, count in ((False, arch.num_layers - arch.moe_layers), (True, arch.moe_layers)) if count]
+    layer_kinds = [(moe, count) for moe, count in ((False, arch.num_layers - arch.moe_layer_count), (True, arch.moe_layer_count)) if count]
     final = (4 + a) * arch.hidden_size + 4  # final norm, and the log-sum-exp kept per token
     if recompute:
         # Each layer keeps its input and the attention kernel's output and log-sum-exp; one layer is re-run at a time.

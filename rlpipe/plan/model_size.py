@@ -7,69 +7,41 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from rlpipe.config import ConfigError, recipes_dir
 from rlpipe.config.learner import is_targeted
-from rlpipe.models.registry import model_architecture, model_type_of
+from rlpipe.models.registry import ModelArchitecture, model_architecture, model_type_of
 
 MODELS_DIR = recipes_dir() / "models"
 
 
-@dataclass(frozen=True)
-class ModelSize:
-    """What the arithmetic needs from a Hugging Face config.json of a model rlpipe builds (rlpipe/models)."""
+@dataclass
+class ModelSize(ModelArchitecture):
+    """A model as rlpipe's model classes read its Hugging Face config.json (`ModelArchitecture`, rlpipe/models,
+    families' defaults included), with what the arithmetic adds: its name, its model_type, the dtype its files hold,
+    and the counts and shapes derived from them."""
 
-    name: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    qk_norm: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    num_experts: int = 0  # 0: dense
-    experts_per_token: int = 0
-    expert_intermediate_size: int = 0
-    moe_layers: int = 0  # how many of the layers have the MoE block (the others a dense MLP)
-    moe_layer_indices: tuple[int, ...] = ()  # which ones
-    max_position_embeddings: int | None = None
+    name: str = "model"
+    model_type: str = ""
     stored_dtype: str = "float32"  # the dtype config.json says the safetensors hold ("dtype" / "torch_dtype")
 
     @classmethod
     def from_hf(cls, hf: dict, name: str = "model") -> ModelSize:
-        """The shapes rlpipe's model classes read from `hf` (rlpipe/models parses it, families' defaults included)."""
+        """The architecture rlpipe's model classes read from `hf`, named."""
         config = model_architecture(hf)
         return cls(
+            **{f.name: getattr(config, f.name) for f in fields(config)},
             name=name,
             model_type=model_type_of(hf),
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_layers,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            tie_word_embeddings=config.tie_word_embeddings,
-            qk_norm=config.qk_norm,
-            qkv_bias=config.qkv_bias,
-            o_bias=config.o_proj_bias,
-            mlp_bias=config.mlp_bias,
-            num_experts=config.num_experts,
-            experts_per_token=config.experts_per_token,
-            expert_intermediate_size=config.moe_intermediate_size,
-            moe_layers=len(config.moe_layers),
-            moe_layer_indices=tuple(sorted(config.moe_layers)),
-            max_position_embeddings=config.max_position_embeddings,
             stored_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
         )
+
+    @property
+    def moe_layer_count(self) -> int:
+        """How many of the layers have the MoE block (the others a dense MLP)."""
+        return len(self.moe_layers)
 
     # --- shapes
     @property
@@ -99,7 +71,7 @@ class ModelSize:
     def attention_params(self) -> int:
         h = self.hidden_size
         q = h * self.q_dim + (self.q_dim if self.qkv_bias else 0)
-        o = self.q_dim * h + (h if self.o_bias else 0)
+        o = self.q_dim * h + (h if self.o_proj_bias else 0)
         norms = 2 * self.head_dim if self.qk_norm else 0
         return q + self.kv_proj_params + o + norms
 
@@ -113,15 +85,15 @@ class ModelSize:
 
     def moe_params(self, experts: int) -> int:
         """Router plus `experts` expert MLPs of one MoE layer."""
-        return self.hidden_size * self.num_experts + experts * self._mlp_params(self.expert_intermediate_size)
+        return self.hidden_size * self.num_experts + experts * self._mlp_params(self.moe_intermediate_size)
 
     def layer_params(self, moe: bool, active: bool = False) -> int:
         mlp = self.moe_params(self.experts_per_token if active else self.num_experts) if moe else self.dense_mlp_params
         return self.attention_params + mlp + 2 * self.hidden_size  # + input/post-attention RMSNorm
 
     def _total(self, active: bool) -> int:
-        dense_layers = self.num_layers - self.moe_layers
-        layers = dense_layers * self.layer_params(False) + self.moe_layers * self.layer_params(True, active)
+        dense_layers = self.num_layers - self.moe_layer_count
+        layers = dense_layers * self.layer_params(False) + self.moe_layer_count * self.layer_params(True, active)
         return self.embedding_params + self.output_params + layers + self.hidden_size  # + final norm
 
     @property
@@ -136,7 +108,7 @@ class ModelSize:
     @property
     def largest_unit_params(self) -> int:
         """The largest piece gathered at once: a decoder layer, the input embedding or the output projection."""
-        layer = self.layer_params(self.moe_layers > 0)
+        layer = self.layer_params(self.moe_layer_count > 0)
         return max(layer, self.embedding_params, self.output_params)
 
     @property
@@ -146,10 +118,10 @@ class ModelSize:
         shapes = [(vocab, h), (self.q_dim, h), (self.kv_dim, h), (h, self.q_dim)]
         if not self.tie_word_embeddings:
             shapes.append((vocab, h))
-        if self.moe_layers < self.num_layers:
+        if self.moe_layer_count < self.num_layers:
             shapes += [(self.intermediate_size, h), (h, self.intermediate_size)]
         if self.moe_layers:
-            experts, inner = self.num_experts, self.expert_intermediate_size
+            experts, inner = self.num_experts, self.moe_intermediate_size
             shapes += [(experts, h), (experts, 2 * inner, h), (experts, h, inner)]
         return tuple(shapes)
 
@@ -158,8 +130,7 @@ class ModelSize:
         """(module name, in features, out features) of every nn.Linear of the learner's model (rlpipe/models): the
         layers learner.lora can target. Experts are stacked tensors and the router a plain weight, not Linears."""
         h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
-        moe = set(self.moe_layer_indices) if self.moe_layer_indices else set(range(self.num_layers - self.moe_layers,
-                                                                                      self.num_layers))
+        moe = set(self.moe_layers)
         layers = []
         for index in range(self.num_layers):
             stem = f"model.layers.{index}"
@@ -202,7 +173,7 @@ class ModelSize:
         total += a * (self.q_dim + 2 * self.kv_dim)  # q, k, v kept by attention
         total += a * self.q_dim  # attention output, o_proj's input
         if moe:
-            k, expert = self.experts_per_token, self.expert_intermediate_size
+            k, expert = self.experts_per_token, self.moe_intermediate_size
             total += a * (self.num_experts + k * (2 * h + 4 * expert))
         else:
             total += a * 4 * self.intermediate_size
@@ -210,7 +181,7 @@ class ModelSize:
 
     def describe(self) -> str:
         kind = (
-            f"MoE {self.num_experts} experts, top-{self.experts_per_token} x {self.expert_intermediate_size}"
+            f"MoE {self.num_experts} experts, top-{self.experts_per_token} x {self.moe_intermediate_size}"
             if self.num_experts
             else f"MLP {self.intermediate_size}"
         )

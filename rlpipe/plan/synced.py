@@ -11,6 +11,6 @@ def synced_params(cfg: Config, arch: ModelSize) -> int:
     """Parameters a weight sync sends: the whole model, or learner.lora's adapters where they go alone
     (`Config.lora_sync`)."""
     lora = cfg.learner.lora
-    if lora is not None and cfg.lora_sync(moe=arch.moe_layers > 0)[0] == "adapters":
+    if lora is not None and cfg.lora_sync(moe=bool(arch.moe_layers))[0] == "adapters":
         return arch.adapter_params(lora.rank, lora.target_modules)
     return arch.params

@@ -16,6 +16,9 @@ from rlpipe.weightsync.layout import SyncPlan
 # Buckets packed ahead of the one being shipped: the packing thread runs on without waiting for the caller's
 # hand-offs (each costs a thread wake-up), at the price of this many more buckets of transport buffers.
 _PACK_AHEAD = 2
+# Buckets of one sender in flight at once: the one being shipped and those packed ahead of it, each with its
+# transport buffer (what `rlpipe plan` counts on a host at a sync).
+BUCKETS_IN_FLIGHT = _PACK_AHEAD + 1
 
 
 @dataclass
