@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from rlpipe.kernels import register_torchtpu_ops
-from rlpipe.models.llama import CausalLM, ModelArchitecture
+from rlpipe.models.architecture import ModelArchitecture
+from rlpipe.models.llama import CausalLM
 from rlpipe.models.moe import stack_expert_weights
 from rlpipe.models.registry import model_type_of
 from rlpipe.vllm_worker import vllm_platform

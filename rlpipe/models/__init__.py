@@ -7,7 +7,8 @@ from rlpipe.models.hf import (
     read_hf_config,
     save_state_dict,
 )
-from rlpipe.models.llama import CausalLM, ModelArchitecture
+from rlpipe.models.architecture import ModelArchitecture
+from rlpipe.models.llama import CausalLM
 from rlpipe.models.registry import build_model
 
 __all__ = [

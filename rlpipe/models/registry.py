@@ -2,8 +2,9 @@
 
 from collections.abc import Callable
 
-from rlpipe.models.llama import MODEL_TYPES as LLAMA_FAMILY_TYPES
-from rlpipe.models.llama import CausalLM, ModelArchitecture
+from rlpipe.models.architecture import MODEL_TYPES as LLAMA_FAMILY_TYPES
+from rlpipe.models.architecture import ModelArchitecture
+from rlpipe.models.llama import CausalLM
 
 
 def _build_llama_family(hf_config: dict) -> CausalLM:

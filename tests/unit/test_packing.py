@@ -13,7 +13,7 @@ from rlpipe.learner import Learner, combine_rank_metrics
 from rlpipe.packing import bucket_length, pack, packed_length
 from rlpipe.train_engine import token_logprobs
 from rlpipe.models import CausalLM, ModelArchitecture
-from rlpipe.models.llama import FULL_ATTENTION, SLIDING_ATTENTION
+from rlpipe.models.architecture import FULL_ATTENTION, SLIDING_ATTENTION
 from rlpipe.types import TrainBatch
 
 TOLERANCE = 1e-5  # fp32; packing changes only the order of some sums

@@ -10,7 +10,7 @@ import torch
 from rlpipe.config import KernelsConfig
 from rlpipe.kernels.attention import document_attention_mask
 from rlpipe.models import CausalLM, ModelArchitecture, load_model
-from rlpipe.models.llama import FULL_ATTENTION, SLIDING_ATTENTION
+from rlpipe.models.architecture import FULL_ATTENTION, SLIDING_ATTENTION
 from rlpipe.packing import PADDING_DOCUMENT, pack, pack_static, packed_length, packed_static_token_logprobs
 
 TOLERANCE = 1e-5  # fp32; packing changes only the order of some sums
