@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rlpipe.config import ConfigError, recipes_dir
 from rlpipe.config.learner import is_targeted
-from rlpipe.models.registry import ModelArchitecture, model_architecture, model_type_of
+from rlpipe.models.architecture import ModelArchitecture
+from rlpipe.models.registry import model_architecture, model_type_of
 
 MODELS_DIR = recipes_dir() / "models"
 
