@@ -129,20 +129,6 @@ class Config:
             f"train.micro_batch_size: {self.train.micro_batch_size} does not divide the mini-batch of {mini} samples",
         )
 
-    def lora_sync(self, moe: bool = False) -> tuple[str | None, str]:
-        """What each weight sync sends with learner.lora, decided once at start-up: ("adapters", "") for the
-        adapters alone, ("merged", why) for merged weights, (None, "") without adapters (every weight trains).
-        `moe`: the model has mixture-of-experts layers, which auto syncs merged. A run's form is
-        `rlpipe.weightform.weight_form`'s."""
-        if self.learner.lora is None:
-            return None, ""
-        if self.sync.lora == "merged":
-            return "merged", "sync.lora: merged"
-        refused = self.adapters_refused()
-        if refused is None and moe and self.sync.lora == "auto":
-            refused = "adapter syncs of mixture-of-experts models are not verified in vLLM"
-        return ("merged", refused) if refused else ("adapters", "")
-
     def adapters_refused(self) -> str | None:
         """Why the engines cannot take learner.lora's adapters, or None when they can (the weight form then merges
         them, `rlpipe.weightform.decide_weight_form`)."""
