@@ -487,6 +487,20 @@ def test_dockerfile_installs_the_tpu_extra_only():
         assert re.search(rf"^COPY {folder} \./{folder}$", text, re.M), folder
 
 
+def test_the_modules_the_deploy_files_import_exist():
+    """A module a deploy file imports at build or start time (`python -c "import ..."`) is one of rlpipe's."""
+    import importlib.util
+
+    named = set()
+    for path in DEPLOY.rglob("*"):
+        if path.is_file():
+            for statement in re.findall(r"python3? -c \"(import [^\";]+)", path.read_text(errors="ignore")):
+                named.update(name.strip() for name in statement.removeprefix("import ").split(","))
+    rlpipe_modules = sorted(name for name in named if name.startswith("rlpipe"))
+    assert rlpipe_modules, "no deploy file imports rlpipe"
+    assert [name for name in rlpipe_modules if importlib.util.find_spec(name) is None] == []
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_tpu_vm_script(tmp_path):
     script = DEPLOY / "tpu-vm" / "start_ray.sh"
