@@ -9,8 +9,8 @@ import ray
 from ray._private import ray_constants
 
 from rlpipe.config import Config
-from rlpipe.preflight import actors_needed
-from rlpipe.tpu_env import compile_cache_env
+from rlpipe.startup.preflight import actors_needed
+from rlpipe.hardware.tpu_env import compile_cache_env
 
 # glibc serves large blocks by mmap and gives freed memory back to the kernel, so every training step and every
 # weight write would fault its memory in again, zeroed by the kernel (docs/benchmarks.md has the cost). The
@@ -27,7 +27,7 @@ def compute_env(cfg: Config | None = None) -> dict[str, str]:
     """The environment of the actors that compute (learner ranks, engines). Ray sets OMP_NUM_THREADS to an
     actor's logical CPU share (1); the roles take turns in synchronous mode, so each may use every core while it
     runs. Freed memory stays in the process, unless GLIBC_TUNABLES is already set (then it is left as it is). With a
-    role on a TPU slice, TorchTPU's compilation cache goes to a folder of the run (rlpipe/tpu_env.py), so that a
+    role on a TPU slice, TorchTPU's compilation cache goes to a folder of the run (rlpipe/hardware/tpu_env.py), so that a
     restarted actor does not compile its programs again."""
     env = {
         "OMP_NUM_THREADS": str(os.cpu_count() or 1),
@@ -40,11 +40,11 @@ def compute_env(cfg: Config | None = None) -> dict[str, str]:
 
 def job_runtime_env(cfg: Config) -> dict | None:
     """The run's Ray job environment: with a role on a TPU slice, every worker process first drops the TPU launch
-    variables it inherited and rlpipe did not give it (rlpipe/tpu_env.py) — before anything imports torch, since
+    variables it inherited and rlpipe did not give it (rlpipe/hardware/tpu_env.py) — before anything imports torch, since
     torch_tpu reads some of them when it is imported."""
     if cfg.placement.learner.tpu is None and cfg.placement.rollout.tpu is None:
         return None
-    return {"worker_process_setup_hook": "rlpipe.tpu_env.keep_only_given_tpu_env"}
+    return {"worker_process_setup_hook": "rlpipe.hardware.tpu_env.keep_only_given_tpu_env"}
 
 
 def start_ray(cfg: Config) -> None:

@@ -17,14 +17,14 @@ from rlpipe.actors.cluster import compute_env
 from rlpipe.actors.placement import PlacedRole
 from rlpipe.actors.rollout import RolloutActor
 from rlpipe.config import Config
-from rlpipe.logs import LogSetup
+from rlpipe.reporting.logs import LogSetup
 from rlpipe.types import Completion, Prompt
-from rlpipe.weightform import FULL, WeightForm
+from rlpipe.weightsync.form import FULL, WeightForm
 from rlpipe.weightsync import SyncError
 
 
 @dataclass
-class Part:
+class EngineShare:
     """The prompts (indexes into Generation.prompts) one engine is generating."""
 
     engine_index: int
@@ -40,7 +40,7 @@ class Generation:
     prompts: list[Prompt]
     n: int
     sampling: dict
-    parts: list[Part]
+    shares: list[EngineShare]
     started: float = field(default_factory=time.monotonic)  # rollout.generate_timeout_s counts from here
 
 
@@ -169,12 +169,13 @@ class EnginePool:
     def start_generation(self, prompts: list[Prompt], n: int, **sampling) -> Generation:
         """Send the prompts, split evenly across the engines, and return at once (asynchronous mode keeps the
         engines generating the next step while the learner trains)."""
-        parts, start = [], 0
+        shares, start = [], 0
         for index, (engine, share) in enumerate(zip(self.engines, split(prompts, len(self.engines)))):
             if share:
-                parts.append(Part(index, engine, range(start, start + len(share)), engine.generate.remote(share, n, **sampling)))
+                future = engine.generate.remote(share, n, **sampling)
+                shares.append(EngineShare(index, engine, range(start, start + len(share)), future))
             start += len(share)
-        return Generation(prompts, n, sampling, parts)
+        return Generation(prompts, n, sampling, shares)
 
     def collect(self, generation: Generation) -> tuple[list[list[Completion]], list[int]]:
         """The completions of each prompt, and the engines started again because they died meanwhile. A prompt that
@@ -182,15 +183,15 @@ class EnginePool:
         completions: list[list[Completion]] = [[] for _ in generation.prompts]
         replaced = []
         deadline = generation.started + self.cfg.rollout.generate_timeout_s
-        for part in generation.parts:
+        for share in generation.shares:
             try:
-                for index, group in zip(part.prompts, self._get(part.future, part.engine_index, "generate", deadline)):
+                for index, group in zip(share.prompts, self._get(share.future, share.engine_index, "generate", deadline)):
                     completions[index] = group
             except Exception as err:
                 if not engine_gone(err):
                     raise
-                if self.replace(part.engine_index, part.engine, err):
-                    replaced.append(part.engine_index)
+                if self.replace(share.engine_index, share.engine, err):
+                    replaced.append(share.engine_index)
         return completions, replaced
 
 

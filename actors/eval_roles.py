@@ -12,8 +12,8 @@ from rlpipe.actors.calls import get_all
 from rlpipe.actors.engine_pool import EnginePool
 from rlpipe.actors.roles import EngineRoles
 from rlpipe.config import Config
-from rlpipe.logs import LogSetup
-from rlpipe.tpu_layout import slice_shares
+from rlpipe.reporting.logs import LogSetup
+from rlpipe.hardware.tpu_layout import slice_shares
 
 
 class EvalRoles(EngineRoles):

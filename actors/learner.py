@@ -1,4 +1,4 @@
-"""Ray actor holding one learner rank (rlpipe/learner.py does the work)."""
+"""Ray actor holding one learner rank (rlpipe/training/learner.py does the work)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import ray
 import torch
 
 from rlpipe.actors.calls import get_all, settle
-from rlpipe.checkpoint import set_torch_rng_text, torch_rng_text
+from rlpipe.training.checkpoint import set_torch_rng_text, torch_rng_text
 from rlpipe.config import Config
-from rlpipe.device import learner_processes
-from rlpipe.learner import Learner
-from rlpipe.logs import LogSetup, configure_worker
-from rlpipe.tpu_env import keep_only_given_tpu_env
+from rlpipe.hardware.device import learner_processes
+from rlpipe.training.learner import Learner
+from rlpipe.reporting.logs import LogSetup, configure_worker
+from rlpipe.hardware.tpu_env import keep_only_given_tpu_env
 from rlpipe.types import TrainBatch
-from rlpipe.weightform import FULL, WeightForm
+from rlpipe.weightsync.form import FULL, WeightForm
 from rlpipe.weightsync import SyncPlan, make_transport, stream_parts
 
 # Parts of this many buckets may be in flight per engine before the sender waits for receipts.

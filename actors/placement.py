@@ -4,8 +4,8 @@ On CPU/GPU nodes a role's group has one bundle per actor — a CPU plus the role
 the role's strategy, so `placement.learner.resources: {learner_host: 1}` puts every learner rank on nodes that
 advertise `learner_host`. A role with `placement.<role>.tpu` reserves a whole TPU slice instead (one bundle
 per host) and runs one actor per chip (TorchTPU learner ranks), per host (an xla learner, one SPMD process) or per
-`rollout.tensor_parallel` chips (engines), each with the TPU environment of its chips (rlpipe/tpu_env.py). Learner
-and rollout ask for a slice each, or share the chips of one TPU VM (`placement.<role>.chips`, rlpipe/tpu_layout.py).
+`rollout.tensor_parallel` chips (engines), each with the TPU environment of its chips (rlpipe/hardware/tpu_env.py). Learner
+and rollout ask for a slice each, or share the chips of one TPU VM (`placement.<role>.chips`, rlpipe/hardware/tpu_layout.py).
 
 The TPU path follows Ray's documented slice API (`ray.util.tpu.SlicePlacementGroup`; on older Rays the
 `TPU-<pod type>-head` resource plus per-host bundles); it has not run on TPU hardware yet. The arithmetic is
@@ -24,10 +24,10 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpipe.config import ConfigError, RolePlacement
-from rlpipe.device import TpuSlice
-from rlpipe.environments import interpreter
-from rlpipe.tpu_env import engine_process_env, host_rank_order, torchtpu_process_env, tpu_chip_block_env
-from rlpipe.tpu_layout import SliceShare
+from rlpipe.hardware.device import TpuSlice
+from rlpipe.startup.interpreters import interpreter
+from rlpipe.hardware.tpu_env import engine_process_env, host_rank_order, torchtpu_process_env, tpu_chip_block_env
+from rlpipe.hardware.tpu_layout import SliceShare
 
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
@@ -88,7 +88,7 @@ def place_role(
     learner_device: str | None = None, share: SliceShare | None = None, sharing: PlacedRole | None = None,
 ) -> PlacedRole:
     """Reserve the placement for `actors` actors of `role` (each with `gpus_per_actor` GPUs on GPU nodes), waiting
-    at most `timeout_s` for it. On a TPU slice: `share`, the chips the role takes (rlpipe/tpu_layout.py), and
+    at most `timeout_s` for it. On a TPU slice: `share`, the chips the role takes (rlpipe/hardware/tpu_layout.py), and
     `sharing`, the other role's placement when both share one slice's chips; `learner_device`: the learner's
     `learner.device` (the learner role only), which decides the process contract its ranks get."""
     if share is not None:
@@ -183,7 +183,7 @@ def _place_on_slice(
     role: str, share: SliceShare, actors: int, timeout_s: float, chips_per_actor: int, learner_device: str | None,
     python: str | None, sharing: PlacedRole | None,
 ) -> PlacedRole:
-    if actors * chips_per_actor != share.chips:  # rlpipe/tpu_layout.py's slice_problems stops such a run first
+    if actors * chips_per_actor != share.chips:  # rlpipe/hardware/tpu_layout.py's slice_problems stops such a run first
         raise ConfigError(f"placement.{role}: {actors} actors of {chips_per_actor} chips on {share.chips} chips")
     tslice = share.tslice
     if sharing is not None:  # the other role reserved this one-host slice: take the rest of its chips

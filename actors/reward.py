@@ -6,7 +6,7 @@ import ray
 
 from rlpipe.config import RewardConfig
 from rlpipe.rewards import RewardResult, RewardRunner
-from rlpipe.logs import LogSetup, configure_worker
+from rlpipe.reporting.logs import LogSetup, configure_worker
 
 WORKER_SHARE_OF_DEADLINE = 0.9
 """The worker stops calling functions at this share of reward.deadline_s, so that its reply reaches the driver,

@@ -23,14 +23,14 @@ from rlpipe.actors.reward import RewardActor
 from rlpipe.actors.reward_pool import RewardPool
 from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import Config, first_line
-from rlpipe.device import learner_env, learner_processes
-from rlpipe.preflight import check_cluster_resources
+from rlpipe.hardware.device import learner_variables, learner_processes
+from rlpipe.startup.preflight import check_cluster_resources
 from rlpipe.rewards.runner import reward_names
-from rlpipe.learner import combine_rank_metrics
-from rlpipe.logs import LogSetup
-from rlpipe.tpu_layout import SliceShare, slice_shares
+from rlpipe.training.learner import combine_rank_metrics
+from rlpipe.reporting.logs import LogSetup
+from rlpipe.hardware.tpu_layout import SliceShare, slice_shares
 from rlpipe.types import Group, Prompt, StepScores, TrainBatch
-from rlpipe.weightform import FULL, WeightForm
+from rlpipe.weightsync.form import FULL, WeightForm
 
 
 class EngineRoles:
@@ -142,9 +142,9 @@ class Roles(EngineRoles):
         `note`: where to report events worth a line in the run's log (an engine restarted).
         `reward_columns`: the dataset's columns every scored batch carries, checked against the reward functions'
         signatures when the reward workers start (None: not known here, see RewardRunner).
-        `log`: how the actors log (rlpipe/logs.py), each tagged with its role and index; None leaves their logging
+        `log`: how the actors log (rlpipe/reporting/logs.py), each tagged with its role and index; None leaves their logging
         as the libraries set it.
-        `form`: the run's weight form (`rlpipe.weightform.weight_form`), handed to the learner ranks and the engines."""
+        `form`: the run's weight form (`rlpipe.weightsync.form.weight_form`), handed to the learner ranks and the engines."""
         super().__init__(cfg, note, log)
         self.form = form
         # An actor that cannot be placed waits forever; say so instead of hanging.
@@ -175,7 +175,7 @@ class Roles(EngineRoles):
         generation_wait_s = cfg.rollout.generate_timeout_s if finish_first else 0.0
         self.sync = SyncChannel(cfg.sync, cfg.rollout.max_model_len, learners.hosts(), self.pool, self.note,
                                 generation_wait_s)
-        env = compute_env(cfg) | learner_env(cfg.learner.device, cfg.learner.ranks)
+        env = compute_env(cfg) | learner_variables(cfg.learner.device, cfg.learner.ranks)
         self.learners = [
             LearnerActor.options(**learners.options(rank, env)).remote(
                 model_path, cfg, rank, ranks, self._log_setup("learner", rank), self.form

@@ -1,4 +1,4 @@
-"""Ray actor owning one vLLM engine (rlpipe/rollout.py does the work).
+"""Ray actor owning one vLLM engine (rlpipe/rollout/engine.py does the work).
 
 Generation and weight sync run in separate concurrency groups (one thread each), so buckets of the next version
 arrive while the engine generates, and a sync requested mid-generation is handled per `sync.on_generation`. A third
@@ -21,16 +21,16 @@ from dataclasses import replace
 import ray
 
 from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig
-from rlpipe.logs import LogSetup, configure_worker
-from rlpipe.tpu_env import keep_only_given_tpu_env
+from rlpipe.reporting.logs import LogSetup, configure_worker
+from rlpipe.hardware.tpu_env import keep_only_given_tpu_env
 from rlpipe.models.hf import read_hf_config
-from rlpipe.rollout import RolloutEngine, workers_in_process
+from rlpipe.rollout.engine import RolloutEngine, workers_in_process
 from rlpipe.types import Completion, Prompt
-from rlpipe.weightform import FULL, WeightForm
+from rlpipe.weightsync.form import FULL, WeightForm
 from rlpipe.weightsync import SyncPlan
 from rlpipe.weightsync.receiver import CommitResult
 
-logger = logging.getLogger("rlpipe.rollout")
+logger = logging.getLogger("rlpipe.rollout.engine")
 
 # How often the watchdog looks at the engine's processes.
 _WATCH_INTERVAL_S = 0.5

@@ -21,10 +21,10 @@ def _agreement_run(model_path: str, impl: str, dtype: str, prompts: int, samples
     from transformers import AutoTokenizer
 
     from rlpipe.config import RolloutConfig
-    from rlpipe.data import render_prompt
-    from rlpipe.train_engine import token_logprobs
+    from rlpipe.data.prompts import render_prompt
+    from rlpipe.training.train_engine import token_logprobs
     from rlpipe.models import load_model
-    from rlpipe.rollout import RolloutEngine
+    from rlpipe.rollout.engine import RolloutEngine
     from rlpipe.types import Prompt
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

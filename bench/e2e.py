@@ -97,7 +97,7 @@ def _e2e_config(spec: E2ESpec, overrides: list[str]):
 def e2e_prompt_rows(cfg) -> list[dict]:
     """The rows rlpipe's controller draws, step by step, in its order (its Sampler with run.seed): TRL reads
     them in this order with its own shuffling off. `entry` travels as JSON text (the verifier reads both)."""
-    from rlpipe.data import Sampler, load_rows, with_suffix
+    from rlpipe.data.prompts import Sampler, load_rows, with_suffix
 
     train_rows, _ = load_rows(cfg.data, cfg.run.seed)
     sampler = Sampler(len(train_rows), cfg.run.seed)
@@ -239,7 +239,7 @@ def e2e_workload(name: str, settings: dict, spec: E2ESpec) -> dict:
 
 
 def _lr_factor(cfg, step: int) -> float:
-    from rlpipe.train_engine import lr_factor
+    from rlpipe.training.train_engine import lr_factor
 
     return lr_factor(step, cfg.train.warmup_steps, cfg.train.steps, cfg.train.lr_schedule, cfg.train.min_lr_ratio)
 
@@ -254,7 +254,7 @@ class TrlReward:
     def __init__(self, name: str, weight: float = 1.0, kwargs: dict | None = None, max_tokens: int | None = None,
                  eos_token_id: int | None = None, **_):
         from rlpipe.rewards import load_reward
-        from rlpipe.callables import display_name
+        from rlpipe.usercode.callables import display_name
 
         self.fn, self.weight, self.kwargs = load_reward(name), weight, dict(kwargs or {})
         self.max_tokens, self.eos_token_id = max_tokens, eos_token_id
@@ -318,7 +318,7 @@ def _e2e_trl(model_path: str, settings: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlpipe.data import render_prompt
+    from rlpipe.data.prompts import render_prompt
 
     if settings["generation"].startswith("vllm-colocate"):
         import functools
@@ -388,7 +388,7 @@ def _e2e_rlpipe_run(spec: E2ESpec, overrides: list[str], results) -> None:
     sync, from the step's start to its metrics), summed; Ray start, engine and learner start-up, the sync
     rehearsal and the final checkpoint come before or after."""
     try:
-        from rlpipe.controller import train
+        from rlpipe.run.controller import train
 
         cfg = _e2e_config(spec, overrides)
         started = time.perf_counter()

@@ -209,7 +209,7 @@ class _RayLearner:
 def measure(model: str, transport: str, syncs: int, bucket_mb: float) -> dict:
     """In a process importing the checkout under test: one TP=2 engine, a rehearsal and `syncs` versions."""
     from rlpipe.config import RolloutConfig, load_config
-    from rlpipe.rollout import RolloutEngine
+    from rlpipe.rollout.engine import RolloutEngine
     from rlpipe.weightsync import plan_sync
 
     cfg = load_config(None, [f"model.path={model}", f"sync.transport={transport}", f"sync.bucket_mb={bucket_mb}",

@@ -188,7 +188,7 @@ def _bench_config(
 def _packed_buckets(shape: LearnerBenchShape, rows: int, share_prompts: bool) -> list[int]:
     """The longest packed row of `_batch`'s micro-batches of `rows` rows (each group's prompt once when shared), and
     `rows` whole rows end to end."""
-    from rlpipe.packing import packed_length
+    from rlpipe.models.packing import packed_length
 
     batch = _batch(shape)
     longest = 0
@@ -221,8 +221,8 @@ def _time_rank(
     fresh process), allocated GPU memory on cuda."""
     import resource
 
-    from rlpipe.learner import Learner
-    from rlpipe.weightform import weight_form
+    from rlpipe.training.learner import Learner
+    from rlpipe.weightsync.form import weight_form
 
     config = _bench_config(model_path, shape, ranks, graph, device, experts=experts, share_prompts=share_prompts,
                            lora_rank=lora_rank)
@@ -270,8 +270,8 @@ def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: 
     """Best seconds per step of each single-rank mode, the modes' steps taking turns for `rounds` rounds: on a
     machine shared with other work, load that comes and goes then slows every mode alike instead of whichever
     happened to run at the time."""
-    from rlpipe.learner import Learner
-    from rlpipe.weightform import weight_form
+    from rlpipe.training.learner import Learner
+    from rlpipe.weightsync.form import weight_form
 
     torch.set_num_threads(threads)
     batch = _batch(shape)
@@ -294,7 +294,7 @@ def _interleaved_run(model_path, shape, modes: list[str], rounds: int, threads: 
 def _time_xla(model_path: str, shape: LearnerBenchShape, devices: int):
     """Seconds per step of the xla learner (its step one XLA program), the first step's seconds (tracing and
     compiling), and what torch_xla counted: programs compiled, host syncs inside the step, ops run on the host."""
-    from rlpipe.learner import Learner
+    from rlpipe.training.learner import Learner
 
     learner = Learner.from_config(model_path, _bench_config(model_path, shape, devices, True, "xla"))
     seconds, warmup = _timed_steps(learner, _batch(shape), shape.steps)

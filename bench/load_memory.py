@@ -86,9 +86,9 @@ def rank_main(model: str, rank: int, ranks: int, port: int) -> None:
     """One rank: load the model as the learner does, stop before the step is built, report peak RSS."""
     import torch  # noqa: F401  (its import is part of the overhead, as in a learner)
 
-    import rlpipe.train_engine as train_engine
+    import rlpipe.training.train_engine as train_engine
     from rlpipe.config import load_config
-    from rlpipe.learner import Learner
+    from rlpipe.training.learner import Learner
 
     def rss() -> int:
         with open("/proc/self/statm") as statm:

@@ -51,11 +51,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import rlpipe.tools.episodes
-    from rlpipe import preflight
+    from rlpipe.startup import preflight
     from rlpipe.config import load_config
-    from rlpipe.data import PromptSet, load_rows
+    from rlpipe.data.prompts import PromptSet, load_rows
     from rlpipe.models.builtin import resolve_model_path
-    from rlpipe.rollout import RolloutEngine
+    from rlpipe.rollout.engine import RolloutEngine
     from rlpipe.tools.runner import SingleTurn
 
     cfg = load_config(args.recipe, [f"data.eval_size={args.prompts}"])

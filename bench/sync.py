@@ -244,7 +244,7 @@ def _in_run(overrides: list[str], results) -> None:
     and its start-up rehearsal on `results`."""
     try:
         from rlpipe.config import load_config, recipes_dir
-        from rlpipe.controller import train
+        from rlpipe.run.controller import train
 
         cfg = load_config(str(recipes_dir() / "default.yaml"), overrides)
         train(cfg)

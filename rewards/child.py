@@ -33,7 +33,7 @@ import traceback
 import weakref
 from typing import Any, NamedTuple
 
-from rlpipe.callables import describe_error, load_reward, shown_name
+from rlpipe.usercode.callables import describe_error, load_reward, shown_name
 from rlpipe.rewards.contract import LOG_CALLBACKS
 
 _HEADER = struct.Struct("<Q")

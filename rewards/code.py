@@ -1,4 +1,4 @@
-"""Code rewards: run a completion against its tests, HumanEval-style, inside the sandbox (rlpipe/sandbox.py).
+"""Code rewards: run a completion against its tests, HumanEval-style, inside the sandbox (rlpipe/usercode/sandbox.py).
 
 The verdict is the test harness's (rewards/code_harness.py), never the program's exit status: the tests run in a
 process of their own, see only the task's entry point from the program (the prompt's helpers they take from the
@@ -15,7 +15,7 @@ import logging
 import re
 from pathlib import Path
 
-from rlpipe import sandbox
+from rlpipe.usercode import sandbox
 from rlpipe.rewards.contract import completion_text, prompt_text
 
 logger = logging.getLogger("rewards")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlpipe.callables import RewardConfigError, display_name, load_reward, shown_name
+from rlpipe.usercode.callables import RewardConfigError, display_name, load_reward, shown_name
 from rlpipe.rewards.child import CallFailed, ChildProcess, Logged
 from rlpipe.rewards.contract import CALL_ARGUMENTS, EPISODE_COLUMNS, LOG_CALLBACKS, SAMPLE_COLUMNS, call_arguments
 from rlpipe.rewards.contract import trainer_state as start_state

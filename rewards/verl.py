@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
-from rlpipe.callables import RewardConfigError, load_reward
+from rlpipe.usercode.callables import RewardConfigError, load_reward
 from rlpipe.rewards.contract import completion_text
 
 VERL_DEFAULT = "verl.utils.reward_score:default_compute_score"

@@ -85,11 +85,11 @@ def train(
     cfg = load_config(config, **overrides)
     check_by_value_rewards(cfg)
     if cfg.metrics.push_to_hub:
-        from rlpipe.hub_push import check_can_push
+        from rlpipe.run.hub_push import check_can_push
 
         check_can_push(cfg.metrics.push_to_hub, "metrics.push_to_hub")
 
-    from rlpipe.hub_push import after_run
+    from rlpipe.run.hub_push import after_run
 
     return after_run(cfg, train_with_restarts(cfg, resume, auto_resume))
 
@@ -102,9 +102,9 @@ def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> d
 
     from rlpipe.actors.calls import WorkerLost
     from rlpipe.actors.placement import PlacementTimeout
-    from rlpipe import checkpoint
-    from rlpipe.checkpoint import CheckpointError
-    from rlpipe.controller import train
+    from rlpipe.training import checkpoint
+    from rlpipe.training.checkpoint import CheckpointError
+    from rlpipe.run.controller import train
 
     restarts = 0
     while True:
@@ -128,7 +128,7 @@ def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> d
 
 def reward_specs(funcs: RewardFunc | Sequence[RewardFunc], weights: Sequence[float] | None = None) -> list[dict]:
     """reward.functions entries for `funcs` (callables or names), weighted by `weights` (default 1.0 each)."""
-    from rlpipe.callables import by_value_name
+    from rlpipe.usercode.callables import by_value_name
 
     funcs = [funcs] if callable(funcs) or isinstance(funcs, str) else list(funcs)
     if weights is None:
@@ -150,7 +150,7 @@ def reward_specs(funcs: RewardFunc | Sequence[RewardFunc], weights: Sequence[flo
 def _named(target: Callable | str, where: str) -> str:
     """How a tool or environment factory given to `train` is named in the config: a name as it is, a callable by
     import path where every worker imports it so, else by value."""
-    from rlpipe.callables import by_value_name
+    from rlpipe.usercode.callables import by_value_name
 
     if isinstance(target, str):
         return target
@@ -161,8 +161,8 @@ def _named(target: Callable | str, where: str) -> str:
 
 def add_reward_search_path(*folders: str) -> None:
     """Let every process of the run (this one, the reward workers of a local cluster, their child processes) import
-    reward modules from `folders` too, after its own sys.path (rlpipe/callables.py reads RLPIPE_REWARD_PATH)."""
-    from rlpipe.callables import SEARCH_PATH_VARIABLE
+    reward modules from `folders` too, after its own sys.path (rlpipe/usercode/callables.py reads RLPIPE_REWARD_PATH)."""
+    from rlpipe.usercode.callables import SEARCH_PATH_VARIABLE
 
     known = [f for f in os.environ.get(SEARCH_PATH_VARIABLE, "").split(os.pathsep) if f]
     os.environ[SEARCH_PATH_VARIABLE] = os.pathsep.join(dict.fromkeys([*known, *folders]))
@@ -171,13 +171,13 @@ def add_reward_search_path(*folders: str) -> None:
 def check_by_value_rewards(cfg: Config) -> None:
     """A reward function passed by value needs cloudpickle where the reward workers run: refused before anything
     starts when placement.reward.python names an environment that lacks it."""
-    from rlpipe.callables import BY_VALUE_PREFIX, shown_name
+    from rlpipe.usercode.callables import BY_VALUE_PREFIX, shown_name
 
     by_value = [f.name for f in cfg.reward.functions if f.name.startswith(BY_VALUE_PREFIX)]
     if not by_value or cfg.placement.reward.python is None:
         return
-    from rlpipe.environments import interpreter
-    from rlpipe.preflight import check_environment
+    from rlpipe.startup.interpreters import interpreter
+    from rlpipe.startup.preflight import check_environment
 
     key = "placement.reward.python"
     try:
@@ -191,7 +191,7 @@ def check_by_value_rewards(cfg: Config) -> None:
 
 def _import_path(func: Callable) -> str | None:
     """"module:qualname" for a function every worker imports the same way (from an installed package), else None."""
-    from rlpipe.callables import importable_everywhere
+    from rlpipe.usercode.callables import importable_everywhere
 
     module = sys.modules.get(getattr(func, "__module__", None) or "")
     qualified = getattr(func, "__qualname__", "")

@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from rlpipe.rewards import RewardConfigError, RewardFailure
-from rlpipe.checkpoint import CheckpointError
+from rlpipe.training.checkpoint import CheckpointError
 from rlpipe.api import add_reward_search_path, train_with_restarts
 from rlpipe.config import Config, ConfigError, help_text, load_config, recipes_dir
 
@@ -236,8 +236,8 @@ def _search_beside(recipe: str | None) -> None:
 def _export(args) -> int:
     """`rlpipe export CHECKPOINT OUT_DIR [--push-to-hub ORG/NAME [--private]]`: the folder with its model card,
     then the push."""
-    from rlpipe.checkpoint import export
-    from rlpipe.hub_push import HubPushError, check_can_push, checkpoint_card_inputs, push_folder, write_model_card
+    from rlpipe.training.checkpoint import export
+    from rlpipe.run.hub_push import HubPushError, check_can_push, checkpoint_card_inputs, push_folder, write_model_card
 
     try:
         if args.push_to_hub:
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                    args.repeats, args.out, args.in_run_rounds, args.in_run_steps)
         return 0
     if args.command == "submit":
-        from rlpipe.submit import SubmitError, submit
+        from rlpipe.run.submit import SubmitError, submit
 
         try:
             return submit(args.address, args.recipe, list(args.overrides), args.working_dir, args.env,
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlpipe: {err}", file=sys.stderr)
             return 2
     if args.command == "plot":
-        from rlpipe.plots import SMOOTHING, PlotError, plot_runs
+        from rlpipe.reporting.plots import SMOOTHING, PlotError, plot_runs
 
         try:
             written = plot_runs(args.run_dirs, args.out, SMOOTHING if args.smooth is None else args.smooth)
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_plan(result))
             return 0 if result.ok else 1
         from rlpipe.actors.calls import WorkerLost
-        from rlpipe.hub_push import HubPushError, after_run, check_can_push
+        from rlpipe.run.hub_push import HubPushError, after_run, check_can_push
         from rlpipe.weightsync import NonFiniteWeights
 
         try:
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_saved_weights(args) -> int:
-    """`rlpipe eval PATH [RECIPE] [key=value ...]`: the held-out evaluation of a run (rlpipe/evaluation.py) on saved
+    """`rlpipe eval PATH [RECIPE] [key=value ...]`: the held-out evaluation of a run (rlpipe/run/evaluation.py) on saved
     weights, by engines and reward workers alone. Every input is checked before Ray starts; a checkpoint is exported
     to a temporary HF folder first, which the engines load."""
     import json
@@ -457,10 +457,12 @@ def evaluate_saved_weights(args) -> int:
 
     import yaml
 
-    from rlpipe import checkpoint, evaluation, preflight
-    from rlpipe.controller import reward_state
-    from rlpipe.data import PromptSet, load_rows, reward_columns
-    from rlpipe.logs import LogSetup
+    from rlpipe.training import checkpoint
+    from rlpipe.run import evaluation
+    from rlpipe.startup import preflight
+    from rlpipe.run.controller import reward_state
+    from rlpipe.data.prompts import PromptSet, load_rows, reward_columns
+    from rlpipe.reporting.logs import LogSetup
     from rlpipe.rewards.contract import EPISODE_COLUMNS
 
     weights = Path(args.path)
@@ -525,10 +527,10 @@ def evaluate_saved_weights(args) -> int:
 def _evaluate_on_engines(cfg: Config, model_path: str, tokenizer_path: str | None, columns: list[str], eval_set,
                          step: int, state, logs) -> dict:
     """Start Ray (or join `ray.address`), the engines on `model_path` and the reward workers; evaluate; stop them."""
-    from rlpipe import evaluation
+    from rlpipe.run import evaluation
     from rlpipe.actors.cluster import start_ray
     from rlpipe.actors.eval_roles import EvalRoles
-    from rlpipe.logs import driver_logging
+    from rlpipe.reporting.logs import driver_logging
 
     with driver_logging(logs):
         start_ray(cfg)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from rlpipe.models.packing import PackedLayout
 
 
 @dataclass
@@ -311,7 +314,7 @@ class TrainSums:
     """One learner rank's figures of a training step (or of one of its optimizer steps), as sums over its optimizer
     steps: the loss, the gradient norm before clipping, the learning rate, the steps themselves, the rows run, and
     the objective's stats (None where no micro-batch ran); a captured step (static shapes) adds its running counts
-    of compiled graphs and graph breaks, which are the latest, not sums. `rlpipe.learner.combine_rank_metrics`
+    of compiled graphs and graph breaks, which are the latest, not sums. `rlpipe.training.learner.combine_rank_metrics`
     turns every rank's into the step's metrics."""
 
     loss: float
@@ -337,3 +340,26 @@ class TrainSums:
             compiles=later.compiles,
             graph_breaks=later.graph_breaks,
         )
+
+
+@dataclass
+class MicroBatch:
+    """The rows of one forward and backward pass, with what the objective reads about them and, for the packed
+    variants, how they are packed."""
+
+    input_ids: Tensor  # [B, T] right-padded
+    loss_inputs: LossInputs
+    lengths: Tensor | None = None  # [B] real tokens per row: the rows run packed (`PackedForward`)
+    prompt_lengths: Tensor | None = None  # [B] with `lengths`: where each row's prompt ends, shared within a group
+    layout: PackedLayout | None = None  # the rows packed to a static width (`StaticPackedForward`)
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        packing = (self.lengths, self.prompt_lengths, self.layout)
+        lengths, prompts, layout = (None if value is None else value.to(device) for value in packing)
+        return MicroBatch(self.input_ids.to(device), self.loss_inputs.to(device), lengths, prompts, layout)
+
+    def tensors(self) -> Iterator[Tensor]:
+        """Its tensors outside the packed layout (a strategy that splits rows splits these)."""
+        yield self.input_ids
+        yield from self.loss_inputs.tensors()
+        yield from (value for value in (self.lengths, self.prompt_lengths) if value is not None)

@@ -164,7 +164,7 @@ def sweep(problems: list[dict], workers: int) -> dict:
 
 def timing(repeats: int) -> dict:
     """Median seconds of one sandbox call (a program that does nothing) and of one HumanEval problem's reward."""
-    from rlpipe import sandbox
+    from rlpipe.usercode import sandbox
 
     problem = load_problems(1)[0]
     sandbox.run("pass")  # the probe, once per process

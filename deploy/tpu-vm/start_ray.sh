@@ -46,7 +46,7 @@ dashboard_port=${RAY_DASHBOARD_PORT:-8265}
 #   python3.12 -m venv ~/rlpipe-venv
 #   ~/rlpipe-venv/bin/pip install --extra-index-url https://download.pytorch.org/whl/cpu ".[tpu]"
 
-# rlpipe gives each actor the chips it drives (rlpipe/tpu_env.py), not Ray. The raylet passes its environment on to
+# rlpipe gives each actor the chips it drives (rlpipe/hardware/tpu_env.py), not Ray. The raylet passes its environment on to
 # every worker process, so this has to be set before `ray start`.
 export RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS=1
 

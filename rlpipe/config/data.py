@@ -95,7 +95,7 @@ class DataConfig:
     verifiers_taskset: str | None = key(
         None,
         "a verifiers task set (source=verifiers): an installed task set id, or an import path pkg.mod:fn of a "
-        "function returning a verifiers Taskset; score it with reward rlpipe.verifiers_env:taskset_reward",
+        "function returning a verifiers Taskset; score it with reward rlpipe.data.verifiers:taskset_reward",
     )
 
     def prompt_source(self) -> PromptSource:

@@ -1,6 +1,6 @@
 """The `eval` section: how often the held-out set (data.eval_size rows, data.eval_split or data.eval_path) is
 evaluated during training, and how many sampled completions per prompt give mean@k and pass@k beside the greedy
-accuracy (rlpipe/evaluation.py)."""
+accuracy (rlpipe/run/evaluation.py)."""
 
 from __future__ import annotations
 

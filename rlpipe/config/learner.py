@@ -49,7 +49,7 @@ class LoraConfig:
 @dataclass
 class LearnerConfig:
     ranks: int = key(1, "learner processes (Ray actors) in one torch.distributed group; >1 shards SimpleFSDP-style")
-    device: Literal["cpu", "cuda", "tpu", "xla"] = key("cpu", "learner device kind (see rlpipe/device.py)")
+    device: Literal["cpu", "cuda", "tpu", "xla"] = key("cpu", "learner device kind (see rlpipe/hardware/device.py)")
     param_dtype: Literal["float32", "bfloat16"] | None = key(
         None, "dtype parameters are gathered and computed in (null: model.dtype, the master-weight dtype)"
     )

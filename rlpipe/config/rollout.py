@@ -194,7 +194,7 @@ class RolloutConfig:
 # on TorchTPU. Decided once, at start-up, from where the engines are placed (`Config.engine_platform`); what vLLM
 # on TorchTPU cannot do is refused by it, and the engine checks the platform it finds against it.
 EnginePlatform = Literal["vllm-cpu", "vllm", "vllm-torchtpu"]
-# The engine platform of each platform name `rlpipe.vllm_worker.vllm_platform` reports.
+# The engine platform of each platform name `rlpipe.rollout.vllm_worker.vllm_platform` reports.
 ENGINE_PLATFORMS: dict[str, EnginePlatform] = {"cpu": "vllm-cpu", "cuda": "vllm", "torchtpu": "vllm-torchtpu"}
 
 

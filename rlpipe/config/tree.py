@@ -131,7 +131,7 @@ class Config:
 
     def adapters_refused(self) -> str | None:
         """Why the engines cannot take learner.lora's adapters, or None when they can (the weight form then merges
-        them, `rlpipe.weightform.decide_weight_form`)."""
+        them, `rlpipe.weightsync.form.decide_weight_form`)."""
         lora = self.learner.lora
         if self.rollout.model_impl == "rlpipe":
             return "rlpipe's model in vLLM (rollout.model_impl: rlpipe) takes no adapters"

@@ -26,7 +26,7 @@ from rlpipe.models.architecture import ROPE_TYPES, SLIDING_ATTENTION, ModelArchi
 from rlpipe.models.moe import Experts, SparseMoeBlock, TopKRouter
 
 if TYPE_CHECKING:
-    from rlpipe.packing import PackedLayout
+    from rlpipe.models.packing import PackedLayout
 
 # A packed row's layout: blocks in row order, each a prefix followed by the lengths of the continuations that read
 # it. ((5, 3, 4), (7,)) is a 5-token prompt shared by a 3- and a 4-token completion, then a 7-token sequence alone.
@@ -315,7 +315,7 @@ class CausalLM(nn.Module):
     """Decoder-only LM over right-padded batches (padding only follows real tokens, so causal attention alone
     keeps it from influencing them and no attention mask is taken) or over packed rows: one row holding several
     sequences back to back, laid out as `segments` describe (python `Segments`, or a `PackedLayout` of tensors,
-    rlpipe/packing.py), with position ids restarting at each."""
+    rlpipe/models/packing.py), with position ids restarting at each."""
 
     def __init__(self, config: ModelArchitecture) -> None:
         super().__init__()
@@ -363,7 +363,7 @@ class CausalLM(nn.Module):
         """Final-normed hidden states [B, T, H], the input of the output projection. With `segments` (B = 1) the row
         is packed: several sequences, or continuations of a shared prefix, back to back, with `position_ids` giving
         each token's position in its own sequence. `segments` is either the python `Segments` (attention runs
-        block by block; a compiled graph specialises on them) or a `PackedLayout` (rlpipe/packing.py: attention
+        block by block; a compiled graph specialises on them) or a `PackedLayout` (rlpipe/models/packing.py: attention
         runs over the whole row, with the torch implementation under a [W, W] mask built from its tensors, with
         the Pallas kernel by its document ids; a compiled graph depends on W alone; padding attends only to
         padding). With a `router_logits` list, every mixture-of-experts layer appends its router logits

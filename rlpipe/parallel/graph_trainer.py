@@ -23,7 +23,7 @@ Why this and not the alternatives:
 
 What changes between calls and what does not. `dynamic=False` specialises the graph on every input shape, which
 is what static-shape backends (XLA, TorchTPU) want, so sequence lengths must come from a small set: the caller pads
-each batch to `rlpipe.packing.bucket_length(length, buckets)`, and each bucket compiles once. Values that change
+each batch to `rlpipe.models.packing.bucket_length(length, buckets)`, and each bucket compiles once. Values that change
 every step — the learning rate, the optimizer step count, token normalisers inside the batch — are 0-d tensors,
 never Python floats, because Dynamo specialises on Python scalars and would recompile for each new value. Dynamo's
 recompile limit (8 by default) is raised to `len(buckets) + 2`, and hitting it raises instead of quietly running
@@ -41,9 +41,9 @@ different count compiles a new graph.
 `compile=False` runs the very same function eagerly (`learner.graph: false`), giving the same numbers up to
 floating-point reassociation.
 
-On a lazy device (`lazy=True`: xla, `rlpipe.device.Backend.lazy`) nothing is handed to Dynamo: the same function
-runs on lazy XLA tensors, which record the whole step, and `rlpipe.device.step_boundary` turns the record into one
-XLA program (see rlpipe/device.py for why).
+On a lazy device (`lazy=True`: xla, `rlpipe.hardware.device.Backend.lazy`) nothing is handed to Dynamo: the same function
+runs on lazy XLA tensors, which record the whole step, and `rlpipe.hardware.device.step_boundary` turns the record into one
+XLA program (see rlpipe/hardware/device.py for why).
 The programs are cached by graph hash, so each bucket compiles once, as with Dynamo. There `compiles` counts XLA
 compilations and `graph_breaks` counts programs beyond the one per step — each a host sync inside the step that cut
 the record (an `.item()`, a data-dependent branch, an op XLA cannot lower) — and `xla_fallbacks` names the ops
@@ -204,7 +204,7 @@ class GraphTrainStep:
     `loss_fn(model, batch) -> (loss, stats)` is pure tensor code (no `.item()`, no data-dependent Python
     branches); `stats` are tensors of any shape (see `Stats`), reported with the step (`StepReport`). See the module
     docstring for micro-batch scaling. `lazy`: the parameters live on a device that records ops (xla), whose step
-    runs as one program at `rlpipe.device.step_boundary` instead of compiling. With `fullgraph=False`, a graph break
+    runs as one program at `rlpipe.hardware.device.step_boundary` instead of compiling. With `fullgraph=False`, a graph break
     no longer raises: the step then runs as several graphs and the metrics show it. `compiles` counts graphs
     compiled by this trainer; `graph_breaks` counts the breaks Dynamo met while compiling them (read from its
     process-wide counters during this trainer's calls), so both stay flat once every shape has been seen.
@@ -244,7 +244,7 @@ class GraphTrainStep:
         self._xla_compiles = 0
         self.xla_fallbacks: dict[str, int] = {}
         if self.lazy:
-            from rlpipe.device import step_boundary
+            from rlpipe.hardware.device import step_boundary
 
             # The optimizer's zeros exist only as a record so far; materialised now, the first step's program takes
             # them as data like every later one, instead of compiling a one-off variant that builds them.
@@ -318,7 +318,7 @@ class GraphTrainStep:
         lr_tensor = torch.as_tensor(lr, dtype=torch.float32, device=self.optimizer.step.device)
         breaks_before = _graph_break_count()
         if self.lazy:
-            from rlpipe.device import step_boundary, xla_counters
+            from rlpipe.hardware.device import step_boundary, xla_counters
 
             xla_before = xla_counters()
             loss, grad_norm, stats = self._step_fn(micro_batches, lr_tensor)

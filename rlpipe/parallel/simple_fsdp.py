@@ -67,7 +67,7 @@ _sharded_classes: dict[tuple[type, tuple[str, ...]], type] = {}
 _MIXED_PRECISION_ATTR = "_simple_fsdp_mixed_precision"
 
 # A parameter carrying this attribute (set True) is replicated on every rank instead of sharded: small parameters
-# that each rank needs whole outside forward (LoRA's A, rlpipe/lora.py). Its gradient is all-reduced.
+# that each rank needs whole outside forward (LoRA's A, rlpipe/training/lora.py). Its gradient is all-reduced.
 REPLICATED = "_simple_fsdp_replicated"
 
 

@@ -2,13 +2,13 @@
 
 A strategy knows where tensors live and how parameters are split; the train engine calls it at fixed points and
 never asks which one it has (what the device itself implies, such as static shapes on a lazy device, it reads from
-the backend table, rlpipe/device.py):
+the backend table, rlpipe/hardware/device.py):
 - `join(address, port)`: form the process group, if the scheme has one (every rank at the same time);
 - `load(model, weights)`: give a model built on `meta` its weights (`CheckpointWeights`), each rank reading only
   what it keeps, laid out as the scheme splits parameters — before `join` where the scheme has no group, after it
   where it has one (the policy, and any frozen copy);
 - `shard_state(tensors)`: lay optimizer state out like the parameters it belongs to;
-- `place(micro)`: a micro-batch (rlpipe/forward.py `MicroBatch`) on the device, split where the scheme splits rows;
+- `place(micro)`: a micro-batch (rlpipe/training/forward.py `MicroBatch`) on the device, split where the scheme splits rows;
 - `full_tensors(model)` / `full_state_dict(model)` / `local_weights(model)`: whole tensors on the host one at a time,
   or all at once (collectives where sharded: every rank takes part), or this rank's rows.
 """
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from rlpipe.forward import MicroBatch
+    from rlpipe.types import MicroBatch
 
 
 class Unsharded:
@@ -74,7 +74,7 @@ class SimpleFSDP(Unsharded):
         self.mesh = None
 
     def join(self, master_addr: str, master_port: int) -> None:
-        from rlpipe.device import backend
+        from rlpipe.hardware.device import backend
         from rlpipe.parallel.mesh import init_distributed, make_mesh
 
         table = backend(self.kind)
@@ -108,7 +108,7 @@ class XlaSpmd(Unsharded):
     for why not one process per device). The mesh must exist before any XLA tensor does, so it is made here."""
 
     def __init__(self, device_kind: str, devices: int):
-        from rlpipe.device import torch_device
+        from rlpipe.hardware.device import torch_device
         from rlpipe.parallel.simple_fsdp import xla_spmd_mesh
 
         self.mesh = xla_spmd_mesh(devices)
@@ -132,7 +132,7 @@ class XlaSpmd(Unsharded):
 
 def choose_strategy(learner, master_dtype: torch.dtype, rank: int = 0, world_size: int = 1):
     """The strategy for a `learner` config section and this process's place in the group."""
-    from rlpipe.device import backend, torch_device
+    from rlpipe.hardware.device import backend, torch_device
     from rlpipe.parallel.simple_fsdp import MixedPrecision
 
     table = backend(learner.device)

@@ -28,10 +28,10 @@ from pathlib import Path
 from rlpipe.config import Config
 from rlpipe.config.sync import vllm_lora_rank
 from rlpipe.plan.model_size import ModelSize
-from rlpipe.plan.parts import DTYPE_BYTES, Part, Peak, SidePlan
+from rlpipe.plan.parts import DTYPE_BYTES, MemoryItem, Peak, SidePlan
 from rlpipe.plan.pods import host_memory_limit
 from rlpipe.plan.synced import synced_params
-from rlpipe.tpu_layout import SliceShare
+from rlpipe.hardware.tpu_layout import SliceShare
 from rlpipe.weightsync.sender import BUCKETS_IN_FLIGHT
 
 
@@ -42,14 +42,14 @@ def kv_heads_per_chip(kv_heads: int, tensor_parallel: int) -> int:
     return 1
 
 
-def _lora_buffers(cfg: Config, arch: ModelSize, rb: int, T: int) -> tuple[Part, ...]:
+def _lora_buffers(cfg: Config, arch: ModelSize, rb: int, T: int) -> tuple[MemoryItem, ...]:
     """vLLM's buffers for the one adapter an engine serves when syncs send the adapters alone: every targeted layer
     at max_lora_rank (the rank rounded up to a value vLLM takes)."""
     lora = cfg.learner.lora
     if synced_params(cfg, arch) == arch.params:
         return ()
     rank = vllm_lora_rank(lora.rank)
-    return (Part("lora_buffers", f"LoRA adapter buffers (max_lora_rank {rank}, 1/{T})",
+    return (MemoryItem("lora_buffers", f"LoRA adapter buffers (max_lora_rank {rank}, 1/{T})",
                  arch.adapter_params(rank, lora.target_modules) * rb / T),)
 
 
@@ -62,15 +62,15 @@ def rollout_peak(cfg: Config, arch: ModelSize, share: SliceShare | None, manifes
     bucket = max(cfg.sync.bucket_mb * 2**20, arch.largest_tensor_params * rb)  # a tensor is never split
     each = f" x {engines} engine{'s' if engines > 1 else ''}"
     parts = [
-        Part("staging", f"staged version ({cfg.rollout.dtype}), the copy its workers read{each}", engines * weights),
-        Part(
+        MemoryItem("staging", f"staged version ({cfg.rollout.dtype}), the copy its workers read{each}", engines * weights),
+        MemoryItem(
             "in_flight",
             f"buckets in flight: {BUCKETS_IN_FLIGHT} of {bucket / 2**20:.0f} MiB{each}",
             engines * BUCKETS_IN_FLIGHT * bucket,
         ),
     ]
     if cfg.sync.keep_previous:
-        parts.append(Part("rollback", f"rollback copy (sync.keep_previous){each}", engines * weights))
+        parts.append(MemoryItem("rollback", f"rollback copy (sync.keep_previous){each}", engines * weights))
     limit, limit_label, missing = host_memory_limit(share, "rollout", manifests)
     title = f"engine host RAM at a sync, per host ({engines} engine{'s' if engines > 1 else ''} x tensor-parallel {T})"
     return Peak("rollout_host", "engine host RAM at a sync", title, tuple(parts), limit, limit_label, missing)
@@ -96,8 +96,8 @@ def rollout_side(cfg: Config, arch: ModelSize, rollout_share: SliceShare | None)
         "rollout",
         f"{N} engine{'s' if N > 1 else ''} x tensor-parallel {T}, {cfg.rollout.dtype}",
         (
-            Part("weights", f"weights ({cfg.rollout.dtype}, 1/{T})", weights),
-            Part("kv_cache", f"KV cache ({sequences} seqs x {context} tokens, {kv_chip} kv heads/chip)", kv),
+            MemoryItem("weights", f"weights ({cfg.rollout.dtype}, 1/{T})", weights),
+            MemoryItem("kv_cache", f"KV cache ({sequences} seqs x {context} tokens, {kv_chip} kv heads/chip)", kv),
             *_lora_buffers(cfg, arch, rb, T),
         ),
         rollout_share,

@@ -23,7 +23,7 @@ Learner (M = learner.ranks; SimpleFSDP shards every parameter Shard(0) over M ra
                   lookup keeps only the token ids. Plus one unit's gradient, as above.
 - activations     for one micro-batch: n = rows x seq tokens; seq = data.max_prompt_tokens + rollout.max_tokens,
                   padded up to the smallest of learner.length_buckets that holds it where the step's forward has
-                  static shapes (rlpipe/forward.py `choose_forward`: learner.graph, or a lazy device); rows =
+                  static shapes (rlpipe/training/forward.py `choose_forward`: learner.graph, or a lazy device); rows =
                   train.micro_batch_size there (rows are padded), else min(micro_batch_size, the rank's share of a
                   mini-batch). Always + n x ((4 + a) x h + 4): the final norm and the log-sum-exp kept per token.
     learner.activation_checkpointing on:   L x n x per_token_saved + n x per_token_layer
@@ -83,22 +83,22 @@ from pathlib import Path
 
 from rlpipe.algo.objective import build_objective
 from rlpipe.config import Config
-from rlpipe.device import backend
-from rlpipe.forward import PackedForward, StaticPackedForward, StaticPaddedForward, choose_forward
+from rlpipe.hardware.device import backend
+from rlpipe.training.forward import PackedForward, StaticPackedForward, StaticPaddedForward, choose_forward
 from rlpipe.models.hf import MAX_SHARD_BYTES
-from rlpipe.packing import bucket_length
+from rlpipe.models.packing import bucket_length
 from rlpipe.plan.model_size import ModelSize
-from rlpipe.plan.parts import DTYPE_BYTES, GIB, Part, Peak, SidePlan
+from rlpipe.plan.parts import DTYPE_BYTES, GIB, MemoryItem, Peak, SidePlan
 from rlpipe.plan.pods import host_memory_limit
 from rlpipe.plan.synced import synced_params
-from rlpipe.tpu_layout import SliceShare
+from rlpipe.hardware.tpu_layout import SliceShare
 
 # torch.distributed.checkpoint's FileSystemWriter copies up to this many bytes to the CPU ahead of writing them.
 DCP_COPY_AHEAD = 10_000_000
 
 
 def _train_forward(cfg: Config):
-    """The train step's forward variant the learner's engine chooses for this config (rlpipe/forward.py)."""
+    """The train step's forward variant the learner's engine chooses for this config (rlpipe/training/forward.py)."""
     forward, _ = choose_forward(
         cfg.learner, cfg.model.kernels, temperature=1.0, moe=False, lazy=backend(cfg.learner.device).lazy,
         micro_batch_size=cfg.train.micro_batch_size, passes=0,
@@ -107,7 +107,7 @@ def _train_forward(cfg: Config):
 
 
 def _bucket(length: int, buckets: list[int]) -> int:
-    """The bucket the step pads `length` to (rlpipe/packing.py); `length` itself where none holds it."""
+    """The bucket the step pads `length` to (rlpipe/models/packing.py); `length` itself where none holds it."""
     try:
         return bucket_length(length, buckets)
     except ValueError:
@@ -124,7 +124,7 @@ def learner_sequence(cfg: Config) -> tuple[int, int]:
     return min(cfg.train.micro_batch_size, math.ceil(mini / cfg.learner.ranks)), longest
 
 
-def attention_scores(cfg: Config, arch: ModelSize, rows: int, seq: int, a: int) -> Part | None:
+def attention_scores(cfg: Config, arch: ModelSize, rows: int, seq: int, a: int) -> MemoryItem | None:
     """The s x s attention scores of model.kernels.attention=torch where they exist: under a packed row's [W, W]
     mask (where the step packs its rows) and on a TPU or XLA device, whose sdpa is the plain math. None for the
     Pallas kernel, which keeps none."""
@@ -142,13 +142,13 @@ def attention_scores(cfg: Config, arch: ModelSize, rows: int, seq: int, a: int) 
     # Plus, transient, the layer being run's scores before the softmax; and a packed row's bool mask.
     total = (layers + 1) * per_layer + (width * width if packed else 0)
     kind = f"packed row of {width} under a [W, W] mask" if packed else f"{rows} rows x {width}"
-    return Part("attention_scores", f"attention scores (attention=torch: {kind}; {layers} layers kept)", total)
+    return MemoryItem("attention_scores", f"attention scores (attention=torch: {kind}; {layers} layers kept)", total)
 
 
 def _reference_copy(cfg: Config) -> bool:
     """Whether the learner holds a frozen copy of the model as its KL reference: when its objective reads a
     reference (rlpipe/algo/objective.py), unless LoRA trains, where the frozen base is the reference
-    (rlpipe/learner.py)."""
+    (rlpipe/training/learner.py)."""
     objective = build_objective(cfg.algo, max_tokens=cfg.rollout.max_tokens)
     return objective.needs_reference and cfg.learner.lora is None
 
@@ -164,22 +164,22 @@ def learner_side(cfg: Config, arch: ModelSize, learner_share: SliceShare | None)
     lora = cfg.learner.lora
     if lora is None:
         parts = [
-            Part("parameters", f"parameters ({master}, 1/{M})", P * b / M),
-            Part("gradients", f"gradients ({master}, 1/{M})", P * b / M),
-            Part("optimizer", f"AdamW moments (2 x {master}, 1/{M})", 2 * P * b / M),
+            MemoryItem("parameters", f"parameters ({master}, 1/{M})", P * b / M),
+            MemoryItem("gradients", f"gradients ({master}, 1/{M})", P * b / M),
+            MemoryItem("optimizer", f"AdamW moments (2 x {master}, 1/{M})", 2 * P * b / M),
         ]
     else:
         # The frozen base has no gradient and no optimizer state. Adapters are counted whole on every rank (lora_A
         # is replicated; lora_B's rows are sharded, a bound).
         A = arch.adapter_params(lora.rank, lora.target_modules)
         parts = [
-            Part("parameters", f"base parameters, frozen ({master}, 1/{M})", P * b / M),
-            Part("adapters", f"LoRA adapters, rank {lora.rank} ({A / 1e6:.2f} M params, {master})", A * b),
-            Part("gradients", f"adapter gradients ({master})", A * b),
-            Part("optimizer", f"AdamW moments of the adapters (2 x {master})", 2 * A * b),
+            MemoryItem("parameters", f"base parameters, frozen ({master}, 1/{M})", P * b / M),
+            MemoryItem("adapters", f"LoRA adapters, rank {lora.rank} ({A / 1e6:.2f} M params, {master})", A * b),
+            MemoryItem("gradients", f"adapter gradients ({master})", A * b),
+            MemoryItem("optimizer", f"AdamW moments of the adapters (2 x {master})", 2 * A * b),
         ]
     if _reference_copy(cfg):
-        parts.append(Part("reference", f"reference model ({master}, 1/{M})", P * b / M))
+        parts.append(MemoryItem("reference", f"reference model ({master}, 1/{M})", P * b / M))
     sharded = M > 1 or compute != master
     recompute = cfg.learner.activation_checkpointing
     if sharded:
@@ -189,12 +189,12 @@ def learner_side(cfg: Config, arch: ModelSize, learner_share: SliceShare | None)
             gradient = 0  # the frozen base unit has none
         if recompute:
             parts.append(
-                Part("gathered", f"gathered unit + its gradient ({unit / 1e6:.0f} M params, transient)", unit * (a + gradient))
+                MemoryItem("gathered", f"gathered unit + its gradient ({unit / 1e6:.0f} M params, transient)", unit * (a + gradient))
             )
         else:
             kept = P - (0 if arch.tie_word_embeddings else arch.embedding_params)
             parts.append(
-                Part(
+                MemoryItem(
                     "gathered",
                     f"gathered weights, all kept for backward ({kept / 1e9:.2f} B params), + a unit gradient",
                     kept * a + unit * gradient,
@@ -214,14 +214,14 @@ def learner_side(cfg: Config, arch: ModelSize, learner_share: SliceShare | None)
         per_token = sum(arch.activation_bytes_per_token_layer(a, moe) * count for moe, count in layer_kinds)
         label = f"activations ({rows} x {seq} tokens, {arch.num_layers} layers)"
         activations = tokens * (per_token + final)
-    parts.append(Part("activations", label, activations))
+    parts.append(MemoryItem("activations", label, activations))
     scores = attention_scores(cfg, arch, rows, seq, a)
     if scores is not None:
         parts.append(scores)
     impl = cfg.model.kernels.logprob
     chunk = {"chunked": min(cfg.model.kernels.logprob_chunk, arch.vocab_size), "reference": arch.vocab_size}.get(impl, 0)
     parts.append(
-        Part("logprob", f"log-prob path ({impl}, {chunk} vocab columns)", 3 * 4 * tokens * chunk + 4 * tokens * arch.hidden_size)
+        MemoryItem("logprob", f"log-prob path ({impl}, {chunk} vocab columns)", 3 * 4 * tokens * chunk + 4 * tokens * arch.hidden_size)
     )
     return SidePlan(
         "learner",
@@ -246,11 +246,11 @@ def learner_peaks(
     rb = DTYPE_BYTES[cfg.rollout.dtype]
     models = 2 if _reference_copy(cfg) else 1  # the frozen reference model is loaded too
     unit = arch.largest_unit_params
-    load = [Part("load_shard", f"parameter shard ({master}, 1/{M})", P * b / M)]
+    load = [MemoryItem("load_shard", f"parameter shard ({master}, 1/{M})", P * b / M)]
     if models == 2:
-        load.append(Part("load_reference", f"reference model shard ({master}, 1/{M})", P * b / M))
+        load.append(MemoryItem("load_reference", f"reference model shard ({master}, 1/{M})", P * b / M))
     load.append(
-        Part(
+        MemoryItem(
             "load_unit",
             f"one unit read ({stored}) + {master} cast ({unit / 1e6:.0f} M params)",
             unit * (s + b),
@@ -279,30 +279,30 @@ def learner_peaks(
         merging = R * math.ceil(arch.largest_targeted_params(lora.target_modules) / M) * (8 + b)
     item = arch.largest_adapter_params(lora.rank, lora.target_modules) if lora is not None else rows
     phases = (
-        Part(
+        MemoryItem(
             "host_load",
             f"load: {R} x one tensor's rows ({rows / 1e6:.1f} M params), {stored} read + {master} cast",
             R * rows * (s + b),
         ),
-        Part(
+        MemoryItem(
             "host_sync",
             f"sync: {R} x packed parts ({cfg.rollout.dtype}, 1/{M}) + object-store copies"
             + (f" + {R} x one merged tensor's rows (float32)" if merging else "")
             + (" (the LoRA adapters alone)" if synced != P else ""),
             2 * kept + merging,
         ),
-        Part(
+        MemoryItem(
             "host_checkpoint",
             f"checkpoint (DCP): {R} x one {'adapter' if lora is not None else 'shard'} item ({master}) + 10 MB, "
             "+ sync buffers",
             R * (item * b + DCP_COPY_AHEAD) + kept,
         ),
-        Part("host_resume", f"resume (DCP): {R} x one stored item ({master}) read + loaded", R * 2 * rows * b),
+        MemoryItem("host_resume", f"resume (DCP): {R} x one stored item ({master}) read + loaded", R * 2 * rows * b),
     )
     if cfg.metrics.export:
         largest, shard = arch.largest_rows_params(1), min(P * b, MAX_SHARD_BYTES)
         phases += (
-            Part(
+            MemoryItem(
                 "host_export",
                 f"HF export (streamed): {R} x one whole tensor ({master}) + a {_gib(shard)} shard, + sync buffers",
                 R * largest * b + shard + kept,

@@ -31,7 +31,7 @@ from rlpipe.plan.parts import DTYPE_BYTES, GIB, Peak, SidePlan, _keyed
 from rlpipe.plan.report import LimitCheck, limit_checks
 from rlpipe.plan.shm import shm_peaks
 from rlpipe.plan.synced import synced_params
-from rlpipe.tpu_layout import slice_problems, slice_shares
+from rlpipe.hardware.tpu_layout import slice_problems, slice_shares
 
 
 @dataclass(frozen=True)

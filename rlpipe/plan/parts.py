@@ -1,4 +1,4 @@
-"""The plan's figures: a `Part` (one labelled size), a `Peak` (a moment's parts against what they must fit in), a
+"""The plan's figures: a `MemoryItem` (one labelled size), a `Peak` (a moment's parts against what they must fit in), a
 `SidePlan` (one role's parts per chip against its chips' HBM), and the bytes of each dtype. Every other module of the
 plan builds these; this one imports nothing of the plan."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlpipe.device import TpuSlice
-from rlpipe.tpu_layout import SliceShare
+from rlpipe.hardware.device import TpuSlice
+from rlpipe.hardware.tpu_layout import SliceShare
 
 GIB = 2**30
 USABLE_FRACTION = 0.9
@@ -24,7 +24,7 @@ def _keyed(items, key: str):
 
 
 @dataclass(frozen=True)
-class Part:
+class MemoryItem:
     key: str  # stable name for tests: "parameters", "kv_cache", ...
     label: str  # what the table prints
     bytes: float
@@ -43,7 +43,7 @@ class Peak:
     key: str
     name: str  # what the NOT OK line and the notes call it
     title: str  # what the table prints above the parts
-    parts: tuple[Part, ...]
+    parts: tuple[MemoryItem, ...]
     limit_bytes: float | None  # what it must fit in; None: nothing to compare against (`missing` says why)
     limit_label: str = ""
     missing: str = ""
@@ -66,7 +66,7 @@ class Peak:
     def over_gib(self) -> float:
         return (self.total_bytes - (self.limit_bytes or 0)) / GIB
 
-    def part(self, key: str) -> Part:
+    def part(self, key: str) -> MemoryItem:
         return _keyed(self.parts, key)
 
 
@@ -74,7 +74,7 @@ class Peak:
 class SidePlan:
     role: str  # "learner" | "rollout"
     summary: str
-    parts: tuple[Part, ...]
+    parts: tuple[MemoryItem, ...]
     share: SliceShare | None  # the chips of a TPU slice this side runs on
     usable_fraction: float = USABLE_FRACTION
 
@@ -99,6 +99,6 @@ class SidePlan:
         """None when no TPU slice is configured for this role."""
         return None if self.slice is None else self.total_bytes <= self.usable_bytes
 
-    def part(self, key: str) -> Part:
+    def part(self, key: str) -> MemoryItem:
         return _keyed(self.parts, key)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rlpipe.config import recipes_dir
 from rlpipe.plan.parts import GIB
-from rlpipe.tpu_layout import SliceShare
+from rlpipe.hardware.tpu_layout import SliceShare
 
 # The KubeRay manifests whose TPU worker groups give each host's pod memory limit (a checkout's deploy/kuberay).
 MANIFESTS_DIR = recipes_dir().parent / "deploy" / "kuberay"

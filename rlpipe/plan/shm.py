@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlpipe.plan.parts import GIB, Part, Peak
+from rlpipe.plan.parts import GIB, MemoryItem, Peak
 from rlpipe.plan.pods import RAY_REQUIRE_SHM_BYTES, HostLimits, host_limits
-from rlpipe.tpu_layout import SliceShare
+from rlpipe.hardware.tpu_layout import SliceShare
 
 
 def _counted_store(limits: HostLimits) -> bool:
@@ -28,7 +28,7 @@ def _counted_store(limits: HostLimits) -> bool:
 
 
 def _shm_peak(
-    key: str, name: str, title: str, own: list[Part], share: SliceShare, role: str, manifests: Path | None
+    key: str, name: str, title: str, own: list[MemoryItem], share: SliceShare, role: str, manifests: Path | None
 ) -> Peak:
     found = host_limits(share, manifests, role)
     if isinstance(found, str):
@@ -37,7 +37,7 @@ def _shm_peak(
     limits = min(found, key=lambda h: (h.shm - (h.object_store if _counted_store(h) else 0), h.manifest))
     parts = list(own)
     if _counted_store(limits):
-        parts.append(Part("object_store", f"Ray's object store ({limits.object_store_source})", limits.object_store))
+        parts.append(MemoryItem("object_store", f"Ray's object store ({limits.object_store_source})", limits.object_store))
     label = f"{limits.shm / GIB:.0f} GiB /dev/shm ({limits.shm_source}, {limits.manifest}, group {limits.group})"
     return Peak(key, name, title, tuple(parts), limits.shm, label)
 
@@ -59,11 +59,11 @@ def shm_peaks(
         own = []
         if not (cfg.rollout.in_process and T == 1) and not adapters_only:
             staged = engines * version_bytes
-            own.append(Part("shm_staging", f"staged version, the host copy its workers read{each}", staged))
+            own.append(MemoryItem("shm_staging", f"staged version, the host copy its workers read{each}", staged))
             if cfg.sync.keep_previous:
-                own.append(Part("shm_rollback", f"rollback copy (sync.keep_previous){each}", staged))
+                own.append(MemoryItem("shm_rollback", f"rollback copy (sync.keep_previous){each}", staged))
         if rollout.shared and cfg.sync.transport in ("auto", "shm"):
-            own.append(Part("shm_transport", "the learner's shm buckets: two versions' parities", 2 * version_bytes))
+            own.append(MemoryItem("shm_transport", "the learner's shm buckets: two versions' parities", 2 * version_bytes))
         title = f"{'host' if rollout.shared else 'engine host'} /dev/shm at a sync, per host"
         name = "host /dev/shm" if rollout.shared else "engine host /dev/shm"
         peaks.append(_shm_peak("rollout_shm", name, title, own, rollout, "rollout", manifests))

@@ -1,6 +1,6 @@
 """The built-in tools recipes name as `rlpipe.tools:calculator` and `rlpipe.tools:python` (rlpipe.tools exports
 them): arithmetic without running anything, and model-written Python run in the kernel sandbox
-(rlpipe.sandbox), never in this process. Plain functions on TRL's tool contract; this module imports the
+(rlpipe.usercode.sandbox), never in this process. Plain functions on TRL's tool contract; this module imports the
 sandbox and nothing else of rlpipe, so a recipe's own module may build on it (`sandboxed_python`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import operator
 import re
 from collections.abc import Callable
 
-from rlpipe import sandbox
+from rlpipe.usercode import sandbox
 
 _ARITHMETIC = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -57,7 +57,7 @@ class ProgramFailed(RuntimeError):
 def sandboxed_python(
     limits: sandbox.Limits = PYTHON_LIMITS, output_chars: int = PYTHON_OUTPUT_CHARS, isolated: bool = True
 ) -> Callable[[str], str]:
-    """A tool named `python` that runs the model's program in the kernel sandbox (rlpipe.sandbox) with
+    """A tool named `python` that runs the model's program in the kernel sandbox (rlpipe.usercode.sandbox) with
     `limits`: a fresh interpreter per call with the standard library only, uid nobody, no network, no host files, a
     scratch /tmp, rlimits and a cgroup; at `limits.wall_s` its whole process tree is killed, so the call returns.
     It answers with stdout; a program that fails raises ProgramFailed (what it printed, then its error), which the

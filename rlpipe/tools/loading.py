@@ -1,7 +1,7 @@
 """The recipe's tools and environment factory, loaded and checked: import paths (or callables `rlpipe.train` passed
 by value) resolved, schemas read from signatures and docstrings, and the tools that run model-written code refused
 where the sandbox cannot isolate them. It owns `ToolSet` and `ToolConfigError`; it imports rlpipe's config errors,
-the sandbox and the by-value registry of rlpipe.rewards, and transformers and rlpipe.verifiers_env only where a
+the sandbox and the by-value registry of rlpipe.rewards, and transformers and rlpipe.data.verifiers only where a
 recipe needs them, never the engine or the episode loop."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlpipe import sandbox
+from rlpipe.usercode import sandbox
 from rlpipe.config.errors import ConfigError
 
 logger = logging.getLogger("rlpipe")
@@ -25,7 +25,7 @@ class ToolConfigError(ConfigError):
 
 def load_object(path: str, what: str) -> Any:
     """The object an import path `package.module:attribute` names, or one `rlpipe.train` passed by value."""
-    from rlpipe.callables import BY_VALUE_PREFIX, RewardConfigError, load_by_value
+    from rlpipe.usercode.callables import BY_VALUE_PREFIX, RewardConfigError, load_by_value
 
     if path.startswith(BY_VALUE_PREFIX):
         try:
@@ -64,7 +64,7 @@ def tool_schemas(tools: Sequence[Callable]) -> list[dict]:
 
     schemas = []
     for tool in tools:
-        try:  # a verifiers task set's tool carries the schema verifiers advertises (rlpipe/verifiers_env.py)
+        try:  # a verifiers task set's tool carries the schema verifiers advertises (rlpipe/data/verifiers.py)
             schemas.append(getattr(tool, "json_schema", None) or get_json_schema(tool))
         except Exception as err:  # transformers' TypeHintParsingException / DocstringParsingException
             raise ToolConfigError(f"rollout.tools: {tool.__name__}: no schema from its signature ({err})") from None
@@ -106,7 +106,7 @@ class ToolSet:
         the sandbox cannot isolate it (unless `unsafe_no_sandbox`) or where `tool_timeout_s` would cut it first."""
         tools = load_tools(tool_paths, tool_timeout_s=tool_timeout_s, unsafe_no_sandbox=unsafe_no_sandbox)
         if verifiers_tools:
-            from rlpipe.verifiers_env import taskset_tools  # only a recipe that names a verifiers task set imports it
+            from rlpipe.data.verifiers import taskset_tools  # only a recipe that names a verifiers task set imports it
 
             tools += taskset_tools(verifiers_tools)
         factory = load_object(factory_path, "rollout.environment_factory") if factory_path else None

@@ -28,11 +28,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
-from rlpipe.tpu_env import (
+from rlpipe.hardware.tpu_env import (
     TORCHTPU_CHIPS_PER_HOST, engine_process_env, host_rank_order, keep_only_given_tpu_env, topology_dims,
     torchtpu_process_env,
 )
-from rlpipe.tpu_layout import SliceShare, slice_shares
+from rlpipe.hardware.tpu_layout import SliceShare, slice_shares
 
 LEARNER_RANKS = "environments: learner ranks"
 ENGINES = "environments: engines"
@@ -219,7 +219,7 @@ def own_replica_env(chip: int, host_chips: int) -> dict[str, str]:
         return dict(os.environ)
 
 
-def host_engine_envs(share: SliceShare, tp: int) -> list[tuple[int, dict[str, str]]]:
+def host_engine_variables(share: SliceShare, tp: int) -> list[tuple[int, dict[str, str]]]:
     """(first chip, environment given) of each engine on one host of the rollout's share, as placement gives them:
     every host alike (actors/placement.py's `slice_slots`)."""
     first = share.first_chip
@@ -244,7 +244,7 @@ def _chips(chips: list[int]) -> str:
     return f"chip {chips[0]}" if len(chips) == 1 else f"chips {','.join(str(chip) for chip in chips)}"
 
 
-def check_engine_environments(cfg) -> tuple[bool, str]:
+def check_engine_variables(cfg) -> tuple[bool, str]:
     """Every engine on a host of the recipe's rollout slice, its actor's environment through vllm-torchtpu's binding:
     each worker opens a chip of the rollout's share no other opens, an engine's workers consecutive chips, a
     tensor-parallel engine's workers one topology of their own chips (torch_tpu's), a one-chip engine the pin
@@ -258,7 +258,7 @@ def check_engine_environments(cfg) -> tuple[bool, str]:
     problems: list[str] = []
     with tpu_host(tslice.generation, tslice.chips_per_host), _quiet():
         topology = hardware.get_tpu_topology(tp) if tp > 1 else None
-        for engine, (first_chip, given) in enumerate(host_engine_envs(share, tp)):
+        for engine, (first_chip, given) in enumerate(host_engine_variables(share, tp)):
             where = f"engine {engine} (given {_chips(list(range(first_chip, first_chip + tp)))})"
             try:
                 workers = engine_worker_envs(inherited(given), tp)
@@ -471,7 +471,7 @@ def environment_checks(cfg) -> list[tuple[str, bool, str]]:
     shares = slice_shares(cfg.placement)
     checks = []
     for name, role, check in ((LEARNER_RANKS, "learner", check_learner_environments),
-                              (ENGINES, "rollout", check_engine_environments)):
+                              (ENGINES, "rollout", check_engine_variables)):
         if role not in shares:
             continue
         try:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 # The packages of the `tpu` extra a rehearsal drives.
 TPU_PACKAGES = ("torch_tpu", "vllm_torchtpu", "jax", "libtpu")
-# The learner's TPU generation (rlpipe/device.py's names) -> its name in JAX's compile-only topologies.
+# The learner's TPU generation (rlpipe/hardware/device.py's names) -> its name in JAX's compile-only topologies.
 COMPILE_CHIPS = {"v5litepod": "v5e", "v5p": "v5p", "v6e": "v6e"}
 
 
@@ -69,7 +69,7 @@ def _one_line(error: Exception) -> str:
 
 
 def learner_generation(cfg) -> str:
-    from rlpipe.tpu_layout import slice_shares
+    from rlpipe.hardware.tpu_layout import slice_shares
 
     shares = slice_shares(cfg.placement)
     if "learner" not in shares:
@@ -100,7 +100,7 @@ def check_engines(cfg) -> tuple[bool, str]:
     from rlpipe.config.rollout import torchtpu_refusal
     from rlpipe.plan import architecture_source
     from rlpipe.tpu.hosts import tpu_host
-    from rlpipe.tpu_layout import slice_shares
+    from rlpipe.hardware.tpu_layout import slice_shares
 
     refused = torchtpu_refusal(cfg.rollout, cfg.sync)
     if refused:
@@ -114,7 +114,7 @@ def check_engines(cfg) -> tuple[bool, str]:
             model=folder, skip_tokenizer_init=True, load_format="dummy", dtype=rollout.dtype,
             max_model_len=rollout.max_model_len, tensor_parallel_size=rollout.tensor_parallel,
             gpu_memory_utilization=rollout.gpu_memory_utilization, logprobs_mode=rollout.logprobs_mode(),
-            worker_extension_cls="rlpipe.vllm_worker.WeightWriter",
+            worker_extension_cls="rlpipe.rollout.vllm_worker.WeightWriter",
         ).create_engine_config()
     return True, (
         f"{rollout.num_engines} engine(s) of {config.parallel_config.tensor_parallel_size} chip(s), "
@@ -195,7 +195,7 @@ def rollout_host_env(cfg) -> dict[str, str]:
     """What a rollout host of the recipe's slice tells vllm-torchtpu about itself (GKE and TPU VMs set these):
     without them it asks the GCE metadata server, and takes a chip it does not recognise for TPU7x's geometry.
     Compiling takes no chip, so no host-wide libtpu lock either."""
-    from rlpipe.tpu_layout import slice_shares
+    from rlpipe.hardware.tpu_layout import slice_shares
 
     env = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1"}
     share = slice_shares(cfg.placement).get("rollout")

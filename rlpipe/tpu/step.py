@@ -1,7 +1,7 @@
 """A TPU recipe's learner step, compiled by TorchTPU's own `tpu` backend on fake `tpu` tensors, on a host without a
 chip.
 
-The learner is rlpipe's own (`rlpipe.learner.Learner`) built from the recipe's sections: its model (the recipe's
+The learner is rlpipe's own (`rlpipe.training.learner.Learner`) built from the recipe's sections: its model (the recipe's
 config.json with its layers cut, every width, head, vocabulary and expert count kept), its kernels (splash attention
 with segment ids on the packed row, TorchTPU's ragged dot for experts, rlpipe's log-prob and RMSNorm kernels through
 TorchTPU's JAX bridge), SimpleFSDP over the recipe's learner ranks on a fake process group, its packed widths and
@@ -187,7 +187,7 @@ def cut_model_config(source: Path, layers: int, into: Path) -> Path:
 
 def name_tpu_device() -> None:
     """The `tpu` device name, which torch_tpu gives torch's PrivateUse1 device on a TPU host only."""
-    from rlpipe.tpu_env import COLLECTIVES_IN_GRAPH
+    from rlpipe.hardware.tpu_env import COLLECTIVES_IN_GRAPH
 
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no GCE metadata server to wait for
     os.environ.update(COLLECTIVES_IN_GRAPH)  # as a learner rank's environment has it (read once per process)
@@ -246,11 +246,11 @@ def full_rows_batch(cfg, pad_id: int = 0):
 def compile_recipe_step(cfg, generation: str, layers: int = 2) -> StepReport:
     """The recipe `cfg`'s learner step on fake `tpu` tensors, rank 0 of its learner ranks, through TorchTPU's
     backend up to the chip (see the module docstring for what runs and where it stops)."""
-    from rlpipe.learner import Learner
+    from rlpipe.training.learner import Learner
     from rlpipe.plan import architecture_source
     from rlpipe.parallel.mesh import make_mesh
     from rlpipe.types import LossInputs
-    from rlpipe.weightform import weight_form
+    from rlpipe.weightsync.form import weight_form
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     ranks = cfg.learner.ranks

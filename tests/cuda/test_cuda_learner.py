@@ -9,7 +9,7 @@ import math
 import torch
 
 from rlpipe.config import load_config
-from rlpipe.learner import Learner, combine_rank_metrics
+from rlpipe.training.learner import Learner, combine_rank_metrics
 from rlpipe.parallel.mesh import destroy_distributed, find_free_port
 from tests.batches import four_samples as _batch
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rlpipe.config import load_config
-from rlpipe.controller import train
+from rlpipe.run.controller import train
 from tests.unit.test_examples import GSM8K_RECIPE, TRL_DIR, TRL_RECIPE, gsm8k_folder, install_reward_package, run_prepare
 
 pytestmark = pytest.mark.integration

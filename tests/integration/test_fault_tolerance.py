@@ -216,7 +216,7 @@ def test_an_engine_whose_vllm_process_dies_mid_write_is_replaced_and_the_sync_co
 
 
 def _latest_step(run_dir) -> int:
-    from rlpipe import checkpoint
+    from rlpipe.training import checkpoint
 
     try:
         return checkpoint.read_trainer_state(checkpoint.resolve(run_dir))["step"]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe import evaluation
+from rlpipe.run import evaluation
 from rlpipe.config import load_config
-from rlpipe.controller import train
-from rlpipe.lora import targeted_modules
+from rlpipe.run.controller import train
+from rlpipe.training.lora import targeted_modules
 from rlpipe.models import load_model
 
 pytestmark = pytest.mark.integration
@@ -84,7 +84,7 @@ def _check_export(folder):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlpipe.train_engine import token_logprobs
+    from rlpipe.training.train_engine import token_logprobs
     from rlpipe.models import load_model
 
     tokens = list(range(5, 30))
@@ -97,7 +97,7 @@ def _check_export(folder):
     script = (
         "import json, sys\n"
         "from rlpipe.config import RolloutConfig\n"
-        "from rlpipe.rollout import RolloutEngine\n"
+        "from rlpipe.rollout.engine import RolloutEngine\n"
         "if __name__ == '__main__':\n"
         "    engine = RolloutEngine(sys.argv[1], RolloutConfig(max_model_len=128), seed=0)\n"
         "    print('LOGPROBS', json.dumps(engine.sequence_logprobs(json.loads(sys.argv[2]))))\n"
@@ -237,7 +237,7 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_pat
     only the uninterrupted run evaluates the held-out set after every step (an evaluation leaves training's sampling
     as it was); the held-out figures of the steps both evaluate agree, and `rlpipe eval` of the last checkpoint
     gives them again."""
-    from rlpipe import checkpoint
+    from rlpipe.training import checkpoint
 
     base = _overrides(tmp_path / "runs", tiny_qwen3) + [
         "data.size=32",
@@ -299,7 +299,7 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_uninterrupted_run(tmp_pat
     # holding the weights the uninterrupted run's learner exported itself.
     import torch
 
-    from rlpipe.train_engine import token_logprobs
+    from rlpipe.training.train_engine import token_logprobs
     from rlpipe.models import load_model
 
     exported = tmp_path / "exported"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlpipe.config import load_config
-from rlpipe.controller import train
+from rlpipe.run.controller import train
 
 pytestmark = pytest.mark.integration
 

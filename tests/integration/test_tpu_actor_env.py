@@ -11,7 +11,7 @@ import pytest
 
 from rlpipe.actors.cluster import compute_env, start_ray
 from rlpipe.config import load_config
-from rlpipe.tpu_env import engine_process_env
+from rlpipe.hardware.tpu_env import engine_process_env
 
 pytestmark = pytest.mark.integration
 

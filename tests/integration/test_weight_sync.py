@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from rlpipe.config import RolloutConfig, load_config
-from rlpipe.learner import Learner
+from rlpipe.training.learner import Learner
 from rlpipe.types import Prompt
-from rlpipe.weightform import weight_form
+from rlpipe.weightsync.form import weight_form
 from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
 
 pytestmark = pytest.mark.integration
@@ -33,7 +33,7 @@ def setup(request):
     For the tiny Qwen3-MoE, vLLM's own model holds the experts fused (w13 / w2 of its CPU MoE layer). Engines write
     in place (the default), and one runs vLLM's reload instead (sync.engine_write). rlpipe's dense model runs the
     Pallas RMSNorm kernel (interpreted here) in the learner and in the engine alike."""
-    from rlpipe.rollout import RolloutEngine
+    from rlpipe.rollout.engine import RolloutEngine
 
     family, model_impl, engine_write = request.param
     tiny_qwen3 = request.getfixturevalue(f"tiny_{family}")
@@ -100,7 +100,7 @@ def lora_engine(tiny_qwen3):
     """An engine serving LoRA adapters (the base loaded once, each version an adapter: `sync.lora` adapters) and a
     learner training rank-2 adapters on the tiny Qwen3; function-scoped, so the engine is gone before the next
     test's starts."""
-    from rlpipe.rollout import RolloutEngine
+    from rlpipe.rollout.engine import RolloutEngine
 
     cfg = load_config(None, [f"model.path={tiny_qwen3}", "sync.transport=shm", "sync.bucket_mb=0.002",
                              "sync.probe_tolerance=1e-5", "learner.lora.rank=2", "learner.lora.alpha=4"])
@@ -117,7 +117,7 @@ def lora_engine(tiny_qwen3):
 
 def _set_adapters(learner: Learner, seed: int) -> None:
     """Random non-zero adapters (fresh ones, B = 0, would leave the base's log-probs)."""
-    from rlpipe.lora import is_adapter_key
+    from rlpipe.training.lora import is_adapter_key
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -230,7 +230,7 @@ def test_swapped_rows_of_tokens_the_probe_never_sees_are_refused_on_arrival(setu
 def test_a_write_that_leaves_a_tensor_the_probe_never_sees_wrong_is_rolled_back(setup, monkeypatch):
     """The engine compares every tensor it holds after the write with what it was given: a loader that swapped two
     embedding rows of tokens the probe never feeds it fails the sync, though the probe itself would pass."""
-    from rlpipe.vllm_worker import WeightWriter
+    from rlpipe.rollout.vllm_worker import WeightWriter
 
     engine, learner, plan = setup
     before, version = engine.sequence_logprobs(PROBE), engine.policy_version
@@ -372,8 +372,8 @@ import json, os, pickle, sys
 import psutil
 import torch
 from rlpipe.config import RolloutConfig, load_config
-from rlpipe.learner import Learner
-from rlpipe.rollout import RolloutEngine
+from rlpipe.training.learner import Learner
+from rlpipe.rollout.engine import RolloutEngine
 from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
 from rlpipe.weightsync.hostcopy import SharedWeights
 
@@ -562,7 +562,7 @@ def test_the_engine_reports_the_learners_logprobs_also_when_it_samples_among_the
     if engine.cfg.top_k != -1:  # the filter did apply: each sampled token ranks within the top k of the model's
         from vllm.inputs import TokensPrompt
 
-        from rlpipe.rollout import sampling_params
+        from rlpipe.rollout.engine import sampling_params
 
         (output,) = engine.llm.generate([TokensPrompt(prompt_token_ids=prompt.token_ids)],
                                         sampling_params(engine.cfg, 8), use_tqdm=False)

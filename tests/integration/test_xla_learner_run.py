@@ -13,7 +13,7 @@ import os
 import pytest
 
 from rlpipe.config import load_config
-from rlpipe.controller import train
+from rlpipe.run.controller import train
 from tests.integration.conftest import ROOT, lane_python
 from tests.integration.test_grpo_e2e import _check_export, _overrides, _read_metrics
 
@@ -26,7 +26,7 @@ def xla_python() -> str:
 
 
 def test_grpo_with_an_xla_learner_in_its_own_environment_resumes_exactly(tmp_path, tiny_qwen3, ray_cluster, xla_python):
-    from rlpipe import checkpoint
+    from rlpipe.training import checkpoint
     from rlpipe.cli import main
 
     base = _overrides(tmp_path / "runs", tiny_qwen3) + [
@@ -73,7 +73,7 @@ def test_grpo_with_an_xla_learner_in_its_own_environment_resumes_exactly(tmp_pat
     import torch
 
     from rlpipe.models import load_model
-    from rlpipe.train_engine import token_logprobs
+    from rlpipe.training.train_engine import token_logprobs
 
     exported = tmp_path / "exported"
     assert main(["export", str(tmp_path / "runs" / "split"), str(exported)]) == 0
@@ -87,7 +87,7 @@ def test_an_xla_learner_over_two_devices_syncs_over_gloo_and_shared_memory(tmp_p
     """`learner.ranks=2` on xla: one learner process, its parameters sharded over two PJRT CPU devices, training
     rank-1 LoRA adapters on a frozen base; the other transports carry its adapters across the torch versions too
     (gloo: torch.distributed between torch 2.9 and 2.13), and the engine serves them through vLLM's LoRA."""
-    from rlpipe.lora import targeted_modules
+    from rlpipe.training.lora import targeted_modules
     from rlpipe.models import load_model
 
     base = _overrides(tmp_path / "runs", tiny_qwen3) + [

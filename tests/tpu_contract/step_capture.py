@@ -6,10 +6,10 @@ TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS once per process (`env.get_boo
 flag needs a process of its own; tests/tpu_contract/test_step_capture.py starts one per value.
 
 How the step gets there without a chip:
-- The learner is rlpipe's own (`rlpipe.learner.Learner`, `learner.graph: true`, 2 ranks, this process rank 0). Its
+- The learner is rlpipe's own (`rlpipe.training.learner.Learner`, `learner.graph: true`, 2 ranks, this process rank 0). Its
   process group is torch's fake one (FakeStore + the "fake" backend: collectives are issued but carry no data),
   formed where the learner would form its real group, and the parameters are SimpleFSDP DTensors over a 2-rank mesh.
-- Its compile backend is the tpu row's (`rlpipe.device.backend("tpu").compile_backend`), looked up by that name in
+- Its compile backend is the tpu row's (`rlpipe.hardware.device.backend("tpu").compile_backend`), looked up by that name in
   Dynamo's registry, so TorchTPU's `TpuBackend` runs: its pre-grad passes, `aot_autograd` with its own settings,
   then its `SplitCompiler`, which cuts the graph at collectives and hands each piece to its `StaticCompiler`.
 - `StaticCompiler.__call__` runs its FX passes on the piece and then calls `StaticCompiler._compile`, which lowers
@@ -68,8 +68,8 @@ def capture(model_path: str, overrides: list[str]) -> dict:
     from torch_tpu._internal.compile.torch_tpu_compiled_executable import CompiledArtifact
 
     from rlpipe.config import load_config
-    from rlpipe.device import backend
-    from rlpipe.learner import Learner
+    from rlpipe.hardware.device import backend
+    from rlpipe.training.learner import Learner
     from rlpipe.parallel.mesh import make_mesh
     from rlpipe.types import TrainBatch
 

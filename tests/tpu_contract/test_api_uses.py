@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Uses the checks find missing on this platform, each on a path vLLM for TorchTPU never takes.
 NOT_ON_THIS_PLATFORM = {
-    "TPUWorker.reload_weights": "rlpipe/vllm_worker.py's reload on other platforms' workers: `rlpipe_load_weights` "
+    "TPUWorker.reload_weights": "rlpipe/rollout/vllm_worker.py's reload on other platforms' workers: `rlpipe_load_weights` "
     "returns through `_reload_on_torchtpu` (the runner's reload) first on vLLM for TorchTPU",
-    "vllm.lora.layers.classifier.ClassificationHeadWithLoRA": "rlpipe/vllm_worker.py's direct write of LoRA adapters: "
-    "on TorchTPU `sync.lora` sends merged weights (rlpipe/weightform.py), so no engine there takes adapters",
+    "vllm.lora.layers.classifier.ClassificationHeadWithLoRA": "rlpipe/rollout/vllm_worker.py's direct write of LoRA adapters: "
+    "on TorchTPU `sync.lora` sends merged weights (rlpipe/weightsync/form.py), so no engine there takes adapters",
 }
 
 

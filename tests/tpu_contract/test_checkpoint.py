@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from rlpipe.device import backend
+from rlpipe.hardware.device import backend
 from rlpipe.parallel.mesh import find_free_port
 
 _RANK = textwrap.dedent("""
@@ -24,8 +24,8 @@ _RANK = textwrap.dedent("""
     from torch.distributed.tensor import DTensor, Shard
     from torch.testing._internal.distributed.fake_pg import _create_fake_pg
 
-    from rlpipe.checkpoint import load_tensors, single_process_dcp
-    from rlpipe.device import backend
+    from rlpipe.training.checkpoint import load_tensors, single_process_dcp
+    from rlpipe.hardware.device import backend
     from rlpipe.parallel.mesh import destroy_distributed, init_distributed, make_mesh
 
     rank, port, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

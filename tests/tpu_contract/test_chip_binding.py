@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from rlpipe.config import load_config
-from rlpipe.tpu_env import GIVEN, LAYOUT, engine_process_env, keep_only_given_tpu_env, torchtpu_process_env
-from rlpipe.tpu_layout import ENGINE_CHIP_COUNTS, slice_shares
+from rlpipe.hardware.tpu_env import GIVEN, LAYOUT, engine_process_env, keep_only_given_tpu_env, torchtpu_process_env
+from rlpipe.hardware.tpu_layout import ENGINE_CHIP_COUNTS, slice_shares
 from rlpipe.actors.placement import slice_slots
 from rlpipe.tpu.hosts import (
     GKE_SLICE_ENV, ONE_CHIP_PIN, engine_worker_chips, engine_worker_envs, launch_envs, opened_chip, own_replica_env,

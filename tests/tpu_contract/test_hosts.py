@@ -12,7 +12,7 @@ import yaml
 
 from rlpipe.config import load_config
 from rlpipe.tpu import hosts
-from rlpipe.tpu_layout import slice_shares
+from rlpipe.hardware.tpu_layout import slice_shares
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(
@@ -74,7 +74,7 @@ def test_the_checks_feed_the_environments_placement_gives(recipe):
     engines = slice_slots(rollout, *_ray_slice(rollout.tslice.hosts, 1), tp)
     for bundle in range(rollout.tslice.hosts):  # every host alike
         assert [slot.env for slot in engines if slot.bundle_index == bundle] == [
-            env for _, env in hosts.host_engine_envs(rollout, tp)]
+            env for _, env in hosts.host_engine_variables(rollout, tp)]
 
 
 @pytest.mark.parametrize("recipe", ["qwen3-0.6b-gsm8k-v6e.yaml", "qwen3-30b-a3b-v6e.yaml"])

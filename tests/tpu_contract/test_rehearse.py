@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from rlpipe.config.loading import find_recipe, load_config
-from rlpipe.device import tpu_slice
+from rlpipe.hardware.device import tpu_slice
 from rlpipe.plan import learner_sequence
 from rlpipe.tpu.rehearse import COMPILE_CHIPS
 

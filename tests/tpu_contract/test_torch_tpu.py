@@ -24,7 +24,7 @@ from torch_tpu._internal.utils import hardware
 hardware.get_tpu_device_count = lambda: int(sys.argv[1])
 from torch_tpu import _loader
 _loader.load()
-from rlpipe.device import device_unavailable
+from rlpipe.hardware.device import device_unavailable
 print("ANSWER", json.dumps(device_unavailable("tpu")))
 """
 
@@ -51,6 +51,6 @@ def test_the_device_tables_compile_backend_is_one_torch_tpu_registers():
     import torch._dynamo
     import torch_tpu  # noqa: F401
 
-    from rlpipe.device import backend
+    from rlpipe.hardware.device import backend
 
     assert backend("tpu").compile_backend in torch._dynamo.list_backends(exclude_tags=())

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from rlpipe.vllm_worker import TORCHTPU_TRANSPOSED_MARK, WeightWriter, vllm_platform
+from rlpipe.rollout.vllm_worker import TORCHTPU_TRANSPOSED_MARK, WeightWriter, vllm_platform
 
 
 def test_the_out_of_tree_tpu_platform_is_recognised():
@@ -190,7 +190,7 @@ def test_rlpipes_model_builds_in_vllm_on_torchtpu_with_the_configured_kernels(tm
     the Pallas one goes through TorchTPU's bridge: tests/tpu_contract/test_kernels.py)."""
     from rlpipe.bench.tiny_model import build_tiny_model
     from rlpipe.models.llama import RMSNorm
-    from rlpipe.vllm_model import RlpipeForCausalLM, engine_overrides, register
+    from rlpipe.rollout.vllm_model import RlpipeForCausalLM, engine_overrides, register
 
     register()
     model_path = build_tiny_model(tmp_path / "qwen3", "qwen3")
@@ -204,7 +204,7 @@ def test_rlpipes_model_in_vllm_on_torchtpu_makes_its_kernels_ops_before_vllm_com
     building rlpipe's model there makes every kernel's op first, as the learner does before its step."""
     from rlpipe.bench.tiny_model import build_tiny_model
     from rlpipe.kernels import _jax
-    from rlpipe.vllm_model import engine_overrides, register
+    from rlpipe.rollout.vllm_model import engine_overrides, register
 
     register()
     model_path = build_tiny_model(tmp_path / "qwen3", "qwen3")
@@ -224,7 +224,7 @@ def test_an_engine_refuses_what_this_platform_would_change_silently(setting, mes
     and its runner reports log-probs before temperature (test_the_runner_reports_log_probs_before_temperature)."""
     from rlpipe.bench.tiny_model import build_tiny_model
     from rlpipe.config import RolloutConfig, SyncConfig
-    from rlpipe.rollout import RolloutEngine
+    from rlpipe.rollout.engine import RolloutEngine
 
     model = build_tiny_model(tmp_path / "qwen3", "qwen3")
     with pytest.raises(RuntimeError, match=message):
@@ -253,7 +253,7 @@ def test_the_platform_takes_the_decoded_probe_and_returns_no_prompt_logprobs():
     from vllm.platforms import current_platform
     from vllm_torchtpu.runner import tpu_runner
 
-    from rlpipe.rollout import decoding_params
+    from rlpipe.rollout.engine import decoding_params
 
     # Every output the runner builds gives each request None for its prompt log-probs.
     outputs = [node for node in ast.walk(ast.parse(inspect.getsource(tpu_runner)))

@@ -89,7 +89,7 @@ def batches():
 
 def _train(model_path: str, ranks: int, overrides: tuple[str, ...], rank: int = 0, port: int = 0):
     """(parameters after three steps on rank 0, this rank's sums per step)."""
-    from rlpipe.learner import Learner
+    from rlpipe.training.learner import Learner
 
     torch.manual_seed(0)
     learner = Learner.from_config(model_path, config(model_path, ranks, overrides), rank, ranks)
@@ -108,7 +108,7 @@ def _rank(rank, ranks, model_path, overrides, port, results):
 
 def run_case(name: str, models: dict[str, str]) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     """The parameters and the combined metrics of every step of case `name`."""
-    from rlpipe.learner import combine_rank_metrics
+    from rlpipe.training.learner import combine_rank_metrics
     from rlpipe.parallel.mesh import find_free_port
 
     family, ranks, overrides = CASES[name]

@@ -13,7 +13,7 @@ import pytest
 
 import rlpipe
 from rlpipe.api import add_reward_search_path, check_by_value_rewards, reward_specs
-from rlpipe.callables import BY_VALUE_PREFIX, SEARCH_PATH_VARIABLE, display_name
+from rlpipe.usercode.callables import BY_VALUE_PREFIX, SEARCH_PATH_VARIABLE, display_name
 from rlpipe.config import ConfigError
 from rlpipe.rewards import RewardConfigError, RewardRunner, load_reward
 from rlpipe.rewards.math import numeric_answer
@@ -136,7 +136,7 @@ def _triple(x):
 def test_a_function_passed_by_value_loads_only_with_this_process_key(monkeypatch):
     """A by-value name is signed with the process's key: its workers (which inherit the key) rebuild it; the same
     name copied into a file and read by another process (another key, or none) is refused before any unpickling."""
-    from rlpipe.callables import BY_VALUE_KEY_VARIABLE, RewardConfigError, by_value_name, load_reward
+    from rlpipe.usercode.callables import BY_VALUE_KEY_VARIABLE, RewardConfigError, by_value_name, load_reward
 
     monkeypatch.delenv(BY_VALUE_KEY_VARIABLE, raising=False)
     name = by_value_name(_triple)
@@ -177,7 +177,7 @@ def test_tools_and_an_environment_factory_given_as_objects_load_where_episodes_r
     """rlpipe.train(tools=[fn], environment_factory=Cls): objects of the user's own modules travel by value and are
     rebuilt, schemas and all, by the engine's ToolSet; with another process's key they are refused."""
     from rlpipe.api import _named
-    from rlpipe.callables import BY_VALUE_KEY_VARIABLE
+    from rlpipe.usercode.callables import BY_VALUE_KEY_VARIABLE
     from rlpipe.tools import ToolConfigError, ToolSet
 
     monkeypatch.delenv(BY_VALUE_KEY_VARIABLE, raising=False)
@@ -196,7 +196,7 @@ def test_tools_and_an_environment_factory_given_as_objects_load_where_episodes_r
 
 def test_what_cards_and_trackers_show_of_a_config_names_objects_passed_by_value_never_their_code():
     from rlpipe.api import _named
-    from rlpipe.callables import readable
+    from rlpipe.usercode.callables import readable
 
     config = {"reward": {"functions": [{"name": _named(_triple, "r"), "weight": 1.0}]},
               "rollout": {"tools": [_named(_add, "t"), "rlpipe.tools:calculator"],
@@ -212,7 +212,7 @@ def test_an_auto_resumed_run_waits_for_a_lost_host_but_a_new_run_that_cannot_be_
 ):
     """A placement timeout at a run's start is the configuration's fault (exit 2). After a lost worker, the same
     timeout most likely means the lost host is not back yet: auto-resume tries again, within train.max_auto_resumes."""
-    import rlpipe.controller
+    import rlpipe.run.controller
     from rlpipe.actors.calls import WorkerLost
     from rlpipe.actors.placement import PlacementTimeout
     from rlpipe.api import train_with_restarts
@@ -228,7 +228,7 @@ def test_an_auto_resumed_run_waits_for_a_lost_host_but_a_new_run_that_cannot_be_
             raise outcome
         return {"resumed_from": resume}
 
-    monkeypatch.setattr(rlpipe.controller, "train", train)
+    monkeypatch.setattr(rlpipe.run.controller, "train", train)
     outcomes[:] = [no_room]
     with pytest.raises(PlacementTimeout):
         train_with_restarts(cfg, None, auto_resume=True)

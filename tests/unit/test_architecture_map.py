@@ -54,9 +54,9 @@ def test_the_module_map_names_exactly_the_modules_that_exist():
 
 
 def test_the_check_finds_a_missing_a_stale_and_a_doubled_module():
-    files = {"rlpipe/__init__.py", "rlpipe/lora.py", "rlpipe/tools/__init__.py", "rlpipe/tools/calls.py"}
+    files = {"rlpipe/__init__.py", "rlpipe/training/lora.py", "rlpipe/tools/__init__.py", "rlpipe/tools/calls.py"}
     rows = [
-        "| `rlpipe/` | p |", "| `rlpipe/lora.py` | l |", "| `rlpipe/tools/` | t |", "| `rlpipe/tools/calls.py` | c |"
+        "| `rlpipe/` | p |", "| `rlpipe/training/lora.py` | l |", "| `rlpipe/tools/` | t |", "| `rlpipe/tools/calls.py` | c |"
     ]
 
     def page(lines: list[str]) -> str:
@@ -68,7 +68,7 @@ def test_the_check_finds_a_missing_a_stale_and_a_doubled_module():
     assert map_problems(page([*rows, "| `rlpipe/tools.py` | t |"]), files) == [
         "in the map but not in the repository: rlpipe/tools.py"
     ]
-    assert map_problems(page([*rows, rows[1]]), files) == ["in the map twice: rlpipe/lora.py"]
+    assert map_problems(page([*rows, rows[1]]), files) == ["in the map twice: rlpipe/training/lora.py"]
 
 
 def test_the_page_keeps_its_lines_within_120_characters():

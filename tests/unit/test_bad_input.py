@@ -71,7 +71,7 @@ class Inputs:
         import torch
         import torch.distributed.checkpoint as dcp
 
-        from rlpipe import checkpoint
+        from rlpipe.training import checkpoint
 
         path = self.root / "checkpoint"
         dcp.save({f"model.{name}": torch.zeros(shape) for name, shape in shapes.items()},

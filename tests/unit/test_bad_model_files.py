@@ -215,7 +215,7 @@ def save_checkpoint(root: Path, model: Path, **changes) -> Path:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from rlpipe import checkpoint
+    from rlpipe.training import checkpoint
     from rlpipe.models.hf import check_weights
 
     path = root / "checkpoint"

@@ -54,8 +54,8 @@ def test_every_system_gets_the_same_workload(spec, settings):
 
 
 def test_trl_reads_the_prompts_rlpipe_draws_in_its_order_and_templating(spec, settings):
-    from rlpipe.controller import prepare
-    from rlpipe.data import render_prompt
+    from rlpipe.run.controller import prepare
+    from rlpipe.data.prompts import render_prompt
 
     cfg = _e2e_config(spec, settings["rlpipe-sync"]["overrides"])
     run = prepare(cfg)  # the controller's own prompt set and sampler

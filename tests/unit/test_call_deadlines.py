@@ -16,12 +16,12 @@ import torch
 
 from rlpipe.actors import calls
 from rlpipe.actors.calls import CallTimeout, WorkerLost, get_all, reason, settle
-from rlpipe.actors.engine_pool import EnginePool, Generation, Part
+from rlpipe.actors.engine_pool import EnginePool, Generation, EngineShare
 from rlpipe.actors.rollout import engine_failure
 from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import SyncConfig, load_config
 from rlpipe.types import Prompt
-from rlpipe.rollout import RolloutEngine, WriteTimedOut
+from rlpipe.rollout.engine import RolloutEngine, WriteTimedOut
 from rlpipe.weightsync import NonFiniteWeights, SyncError, make_transport
 from rlpipe.weightsync.hostcopy import HostCopy, read_shared_weights
 from tests.unit.test_receiver import PROBE, channel, expected_for  # noqa: F401 - channel is a fixture
@@ -244,8 +244,8 @@ def test_a_generation_past_its_deadline_replaces_the_engine_and_its_prompts_come
         return [["done"], ["done"]]
 
     monkeypatch.setattr("rlpipe.actors.engine_pool.ray.get", get)
-    generation = Generation(prompts, 2, {}, [Part(0, "engine-0", range(0, 2), "fine"),
-                                             Part(1, "engine-1", range(2, 4), "hung")])
+    generation = Generation(prompts, 2, {}, [EngineShare(0, "engine-0", range(0, 2), "fine"),
+                                             EngineShare(1, "engine-1", range(2, 4), "hung")])
     completions, again = pool.collect(generation)
     assert completions == [["done"], ["done"], [], []] and again == [1]  # engine 1's prompts are generated again
     (index, dead, error), = replaced
@@ -272,10 +272,10 @@ def test_an_engine_that_can_no_longer_serve_is_replaced_and_other_errors_are_rai
         return [["done"]]
 
     monkeypatch.setattr("rlpipe.actors.engine_pool.ray.get", get)
-    generation = Generation(prompts, 2, {}, [Part(0, "engine-0", range(0, 1), "fine"),
-                                             Part(1, "engine-1", range(1, 2), "unusable")])
+    generation = Generation(prompts, 2, {}, [EngineShare(0, "engine-0", range(0, 1), "fine"),
+                                             EngineShare(1, "engine-1", range(1, 2), "unusable")])
     assert pool.collect(generation) == ([["done"], []], [1]) and replaced == [1]
-    generation.parts[1] = Part(1, "engine-1", range(1, 2), "bug")
+    generation.shares[1] = EngineShare(1, "engine-1", range(1, 2), "bug")
     with pytest.raises(ray.exceptions.RayTaskError):  # not an engine's loss: the step fails as before
         pool.collect(generation)
 
@@ -393,7 +393,7 @@ def test_a_host_copy_truncated_under_a_worker_is_an_error_not_sigbus(tmp_path):
 def test_a_sync_that_keeps_failing_ends_rlpipe_train_in_one_line_and_auto_resume_restarts_the_run(
     tmp_path, monkeypatch, capsys
 ):
-    import rlpipe.controller
+    import rlpipe.run.controller
     from rlpipe.cli import main
 
     failed = WorkerLost("weight sync v7 failed 3 times (sync.retries=2), the last time: weight sync v7: the probe "
@@ -407,7 +407,7 @@ def test_a_sync_that_keeps_failing_ends_rlpipe_train_in_one_line_and_auto_resume
             raise outcome
         return outcome
 
-    monkeypatch.setattr(rlpipe.controller, "train", train)
+    monkeypatch.setattr(rlpipe.run.controller, "train", train)
     args = ["train", f"run.output_dir={tmp_path}", "train.max_auto_resumes=2"]
     outcomes[:] = [failed]
     assert main(args) == 1

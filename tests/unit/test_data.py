@@ -1,11 +1,11 @@
-"""rlpipe.data: the resumable sampler, file and reasoning-gym prompt sources, chat templating, PromptSet."""
+"""rlpipe.data.prompts: the resumable sampler, file and reasoning-gym prompt sources, chat templating, PromptSet."""
 
 import json
 
 import pytest
 
 from rlpipe.config import ConfigError, DataConfig
-from rlpipe.data import PromptSet, Sampler, drop_overlong_prompts, load_rows, render_prompt, reward_columns
+from rlpipe.data.prompts import PromptSet, Sampler, drop_overlong_prompts, load_rows, render_prompt, reward_columns
 from rlpipe.types import Prompt
 from tests.conftest import build_tokenizer
 
@@ -500,7 +500,7 @@ def test_a_hub_name_that_is_not_cached_offline_says_how_to_get_it(tmp_path):
 
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     script = (
-        "from rlpipe.config import ConfigError, DataConfig\nfrom rlpipe.data import load_rows\n"
+        "from rlpipe.config import ConfigError, DataConfig\nfrom rlpipe.data.prompts import load_rows\n"
         "try:\n    load_rows(DataConfig(source='file', path='rlpipe-tests/no-such-dataset'), 0)\n"
         "except ConfigError as err:\n    print(err)\n"
     )

@@ -2,8 +2,8 @@
 
 import pytest
 
-from rlpipe.device import backend
-from rlpipe.tpu_env import torchtpu_process_env
+from rlpipe.hardware.device import backend
+from rlpipe.hardware.tpu_env import torchtpu_process_env
 
 
 def test_backend_table():

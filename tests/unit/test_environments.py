@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from rlpipe.config import ConfigError, load_config
-from rlpipe.environments import interpreter, role_modules
-from rlpipe.preflight import check_environment, check_role_environments
+from rlpipe.startup.interpreters import interpreter, role_modules
+from rlpipe.startup.preflight import check_environment, check_role_environments
 
 OTHER_MINOR = Path("/root/.pyenv/versions/3.12.1/bin/python3.12")
 

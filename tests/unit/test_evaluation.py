@@ -1,4 +1,4 @@
-"""rlpipe.evaluation: pass@k against brute force, mean@k, when a run evaluates, the best point; the `eval` config
+"""rlpipe.run.evaluation: pass@k against brute force, mean@k, when a run evaluates, the best point; the `eval` config
 section; the held-out figures in a step's line and in the curves; `rlpipe eval`'s bad input and an export's
 evaluation."""
 
@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlpipe import evaluation
+from rlpipe.run import evaluation
 from rlpipe.cli import main
 from rlpipe.config import ConfigError, load_config
-from rlpipe.metrics import MetricsLogger
-from rlpipe.plots import figure, plot_history, read_run
+from rlpipe.reporting.metrics import MetricsLogger
+from rlpipe.reporting.plots import figure, plot_history, read_run
 from rlpipe.types import Completion, Group, Prompt
 
 
@@ -185,7 +185,7 @@ def test_rlpipe_eval_refuses_a_bad_path_before_anything_starts(tmp_path, capsys)
 def test_rlpipe_eval_of_an_export_evaluates_that_folder_with_the_recipe_as_before_training(tmp_path, tiny_qwen3,
                                                                                           monkeypatch, capsys):
     """An HF folder (an export) is evaluated as it is, with the recipe's data and rewards, as step 0 (an export does
-    not record its step); the engines' part is rlpipe.evaluation.evaluate, which the integration run drives."""
+    not record its step); the engines' part is rlpipe.run.evaluation.evaluate, which the integration run drives."""
     from rlpipe import cli
 
     started = {}
@@ -216,7 +216,7 @@ def test_eval_points_of_a_summary_are_read_leniently(tmp_path):
 
 
 def test_the_summary_keeps_the_best_evaluation_and_the_checkpoint_kept_at_its_step(tmp_path):
-    from rlpipe.controller import summarize_evaluations
+    from rlpipe.run.controller import summarize_evaluations
 
     notes = []
     run = SimpleNamespace(dir=tmp_path, log=SimpleNamespace(note=notes.append))

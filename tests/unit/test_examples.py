@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rlpipe.config import describe, load_config
-from rlpipe.data import PromptSet, load_rows, reward_columns
+from rlpipe.data.prompts import PromptSet, load_rows, reward_columns
 from rlpipe.rewards import RewardRunner
 from tests.conftest import build_tokenizer
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlpipe.models import build_model
-from rlpipe.packing import bucket_length
+from rlpipe.models.packing import bucket_length
 from rlpipe.parallel.graph_trainer import FunctionalAdamW, GraphTrainStep
 from rlpipe.types import LossStats
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe import checkpoint
-from rlpipe.checkpoint import CheckpointError
+from rlpipe.training import checkpoint
+from rlpipe.training.checkpoint import CheckpointError
 from rlpipe.cli import main
 from rlpipe.config import ConfigError, load_config
 from rlpipe.models.builtin import resolve_model_path
@@ -111,7 +111,7 @@ def test_a_path_that_is_neither_keeps_the_folder_error(hub_cache, tmp_path, caps
 
 def _save_step_1(run, cfg) -> Path:
     """A real step-1 checkpoint of `run` (the learner's state as a learner rank writes it), as the driver saves."""
-    from rlpipe.learner import Learner
+    from rlpipe.training.learner import Learner
 
     learner = Learner.from_config(run.model_path, cfg)
     return checkpoint.save(
@@ -124,7 +124,7 @@ def _save_step_1(run, cfg) -> Path:
 
 
 def test_a_run_resumes_and_exports_from_a_hub_id(hub_cache, tmp_path, monkeypatch):
-    from rlpipe.controller import prepare
+    from rlpipe.run.controller import prepare
     from rlpipe.models import load_model
 
     cfg = load_config(None, _run_args(tmp_path, REPO_ID))

@@ -10,7 +10,7 @@ import yaml
 
 from rlpipe.cli import main
 from rlpipe.config import ConfigError, load_config
-from rlpipe.hub_push import model_card
+from rlpipe.run.hub_push import model_card
 from tests.hub_stand_in import HubStandIn
 
 
@@ -62,7 +62,7 @@ def test_the_model_card_shows_the_sampled_figures_and_the_best_evaluation():
 def test_export_pushes_the_folder_and_its_card_to_the_hub(hub, tiny_qwen3, tmp_path, capsys):
     from tests.unit.test_checkpoint import _save
     from tests.unit.test_learner_group import _config
-    from rlpipe.learner import Learner
+    from rlpipe.training.learner import Learner
 
     learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, 1))
     final = _save(learner, tmp_path / "run", 1)
@@ -105,7 +105,7 @@ def test_the_push_key_needs_a_repo_id_and_an_export():
 
 def test_a_finished_run_writes_its_card_and_pushes_its_export(hub, tmp_path):
     """The end of a run (hub_push.after_run, which `rlpipe train` and `rlpipe.train` call with the summary)."""
-    from rlpipe.hub_push import after_run
+    from rlpipe.run.hub_push import after_run
 
     cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=done", "metrics.push_to_hub=org/done"])
     export = cfg.run_dir / "export"

@@ -14,7 +14,7 @@ from rlpipe.kernels import gmm as gmm_module
 from rlpipe.kernels import logprob as logprob_module
 from rlpipe.kernels import rmsnorm as rmsnorm_module
 from rlpipe.kernels._jax import interpret
-from rlpipe.train_engine import token_logprobs
+from rlpipe.training.train_engine import token_logprobs
 from rlpipe.models import load_model
 from rlpipe.models.moe import Experts, TopKRouter
 

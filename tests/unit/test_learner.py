@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rlpipe.config import load_config
-from rlpipe.controller import make_train_batch
-from rlpipe.learner import Learner, combine_rank_metrics
-from rlpipe.train_engine import lr_factor, token_logprobs
+from rlpipe.run.controller import make_train_batch
+from rlpipe.training.learner import Learner, combine_rank_metrics
+from rlpipe.training.train_engine import lr_factor, token_logprobs
 from rlpipe.types import Completion, Group, Prompt, TrainBatch
 from tests.batches import four_samples as _batch
 

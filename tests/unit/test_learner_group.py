@@ -8,11 +8,11 @@ import torch
 import torch.multiprocessing as mp
 
 from rlpipe.config import load_config
-from rlpipe.learner import Learner, combine_rank_metrics
+from rlpipe.training.learner import Learner, combine_rank_metrics
 from rlpipe.models import load_model
 from rlpipe.parallel.mesh import find_free_port
 from rlpipe.types import TrainBatch
-from rlpipe.weightform import weight_form
+from rlpipe.weightsync.form import weight_form
 from rlpipe.weightsync import shard_rows
 
 STEPS = 3

@@ -1,5 +1,5 @@
-"""What reaches the terminal and what goes to the run's log file (rlpipe/logs.py), the live status line and the start-up
-and final lines (rlpipe/metrics.py)."""
+"""What reaches the terminal and what goes to the run's log file (rlpipe/reporting/logs.py), the live status line and the start-up
+and final lines (rlpipe/reporting/metrics.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.logs import (
+from rlpipe.reporting.logs import (
     KNOWN_HARMLESS,
     PROGRESS_LOGGER,
     RELOAD_LOGGER,
@@ -26,7 +26,7 @@ from rlpipe.logs import (
     driver_logging,
     logging_config,
 )
-from rlpipe.metrics import LiveStatus, MetricsLogger, roles_summary
+from rlpipe.reporting.metrics import LiveStatus, MetricsLogger, roles_summary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,7 +82,7 @@ def _run_worker(tmp_path, verbose: bool) -> tuple[str, str]:
     log_file = tmp_path / "logs" / "run.log"
     script = textwrap.dedent(f"""
         import logging, warnings
-        from rlpipe.logs import LogSetup, configure_worker
+        from rlpipe.reporting.logs import LogSetup, configure_worker
         configure_worker(LogSetup({str(log_file)!r}, verbose={verbose}, who="rollout-0"), vllm=True)
         engine = logging.getLogger("vllm.v1.engine.core")
         engine.info("INFO from the engine")
@@ -122,7 +122,7 @@ def test_verbose_puts_info_and_every_warning_back_on_stderr(tmp_path):
 def test_the_logging_config_handed_to_vllm_is_json_and_names_the_filter():
     config = logging_config(LogSetup("/run/logs/run.log", who="rollout-1", tied_output_layer=True))
     assert json.loads(json.dumps(config)) == config  # vLLM reads it from a JSON file (VLLM_LOGGING_CONFIG_PATH)
-    assert config["filters"]["known_harmless"] == {"()": "rlpipe.logs.KnownHarmless", "tied_output_layer": True}
+    assert config["filters"]["known_harmless"] == {"()": "rlpipe.reporting.logs.KnownHarmless", "tied_output_layer": True}
     assert config["handlers"]["console"]["level"] == "WARNING"
     assert "rollout-1" in config["formatters"]["file"]["format"]
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from rlpipe.config import load_config
-from rlpipe.controller import Lookahead
-from rlpipe.data import Sampler
+from rlpipe.run.controller import Lookahead
+from rlpipe.data.prompts import Sampler
 
 
 class RecordingRoles:
@@ -63,7 +63,7 @@ def test_a_checkpoint_resumes_the_sampler_before_generations_in_flight():
 
 
 def test_reward_functions_get_the_step_as_a_trainer_state():
-    from rlpipe.controller import reward_state
+    from rlpipe.run.controller import reward_state
 
     cfg = load_config(None, ["train.steps=10", "train.prompts_per_step=4", "run.name=r"])
     run = SimpleNamespace(train_set=[None] * 8)

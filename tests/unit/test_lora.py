@@ -1,4 +1,4 @@
-"""LoRA adapters on the learner (rlpipe/lora.py): a frozen base, adapters alone trained and in the optimizer, the
+"""LoRA adapters on the learner (rlpipe/training/lora.py): a frozen base, adapters alone trained and in the optimizer, the
 adapters alone or merged weights for the engines (sync.lora), the adapter folders an engine writes, PEFT's adapter
 format on export, checkpoints of adapters alone with exact resume, and two sharded ranks equal to one."""
 
@@ -12,18 +12,18 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlpipe import checkpoint
-from rlpipe.checkpoint import CheckpointError
+from rlpipe.training import checkpoint
+from rlpipe.training.checkpoint import CheckpointError
 from rlpipe.cli import main
 from rlpipe.config import ConfigError, load_config
-from rlpipe.learner import Learner, combine_rank_metrics
-from rlpipe.lora import (
+from rlpipe.training.learner import Learner, combine_rank_metrics
+from rlpipe.training.lora import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, AdapterFolders, adapter_rows, adapter_shapes_problem, is_adapter_key,
 )
 from rlpipe.models import load_model, read_hf_config
 from rlpipe.parallel.mesh import find_free_port
-from rlpipe.weight_views import AdapterView, MergedView
-from rlpipe.weightform import FULL, Kind, WeightForm, decide_weight_form, weight_form
+from rlpipe.training.weight_views import AdapterView, MergedView
+from rlpipe.weightsync.form import FULL, Kind, WeightForm, decide_weight_form, weight_form
 from rlpipe.weightsync import EngineLayout, Staging, pack_part, plan_sync, shard_rows
 from tests.batches import four_samples
 from tests.unit.test_learner_group import _batches, _config, _rank
@@ -218,8 +218,8 @@ def test_an_engine_writes_later_adapter_versions_into_vllms_buffers_bit_for_bit_
     from vllm.lora.request import LoRARequest
 
     from rlpipe.config import RolloutConfig
-    from rlpipe.lora import save_adapter
-    from rlpipe.rollout import POLICY_ADAPTER, RolloutEngine
+    from rlpipe.training.lora import save_adapter
+    from rlpipe.rollout.engine import POLICY_ADAPTER, RolloutEngine
     from rlpipe.weightsync import SyncError
 
     learner = _learner(tiny_qwen3)
@@ -417,7 +417,7 @@ def test_two_sharded_ranks_train_the_adapters_as_one_rank_does(tiny_qwen3):
 def test_the_syncs_merged_weights_are_computed_one_at_a_time_as_they_are_read():
     """The learner hands the sync a view: nothing is merged until a weight is read, and each read merges that weight
     alone, so a rank never holds a merged copy of the model."""
-    from rlpipe.lora import MergedWeights, merged
+    from rlpipe.training.lora import MergedWeights, merged
 
     generator = torch.Generator().manual_seed(0)
     state = {"q.weight": torch.randn(4, 3, generator=generator), "q.lora_A.weight": torch.randn(2, 3, generator=generator),
@@ -445,7 +445,7 @@ def test_adapter_folders_of_engines_whose_process_is_gone_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from rlpipe.lora import ADAPTER_FOLDER_PREFIX, adapter_root
+    from rlpipe.training.lora import ADAPTER_FOLDER_PREFIX, adapter_root
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = tmp_path / f"{ADAPTER_FOLDER_PREFIX}{gone.stdout.strip()}-x"

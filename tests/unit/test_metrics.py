@@ -1,10 +1,10 @@
-"""rlpipe.metrics: metrics.jsonl is strict JSON (non-finite values as null, counted)."""
+"""rlpipe.reporting.metrics: metrics.jsonl is strict JSON (non-finite values as null, counted)."""
 
 import io
 import json
 import math
 
-from rlpipe.metrics import MetricsLogger
+from rlpipe.reporting.metrics import MetricsLogger
 
 
 def _strict_records(path) -> list[dict]:

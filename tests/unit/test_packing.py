@@ -9,9 +9,9 @@ import torch
 
 from rlpipe.config import KernelsConfig, load_config
 from rlpipe.kernels import linear_logprob
-from rlpipe.learner import Learner, combine_rank_metrics
-from rlpipe.packing import bucket_length, pack, packed_length
-from rlpipe.train_engine import token_logprobs
+from rlpipe.training.learner import Learner, combine_rank_metrics
+from rlpipe.models.packing import bucket_length, pack, packed_length
+from rlpipe.training.train_engine import token_logprobs
 from rlpipe.models import CausalLM, ModelArchitecture
 from rlpipe.models.architecture import FULL_ATTENTION, SLIDING_ATTENTION
 from rlpipe.types import TrainBatch
@@ -109,7 +109,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(window, recompute, 
 
 
 def test_only_the_scored_tokens_go_through_the_output_projection(monkeypatch):
-    import rlpipe.packing
+    import rlpipe.models.packing
 
     model, batch = _model(), _batch()
     rows = []
@@ -119,7 +119,7 @@ def test_only_the_scored_tokens_go_through_the_output_projection(monkeypatch):
         return linear_logprob(hidden, *args, **kwargs)
 
     padded = token_logprobs(model, batch.input_ids)
-    monkeypatch.setattr(rlpipe.packing, "linear_logprob", counting)
+    monkeypatch.setattr(rlpipe.models.packing, "linear_logprob", counting)
     scored = token_logprobs(model, batch.input_ids, lengths=batch.lengths, scored=batch.completion_mask)
     mask = batch.completion_mask
     assert rows == [int(mask.sum())]  # the completion tokens, not the prompts, not the padding

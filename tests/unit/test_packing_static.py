@@ -11,7 +11,7 @@ from rlpipe.config import KernelsConfig
 from rlpipe.kernels.attention import document_attention_mask
 from rlpipe.models import CausalLM, ModelArchitecture, load_model
 from rlpipe.models.architecture import FULL_ATTENTION, SLIDING_ATTENTION
-from rlpipe.packing import PADDING_DOCUMENT, pack, pack_static, packed_length, packed_static_token_logprobs
+from rlpipe.models.packing import PADDING_DOCUMENT, pack, pack_static, packed_length, packed_static_token_logprobs
 
 TOLERANCE = 1e-5  # fp32; packing changes only the order of some sums
 TEMPERATURE = 0.9

@@ -24,12 +24,12 @@ from rlpipe.actors.placement import (
 )
 from rlpipe.actors.cluster import KEEP_FREED_MEMORY, compute_env
 from rlpipe.config import ConfigError, RolePlacement, load_config
-from rlpipe.device import tpu_slice
-from rlpipe.tpu_env import (
+from rlpipe.hardware.device import tpu_slice
+from rlpipe.hardware.tpu_env import (
     COMPILE_CACHE, COMPILE_CACHE_DEFAULT, GIVEN, engine_process_env, host_rank_order, keep_only_given_tpu_env,
     torchtpu_process_env,
 )
-from rlpipe.tpu_layout import SliceShare, slice_problems, slice_shares
+from rlpipe.hardware.tpu_layout import SliceShare, slice_problems, slice_shares
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import pytest
 
 from rlpipe.cli import main
 from rlpipe.config import ConfigError, load_config
-from rlpipe.device import tpu_slice
+from rlpipe.hardware.device import tpu_slice
 from rlpipe.models.registry import model_architecture
 from rlpipe.plan import GIB, ModelSize, load_architecture, plan
 from rlpipe.plan.engine import BUCKETS_IN_FLIGHT, kv_heads_per_chip
@@ -128,7 +128,7 @@ def test_arithmetic_of_a_small_architecture_by_hand(tmp_path):
 @pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj"], ["mlp.down_proj", "lm_head"]])
 def test_lora_counts_the_adapters_the_learner_adds_and_trains_nothing_else(tmp_path, targets):
     from rlpipe.config.learner import LoraConfig, is_targeted
-    from rlpipe.lora import add_adapters
+    from rlpipe.training.lora import add_adapters
     from rlpipe.models.hf import meta_model
 
     folder = _tiny_folder(tmp_path)

@@ -10,9 +10,9 @@ import pytest
 from rlpipe.config import ConfigError, load_config
 from rlpipe.plan import GIB, LimitCheck, format_plan, plan, plan_checks
 from rlpipe.plan.pods import MANIFESTS_DIR, host_limits, ray_default_object_store
-from rlpipe.preflight import check_tpu_slices
-from rlpipe.tpu_env import torchtpu_process_env
-from rlpipe.tpu_layout import ENGINE_CHIP_COUNTS, slice_problems, slice_shares
+from rlpipe.startup.preflight import check_tpu_slices
+from rlpipe.hardware.tpu_env import torchtpu_process_env
+from rlpipe.hardware.tpu_layout import ENGINE_CHIP_COUNTS, slice_problems, slice_shares
 
 REPO = Path(__file__).resolve().parents[2]
 TPU_RECIPES = sorted(p.name for p in (REPO / "configs").glob("*.yaml") if "tpu:" in p.read_text())
@@ -186,7 +186,7 @@ def test_every_learner_share_the_plan_accepts_gets_an_environment():
 
 def test_the_lora_refusal_reads_the_engine_platform_not_placement(monkeypatch):
     from rlpipe.config import Config
-    from rlpipe.weightform import Kind, decide_weight_form
+    from rlpipe.weightsync.form import Kind, decide_weight_form
 
     on_tpu = load_config(REPO / "configs" / "qwen3-0.6b-gsm8k-v6e.yaml", ["learner.lora.rank=8"])
     assert on_tpu.engine_platform == "vllm-torchtpu"
@@ -204,10 +204,10 @@ def test_the_lora_refusal_reads_the_engine_platform_not_placement(monkeypatch):
 def test_an_engine_on_torchtpu_refuses_adapters_in_one_line(monkeypatch, tmp_path):
     """The engine checks the platform it finds: adapters handed to an engine that runs vLLM on TorchTPU stop it
     before vLLM starts."""
-    from rlpipe import rollout
+    from rlpipe.rollout import engine as rollout
     from rlpipe.config import RolloutConfig, SyncConfig
     from rlpipe.config.learner import LoraConfig
-    from rlpipe.weightform import Kind, WeightForm
+    from rlpipe.weightsync.form import Kind, WeightForm
 
     monkeypatch.setattr(rollout, "vllm_platform", lambda: "torchtpu")
     cfg = RolloutConfig(dtype="bfloat16")

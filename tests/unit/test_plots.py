@@ -1,4 +1,4 @@
-"""rlpipe.plots and `rlpipe plot`: the panels a run's metrics call for, titled and labelled, one run or several
+"""rlpipe.reporting.plots and `rlpipe plot`: the panels a run's metrics call for, titled and labelled, one run or several
 overlaid; bad input stops in one line (exit 2) with nothing written."""
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rlpipe.cli import main
-from rlpipe.plots import PlotError, figure, plot_history, plot_runs, read_run, smooth
+from rlpipe.reporting.plots import PlotError, figure, plot_history, plot_runs, read_run, smooth
 
 
 def _record(step: int, kl: bool = True, two_rewards: bool = False) -> dict:

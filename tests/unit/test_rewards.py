@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import rlpipe.callables
+import rlpipe.usercode.callables
 from rlpipe.rewards import RewardConfigError, RewardResult, RewardRunner, load_reward
 from rlpipe.rewards.extract import after_hashes, extract_answer, gold_answer, last_boxed, last_line, last_number
 from rlpipe.rewards.math import exact_match, numeric_answer
@@ -228,7 +228,7 @@ def test_load_reward_finds_entry_points(monkeypatch):
     def fake_entry_points(group, name):
         return [registered] if (group, name) == ("rlpipe.rewards", "my_length") else []
 
-    monkeypatch.setattr(rlpipe.callables, "entry_points", fake_entry_points)
+    monkeypatch.setattr(rlpipe.usercode.callables, "entry_points", fake_entry_points)
     assert load_reward("my_length") is reward_fixtures.length
     with pytest.raises(RewardConfigError, match="rlpipe.rewards"):
         load_reward("someone_elses")
@@ -375,7 +375,8 @@ def test_runner_needs_functions_and_a_positive_timeout():
         RewardRunner([spec("length")], timeout_s=0)
 
 
-SHARED = ("rlpipe.callables", "rlpipe.sandbox", "rlpipe.orphans")  # what rlpipe.rewards shares with rlpipe.tools
+# What rlpipe.rewards shares with rlpipe.tools.
+SHARED = ("rlpipe.usercode.callables", "rlpipe.usercode.sandbox", "rlpipe.orphans")
 
 
 def test_rewards_package_imports_no_framework_code():
@@ -388,7 +389,12 @@ def test_rewards_package_imports_no_framework_code():
             if isinstance(node, ast.Import):
                 names = {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = {f"rlpipe.{alias.name}" for alias in node.names} if node.module == "rlpipe" else {node.module}
+                # `from pkg import module` names the module; `from module import name` the module
+                names = {
+                    f"{node.module}.{alias.name}"
+                    if node.module == "rlpipe" or f"{node.module}.{alias.name}" in SHARED else node.module
+                    for alias in node.names
+                }
             else:
                 continue
             for name in names:
@@ -521,7 +527,7 @@ def test_a_pip_installed_package_adds_rewards_through_its_entry_point(tmp_path, 
 
 def test_humaneval_canonical_solutions_pass_and_broken_ones_fail():
     from rlpipe.config import DataConfig
-    from rlpipe.data import load_rows
+    from rlpipe.data.prompts import load_rows
 
     train, held_out = load_rows(DataConfig(source="humaneval", eval_size=4), seed=0)
     assert len(train) + len(held_out) == 164 and len(held_out) == 4

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe import sandbox
-from rlpipe.sandbox import Limits, SandboxUnavailable, run
+from rlpipe.usercode import sandbox
+from rlpipe.usercode.sandbox import Limits, SandboxUnavailable, run
 
 FAST = Limits(cpu_s=2, wall_s=5, memory_mb=256, file_mb=4, scratch_mb=8, processes=16)
 MARGIN_S = 3  # the wall limit plus this bounds every call
@@ -194,7 +194,7 @@ def test_flooding_output_costs_the_caller_no_more_than_the_cap():
     # In a fresh interpreter, so that its peak memory is this call's alone: VmHWM, which a new program starts
     # afresh (ru_maxrss would keep the forking pytest worker's). 256 MiB on each of stdout and stderr.
     script = (
-        "from rlpipe.sandbox import Limits, run\n"
+        "from rlpipe.usercode.sandbox import Limits, run\n"
         "outcome = run('import os\\nchunk = b\"x\" * 2**20\\nfor _ in range(256):\\n    os.write(1, chunk)\\n"
         "    os.write(2, chunk)', Limits(wall_s=60))\n"
         "peak_kb = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM:'))\n"
@@ -240,7 +240,7 @@ def test_an_endless_program_is_stopped_at_the_wall_limit():
 
 def test_without_isolation_code_is_refused_with_what_is_missing(monkeypatch):
     monkeypatch.setattr(sandbox, "_bwrap_path", lambda: "/nonexistent/bwrap")
-    sandbox._probe.cache_clear()
+    sandbox._check_isolation.cache_clear()
     try:
         problem = sandbox.missing_isolation()
         assert problem.startswith("code sandbox unavailable:") and "bwrap" in problem
@@ -248,13 +248,13 @@ def test_without_isolation_code_is_refused_with_what_is_missing(monkeypatch):
             run("print(1)", FAST)
         assert run("print(1)", FAST, isolated=False).stdout == "1\n"  # the explicit opt-out
     finally:
-        sandbox._probe.cache_clear()
+        sandbox._check_isolation.cache_clear()
 
 
 def test_the_probe_shows_every_layer():
-    python, problem = sandbox._probe()
+    python, problem = sandbox._check_isolation()
     assert problem is None
-    outcome = sandbox._run(sandbox._PROBE, FAST, "", {}, python)
+    outcome = sandbox._run(sandbox._ISOLATION_CHECK, FAST, "", {}, python)
     seen = json.loads(outcome.stdout)
     assert seen["uid"] == sandbox.SANDBOX_UID and seen["pid"] == 2 and seen["seccomp"] == 2
     assert seen["network"] == ["lo"] and not seen["sysctl writable"]

@@ -15,7 +15,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlpipe.config import load_config
-from rlpipe.learner import Learner
+from rlpipe.training.learner import Learner
 from rlpipe.models import load_model
 from rlpipe.parallel.mesh import make_mesh
 

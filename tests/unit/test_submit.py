@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from rlpipe.config import load_config
-from rlpipe.submit import DEFAULT_EXCLUDES, SubmitError, check_reward_files_uploaded, reward_files
+from rlpipe.run.submit import DEFAULT_EXCLUDES, SubmitError, check_reward_files_uploaded, reward_files
 
 
 def project(tmp_path: Path) -> Path:

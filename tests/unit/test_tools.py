@@ -437,7 +437,7 @@ def test_the_calculator_recipes_worked_examples_call_the_tool_as_the_parser_read
 # ---------------------------------------------------------------------------------------------- model-written code
 
 
-from rlpipe import sandbox  # noqa: E402
+from rlpipe.usercode import sandbox  # noqa: E402
 from rlpipe.tools import (  # noqa: E402
     ToolCall,
     ToolThreads,
@@ -550,7 +550,7 @@ def test_a_hostile_program_gives_the_model_an_error_and_leaves_nothing_behind(at
 
 def test_without_isolation_the_python_tool_is_refused_unless_the_recipe_opts_out(monkeypatch, caplog):
     monkeypatch.setattr(sandbox, "_bwrap_path", lambda: "/nonexistent/bwrap")
-    sandbox._probe.cache_clear()
+    sandbox._check_isolation.cache_clear()
     try:
         with pytest.raises(ToolConfigError, match=r"^rollout.tools: python runs model-written code, and code sandbox "
                            r"unavailable: .*bwrap.*; set rollout.unsafe_no_sandbox=true"):
@@ -566,7 +566,7 @@ def test_without_isolation_the_python_tool_is_refused_unless_the_recipe_opts_out
 
             sandboxed_tools([python.without_sandbox()], None, unsafe_no_sandbox=False)
     finally:
-        sandbox._probe.cache_clear()
+        sandbox._check_isolation.cache_clear()
 
 
 def test_a_tool_timeout_shorter_than_the_sandboxs_wall_limit_is_refused():
@@ -594,7 +594,7 @@ def test_the_cli_refuses_the_python_tool_in_one_line_where_the_sandbox_is_missin
             "metrics.loggers=[jsonl]", "train.steps=1", "train.prompts_per_step=4",
             "rollout.tools=[rlpipe.tools:python]"]
     monkeypatch.setattr(sandbox, "_bwrap_path", lambda: "/nonexistent/bwrap")
-    sandbox._probe.cache_clear()
+    sandbox._check_isolation.cache_clear()
     try:
         capfd.readouterr()
         assert main(args) == 2
@@ -611,7 +611,7 @@ def test_the_cli_refuses_the_python_tool_in_one_line_where_the_sandbox_is_missin
         assert "python runs model-written code, and code sandbox unavailable" in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / "eval.json").exists()
     finally:
-        sandbox._probe.cache_clear()
+        sandbox._check_isolation.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------- hung plain tools

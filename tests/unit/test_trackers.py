@@ -1,4 +1,4 @@
-"""rlpipe.trackers: what W&B (offline) and MLflow (a local file store) record equals metrics.jsonl; a tracker listed
+"""rlpipe.reporting.trackers: what W&B (offline) and MLflow (a local file store) record equals metrics.jsonl; a tracker listed
 but not installed stops the run at start-up."""
 
 import io
@@ -9,8 +9,8 @@ import struct
 import pytest
 
 from rlpipe.config import Config, ConfigError, MetricsConfig, load_config
-from rlpipe.metrics import MetricsLogger
-from rlpipe.trackers import check_trackers_installed, flat_params, open_trackers
+from rlpipe.reporting.metrics import MetricsLogger
+from rlpipe.reporting.trackers import check_trackers_installed, flat_params, open_trackers
 
 STEPS = [
     {"reward/mean": 0.5, "loss": 1.25, "accuracy": 0.25},

@@ -13,8 +13,8 @@ import torch
 
 from rlpipe.algo import build_objective, group_advantages
 from rlpipe.config import load_config
-from rlpipe.controller import make_train_batch
-from rlpipe.train_engine import lr_factor
+from rlpipe.run.controller import make_train_batch
+from rlpipe.training.train_engine import lr_factor
 from rlpipe.types import Completion, Group, LossInputs, ModelOutputs, Prompt
 
 B, T = 6, 7

@@ -1,4 +1,4 @@
-"""verifiers task sets as prompts and rewards (rlpipe/verifiers_env.py), on real task sets built with the installed
+"""verifiers task sets as prompts and rewards (rlpipe/data/verifiers.py), on real task sets built with the installed
 verifiers package (tests/unit/verifiers_tasksets.py)."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import pytest
 
 from rlpipe.bench.tiny_model import build_tokenizer
 from rlpipe.config import DataConfig, RolloutConfig
-from rlpipe.data import load_rows, reward_columns
+from rlpipe.data.prompts import load_rows, reward_columns
 from rlpipe.rewards.runner import RewardRunner
 from rlpipe.tools import ToolSet, render_conversation, run_episodes
-from rlpipe.verifiers_env import episode_trace, taskset_reward, tasks
+from rlpipe.data.verifiers import episode_trace, taskset_reward, tasks
 from tests.unit.test_data import _config_error
 from tests.unit.test_tools import LIMITS, ScriptedEngine, _episode, call_text
 
 SUMS = "tests.unit.verifiers_tasksets:sums"
-REWARD = "verifiers"  # the built-in name of rlpipe.verifiers_env:taskset_reward
+REWARD = "verifiers"  # the built-in name of rlpipe.data.verifiers:taskset_reward
 CALL = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
 WITH_TOOL = [
     {"role": "assistant", "content": "", "tool_calls": [CALL]},

@@ -838,7 +838,7 @@ def test_a_decoded_probe_is_compared_up_to_where_the_continuations_part():
 
 
 def test_the_engine_finds_each_given_tensor_where_its_model_holds_it():
-    from rlpipe.vllm_worker import _held_rows
+    from rlpipe.rollout.vllm_worker import _held_rows
 
     prefix = "model.layers.0.self_attn"
     given = {f"{prefix}.q_proj.weight": torch.randn(8, 4), f"{prefix}.k_proj.weight": torch.randn(2, 4),
@@ -859,7 +859,7 @@ def test_the_engine_finds_each_given_tensor_where_its_model_holds_it():
 
 
 def test_the_engines_comparison_after_a_write_is_bit_for_bit():
-    from rlpipe.vllm_worker import _equal_bytes
+    from rlpipe.rollout.vllm_worker import _equal_bytes
 
     given = torch.randn(64, 32)
     held = torch.cat([torch.randn(8, 32), given])[8:]  # rows of a larger parameter, as a fused one holds them

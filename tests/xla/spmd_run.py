@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import sys
 
-from rlpipe.device import xla_counters
-from rlpipe.learner import Learner, combine_rank_metrics
-from rlpipe.weightform import weight_form
+from rlpipe.hardware.device import xla_counters
+from rlpipe.training.learner import Learner, combine_rank_metrics
+from rlpipe.weightsync.form import weight_form
 from tests.xla.test_xla_learner import LORA, STEPS, _batch, _config
 
 

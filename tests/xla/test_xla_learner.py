@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from rlpipe.config import load_config
-from rlpipe.device import backend, torch_device, xla_counters
-from rlpipe.learner import Learner, combine_rank_metrics
+from rlpipe.hardware.device import backend, torch_device, xla_counters
+from rlpipe.training.learner import Learner, combine_rank_metrics
 from rlpipe.types import TrainBatch
-from rlpipe.weightform import weight_form
+from rlpipe.weightsync.form import weight_form
 
 STEPS = 3
 
@@ -154,7 +154,7 @@ def test_lora_on_xla_trains_the_adapters_as_the_cpu_eager_learner_does(tiny_qwen
     losses and adapters, one program a step; with a KL term, its reference is the base read with the adapters off
     on the device too, no copy. (Both learners start from the same adapters: the learner seeds torch before it adds
     them.)"""
-    from rlpipe.lora import is_adapter_key
+    from rlpipe.training.lora import is_adapter_key
     from rlpipe.models import load_model
 
     batches = [_batch(seed) for seed in range(STEPS)]

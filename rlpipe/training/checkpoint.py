@@ -332,7 +332,7 @@ def check_fits(path: Path, shapes: dict[str, tuple[int, ...]], model: str) -> No
     """Refuse a checkpoint whose model weights, as its metadata lists them, are not exactly `shapes` (or, for a
     checkpoint of LoRA adapters, that do not fit weights of `shapes`): another model's, found before any tensor is
     read."""
-    from rlpipe.lora import adapter_shapes_problem
+    from rlpipe.training.lora import adapter_shapes_problem
     from rlpipe.models.hf import shape_mismatch
 
     stored = model_shapes(path / LEARNER_STATE)
@@ -346,7 +346,7 @@ def check_fits(path: Path, shapes: dict[str, tuple[int, ...]], model: str) -> No
 
 def holds_adapters(stored: dict[str, tuple[int, ...]]) -> bool:
     """Whether a checkpoint's model weights (`model_shapes`) are LoRA adapters alone."""
-    from rlpipe.lora import is_adapter_key
+    from rlpipe.training.lora import is_adapter_key
 
     return bool(stored) and all(map(is_adapter_key, stored))
 
@@ -575,7 +575,7 @@ def _export_adapters(
     from rlpipe.config.coerce import build
     from rlpipe.config.errors import ConfigError
     from rlpipe.config.learner import LoraConfig
-    from rlpipe.lora import merged, save_adapter, scaling
+    from rlpipe.training.lora import merged, save_adapter, scaling
     from rlpipe.models import read_hf_config, save_state_dict
     from rlpipe.models.hf import load_model_weights
 

@@ -19,7 +19,7 @@ collective: that is what the merged-weights sync sends.
 A sync of the adapters alone (`sync.lora`) sends each rank's rows of every adapter as the sync plan assigns them
 (`adapter_rows`: the rows of B it holds, and its share of the rows of the replicated A). The engine has vLLM load the
 first version it receives from an adapter folder (`AdapterFolders`), and writes later versions straight into the
-LoRA buffers vLLM set up for it (rlpipe/vllm_worker.py `rlpipe_write_adapters`).
+LoRA buffers vLLM set up for it (rlpipe/rollout/vllm_worker.py `rlpipe_write_adapters`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a run shows on the terminal, and the run's full log.
 
-The terminal gets rlpipe's own lines (rlpipe.metrics: the start-up summary, a line per step, notes, the final
+The terminal gets rlpipe's own lines (rlpipe.reporting.metrics: the start-up summary, a line per step, notes, the final
 summary) and, from every process of the run, log records at WARNING and above. Everything at INFO and above —
 vLLM's engine start-up and config dump, Ray's start-up, transformers, rlpipe's own lines — goes to one file,
 `<run_dir>/logs/run.log`, each line tagged with the process that wrote it (driver, learner-0, rollout-0, reward-0).
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOG_FILE = "logs/run.log"  # under the run directory
-PROGRESS_LOGGER = "rlpipe.progress"  # rlpipe's own terminal lines, copied to the log file (rlpipe.metrics)
+PROGRESS_LOGGER = "rlpipe.progress"  # rlpipe's own terminal lines, copied to the log file (rlpipe.reporting.metrics)
 FILE_FORMAT = "%(asctime)s {who} %(levelname)s %(name)s: %(message)s"
 CONSOLE_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
@@ -76,7 +76,8 @@ KNOWN_HARMLESS: list[tuple[str, str]] = [
     ("ray._private.authentication.authentication_token_setup", "Token authentication is enabled for this Ray cluster"),
 ]
 
-# vLLM's in-place weight reload (the weight sync's write, rlpipe/vllm_worker.py WeightWriter) warns for every layer that
+# vLLM's in-place weight reload (the weight sync's write, rlpipe/rollout/vllm_worker.py WeightWriter) warns for every
+# layer that
 # received no weight although it has tensors: there vLLM puts the layer's current tensors back. Two layer kinds never
 # receive any in rlpipe's updates, by design: a rotary embedding, whose cos/sin cache is computed from the config and
 # is in no checkpoint; and the output layer of a model that ties it to the embeddings — the update carries the
@@ -118,7 +119,7 @@ class KnownHarmless(logging.Filter):
 
 
 class _NotProgress(logging.Filter):
-    """Keeps rlpipe's own lines, already printed on the terminal by rlpipe.metrics, off the console handler."""
+    """Keeps rlpipe's own lines, already printed on the terminal by rlpipe.reporting.metrics, off the console handler."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.name.startswith(PROGRESS_LOGGER)
@@ -126,7 +127,7 @@ class _NotProgress(logging.Filter):
 
 class CurrentStderr(logging.StreamHandler):
     """A console handler writing to whatever sys.stderr is when a record comes (the live status line of
-    rlpipe.metrics stands in for it while it shows)."""
+    rlpipe.reporting.metrics stands in for it while it shows)."""
 
     def __init__(self):
         super().__init__(sys.stderr)

@@ -4,8 +4,8 @@ No Ray here, so it runs (and is tested) in one process; actors/rollout.py wraps 
 call samples, single completions or multi-turn episodes with tools, is the episode runner's, chosen when the engine
 starts (rlpipe/tools/runner.py); the engine starts vLLM and runs the requests the runner makes. The engine's end
 of the weight sync is a `WeightReceiver` (rlpipe/weightsync/receiver.py) given this engine's write, probe and
-pause; the write itself runs in vLLM's workers (rlpipe/vllm_worker.py). How a version is written is the writer of
-the run's weight form (rlpipe/weightform.py), chosen once when the engine starts (`engine_writer`): whole weights
+pause; the write itself runs in vLLM's workers (rlpipe/rollout/vllm_worker.py). How a version is written is the writer of
+the run's weight form (rlpipe/weightsync/form.py), chosen once when the engine starts (`engine_writer`): whole weights
 (`WeightsWriter`, full or merged), or adapters alone (`AdapterWriter`): the engine loads the base once, the first
 version is loaded through vLLM's LoRA support (an adapter folder), later ones are written into the LoRA buffers vLLM
 set up for it, and every generation applies it.
@@ -22,12 +22,12 @@ import torch
 
 from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig, first_line, torchtpu_refusal
 from rlpipe.config.sync import vllm_lora_rank
-from rlpipe.lora import AdapterFolders, adapter_root
+from rlpipe.training.lora import AdapterFolders, adapter_root
 from rlpipe.models.hf import load_model_weights, read_hf_config
 from rlpipe.tools.runner import episode_runner
 from rlpipe.types import Completion, Prompt
-from rlpipe.vllm_worker import encode_weights, vllm_platform
-from rlpipe.weightform import FULL, Kind, WeightForm
+from rlpipe.rollout.vllm_worker import encode_weights, vllm_platform
+from rlpipe.weightsync.form import FULL, Kind, WeightForm
 from rlpipe.weightsync import (
     DECODE_TOKENS,
     DecodedProbe,
@@ -45,7 +45,7 @@ def workers_in_process(cfg: RolloutConfig) -> bool:
     return cfg.in_process and cfg.tensor_parallel == 1
 
 
-def _engine_env(cfg: RolloutConfig) -> None:
+def _engine_variables(cfg: RolloutConfig) -> None:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
     # vLLM reserves one core for itself by default, a large share of generation's speed on a host of few cores
     # (docs/benchmarks.md).
@@ -100,14 +100,14 @@ class WriteTimedOut(BaseException):
 
 def _start_vllm(model_path: str, tokenizer_path: str | None, cfg: RolloutConfig, seed: int, *, platform: str,
                 kernels: KernelsConfig | None, progress_bars: bool, extra: dict):
-    """vLLM's engine for `rollout` (its environment variables set already, `_engine_env`), with rlpipe's weight writer
+    """vLLM's engine for `rollout` (its environment variables set already, `_engine_variables`), with rlpipe's weight writer
     in its workers; `extra`: more of LLM's arguments."""
     from vllm import LLM
     from vllm.platforms import current_platform
 
     extra = dict(extra)
     if cfg.model_impl == "rlpipe":
-        from rlpipe.vllm_model import engine_overrides, register
+        from rlpipe.rollout.vllm_model import engine_overrides, register
 
         register()  # in this process; vLLM's worker processes register it through the plugin entry point
         # vLLM on TorchTPU compiles the model for TorchTPU.
@@ -127,7 +127,7 @@ def _start_vllm(model_path: str, tokenizer_path: str | None, cfg: RolloutConfig,
         enforce_eager=current_platform.is_cpu() if cfg.enforce_eager is None else cfg.enforce_eager,
         # One worker runs in this process; several are vLLM's worker processes whichever way the engine runs.
         distributed_executor_backend="uni" if workers_in_process(cfg) else None,
-        worker_extension_cls="rlpipe.vllm_worker.WeightWriter",
+        worker_extension_cls="rlpipe.rollout.vllm_worker.WeightWriter",
         # The log-probs of the distribution the learner computes (RolloutConfig.logprobs_mode, docs/algorithms.md).
         logprobs_mode=cfg.logprobs_mode(),
         use_tqdm_on_load=progress_bars,
@@ -155,7 +155,7 @@ class RolloutEngine:
         """`kernels`: `model.kernels`, which rlpipe's model runs in the engine (`rollout.model_impl: rlpipe`);
         `progress_bars`: vLLM's progress bar while it loads the weights; `form`: the run's weight form, whose writer
         (`engine_writer`) writes each version."""
-        _engine_env(cfg)  # before anything of vLLM reads its settings
+        _engine_variables(cfg)  # before anything of vLLM reads its settings
         platform = vllm_platform()
         if platform == "tpu-inference":
             raise RuntimeError(

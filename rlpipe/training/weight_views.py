@@ -1,4 +1,4 @@
-"""The learner's weights, as each weight form (rlpipe/weightform.py) has them: one view per form, chosen once when
+"""The learner's weights, as each weight form (rlpipe/weightsync/form.py) has them: one view per form, chosen once when
 the train engine starts (`weights_view`). A view answers what the model loads (with adapters or without), what a
 weight sync sends (its shapes and this rank's rows of it), what a checkpoint stores, what an export writes and how
 the KL reference is read.
@@ -17,11 +17,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from rlpipe.lora import (
+from rlpipe.training.lora import (
     MergedWeights, WeightsWithAdapters, adapter_rows, add_adapters, adapters_off, is_adapter_key, merged,
     merged_stream, save_adapter,
 )
-from rlpipe.weightform import Kind, WeightForm
+from rlpipe.weightsync.form import Kind, WeightForm
 
 Tensors = Iterable[tuple[str, torch.Tensor]]
 

@@ -11,7 +11,7 @@ compile backend for `torch.compile` of other code on this device.
 
 The TPU rows follow TorchTPU's documented process model (one process per chip, `tpu` device, `tpu_dist`
 collectives, `torch.compile(backend="tpu")`); they have not yet run on TPU hardware. The slices (`tpu_slice`) are
-here; each TPU process's environment is in rlpipe/tpu_env.py.
+here; each TPU process's environment is in rlpipe/hardware/tpu_env.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlpipe.tpu_env import topology_dims
+from rlpipe.hardware.tpu_env import topology_dims
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def learner_processes(kind: str, ranks: int) -> int:
     return 1 if backend(kind).sharding == "xla_spmd" else ranks
 
 
-def learner_env(kind: str, ranks: int) -> dict[str, str]:
+def learner_variables(kind: str, ranks: int) -> dict[str, str]:
     """Environment variables a learner process needs on `kind`: on xla, one PJRT CPU device per rank (read by
     PJRT's CPU client only; a TPU host's devices are its chips)."""
     return {"CPU_NUM_DEVICES": str(ranks)} if kind == "xla" else {}
@@ -82,7 +82,7 @@ def learner_env(kind: str, ranks: int) -> dict[str, str]:
 
 def device_unavailable(kind: str) -> str | None:
     """Why this process cannot train on a `kind` device, in a few words; None when it can. Asked in the
-    learner's own environment before a run starts (rlpipe/preflight.py)."""
+    learner's own environment before a run starts (rlpipe/startup/preflight.py)."""
     if kind == "cuda" and not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA GPU"
     if kind == "xla":

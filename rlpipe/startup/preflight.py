@@ -19,15 +19,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from rlpipe import checkpoint
-from rlpipe.checkpoint import CheckpointError
+from rlpipe.training import checkpoint
+from rlpipe.training.checkpoint import CheckpointError
 from rlpipe.config import Config, ConfigError, ModelConfig, RewardConfig, one_line
-from rlpipe.data import PromptSet, Sampler
-from rlpipe.device import learner_processes
-from rlpipe.environments import NoAnswer, interpreter, probe_device, probe_imports, role_modules
+from rlpipe.data.prompts import PromptSet, Sampler
+from rlpipe.hardware.device import learner_processes
+from rlpipe.startup.interpreters import NoAnswer, interpreter, ask_device, ask_imports, role_modules
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.rewards import RewardRunner
-from rlpipe.tpu_layout import slice_problems
+from rlpipe.hardware.tpu_layout import slice_problems
 
 # ---------------------------------------------------------------- the TPU slices
 
@@ -60,7 +60,7 @@ def check_environment(key: str, python: str, modules: list[str], timeout_s: floa
     """Raise a one-line ConfigError unless `python` runs this Python minor version and Ray version and imports
     every one of `modules` (imported for real, in a child process, with this process's environment)."""
     try:
-        report = probe_imports(python, modules, timeout_s)
+        report = ask_imports(python, modules, timeout_s)
     except subprocess.TimeoutExpired:
         raise ConfigError(f"{key}: {python} did not import {', '.join(modules)} within {timeout_s:.0f} s") from None
     except OSError as err:
@@ -91,7 +91,7 @@ def check_learner_device(cfg: Config, python: str | None, timeout_s: float = 180
         return
     where = f"placement.learner.python {python}" if python else f"the driver's environment {sys.executable}"
     try:
-        reason = probe_device(python or sys.executable, kind, cfg.learner.ranks, timeout_s)
+        reason = ask_device(python or sys.executable, kind, cfg.learner.ranks, timeout_s)
     except subprocess.TimeoutExpired:
         reason = f"no answer within {timeout_s:.0f} s"
     except NoAnswer as err:
@@ -213,7 +213,7 @@ def check_rollout_tools(rollout) -> None:
 
         check_tools(rollout)
     if rollout.verifiers_tools:
-        from rlpipe.verifiers_env import taskset_tools
+        from rlpipe.data.verifiers import taskset_tools
 
         taskset_tools(rollout.verifiers_tools)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from rlpipe.callables import readable
+from rlpipe.usercode.callables import readable
 from rlpipe.config import first_line
 from rlpipe.config.metrics import HUB_REPO_ID
 
@@ -91,7 +91,7 @@ def push_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, 
 def checkpoint_card_inputs(checkpoint: str | os.PathLike) -> tuple[dict, dict]:
     """The config and held-out figures a checkpoint's run recorded: its trainer state's config and eval_before, and
     eval_after from the run's summary.json when the checkpoint is the run's last step (the one evaluated after)."""
-    from rlpipe import checkpoint as checkpoints
+    from rlpipe.training import checkpoint as checkpoints
 
     source = checkpoints.resolve(checkpoint)
     trainer = checkpoints.read_trainer_state(source, needs=checkpoints.EXPORT_FIELDS)

@@ -1,6 +1,6 @@
 """One learner rank without Ray: GRPO on the train engine. It builds the objective from the `algo` config section,
 computes the log-probs it compares against (the policy before the update, a frozen reference), chooses which
-samples to run, and hands mini-batches to the algorithm-blind engine (rlpipe/train_engine.py)."""
+samples to run, and hands mini-batches to the algorithm-blind engine (rlpipe/training/train_engine.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from rlpipe.config import Config
 from rlpipe.models import read_hf_config
 from rlpipe.models.moe import balance_loss_from_sums
 from rlpipe.models.registry import model_architecture
-from rlpipe.train_engine import TrainEngine
+from rlpipe.training.train_engine import TrainEngine
 from rlpipe.types import LossInputs, LossStats, TrainBatch, TrainSums
-from rlpipe.weightform import FULL, WeightForm
+from rlpipe.weightsync.form import FULL, WeightForm
 from rlpipe.weightsync.probe import DecodedProbe, decode_probe
 
 
@@ -25,7 +25,7 @@ class Learner:
     """One rank of the learner group: the train engine plus what GRPO asks of it. `algo` is that config section;
     `model`, `learner` and `train` go to the engine; `samples_per_step` is a step's batch (prompts x group size),
     `temperature` and `max_tokens` the rollout's sampling temperature and longest completion; `form`: the run's weight
-    form (rlpipe/weightform.py), decided at start-up; `engine_options` go to the `TrainEngine` as they are."""
+    form (rlpipe/weightsync/form.py), decided at start-up; `engine_options` go to the `TrainEngine` as they are."""
 
     def __init__(
         self, model_path: str, *, model, learner, train, algo, samples_per_step: int, temperature: float,
@@ -63,11 +63,11 @@ class Learner:
     def from_config(
         cls, model_path: str, cfg: Config, rank: int = 0, world_size: int = 1, form: WeightForm = FULL
     ) -> Learner:
-        """A rank as `cfg` configures it; `form`: the run's weight form (`rlpipe.weightform.weight_form`), which
+        """A rank as `cfg` configures it; `form`: the run's weight form (`rlpipe.weightsync.form.weight_form`), which
         must be given where learner.lora is set."""
         if (form.lora is None) != (cfg.learner.lora is None):
             raise ValueError("learner.lora and the weight form disagree: give the run's weight form "
-                             "(rlpipe.weightform.weight_form)")
+                             "(rlpipe.weightsync.form.weight_form)")
         return cls(
             model_path, model=cfg.model, learner=cfg.learner, train=cfg.train, algo=cfg.algo,
             samples_per_step=cfg.samples_per_step, temperature=cfg.rollout.temperature,

@@ -25,7 +25,7 @@ import yaml
 
 from rlpipe.config import Config, load_config
 from rlpipe.config.reward import VERL_ADAPTER_NAMES
-from rlpipe.preflight import check_cluster_resources
+from rlpipe.startup.preflight import check_cluster_resources
 
 # Never uploaded: the cluster has its own environment, and checkpoints or weights would dwarf the code.
 DEFAULT_EXCLUDES = [

@@ -52,7 +52,7 @@ BUILTIN_REWARDS = {
     "format_tags": "rlpipe.rewards.format:tags",
     "overlong": "rlpipe.rewards.shaping:overlong",
     "verl": "rlpipe.rewards.verl:compute_score",
-    "verifiers": "rlpipe.verifiers_env:taskset_reward",
+    "verifiers": "rlpipe.data.verifiers:taskset_reward",
 }
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlpipe.config import Config, ConfigError, PlacementConfig
-from rlpipe.device import TpuSlice, tpu_slice
-from rlpipe.tpu_env import CHIP_BLOCK_BOUNDS
+from rlpipe.hardware.device import TpuSlice, tpu_slice
+from rlpipe.hardware.tpu_env import CHIP_BLOCK_BOUNDS
 
 # The chip counts of one host torch_tpu's PCI scan knows a topology for (its hardware maps), by generation: what vLLM
 # on TorchTPU starts an engine on, since the engine takes its topology from there, and what a TorchTPU learner can
@@ -82,7 +82,7 @@ def slice_shares(placement: PlacementConfig) -> dict[str, SliceShare]:
 
 def _share_counts(device: str, generation: str) -> tuple[int, ...]:
     """The chips a learner can take of a host it shares: TorchTPU's topology blocks, or libtpu's process bounds
-    (rlpipe/tpu_env.py) for an xla learner."""
+    (rlpipe/hardware/tpu_env.py) for an xla learner."""
     return ENGINE_CHIP_COUNTS[generation] if device == "tpu" else tuple(sorted(CHIP_BLOCK_BOUNDS))
 
 

@@ -15,17 +15,19 @@ from pathlib import Path
 import torch
 import yaml
 
-from rlpipe import checkpoint, evaluation, preflight
+from rlpipe.training import checkpoint
+from rlpipe.run import evaluation
+from rlpipe.startup import preflight
 from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError
-from rlpipe.data import PromptSet, Sampler, drop_overlong_prompts, load_rows, reward_columns
-from rlpipe.logs import LOG_FILE, LogSetup, driver_logging
-from rlpipe.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
-from rlpipe.plots import plot_history
+from rlpipe.data.prompts import PromptSet, Sampler, drop_overlong_prompts, load_rows, reward_columns
+from rlpipe.reporting.logs import LOG_FILE, LogSetup, driver_logging
+from rlpipe.reporting.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
+from rlpipe.reporting.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
-from rlpipe.trackers import check_trackers_installed, open_trackers
+from rlpipe.reporting.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, LoopRoles, TrainBatch
-from rlpipe.weightform import Kind, weight_form
+from rlpipe.weightsync.form import Kind, weight_form
 from rlpipe.rewards import FailureWatch, TrainerState, trainer_state
 from rlpipe.rewards.contract import EPISODE_COLUMNS
 
@@ -33,7 +35,7 @@ from rlpipe.rewards.contract import EPISODE_COLUMNS
 def train(cfg: Config, resume: str | None = None) -> dict:
     """Run GRPO as configured (from a checkpoint with `resume`: a path, or "latest" of this run); returns the
     summary also written to <run_dir>/summary.json. The terminal shows rlpipe's own lines and every process's
-    warnings; their INFO goes to <run_dir>/logs/run.log (rlpipe/logs.py)."""
+    warnings; their INFO goes to <run_dir>/logs/run.log (rlpipe/reporting/logs.py)."""
     run = prepare(cfg, resume)
     logs = LogSetup(str(run.dir / LOG_FILE), verbose=cfg.run.verbose)
     with driver_logging(logs):
@@ -186,7 +188,7 @@ class Lookahead:
 
 
 def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, sampler_state: dict) -> Path:
-    """The whole training state after `step`, written atomically (see rlpipe/checkpoint.py)."""
+    """The whole training state after `step`, written atomically (see rlpipe/training/checkpoint.py)."""
 
     def trainer_state(learner_rngs: list[str]) -> dict:
         return {
@@ -210,7 +212,7 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, samp
 
 def prepare(cfg: Config, resume: str | None = None) -> Run:
     """Check every input (model, tokenizer, rewards, data, the checkpoint to resume) before a run directory or a
-    cluster exists: the start-up checks of rlpipe/preflight.py in order, with the trackers' and the data's own."""
+    cluster exists: the start-up checks of rlpipe/startup/preflight.py in order, with the trackers' and the data's own."""
     check_trackers_installed(cfg.metrics)
     preflight.check_tpu_slices(cfg)
     interpreters = preflight.check_role_environments(cfg)
@@ -295,7 +297,7 @@ def reward_state(cfg: Config, run: Run, steps_done: int, mode: str = "train") ->
 
 
 def evaluate(roles: LoopRoles, run: Run, cfg: Config, step: int, summary: dict, note: bool = True) -> dict[str, float]:
-    """The held-out evaluation after `step` steps (rlpipe/evaluation.py), added to the summary's points and noted
+    """The held-out evaluation after `step` steps (rlpipe/run/evaluation.py), added to the summary's points and noted
     (`note`; a step's evaluation shows in the step's line); returns its metrics for the step's record (none without
     held-out prompts)."""
     point = evaluation.evaluate(roles, run.eval_set, cfg, step, reward_state(cfg, run, step, "eval"))

@@ -24,7 +24,7 @@ from rlpipe.models.architecture import ModelArchitecture
 from rlpipe.models.llama import CausalLM
 from rlpipe.models.moe import stack_expert_weights
 from rlpipe.models.registry import model_type_of
-from rlpipe.vllm_worker import vllm_platform
+from rlpipe.rollout.vllm_worker import vllm_platform
 
 ARCHITECTURE = "RlpipeForCausalLM"
 # The engine's hf_overrides entry carrying `model.kernels.rmsnorm` / `.experts` to the model's constructor.

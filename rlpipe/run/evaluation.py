@@ -1,6 +1,6 @@
 """Held-out evaluation: greedy accuracy, and with `eval.samples_per_prompt` = k > 1 also mean@k and pass@k over k
 sampled completions per prompt. The same evaluation runs during training (before the first step, every
-`eval.every` steps, after the last: rlpipe/controller.py) and on saved weights without training (`rlpipe eval`).
+`eval.every` steps, after the last: rlpipe/run/controller.py) and on saved weights without training (`rlpipe eval`).
 
 pass@j is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code"): with c of
 n samples correct, 1 - C(n - c, j) / C(n, j), averaged over prompts; it is reported for j = 2, 4, 8, ... below n,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from rlpipe.metrics import rollout_metrics
+from rlpipe.reporting.metrics import rollout_metrics
 from rlpipe.types import LoopRoles
 
 # Engines are seeded with step EVAL_SEED_STEP + s for the sampled evaluation after s steps: seeds no training step

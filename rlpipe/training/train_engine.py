@@ -3,7 +3,7 @@
 It runs whatever objective it is given (`rlpipe/algo/objective.py`): every micro-batch goes through the model to a
 `ModelOutputs` and the objective turns that and the micro-batch's `LossInputs` into a loss and its `LossStats`.
 How the rows run (padded or packed, eager or static shapes) is the forward variant chosen once at start
-(`rlpipe/forward.py`); what the device implies, the backend table says (`rlpipe/device.py`). Around that the
+(`rlpipe/training/forward.py`); what the device implies, the backend table says (`rlpipe/hardware/device.py`). Around that the
 engine owns the model (loaded from a Hugging Face folder, with frozen copies for whoever needs one), the sharding
 strategy (`rlpipe/parallel/strategy.py`), one optimizer (the functional AdamW of
 `rlpipe/parallel/graph_trainer.py`, for eager and compiled steps alike: `learner.graph` only decides whether the
@@ -23,16 +23,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from rlpipe.checkpoint import load_tensors, single_process_dcp
-from rlpipe.device import backend, step_boundary
-from rlpipe.forward import MicroBatch, Part, choose_forward, token_logprobs
+from rlpipe.training.checkpoint import load_tensors, single_process_dcp
+from rlpipe.hardware.device import backend, step_boundary
+from rlpipe.training.forward import RowPass, choose_forward, token_logprobs
 from rlpipe.models import read_hf_config, save_state_dict
 from rlpipe.models.hf import CheckpointWeights, meta_model
 from rlpipe.parallel.graph_trainer import GraphTrainStep
 from rlpipe.parallel.strategy import choose_strategy
 from rlpipe.types import LossInputs, TrainBatch, TrainSums
-from rlpipe.weight_views import weights_view
-from rlpipe.weightform import FULL, WeightForm
+from rlpipe.training.weight_views import weights_view
+from rlpipe.weightsync.form import FULL, WeightForm
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -67,7 +67,7 @@ class TrainEngine:
     on every micro-batch; `total_steps` the optimizer steps the schedule spans; `step_rows` the rows of the largest
     mini-batch; `temperature` the one the rollout engine sampled at (its log-probs are taken after it). Ranks of a
     group of several call `join_process_group` together before training; a single process finishes its set-up itself.
-    `form`: the run's weight form (rlpipe/weightform.py), whose view of the weights (rlpipe/weight_views.py: with
+    `form`: the run's weight form (rlpipe/weightsync/form.py), whose view of the weights (rlpipe/training/weight_views.py: with
     adapters or without, what a sync sends, what a checkpoint stores) the engine holds. `weights_from(model_path,
     model, dtype)` gives the weights each rank reads its rows from (default: the model folder's safetensors files)."""
 
@@ -185,7 +185,7 @@ class TrainEngine:
         same function runs eagerly and traced into the compiled step)."""
         return self.loss(self.forward(model, micro), micro.loss_inputs)
 
-    def _micro_batch_shares(self, first: int, last: int) -> list[list[Part]]:
+    def _micro_batch_shares(self, first: int, last: int) -> list[list[RowPass]]:
         """Every rank's micro-batches of rows [first, last) as (start, stop, real), by rank.
 
         Ranks take contiguous shares. Every rank runs the same number of forward passes, because each pass gathers

@@ -3,7 +3,7 @@ a question before anything starts. On a TPU slice the learner's stack (TorchTPU 
 for TPU cannot share one environment, so each role may name its own; Ray starts that role's actors with it
 (runtime_env `py_executable`). An environment must run the driver's Python minor version and Ray version (Ray's
 own wire format needs both) and import what its role runs: rlpipe's code and the role's device stack. The checks
-built on these probes are in rlpipe/preflight.py."""
+built on these probes are in rlpipe/startup/preflight.py."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from rlpipe.config import Config, ConfigError
-from rlpipe.device import learner_env
+from rlpipe.hardware.device import learner_variables
 
 # What a probe prints: the interpreter's Python version, its Ray version and the modules it cannot import.
-_PROBE = """
+_IMPORTS_QUESTION = """
 import importlib, json, sys
 from importlib import metadata
 missing = {}
@@ -34,7 +34,7 @@ print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "ray": ray, "missing
 """
 # What the device question prints: why the device kind in argv[1] cannot be used there, or null.
 _DEVICE_QUESTION = (
-    "import json, sys; from rlpipe.device import device_unavailable; print(json.dumps(device_unavailable(sys.argv[1])))"
+    "import json, sys; from rlpipe.hardware.device import device_unavailable; print(json.dumps(device_unavailable(sys.argv[1])))"
 )
 _DEVICE_STACK = {"cpu": "torch", "cuda": "torch", "xla": "torch_xla", "tpu": "torch_tpu"}
 
@@ -74,13 +74,13 @@ def ask_interpreter(python: str, program: str, args: list[str], timeout_s: float
         raise NoAnswer((done.stderr.strip().splitlines() or ["no output"])[-1][:200]) from None
 
 
-def probe_imports(python: str, modules: list[str], timeout_s: float) -> dict:
+def ask_imports(python: str, modules: list[str], timeout_s: float) -> dict:
     """{"python": its minor version, "ray": its Ray version or None, "missing": module -> why it does not import},
     each module imported for real in `python`, with this process's environment."""
-    return ask_interpreter(python, _PROBE, modules, timeout_s)
+    return ask_interpreter(python, _IMPORTS_QUESTION, modules, timeout_s)
 
 
-def probe_device(python: str, kind: str, ranks: int, timeout_s: float) -> str | None:
+def ask_device(python: str, kind: str, ranks: int, timeout_s: float) -> str | None:
     """Why `python` cannot train on a learner device of `kind` (None: it can), asked with the environment a learner
     actor of `ranks` gets."""
-    return ask_interpreter(python, _DEVICE_QUESTION, [kind], timeout_s, {**os.environ, **learner_env(kind, ranks)})
+    return ask_interpreter(python, _DEVICE_QUESTION, [kind], timeout_s, {**os.environ, **learner_variables(kind, ranks)})

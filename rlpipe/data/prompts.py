@@ -43,7 +43,7 @@ def load_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
     if isinstance(source, HumanEvalSource):
         return _humaneval_rows(cfg.prompt_field, cfg.eval_size)
     if isinstance(source, VerifiersSource):
-        from rlpipe.verifiers_env import taskset_rows  # only a recipe that names a verifiers task set imports it
+        from rlpipe.data.verifiers import taskset_rows  # only a recipe that names a verifiers task set imports it
 
         return taskset_rows(source.taskset, cfg.prompt_field, cfg.eval_size)
     return _file_source_rows(source, cfg.prompt_field, cfg.eval_size)

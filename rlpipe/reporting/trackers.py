@@ -11,7 +11,7 @@ import math
 import time
 from pathlib import Path
 
-from rlpipe.callables import readable
+from rlpipe.usercode.callables import readable
 from rlpipe.config import Config, ConfigError, MetricsConfig
 
 # The module each optional tracker needs, and the rlpipe extra that installs it.

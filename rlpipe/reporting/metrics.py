@@ -1,5 +1,5 @@
-"""The one logging path: per-step metrics to JSONL and the configured trackers (rlpipe.trackers), a line per step
-on the terminal with a live indicator during long phases (the plots drawn from these records are rlpipe.plots)."""
+"""The one logging path: per-step metrics to JSONL and the configured trackers (rlpipe.reporting.trackers), a line per step
+on the terminal with a live indicator during long phases (the plots drawn from these records are rlpipe.reporting.plots)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlpipe.logs import PROGRESS_LOGGER
+from rlpipe.reporting.logs import PROGRESS_LOGGER
 from rlpipe.types import Group
 
 
@@ -71,7 +71,7 @@ def strict_json_record(record: dict) -> dict:
 
 class MetricsLogger:
     """Writes every step's metrics to metrics.jsonl in the run directory, hands them to each tracker (TensorBoard,
-    W&B, MLflow: rlpipe.trackers) and prints a line."""
+    W&B, MLflow: rlpipe.reporting.trackers) and prints a line."""
 
     SHOWN = (
         ("reward/mean", "reward", "{:.3f}"),
@@ -168,7 +168,7 @@ class MetricsLogger:
         return self.status.phase(label)
 
     def _print(self, line: str) -> None:
-        """A line on the terminal, copied to the run's log file (rlpipe.logs)."""
+        """A line on the terminal, copied to the run's log file (rlpipe.reporting.logs)."""
         self.status.write(line + "\n")
         logging.getLogger(PROGRESS_LOGGER).info(line)
 
@@ -268,7 +268,7 @@ class LiveStatus:
             self._shown = False
 
     def _swap_std_streams(self):
-        """Route sys.stdout and sys.stderr (where Ray prints what actors write, and rlpipe.logs' console handler
+        """Route sys.stdout and sys.stderr (where Ray prints what actors write, and rlpipe.reporting.logs' console handler
         writes) through this status, so that their lines erase the status line first."""
         saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _ErasingStream(sys.stdout, self), _ErasingStream(sys.stderr, self)

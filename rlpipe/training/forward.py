@@ -1,7 +1,7 @@
 """How the learner's rows run through the model: one forward variant per layout, chosen once (`choose_forward`).
 
 - `PaddedForward`: right-padded rows, each micro-batch as wide as its longest row (eager shapes).
-- `PackedForward`: a micro-batch's real tokens back to back in one row (rlpipe/packing.py `pack`), a GRPO group's
+- `PackedForward`: a micro-batch's real tokens back to back in one row (rlpipe/models/packing.py `pack`), a GRPO group's
   shared prompt once (learner.share_prompts), so no padding token is computed (eager shapes).
 - `StaticPaddedForward`, `StaticPackedForward`: the same with static shapes, for a captured step (learner.graph) or
   a lazy device (xla, where packing is off): rows padded to train.micro_batch_size, columns to a length bucket (the
@@ -19,8 +19,6 @@ tests, benchmarks).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -29,7 +27,7 @@ from torch import Tensor
 
 from rlpipe.config import KernelsConfig
 from rlpipe.kernels import linear_logprob
-from rlpipe.packing import (
+from rlpipe.models.packing import (
     PackedLayout,
     bucket_length,
     pack_static,
@@ -37,40 +35,17 @@ from rlpipe.packing import (
     packed_static_token_logprobs,
     packed_token_logprobs,
 )
-from rlpipe.types import LossInputs, ModelOutputs, TrainBatch
+from rlpipe.types import LossInputs, MicroBatch, ModelOutputs, TrainBatch
 
 # A micro-batch's rows [start, stop) of the mini-batch, and whether it is real: a padding pass (False) runs so that
 # every rank (or every static step) runs the same passes, with nothing trained.
-Part = tuple[int, int, bool]
-EMPTY_PASS: Part = (0, 1, False)
-
-
-@dataclass
-class MicroBatch:
-    """The rows of one forward and backward pass, with what the objective reads about them and, for the packed
-    variants, how they are packed."""
-
-    input_ids: Tensor  # [B, T] right-padded
-    loss_inputs: LossInputs
-    lengths: Tensor | None = None  # [B] real tokens per row: the rows run packed (`PackedForward`)
-    prompt_lengths: Tensor | None = None  # [B] with `lengths`: where each row's prompt ends, shared within a group
-    layout: PackedLayout | None = None  # the rows packed to a static width (`StaticPackedForward`)
-
-    def to(self, device: torch.device | str) -> MicroBatch:
-        packing = (self.lengths, self.prompt_lengths, self.layout)
-        lengths, prompts, layout = (None if value is None else value.to(device) for value in packing)
-        return MicroBatch(self.input_ids.to(device), self.loss_inputs.to(device), lengths, prompts, layout)
-
-    def tensors(self) -> Iterator[Tensor]:
-        """Its tensors outside the packed layout (a strategy that splits rows splits these)."""
-        yield self.input_ids
-        yield from self.loss_inputs.tensors()
-        yield from (value for value in (self.lengths, self.prompt_lengths) if value is not None)
+RowPass = tuple[int, int, bool]
+EMPTY_PASS: RowPass = (0, 1, False)
 
 
 class Forward(Protocol):
     def micro_batches(
-        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[Part]], rank: int
+        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[RowPass]], rank: int
     ) -> list[MicroBatch]:
         """The micro-batches of rank `rank`'s parts `shares[rank]` of the mini-batch `rows` ([B, T] and [B] tensors
         on the host), whose objective inputs are `inputs`. `shares` holds every rank's parts, so that a variant with
@@ -87,7 +62,7 @@ class PaddedForward:
         self.temperature, self.kernels = temperature, kernels
 
     def micro_batches(
-        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[Part]], rank: int
+        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[RowPass]], rank: int
     ) -> list[MicroBatch]:
         return [_cut(rows, inputs, part) for part in shares[rank]]
 
@@ -112,14 +87,14 @@ class PackedForward:
     def __init__(self, temperature: float, kernels: KernelsConfig, share_prompts: bool):
         self.temperature, self.kernels, self.share_prompts = temperature, kernels, share_prompts
 
-    def micro_batch(self, rows: TrainBatch, inputs: LossInputs, part: Part, width: int | None = None) -> MicroBatch:
+    def micro_batch(self, rows: TrainBatch, inputs: LossInputs, part: RowPass, width: int | None = None) -> MicroBatch:
         micro = _cut(rows, inputs, part, width)
         micro.lengths = rows.lengths[part[0] : part[1]]
         micro.prompt_lengths = self._prompt_lengths(micro.lengths, micro.loss_inputs.mask)
         return micro
 
     def micro_batches(
-        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[Part]], rank: int
+        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[RowPass]], rank: int
     ) -> list[MicroBatch]:
         return [self.micro_batch(rows, inputs, part) for part in shares[rank]]
 
@@ -162,7 +137,7 @@ class StaticPaddedForward(PaddedForward):
         self.buckets, self.micro_batch_size, self.passes = buckets, micro_batch_size, passes
 
     def micro_batches(
-        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[Part]], rank: int
+        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[RowPass]], rank: int
     ) -> list[MicroBatch]:
         if not shares[rank]:
             return []
@@ -192,13 +167,13 @@ class StaticPackedForward:
         self.micro_batch_size, self.passes = micro_batch_size, passes
 
     def micro_batches(
-        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[Part]], rank: int
+        self, rows: TrainBatch, inputs: LossInputs, shares: list[list[RowPass]], rank: int
     ) -> list[MicroBatch]:
         if not shares[rank]:
             return []
         width = bucket_length(int(rows.lengths.max()), self.buckets)
         # The packed width shapes the step's program, and TorchTPU compiles the collectives into it without checking
-        # that every rank compiled the same one (rlpipe/tpu_env.py): so it is the bucket of the longest packed
+        # that every rank compiled the same one (rlpipe/hardware/tpu_env.py): so it is the bucket of the longest packed
         # micro-batch of any rank, read by each rank from the mini-batch it holds, with no collective to agree on it.
         every_rank = [_with_empty_passes(parts, self.passes) for parts in shares]
         longest = max(self._packed_length(rows, inputs, part) for parts in every_rank for part in parts)
@@ -206,7 +181,7 @@ class StaticPackedForward:
         micro_batches = [self.packed.micro_batch(rows, inputs, part, width) for part in every_rank[rank]]
         return [self._laid_out(micro, packed_width) for micro in micro_batches]
 
-    def _packed_length(self, rows: TrainBatch, inputs: LossInputs, part: Part) -> int:
+    def _packed_length(self, rows: TrainBatch, inputs: LossInputs, part: RowPass) -> int:
         micro = self.packed.micro_batch(rows, inputs, part)
         return packed_length(micro.input_ids, micro.lengths, micro.prompt_lengths)
 
@@ -308,7 +283,7 @@ def token_logprobs(
 # ------------------------------------------------------------------ cutting and padding rows
 
 
-def _cut(rows: TrainBatch, inputs: LossInputs, part: Part, width: int | None = None) -> MicroBatch:
+def _cut(rows: TrainBatch, inputs: LossInputs, part: RowPass, width: int | None = None) -> MicroBatch:
     """Rows [start, stop) and their objective inputs, cut or zero-padded to `width` columns (default: their longest
     row). A padding pass keeps its tokens but has an all-False mask, so it adds nothing."""
     start, stop, real = part
@@ -329,7 +304,7 @@ def _padded_to(micro: MicroBatch, rows: int, width: int) -> MicroBatch:
     return MicroBatch(padded(micro.input_ids), micro.loss_inputs.map_rows(padded))
 
 
-def _with_empty_passes(parts: list[Part], passes: int) -> list[Part]:
+def _with_empty_passes(parts: list[RowPass], passes: int) -> list[RowPass]:
     return parts + [EMPTY_PASS] * (passes - len(parts))
 
 

@@ -23,7 +23,7 @@ What a sandboxed program gets, each from the kernel rather than from Python:
   /tmp files and their inodes, pipes and other kernel memory) and `processes` for all its tasks (`cgroup_support()`
   says which).
 
-`missing_isolation()` checks all of that once per process with a probe program; `run` refuses (SandboxUnavailable)
+`missing_isolation()` checks all of that once per process with a check program; `run` refuses (SandboxUnavailable)
 where it does not hold, unless called with `isolated=False`, the explicit opt-out: a plain subprocess with the same
 rlimits (but the process count), an empty environment and its own session; no namespaces, no seccomp, nothing stops
 it reading or writing the host's files, and what it starts in a session of its own may outlive the call.
@@ -218,19 +218,19 @@ def _run(
 
 def missing_isolation() -> str | None:
     """None when `run` can isolate programs here, else one line naming what is missing. Checked once per process."""
-    return _probe()[1]
+    return _check_isolation()[1]
 
 
 def _checked_python() -> _Python:
-    python, problem = _probe()
+    python, problem = _check_isolation()
     if python is None:
         raise SandboxUnavailable(problem)
     return python
 
 
 @cache
-def _probe() -> tuple[_Python | None, str | None]:
-    """Run a probe program under each candidate interpreter; the first whose run shows every layer is used."""
+def _check_isolation() -> tuple[_Python | None, str | None]:
+    """Run a check program under each candidate interpreter; the first whose run shows every layer is used."""
     problems: dict[str, list[str]] = {}  # what went wrong: with which interpreters
     for python in _candidate_pythons():
         try:
@@ -247,7 +247,7 @@ def _probe() -> tuple[_Python | None, str | None]:
     return None, "code sandbox unavailable: " + "; ".join(described)
 
 
-_PROBE = r"""
+_ISOLATION_CHECK = r"""
 import json, os
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 def writable(path):
@@ -275,7 +275,7 @@ print(json.dumps({
 
 
 def _probe_with(python: _Python) -> str | None:
-    outcome = _run(_PROBE, Limits(wall_s=30), "", {}, python)
+    outcome = _run(_ISOLATION_CHECK, Limits(wall_s=30), "", {}, python)
     if not outcome.passed:
         lines = (outcome.stderr.strip() or f"exit status {outcome.returncode}").splitlines()
         return f"the probe failed: {lines[-1]}"
