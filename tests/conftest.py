@@ -12,6 +12,8 @@ from tests.tiny_tool_model import build_tiny_tool_model
 
 __all__ = ["CHATML", "SPECIALS", "build_tiny_model", "build_tiny_tool_model", "build_tokenizer"]
 
+pytest_plugins = ["tests.timeline"]  # --timeline FILE: every test phase's timing
+
 # scripts/test.sh runs the suite on two pytest-xdist workers (--dist loadgroup). Tests that start Ray clusters and
 # vLLM engines, find processes by name, or leave a dead process's shared memory behind all go to one worker, one
 # after another: the integration tests, and any test marked with this group.
@@ -19,7 +21,7 @@ MACHINE_WIDE = pytest.mark.xdist_group("machine-wide")
 # Integration modules that start no Ray actor and kill no process, and whose shared memory stays their own (named by
 # their engine's prefix, freed by live processes): they run as a second group, beside the first on the other worker,
 # which would otherwise sit idle once the unit tests are done.
-BESIDE_MACHINE_WIDE = {"test_weight_sync.py", "test_tpu_contract.py"}
+BESIDE_MACHINE_WIDE = {"test_weight_sync.py", "test_tpu_contract.py", "test_xla_lane.py"}
 # Ray starts its worker processes (every actor) at niceness 15, which with the other worker's tests running would
 # starve them; at 0 they share the cores evenly. Read by every Ray node the tests start, in-process or `ray start`.
 os.environ.setdefault("RAY_worker_niceness", "0")

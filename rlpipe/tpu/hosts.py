@@ -333,6 +333,19 @@ def launch_envs(generation: str, chips_per_host: int, hosts: list[list[int] | No
     """What torch_tpu's launch helper sets on each of `hosts` (given by their first chip's coordinates; None: it
     reports none) for `ranks_per_host` ranks (None: its default), a host having `chips_per_host` chips of
     `generation`, with `env` the job's environment. Raises ValueError with the helper's refusal."""
+    # The helper's process spends ~10 s importing torch_tpu; its answer depends on the arguments alone, so one
+    # process asks once for each (a rehearsal and its checks ask again for the same hosts).
+    key = (generation, chips_per_host, json.dumps(hosts), json.dumps(env, sort_keys=True), ranks_per_host)
+    if key not in _LAUNCHED:
+        _LAUNCHED[key] = _run_launch_helper(generation, chips_per_host, hosts, env, ranks_per_host)
+    return [dict(host_env) for host_env in _LAUNCHED[key]]
+
+
+_LAUNCHED: dict[tuple, list[dict[str, str]]] = {}
+
+
+def _run_launch_helper(generation: str, chips_per_host: int, hosts: list[list[int] | None], env: dict[str, str],
+                       ranks_per_host: int | None) -> list[dict[str, str]]:
     with _pci_root(generation, chips_per_host) as root:
         done = subprocess.run(
             [sys.executable, "-c", _LAUNCH_HELPER, str(root), json.dumps(hosts), json.dumps(ranks_per_host)],

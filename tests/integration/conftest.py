@@ -50,3 +50,9 @@ def hosts(request):
     yield cluster
     cluster.close()
     assert not cluster.leftovers()
+
+
+@pytest.fixture(scope="module")
+def xla_python() -> str:
+    """The interpreter of .venv-xla, which holds torch_xla (torch 2.9)."""
+    return lane_python("RLPIPE_XLA_VENV", ".venv-xla", "RLPIPE_REQUIRE_XLA_ENV", "setup-xla.sh")

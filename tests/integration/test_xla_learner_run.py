@@ -8,21 +8,13 @@ unless RLPIPE_REQUIRE_XLA_ENV=1 (CI) makes that a failure."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from rlpipe.config import load_config
 from rlpipe.run.controller import train
-from tests.integration.conftest import ROOT, lane_python
 from tests.integration.test_grpo_e2e import _check_export, _overrides, _read_metrics
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def xla_python() -> str:
-    return lane_python("RLPIPE_XLA_VENV", ".venv-xla", "RLPIPE_REQUIRE_XLA_ENV", "setup-xla.sh")
 
 
 def test_grpo_with_an_xla_learner_in_its_own_environment_resumes_exactly(tmp_path, tiny_qwen3, ray_cluster, xla_python):
@@ -112,14 +104,3 @@ def test_an_xla_learner_over_two_devices_syncs_over_gloo_and_shared_memory(tmp_p
         assert "weight sync: LoRA adapters only" in (tmp_path / "runs" / transport / "logs" / "run.log").read_text()
         losses.append(record["loss"])
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7)  # the same step, whichever transport
-
-def test_the_xla_learner_tests_pass_in_the_xla_environment(xla_python):
-    """tests/xla (the learner on XLA against the CPU eager learner, one program per step, the SPMD mesh) runs in
-    the environment that has torch_xla; collected here, they would be skipped."""
-    import subprocess
-
-    env = {**os.environ, "PJRT_DEVICE": "CPU"}
-    done = subprocess.run([xla_python, "-m", "pytest", "tests/xla", "-q", "-p", "no:cacheprovider"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout
