@@ -183,6 +183,8 @@ class WeightReceiver:
                     raise SyncError(self.unusable)
                 self._roll_back(message)
             self._keep(weights, staging)
+            if rehearsal and self.keep_previous and not self._spare_owned:
+                self._prepare_spare(staging.plan)
             if not rehearsal:
                 self.policy_version = version
             self.unusable = None
@@ -199,6 +201,21 @@ class WeightReceiver:
             return
         self._spare_owned = self._current_owned
         self._current_owned, self._current_weights, self._current_staging = staging.owned, weights, staging
+
+    def _prepare_spare(self, plan: SyncPlan) -> None:
+        """Memory for the next version to be staged into, laid out like `plan` (where the engine's workers read it,
+        if they do) and written once now, at the start-up check: otherwise the first version of training would fault
+        in a whole copy of the weights, a page fault per 4 KiB, inside its step. The second copy is one the engine
+        keeps anyway from that version on (`keep_previous`: the served version and the one arriving)."""
+        memory = self._host_memory() if self._host_memory is not None else None
+        shapes = {name: tuple(shape) for name, shape in plan.shapes.items()}
+        if memory is not None:
+            spare = memory.staging_memory(shapes, plan.torch_dtype)
+        else:
+            spare = {name: torch.empty(shape, dtype=plan.torch_dtype) for name, shape in shapes.items()}
+        for tensor in spare.values():
+            tensor.zero_()
+        self._spare_owned = spare
 
     def _roll_back(self, failure: str) -> None:
         """Write the previous version back, once it checks out against the checksums it arrived with; raises."""

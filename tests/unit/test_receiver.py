@@ -94,6 +94,28 @@ def test_a_version_is_written_whole_inside_the_pause_once_every_part_arrived(cha
     receiving.close()
 
 
+def test_the_start_up_check_leaves_the_first_trained_versions_memory_ready(channel):
+    """After the rehearsal (the channel's start-up check, carrying the weights the engine serves) the receiver holds
+    memory for the next version, laid out for it and written once, and the first version of training is staged in
+    it: that version does not fault in a fresh copy of the weights, a page fault per 4 KiB, inside its step."""
+    shapes, engine, receiver, send = channel
+    receiving = receiver()
+    send(receiving, 1, engine.initial)
+    receiving.commit(1, PROBE, expected_for(engine.initial), rehearsal=True)
+    assert receiving.policy_version == 0
+    spare = receiving._spare_owned
+    assert {name: tuple(t.shape) for name, t in spare.items()} == {name: tuple(s) for name, s in shapes.items()}
+    assert all(not t.any() for t in spare.values())
+    ready = {name: t.data_ptr() for name, t in spare.items()}
+    first = _full_tensors(shapes, seed=1)
+    send(receiving, 1, first)
+    receiving.commit(1, PROBE, expected_for(first))
+    assert {name: t.data_ptr() for name, t in receiving._current_owned.items()} == ready
+    for name, tensor in first.items():
+        assert torch.equal(engine.held[name], tensor), name
+    receiving.close()
+
+
 def test_the_write_and_the_probe_are_timed_apart(channel, monkeypatch):
     """`write_s` is the write alone and `probe_s` the engine's answer to the probe: the two are reported apart."""
     shapes, engine, receiver, send = channel
