@@ -83,10 +83,11 @@ class SyncChannel:
         layouts = self._wait([engine.layout.remote() for engine in self.pool.engines], "a rollout engine", "layout")
         plan = plan_sync(shapes, len(self.learners), layouts[0][0], int(self.cfg.bucket_mb * 2**20))
         self.vocab_size = layouts[0][0].vocab_size
+        # Engines that take adapters load them by their names through vLLM's LoRA support, not into parameters
+        # of their own: only whole weights are checked against the engines' parameters.
+        into_params = not self.pool.form.adapters
         for index, (layout, params) in enumerate(layouts):
-            # An engine that takes adapters (params None) loads them by their names through vLLM's LoRA support,
-            # not into parameters of its own.
-            unknown = sorted(plan.engine_params() - set(params)) if params is not None else []
+            unknown = sorted(plan.engine_params() - set(params)) if into_params else []
             if layout != layouts[0][0] or unknown:
                 raise SyncError(
                     f"rollout engine {index} does not have the layout the sync plan expects "

@@ -30,7 +30,7 @@ from rlpipe.config.sync import vllm_lora_rank
 from rlpipe.plan.model_size import ModelSize
 from rlpipe.plan.parts import DTYPE_BYTES, MemoryItem, Peak, SidePlan
 from rlpipe.plan.pods import host_memory_limit
-from rlpipe.plan.synced import synced_params
+from rlpipe.plan.synced import planned_form, synced_params
 from rlpipe.hardware.tpu_layout import SliceShare
 from rlpipe.weightsync.sender import BUCKETS_IN_FLIGHT
 
@@ -45,12 +45,12 @@ def kv_heads_per_chip(kv_heads: int, tensor_parallel: int) -> int:
 def _lora_buffers(cfg: Config, arch: ModelSize, rb: int, T: int) -> tuple[MemoryItem, ...]:
     """vLLM's buffers for the one adapter an engine serves when syncs send the adapters alone: every targeted layer
     at max_lora_rank (the rank rounded up to a value vLLM takes)."""
-    lora = cfg.learner.lora
-    if synced_params(cfg, arch) == arch.params:
+    form = planned_form(cfg, arch)
+    if not form.adapters:
         return ()
-    rank = vllm_lora_rank(lora.rank)
+    rank = vllm_lora_rank(form.lora.rank)
     return (MemoryItem("lora_buffers", f"LoRA adapter buffers (max_lora_rank {rank}, 1/{T})",
-                 arch.adapter_params(rank, lora.target_modules) * rb / T),)
+                 arch.adapter_params(rank, form.lora.target_modules) * rb / T),)
 
 
 def rollout_peak(cfg: Config, arch: ModelSize, share: SliceShare | None, manifests: Path | None) -> Peak:

@@ -277,13 +277,13 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ weight sync
 
-    def layout(self) -> tuple[EngineLayout, list[str] | None]:
-        """This engine's layout for the sync plan, and its parameter names (to check the plan against); None for
-        those of an engine that receives adapters, which vLLM loads by their own names."""
+    def layout(self) -> tuple[EngineLayout, list[str]]:
+        """This engine's layout for the sync plan, and its parameter names (what a plan of whole weights is checked
+        against)."""
         (fused, params), *_ = self.llm.collective_rpc("rlpipe_layout")
         tp = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         layout = EngineLayout.from_hf_config(read_hf_config(self.model_path), tp, self.cfg.dtype, fused, params)
-        return layout, self.writer.engine_params(params)
+        return layout, params
 
     @property
     def policy_version(self) -> int:
@@ -348,10 +348,6 @@ class WeightsWriter:
     def vllm_options(self) -> dict:
         return {}
 
-    def engine_params(self, params: list[str]) -> list[str] | None:
-        """The names the sync plan is checked against: the engine's parameters."""
-        return params
-
     def initial_weights(self) -> dict[str, torch.Tensor]:
         engine = self.engine
         return load_model_weights(engine.model_path, getattr(torch, engine.cfg.dtype))
@@ -401,11 +397,6 @@ class AdapterWriter:
     def vllm_options(self) -> dict:
         # One adapter, replaced in place at every sync; on CPU vLLM then runs the model uncompiled.
         return dict(enable_lora=True, max_lora_rank=vllm_lora_rank(self.form.lora.rank), max_loras=1)
-
-    def engine_params(self, params: list[str]) -> list[str] | None:
-        """None: vLLM loads adapters by their own names through its LoRA support, not into parameters of the
-        engine's, so the sync plan is not checked against those."""
-        return None
 
     def initial_weights(self) -> dict[str, torch.Tensor]:
         return {}
