@@ -30,9 +30,10 @@ class CallTimeout(WorkerLost):
 
 
 def get_all(refs: list, timeout_s: float | None = None, role: str = "an actor", call: str = "a call",
-            setting: str = "the call's deadline") -> list:
+            setting: str = "the call's deadline", arrivals: dict | None = None) -> list:
     """`ray.get` that raises as soon as any task fails, and `CallTimeout` (naming `role`, `call` and the `setting`
-    the deadline comes from) when they have not all finished within `timeout_s` (None: no deadline).
+    the deadline comes from) when they have not all finished within `timeout_s` (None: no deadline). `arrivals`,
+    where given, gets the `time.monotonic()` at which each ref was seen finished.
 
     When one learner rank dies, the others wait in a collective until its timeout; the dead rank's error is
     the one to report, at once.
@@ -44,6 +45,8 @@ def get_all(refs: list, timeout_s: float | None = None, role: str = "an actor", 
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not ready:
             raise CallTimeout(role, call, timeout_s, setting)
+        if arrivals is not None:
+            arrivals[ready[0]] = time.monotonic()
         ray.get(ready)
     return ray.get(list(refs))
 

@@ -9,6 +9,7 @@ and the sync's own); one passed stops the run as a lost worker (CallTimeout), wh
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
@@ -151,6 +152,7 @@ class Roles(EngineRoles):
         check_cluster_resources(cfg, ray.cluster_resources())
         self.learners: list = []
         self.sync: SyncChannel | None = None
+        self.startup: dict[str, float] = {}  # seconds of the start-up's parts (`_start`)
         try:
             self._start(model_path, tokenizer_path, resume, reward_columns)
         except BaseException:  # release what did start: placement groups would otherwise hold the cluster
@@ -184,16 +186,22 @@ class Roles(EngineRoles):
         ]
         self.pool.start()
         self._start_rewards(rewarders, columns)
-        # Surface a bad model folder or reward path now rather than at the first step.
-        self._starting(
-            [learner.policy_version.remote() for learner in self.learners]
-            + [e.policy_version.remote() for e in self.pool.engines]
-            + [r.names.remote() for r in self.rewarders], "the roles", "their start (model load)",
-        )
+        # Surface a bad model folder or reward path now rather than at the first step; note when each role was
+        # ready (its processes started, imported and loaded), counted from here.
+        began, arrivals = time.monotonic(), {}
+        ready = {"learner": [learner.policy_version.remote() for learner in self.learners],
+                 "rollout": [e.policy_version.remote() for e in self.pool.engines],
+                 "reward": [r.names.remote() for r in self.rewarders]}
+        get_all(sum(ready.values(), []), self.cfg.ray.start_timeout_s, "the roles", "their start (model load)",
+                "ray.start_timeout_s", arrivals)
+        self.startup = {f"startup/{role}_ready_s": max(arrivals[ref] for ref in refs) - began
+                        for role, refs in ready.items() if refs}
+        began = time.monotonic()
         address, port = self._starting([self.learners[0].rendezvous_address.remote()], "learner rank 0",
                                        "rendezvous_address")[0]
         self._starting([learner.join_process_group.remote(address, port) for learner in self.learners],
                        "a learner rank", "join_process_group")
+        self.startup["startup/process_group_s"] = time.monotonic() - began
         version = 0
         if resume is not None:
             rngs = resume["rng"] if len(resume["rng"] or []) == ranks else [None] * ranks  # other M: fresh RNG
@@ -201,7 +209,9 @@ class Roles(EngineRoles):
                 [learner.load_checkpoint.remote(resume["learner"], rng) for learner, rng in zip(self.learners, rngs)],
                 "a learner rank", "load_checkpoint",
             )[0]
+        began = time.monotonic()
         self.sync.open(self.learners, version)
+        self.startup["startup/sync_check_s"] = time.monotonic() - began
 
     def _starting(self, refs: list, role: str, call: str) -> list:
         return get_all(refs, self.cfg.ray.start_timeout_s, role, call, "ray.start_timeout_s")

@@ -4,6 +4,7 @@ generation of later steps started while a step trains (train.max_staleness, `Loo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import sys
@@ -31,6 +32,8 @@ from rlpipe.weightsync.form import Kind, weight_form
 from rlpipe.rewards import FailureWatch, TrainerState, trainer_state
 from rlpipe.rewards.contract import EPISODE_COLUMNS
 
+logger = logging.getLogger(__name__)
+
 
 def train(cfg: Config, resume: str | None = None) -> dict:
     """Run GRPO as configured (from a checkpoint with `resume`: a path, or "latest" of this run); returns the
@@ -51,9 +54,12 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
         # What a version of the weights is (full, merged adapters, adapters alone), decided once for every role.
         form = weight_form(cfg, run.model_path)
         with run.log.activity("starting Ray and the roles"):
+            began = time.monotonic()
             start_ray(cfg)
+            startup = {"startup/ray_s": time.monotonic() - began}
             roles = Roles(cfg, run.model_path, run.tokenizer_path, run.resume, note=run.log.note,
                           reward_columns=run.reward_columns, log=logs, form=form)
+            startup["startup/roles_s"] = time.monotonic() - began - startup["startup/ray_s"]
     except BaseException as err:  # the roles never started: leave no run directory behind that this call created
         run.log.close()
         if run.created_dir:
@@ -78,9 +84,14 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
         summary = run.summary or {}
         summary.setdefault("eval", [])  # every held-out evaluation's figures, before training (step 0) on
         if "eval_before" not in summary:
+            began = time.monotonic()
             with log.activity("held-out evaluation before training"):
                 evaluate(roles, run, cfg, 0, summary)
             summary["eval_before"] = summary["eval"][0]["accuracy"] if summary["eval"] else None
+            startup["startup/eval_before_s"] = time.monotonic() - began
+        summary["startup"] = startup = {**startup, **roles.startup}
+        logger.info("start-up: %s", ", ".join(f"{key.removeprefix('startup/')} {value:.1f}"
+                                               for key, value in startup.items()))
         summary["sync_check"] = check
         summary["model_path"] = run.model_path  # the folder model.path named (a Hub id: its cached snapshot)
         summary["placement"] = placement

@@ -61,6 +61,15 @@ def _check_run(run_dir, summary, route, samples_per_step=8, export=True):
             assert key in record, key
     # The channel was checked end to end before training: every byte, the write and the probe.
     assert summary["sync_check"]["sync/probe_max_abs"] < 1e-5
+    # Where the start-up went, part by part: the roles start together, so the slowest role's readiness and the
+    # checked sync after it fall within the roles' start.
+    startup = summary["startup"]
+    parts = {"ray", "roles", "learner_ready", "rollout_ready", "reward_ready", "process_group", "sync_check",
+             "eval_before"}
+    assert set(startup) == {f"startup/{part}_s" for part in parts} and min(startup.values()) >= 0
+    assert startup["startup/roles_s"] >= max(startup["startup/rollout_ready_s"], startup["startup/learner_ready_s"]) \
+        + startup["startup/sync_check_s"]
+    assert "driver INFO rlpipe.run.controller: start-up: ray " in (run_dir / "logs" / "run.log").read_text()
     assert summary["sync_check"]["sync/bytes"] == records[0]["sync/bytes"] > 0
     assert set(summary["hosts"]) == {"learner", "rollout", "reward"} and len(set(sum(summary["hosts"].values(), []))) == 1
     assert set(summary["sync_routes"].values()) == {route}
