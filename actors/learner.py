@@ -119,9 +119,6 @@ class LearnerActor:
         """Free the transport's buffers (shared-memory segments are unlinked)."""
         self.transport.close()
 
-    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
-        return self.learner.sequence_logprobs(token_ids)
-
     def probe_reference(self, token_ids: list[int], by_decoding: bool):
         return self.learner.probe_reference(token_ids, by_decoding)
 

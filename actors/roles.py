@@ -222,20 +222,12 @@ class Roles(EngineRoles):
     # ------------------------------------------------------------------ what the GRPO loop reads
 
     @property
-    def engines(self) -> list:
-        return self.pool.engines
-
-    @property
     def engine_restarts(self) -> list[int]:
         return self.pool.restarts
 
     @property
     def policy_version(self) -> int:
         return self.sync.version
-
-    @property
-    def probe_tokens(self) -> list[int]:
-        return self.sync.probe_tokens
 
     @property
     def routes(self):

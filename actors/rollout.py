@@ -94,9 +94,6 @@ class RolloutActor:
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> list[list[Completion]]:
         return self.engine.generate(prompts, n, **sampling)
 
-    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
-        return self.engine.sequence_logprobs(token_ids)
-
     def probe_by_decoding(self) -> bool:
         return self.engine.probe_by_decoding
 

@@ -142,9 +142,6 @@ class Learner:
         off, which is the starting model (the base never trains)."""
         return self.engine.weights.reference_logprobs(self.engine, rows, self.reference)
 
-    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
-        return self.engine.sequence_logprobs(token_ids)
-
     def probe_reference(self, token_ids: list[int], by_decoding: bool) -> list[float] | DecodedProbe:
         """What an engine's probe is checked against: the log-probs of `token_ids`, or for an engine that decodes
         its probe, the greedy continuation of them (rlpipe/weightsync/probe.py)."""

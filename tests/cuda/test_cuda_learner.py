@@ -64,7 +64,7 @@ def test_graph_step_equals_eager_step(tiny_qwen3):
         torch.testing.assert_close(graph.full_state_dict()[name], tensor, atol=1e-4, rtol=0)
     # What weight sync and its probe read: host tensors, and the probe's log-probs from the GPU model.
     assert {t.device.type for t in eager.local_weights().values()} == {"cpu"}
-    probe = eager.sequence_logprobs(_batch(0).input_ids[0, :8].tolist())
+    probe = eager.engine.sequence_logprobs(_batch(0).input_ids[0, :8].tolist())
     assert len(probe) == 8 and all(math.isfinite(x) for x in probe)
 
 

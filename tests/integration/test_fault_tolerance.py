@@ -72,9 +72,10 @@ def _engine_matches_learner(roles, index: int) -> None:
     import ray
     import torch
 
-    tokens = roles.probe_tokens
-    learner = ray.get(roles.learners[0].sequence_logprobs.remote(tokens))
-    engine = ray.get(roles.engines[index].sequence_logprobs.remote(tokens))
+    tokens = roles.sync.probe_tokens
+    learner = ray.get(roles.learners[0].probe_reference.remote(tokens, False))
+    engine = ray.get(roles.pool.engines[index].__ray_call__.remote(lambda actor, t: actor.engine.sequence_logprobs(t),
+                                                                   tokens))
     torch.testing.assert_close(torch.tensor(engine[1:]), torch.tensor(learner[1:]), atol=1e-5, rtol=0)
 
 
@@ -99,24 +100,24 @@ def test_a_killed_rollout_engine_is_replaced_and_only_its_prompts_are_generated_
     try:
         # (1) Killed mid-generation: its three prompts are generated again, the other engine's kept.
         prompts = _prompts(100)
-        first_pid = _pid(roles.engines[1])  # asked first: the actor answers calls one at a time
+        first_pid = _pid(roles.pool.engines[1])  # asked first: the actor answers calls one at a time
         generation = roles.start_generation(prompts, GROUP_SIZE)
         _kill_while_generating(first_pid)
         groups = roles.finish_generation(generation)
         _check_groups(groups, prompts, version=0)
         assert roles.engine_restarts == [0, 1]
-        assert _pid(roles.engines[1]) != first_pid
+        assert _pid(roles.pool.engines[1]) != first_pid
         assert "rollout engine 1 died" in notes[-1]
         _train_and_sync(roles, groups)
         assert roles.policy_version == 1
 
         # (2) Killed while idle, after version 1 was synced: the next step finds it dead when seeding, and the new
         # engine receives version 1 before it generates anything.
-        os.kill(_pid(roles.engines[1]), signal.SIGKILL)
+        os.kill(_pid(roles.pool.engines[1]), signal.SIGKILL)
         time.sleep(1.0)
         roles.seed(2)
         assert roles.engine_restarts == [0, 2]
-        assert ray.get(roles.engines[1].held_version.remote()) == 1
+        assert ray.get(roles.pool.engines[1].held_version.remote()) == 1
         _engine_matches_learner(roles, 1)
         prompts = _prompts(200)
         groups = roles.finish_generation(roles.start_generation(prompts, GROUP_SIZE))
@@ -124,13 +125,13 @@ def test_a_killed_rollout_engine_is_replaced_and_only_its_prompts_are_generated_
 
         # (3) Asynchronous mode: the next step generates while this one trains; the engine is killed meanwhile. The
         # sync finds it dead, replaces it and hands version 2 to the new engine; then its prompts come again.
-        ahead_prompts, pid = _prompts(300), _pid(roles.engines[1])
+        ahead_prompts, pid = _prompts(300), _pid(roles.pool.engines[1])
         ahead = roles.start_generation(ahead_prompts, GROUP_SIZE)
         _kill_while_generating(pid)
         metrics = _train_and_sync(roles, groups)
         assert roles.engine_restarts == [0, 3] and roles.policy_version == 2
         assert metrics["sync/probe_max_abs"] < 1e-5
-        assert ray.get(roles.engines[1].held_version.remote()) == 2
+        assert ray.get(roles.pool.engines[1].held_version.remote()) == 2
         ahead_groups = roles.finish_generation(ahead)
         _check_groups(ahead_groups, ahead_prompts)
         versions = [{c.policy_version for c in g.completions} for g in ahead_groups]
@@ -142,7 +143,7 @@ def test_a_killed_rollout_engine_is_replaced_and_only_its_prompts_are_generated_
         # A fourth death is one more than rollout.max_restarts: the step stops, naming the limit.
         from rlpipe.actors.calls import WorkerLost
 
-        pid = _pid(roles.engines[1])
+        pid = _pid(roles.pool.engines[1])
         generation = roles.start_generation(_prompts(400), GROUP_SIZE)
         _kill_while_generating(pid)
         with pytest.raises(WorkerLost, match=r"rollout engine 1 died more than rollout.max_restarts=3 times"):
@@ -196,7 +197,7 @@ def test_an_engine_whose_vllm_process_dies_mid_write_is_replaced_and_the_sync_co
     try:
         prompts = _prompts(500, count=2)
         groups = roles.generate(prompts, GROUP_SIZE)
-        actor_pid = _pid(roles.engines[0])
+        actor_pid = _pid(roles.pool.engines[0])
         killed: list[bool] = []
         killer = threading.Thread(target=_kill_when_committing,
                                   args=(actor_pid, _vllm_process(actor_pid), killed), daemon=True)
@@ -207,7 +208,7 @@ def test_an_engine_whose_vllm_process_dies_mid_write_is_replaced_and_the_sync_co
         assert roles.engine_restarts == [1] and roles.policy_version == 1
         assert "rollout engine 0 died" in notes[-1]
         assert metrics["sync/probe_max_abs"] < 1e-5
-        assert ray.get(roles.engines[0].held_version.remote()) == 1
+        assert ray.get(roles.pool.engines[0].held_version.remote()) == 1
         _engine_matches_learner(roles, 0)
         prompts = _prompts(600, count=2)
         _check_groups(roles.generate(prompts, GROUP_SIZE), prompts, version=1)

@@ -142,20 +142,20 @@ def test_an_adapter_version_whose_probe_fails_is_rolled_back_to_the_adapters_ser
     assert plan.nbytes < sum(t.numel() * 4 for t in learner.full_state_dict().values()) / 20  # adapters alone
     base = _served(engine)
     _set_adapters(learner, 1)
-    wrong = [value + 0.5 for value in learner.sequence_logprobs(PROBE)]
+    wrong = [value + 0.5 for value in learner.engine.sequence_logprobs(PROBE)]
     _send(engine, learner, plan, 1)
     with pytest.raises(SyncError, match=r"differ from the learner's by .* rolled back to version 0"):
         engine.sync.commit(1, PROBE, wrong)
     assert engine.policy_version == 0 and _served(engine) == base  # the base alone again
 
     _send(engine, learner, plan, 1)
-    assert engine.sync.commit(1, PROBE, learner.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
+    assert engine.sync.commit(1, PROBE, learner.engine.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
     first = _served(engine)
     assert _max_gap(first[0], base[0]) > 1e-2  # the adapters change what the engine computes
 
     # Version 2: the learner's reference altered.
     _set_adapters(learner, 2)
-    expected = learner.sequence_logprobs(PROBE)
+    expected = learner.engine.sequence_logprobs(PROBE)
     _send(engine, learner, plan, 2)
     with pytest.raises(SyncError, match=r"differ from the learner's by .* rolled back to version 1"):
         engine.sync.commit(2, PROBE, [value + 0.5 for value in expected])
@@ -179,7 +179,7 @@ def test_an_adapter_version_whose_probe_fails_is_rolled_back_to_the_adapters_ser
 def test_after_a_sync_the_engine_gives_the_learners_logprobs(setup):
     engine, learner, plan = setup
     _perturb(learner, 1)
-    expected = learner.sequence_logprobs(PROBE)
+    expected = learner.engine.sequence_logprobs(PROBE)
     assert _max_gap(engine.sequence_logprobs(PROBE), expected) > 1e-2  # the engine still has the old weights
     version = engine.policy_version + 1
     _send(engine, learner, plan, version)
@@ -196,12 +196,12 @@ def test_a_corrupt_bucket_is_detected_and_the_engine_keeps_its_version(setup):
     with pytest.raises(SyncError, match=rf"v{version + 1}: bucket 2 from learner rank 0 is corrupt"):
         _send(engine, learner, plan, version + 1, corrupt_bucket=2)
     with pytest.raises(SyncError, match="nothing received"):
-        engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
+        engine.sync.commit(version + 1, PROBE, learner.engine.sequence_logprobs(PROBE))
     assert engine.policy_version == version
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
     # The next clean sync goes through.
     _send(engine, learner, plan, version + 1)
-    assert engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
+    assert engine.sync.commit(version + 1, PROBE, learner.engine.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
 
 
 def _swap_two_embedding_rows(buffer, bucket, plan):
@@ -249,7 +249,7 @@ def test_a_write_that_leaves_a_tensor_the_probe_never_sees_wrong_is_rolled_back(
     with pytest.raises(SyncError, match=rf"v{version + 1}: writing the weights failed .*does not hold "
                                         rf"model\.embed_tokens\.weight as it was given .* rolled back to version "
                                         rf"{version}"):
-        engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
+        engine.sync.commit(version + 1, PROBE, learner.engine.sequence_logprobs(PROBE))
     assert engine.policy_version == version and not faults
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
 
@@ -259,7 +259,7 @@ def test_a_failed_probe_rolls_the_engine_back(setup):
     before, version = engine.sequence_logprobs(PROBE), engine.policy_version
     _perturb(learner, 3)
     _send(engine, learner, plan, version + 1)
-    wrong = [value + 0.5 for value in learner.sequence_logprobs(PROBE)]  # as if the engine loaded something else
+    wrong = [value + 0.5 for value in learner.engine.sequence_logprobs(PROBE)]  # as if the engine loaded something else
     with pytest.raises(SyncError, match=rf"differ from the learner's by .* rolled back to version {version}"):
         engine.sync.commit(version + 1, PROBE, wrong)
     assert engine.policy_version == version
@@ -275,7 +275,7 @@ def test_a_write_that_breaks_off_is_rolled_back(setup):
     last = list(plan.shapes)[-1]
     engine.sync._staging.tensors[last] = torch.zeros(3)
     with pytest.raises(SyncError, match=rf"v{version + 1}: writing the weights failed .* rolled back to version {version}"):
-        engine.sync.commit(version + 1, PROBE, learner.sequence_logprobs(PROBE))
+        engine.sync.commit(version + 1, PROBE, learner.engine.sequence_logprobs(PROBE))
     assert engine.policy_version == version
     assert _max_gap(engine.sequence_logprobs(PROBE), before) == 0.0
 
@@ -341,7 +341,7 @@ def test_the_engine_writes_as_configured(setup):
     _perturb(learner, 20)
     version = engine.policy_version + 1
     _send(engine, learner, plan, version)
-    assert engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
+    assert engine.sync.commit(version, PROBE, learner.engine.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
     kept = _kept_linear_weights(engine)
     assert bool(kept) == (engine.cfg.model_impl == "vllm")  # rlpipe's model has no vLLM linear layers
     if kept:  # vLLM's reload packs each weight and drops it; an in-place write keeps it to write into
@@ -354,7 +354,7 @@ def test_the_learners_probe_may_arrive_while_the_engine_writes(setup):
     before, version = engine.sequence_logprobs(PROBE), engine.policy_version
     _perturb(learner, 30)
     _send(engine, learner, plan, version + 1)
-    assert engine.sync.commit(version + 1, PROBE, lambda: learner.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
+    assert engine.sync.commit(version + 1, PROBE, lambda: learner.engine.sequence_logprobs(PROBE)).probe_max_abs < 1e-5
 
     def lost():
         raise RuntimeError("learner rank 0 died")
@@ -390,7 +390,7 @@ if __name__ == "__main__":
     with torch.no_grad():
         for param in learner.model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    expected = learner.sequence_logprobs(probe)
+    expected = learner.engine.sequence_logprobs(probe)
     started = engine.sequence_logprobs(probe)
     before = max(abs(a - b) for a, b in zip(started[1:], expected[1:]))
     # What the engine sends its workers: recorded at the RPC, with how much of it the engine copied itself.
@@ -439,7 +439,7 @@ if __name__ == "__main__":
     with torch.no_grad():
         for param in learner.model.parameters():
             param.mul_(0.98)
-    expected = learner.sequence_logprobs(probe)
+    expected = learner.engine.sequence_logprobs(probe)
     send(3)
     ray_after = engine.sync.commit(3, probe, expected).probe_max_abs
     staged = [name for name in os.listdir("/dev/shm") if name.startswith(engine.host_copy.segment_prefix())]
@@ -537,12 +537,12 @@ def test_after_a_sync_a_cached_prompt_runs_on_the_new_weights(setup):
     _perturb(learner, 11)
     version = engine.policy_version + 1
     _send(engine, learner, plan, version)
-    engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE))
+    engine.sync.commit(version, PROBE, learner.engine.sequence_logprobs(PROBE))
     groups = []
     computed = _computed_tokens(engine, lambda: groups.extend(engine.generate([prompt], 1, temperature=1.0, max_tokens=8)))
     assert computed >= len(prompt.token_ids)  # the cache was dropped: the prompt ran again
     (completion,) = groups[0]
-    expected = learner.sequence_logprobs(prompt.token_ids + completion.token_ids)[len(prompt.token_ids) :]
+    expected = learner.engine.sequence_logprobs(prompt.token_ids + completion.token_ids)[len(prompt.token_ids) :]
     assert max(abs(a - b) for a, b in zip(completion.logprobs, expected)) < 1e-4
 
 
@@ -553,11 +553,11 @@ def test_the_engine_reports_the_learners_logprobs_also_when_it_samples_among_the
     _perturb(learner, 12)
     version = engine.policy_version + 1
     _send(engine, learner, plan, version)
-    engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE))
+    engine.sync.commit(version, PROBE, learner.engine.sequence_logprobs(PROBE))
     prompt = Prompt(0, "p", [7, 8, 9, 10])
     (group,) = engine.generate([prompt], 4, temperature=1.0)
     for completion in group:
-        expected = learner.sequence_logprobs(prompt.token_ids + completion.token_ids)[len(prompt.token_ids) :]
+        expected = learner.engine.sequence_logprobs(prompt.token_ids + completion.token_ids)[len(prompt.token_ids) :]
         assert max(abs(a - b) for a, b in zip(completion.logprobs, expected)) < 1e-4
     if engine.cfg.top_k != -1:  # the filter did apply: each sampled token ranks within the top k of the model's
         from vllm.inputs import TokensPrompt
@@ -624,7 +624,7 @@ def test_a_sync_during_generation_follows_the_policy(setup, policy):
     while not engine._generating:
         time.sleep(0.01)
     time.sleep(0.5)  # generation is under way
-    result = engine.sync.commit(version, PROBE, learner.sequence_logprobs(PROBE))
+    result = engine.sync.commit(version, PROBE, learner.engine.sequence_logprobs(PROBE))
     committed_at = time.monotonic()
     worker.join()
     assert result.probe_max_abs < 1e-5 and engine.policy_version == version
@@ -694,7 +694,7 @@ def test_a_multi_turn_episode_keeps_the_engines_ids_and_the_learner_agrees_on_th
         assert completion.token_ids[first : first + len(suffix)] == suffix
         assert completion.mask == [1] * first + [0] * len(suffix) + [1] * (len(completion.mask) - first - len(suffix))
         assert tokenizer.decode(completion.prompt_ids).startswith("<|im_start|>system\ntools: calculator<|im_end|>")
-        expected = learner.sequence_logprobs(completion.prompt_ids + completion.token_ids)[len(completion.prompt_ids):]
+        expected = learner.engine.sequence_logprobs(completion.prompt_ids + completion.token_ids)[len(completion.prompt_ids):]
         model = [i for i, m in enumerate(completion.mask) if m]
         assert max(abs(completion.logprobs[i] - expected[i]) for i in model) < 1e-4
         assert all(completion.logprobs[i] == 0.0 for i, m in enumerate(completion.mask) if not m)

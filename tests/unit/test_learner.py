@@ -41,7 +41,7 @@ def test_token_logprobs_match_a_direct_computation(tiny_qwen3):
     logits = learner.model(ids)[0]
     expected = [0.0] + [torch.log_softmax(logits[t - 1], -1)[ids[0, t]].item() for t in range(1, 5)]
     assert got[0].tolist() == pytest.approx(expected, abs=1e-6)
-    assert learner.sequence_logprobs(ids[0].tolist()) == pytest.approx(expected, abs=1e-6)
+    assert learner.engine.sequence_logprobs(ids[0].tolist()) == pytest.approx(expected, abs=1e-6)
 
 
 def test_train_batch_aligns_tokens_masks_and_logprobs():
@@ -337,5 +337,5 @@ def test_what_crosses_to_and_from_a_learner_names_no_torch_object(tiny_qwen3):
     learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3))
     shapes = learner.weight_shapes()
     layout = EngineLayout.from_hf_config(read_hf_config(tiny_qwen3), 1, "float32")
-    for sent_back in (learner.train_step(batch), shapes, learner.sequence_logprobs([5, 9, 17]), plan_sync(shapes, 1, layout, 2**16)):
+    for sent_back in (learner.train_step(batch), shapes, learner.probe_reference([5, 9, 17], by_decoding=False), plan_sync(shapes, 1, layout, 2**16)):
         assert not _torch_globals(sent_back)
