@@ -89,8 +89,10 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
                 evaluate(roles, run, cfg, 0, summary)
             summary["eval_before"] = summary["eval"][0]["accuracy"] if summary["eval"] else None
             startup["startup/eval_before_s"] = time.monotonic() - began
-        summary["startup"] = startup = {**startup, **roles.startup}
-        logger.info("start-up: %s", ", ".join(f"{key.removeprefix('startup/')} {value:.1f}"
+        eval_s = startup.pop("startup/eval_before_s", None)  # listed after the roles' parts
+        summary["startup"] = startup = {**startup, **roles.startup,
+                                        **({"startup/eval_before_s": eval_s} if eval_s is not None else {})}
+        logger.info("start-up: %s", ", ".join(f"{key.removeprefix('startup/').removesuffix('_s')} {value:.1f} s"
                                                for key, value in startup.items()))
         summary["sync_check"] = check
         summary["model_path"] = run.model_path  # the folder model.path named (a Hub id: its cached snapshot)
