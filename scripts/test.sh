@@ -5,6 +5,13 @@
 # TPU contract lane. RLPIPE_XLA=0 / RLPIPE_TPU_CONTRACT=0 leave them out (their tests are then skipped).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# --fast: the everyday tier (docs/testing.md): the unit tests not marked heavy and one whole run, in .venv alone.
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+  fast=1
+  shift
+  export RLPIPE_XLA=0 RLPIPE_TPU_CONTRACT=0
+fi
 
 # Room on disk first: a build that runs out of it midway leaves a broken environment behind. Sizes measured on a
 # fresh machine (GB): .venv 5; .venv-xla and .venv-tpu 8 each (PyPI's torch for them is the CUDA build, with its
@@ -61,4 +68,8 @@ cd "$root"
 # Two pytest-xdist workers: much of the suite waits on one core (process and engine start-up, compiles), so two
 # workers keep both busy. Tests that must not overlap share one worker (see tests/conftest.py). Arguments given
 # to this script come later and win (`-n 0` runs in one process).
+if [ "$fast" = 1 ]; then
+  exec "$RLPIPE_VENV/bin/python" -m pytest tests/unit "tests/integration/test_terminal.py::test_the_terminal_shows_rlpipes_lines_and_the_log_file_the_rest" \
+    -m "not slow and not heavy" -n "${RLPIPE_TEST_WORKERS:-2}" --dist loadgroup "$@"
+fi
 exec "$RLPIPE_VENV/bin/python" -m pytest tests -n "${RLPIPE_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -27,6 +27,12 @@ BESIDE_MACHINE_WIDE = {"test_weight_sync.py", "test_tpu_contract.py", "test_xla_
 os.environ.setdefault("RAY_worker_niceness", "0")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "heavy: takes more than ~5 s on the 2-core machine (a compile, spawned ranks, an engine): left out "
+        "of the everyday tier, `bash scripts/test.sh --fast` (docs/testing.md)")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the group markers
 def pytest_collection_modifyitems(config, items):
     for item in items:

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.heavy
 def test_the_bench_loads_a_tiny_model_with_two_ranks_on_each_side():
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "load_memory.py"), "--baseline", str(REPO), "--size", "tiny",

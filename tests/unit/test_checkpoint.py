@@ -164,6 +164,7 @@ def test_an_interrupted_save_leaves_latest_alone_and_is_cleared_by_the_next(tiny
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.heavy
 def test_a_resumed_learner_continues_exactly(tiny_qwen3, tmp_path, graph):
     """Train 2 steps, save, resume in a fresh learner, train the 3rd: the same as 3 steps without a break. The
     eager step's checkpoint also resumes the compiled step (one format for both)."""
@@ -199,6 +200,7 @@ def _train_two_ranks_and_save(rank, model_path, port, directory, errors):
         errors.put(repr(err))
 
 
+@pytest.mark.heavy
 def test_a_two_rank_checkpoint_resumes_on_one_rank(tiny_qwen3, tmp_path):
     directory = str(tmp_path / "learner")
     context = mp.get_context("spawn")
@@ -255,6 +257,7 @@ def _save_and_report(model_path, run_dir, at, counts):
     counts.put(killer.count)
 
 
+@pytest.mark.heavy
 def test_killing_a_save_at_any_point_leaves_a_loadable_latest(tiny_qwen3, tmp_path):
     learner = Learner.from_config(tiny_qwen3, load_config(None, [f"model.path={tiny_qwen3}"]))
     pristine, run_dir = tmp_path / "pristine", tmp_path / "run"
@@ -311,6 +314,7 @@ def _save_step_2(learner: Learner, run_dir) -> None:
     checkpoint.save(run_dir, 2, learner.save_checkpoint, lambda _: {"step": 2, "config": config}, keep=3)
 
 
+@pytest.mark.heavy
 def test_a_disk_full_at_any_point_of_a_save_keeps_nothing_of_it_and_names_the_cause(tiny_qwen3, tmp_path):
     learner = Learner.from_config(tiny_qwen3, load_config(None, [f"model.path={tiny_qwen3}"]))
     pristine, run_dir = tmp_path / "pristine", tmp_path / "run"

@@ -440,6 +440,7 @@ def test_tpu_recipes_load_and_a_tpu_learner_is_refused_where_no_tpu_is_available
         prepare(cfg)
 
 
+@pytest.mark.heavy
 def test_a_device_is_asked_of_the_learners_own_environment(twin_python, monkeypatch):
     import sys
 

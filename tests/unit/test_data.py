@@ -493,6 +493,7 @@ def test_save_to_disk_folders(tmp_path):
     assert message == f"data.split: {tmp_path / 'dict'} has no 'dev' split (splits: test, train)"
 
 
+@pytest.mark.heavy
 def test_a_hub_name_that_is_not_cached_offline_says_how_to_get_it(tmp_path):
     import os
     import subprocess

@@ -259,6 +259,7 @@ def install_reward_package(folder: Path) -> Path:
     return site
 
 
+@pytest.mark.heavy
 def test_the_reward_package_installs_and_rlpipe_finds_its_functions_by_name(tmp_path):
     site = install_reward_package(tmp_path)
 
@@ -329,6 +330,7 @@ def test_every_rlpipe_key_in_the_mapping_page_exists():
     assert checked >= 60
 
 
+@pytest.mark.heavy
 def test_every_trl_name_in_the_mapping_page_exists_in_trl():
     trl = pytest.importorskip("trl")
     fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}

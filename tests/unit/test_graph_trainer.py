@@ -129,6 +129,7 @@ def test_functional_adamw_state_dict_round_trip_continues_identically():
         FunctionalAdamW([torch.zeros(2, 2)]).load_state_dict(saved)
 
 
+@pytest.mark.heavy
 def test_compiled_step_is_one_graph_and_matches_eager():
     graph_model = tiny_model()
     eager_model = copy.deepcopy(graph_model)
@@ -153,6 +154,7 @@ def test_compiled_step_is_one_graph_and_matches_eager():
     assert not torch.equal(graph_model.lm_head.weight, tiny_model().lm_head.weight)
 
 
+@pytest.mark.heavy
 def test_recompiles_are_bounded_by_buckets():
     trainer = make_trainer(tiny_model(), compile=True)
     # Seven distinct lengths, two buckets.
@@ -175,6 +177,7 @@ def _micro_batch_case():
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "graph"])
+@pytest.mark.heavy
 def test_micro_batches_sum_to_the_whole_batch(compile):
     whole, halves = _micro_batch_case()
     reference_model = tiny_model()

@@ -50,6 +50,7 @@ def test_pallas_runs_interpreted_off_tpu():
 
 @pytest.mark.parametrize("impl", ["chunked", "pallas"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.heavy
 def test_logprob_matches_the_reference_in_value_entropy_and_gradient_fp32(small_blocks, impl, temperature):
     case = _logprob_case()
     expected = _with_grads(lambda h, w, t: reference_linear_logprob(h, w, t, 1 / temperature), *case)
@@ -60,6 +61,7 @@ def test_logprob_matches_the_reference_in_value_entropy_and_gradient_fp32(small_
 
 
 @pytest.mark.parametrize("impl", ["chunked", "pallas"])
+@pytest.mark.heavy
 def test_logprob_in_bf16_stays_close_to_the_fp32_reference(small_blocks, impl):
     hidden, weight, targets, upstream = _logprob_case(torch.bfloat16)
     as_fp32 = [t.detach().float().requires_grad_() for t in (hidden, weight)]
@@ -99,6 +101,7 @@ def _attention_case(dtype, batch=2, heads=4, kv_heads=2, length=21, dim=8):
 
 @pytest.mark.parametrize("window", [None, 5, 140])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.heavy
 def test_attention_pallas_matches_the_reference_fp32(window, kv_heads):
     # 300 positions: the kernel's smallest block is 128, so three query blocks, a ragged last one, blocks above the
     # diagonal skipped, and with a window of 5 blocks below it too (140 spans a block edge); kv_heads 2 and 1 share
@@ -129,6 +132,7 @@ def test_document_attention_pallas_keeps_packed_documents_apart_like_the_mask(wi
     torch.testing.assert_close(results[1][0][:, :, 101:251], alone.detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.heavy
 def test_attention_pallas_in_bf16_stays_close_to_the_fp32_reference():
     q, k, v, upstream = _attention_case(torch.bfloat16, length=200)
     as_fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
@@ -251,6 +255,7 @@ def _routed_tokens(tokens=21, hidden=24, intermediate=20, experts=6, top_k=2):
 
 
 @pytest.mark.parametrize("impl", ["torch", "pallas"])
+@pytest.mark.heavy
 def test_moe_experts_grouped_matmul_matches_the_per_expert_loop(small_blocks, impl):
     """Tokens sorted by expert through one grouped matmul per projection equal a loop over experts, in the output
     and in the gradients of the input, both expert weights and the routing weights."""
@@ -296,6 +301,7 @@ def test_chunked_logprob_never_builds_tokens_by_vocab_logits():
     assert sizes["chunked"] <= bound, sizes  # forward and backward: O(tokens x chunk) beyond inputs and grads
 
 
+@pytest.mark.heavy
 def test_token_logprobs_agree_across_kernel_choices_on_a_model(tiny_qwen3, small_blocks):
     model = load_model(tiny_qwen3)
     ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))

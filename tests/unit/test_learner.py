@@ -81,6 +81,7 @@ def test_mini_batches_take_several_optimizer_steps(tiny_qwen3):
     assert metrics["clip_fraction"] >= 0.0 and math.isfinite(metrics["loss"])
 
 
+@pytest.mark.heavy
 def test_num_iterations_passes_over_the_batch_again_against_the_policy_that_generated_it(tiny_qwen3):
     """Two passes over a batch are the two mini-batches of the batch given twice: both take their ratio against
     the log-probs computed before the first update."""
@@ -122,6 +123,7 @@ def test_logprob_gap_is_measured_against_the_rollout(tiny_qwen3):
     assert _step(learner2, batch)["logprob_gap/mean_abs"] == pytest.approx(0.5, abs=1e-4)
 
 
+@pytest.mark.heavy
 def test_masked_importance_sampling_drops_the_tokens_the_rollout_disagrees_on(tiny_qwen3):
     batch = _batch()
     overrides = ["algo.tis_cap=null", "algo.mis_threshold=3"]
@@ -211,6 +213,7 @@ def test_train_batch_leaves_out_unscored_samples_and_optionally_uniform_groups(t
     assert batch is None and stats["samples_trained"] == 0
 
 
+@pytest.mark.heavy
 def test_graph_step_equals_eager_step(tiny_qwen3):
     # eps well above float noise: Adam divides by sqrt(v) + eps, so with the default 1e-8 a near-zero gradient's
     # last-bit difference between compiled and eager kernels becomes a full-size step.
@@ -228,6 +231,7 @@ def test_graph_step_equals_eager_step(tiny_qwen3):
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.heavy
 def test_activation_checkpointing_changes_no_numbers(tiny_qwen3, graph):
     """Re-running each layer in backward gives the same losses and weights as keeping its activations."""
     overrides = ("train.adam_eps=1e-4", "algo.kl_beta=0.05", "learner.length_buckets=[16]", "data.max_prompt_tokens=8",

@@ -76,6 +76,7 @@ def _rank(rank, world_size, model_path, port, graph, results, extra=(), zero_adv
     ("family", "graph"), [("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True)],
     ids=["eager-qwen3-skipping", "eager-qwen3_moe", "graph-qwen3_moe"],
 )
+@pytest.mark.heavy
 def test_two_ranks_equal_one(request, family, graph):
     """Two sharded ranks (eager, or each step as one captured graph) against one eager unsharded rank. The
     mixture-of-experts model's stacked expert weights are sharded on the expert dimension (2 of its 4 experts a
@@ -174,6 +175,7 @@ def _recompute_rank(rank, model_path, port_queue, results):
     results.put((rank, out, gathers))
 
 
+@pytest.mark.heavy
 def test_activation_checkpointing_on_two_ranks_changes_no_numbers(tiny_qwen3):
     """Sharded eager steps with checkpointed layers equal those without (1e-6), and so does the compiled (inductor)
     step with checkpointed layers, within compiled-vs-eager float noise; in the compiled graph every layer weight's
@@ -243,6 +245,7 @@ def _one_program_rank(rank, model_path, port, results):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.heavy
 def test_two_ranks_with_different_shares_compile_one_program(tiny_qwen3):
     """The compiled packed step on two ranks whose rows differ (rank 0 a group of 4-token rows, rank 1 one of
     16-token rows): both run micro-batches of the same shapes, packed to the width of the longest micro-batch of

@@ -19,6 +19,7 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.heavy
 def test_updates_equal_the_saved_reference(models, name):
     state, metrics = run_case(name, models)
     saved = SAVED[name]

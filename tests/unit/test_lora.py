@@ -65,6 +65,7 @@ def test_lora_keys_have_pefts_defaults_all_linear_targets_and_one_line_refusals(
             load_config(None, ["learner.lora.rank=1", bad])
 
 
+@pytest.mark.heavy
 def test_the_base_is_frozen_and_only_the_adapters_train_and_hold_optimizer_state(tiny_qwen3):
     learner = _learner(tiny_qwen3)
     start = load_model(tiny_qwen3).state_dict()
@@ -209,6 +210,7 @@ def _lora_slots(worker) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.xdist_group("engines")  # an in-process vLLM engine pins its process's threads: beside the other engines
+@pytest.mark.heavy
 def test_an_engine_writes_later_adapter_versions_into_vllms_buffers_bit_for_bit_as_vllms_own_load(tiny_qwen3,
                                                                                                     tmp_path):
     """The first version goes through vLLM's add_lora (a folder); a later one is written straight into the LoRA
@@ -396,6 +398,7 @@ def _one_rank_and_two(model_path: str, graph: bool, timeout_s: float):
     return single, single_metrics, outputs
 
 
+@pytest.mark.heavy
 def test_two_sharded_ranks_train_the_adapters_as_one_rank_does(tiny_qwen3):
     """SimpleFSDP over two ranks: the same losses, and the merged weights each rank sends (its own rows, merged
     without a collective: lora_A is replicated, as the adapter sync's test above takes it) are the single rank's."""
@@ -458,6 +461,7 @@ def test_adapter_folders_of_engines_whose_process_is_gone_are_removed(tmp_path):
     assert root.startswith(str(tmp_path / f"{ADAPTER_FOLDER_PREFIX}{os.getpid()}-"))
 
 
+@pytest.mark.heavy
 def test_the_captured_step_trains_the_adapters_as_the_eager_step_does_and_compiles_once(tiny_qwen3):
     """learner.graph with adapters: forward, loss, backward and AdamW of the adapters captured as one graph give the
     eager step's losses, gradient norms and adapters after every step, leave the base as it was, and compile once

@@ -175,6 +175,7 @@ print(json.dumps({"files": {name: importlib.import_module(name).__file__ for nam
 """
 
 
+@pytest.mark.heavy
 def test_every_module_of_actors_and_rewards_imports_from_a_wheel_installed_into_a_folder(wheel, tmp_path):
     """The wheel installed with `pip install --target` (as scripts/device-check.sh does), imported in a process whose
     sys.path has that folder and not the checkout: every module of actors/ and rewards/ comes from the folder (this
@@ -200,6 +201,7 @@ def test_every_module_of_actors_and_rewards_imports_from_a_wheel_installed_into_
         assert Path(file).resolve().is_relative_to(target.resolve()), (name, file)
 
 
+@pytest.mark.heavy
 def test_an_editable_install_reads_the_checkout_folders(tmp_path):
     source = _copy_sources(tmp_path / "src")
     python = _layered_venv(tmp_path / "venv")

@@ -227,6 +227,7 @@ def test_a_learner_sharing_prompts_trains_as_one_that_does_not(tiny_qwen3):
     _assert_same_weights(learners, start)
 
 
+@pytest.mark.heavy
 def test_the_graph_step_packs_and_shares_prompts_as_the_eager_step_does(tiny_qwen3):
     """The compiled step on packed rows with shared prompts (a static layout padded to a length bucket) against the
     eager packed step: same metrics and weights over five updates of group batches with random lengths, and one
@@ -258,6 +259,7 @@ def test_the_graph_step_packs_and_shares_prompts_as_the_eager_step_does(tiny_qwe
         torch.testing.assert_close(graph.model.state_dict()[name], tensor, atol=TOLERANCE, rtol=1e-4, msg=name)
 
 
+@pytest.mark.heavy
 def test_a_graph_step_on_fewer_samples_runs_empty_passes_instead_of_compiling_again(tiny_qwen3):
     """Uniform groups dropped make a step's batch smaller; the captured step pads it with empty micro-batch passes,
     so it keeps its one graph, and the update equals the eager one."""

@@ -160,6 +160,7 @@ def test_static_packed_logprobs_gradients_and_router_logits_equal_the_padded_one
             )
 
 
+@pytest.mark.heavy
 def test_static_packed_rows_through_the_pallas_kernel_by_document_ids_equal_the_padded_ones(model_factory):
     # Packed without shared prompts (as the Pallas kernel takes them), each document one sequence; long enough rows
     # that documents straddle the kernel's 128-token blocks.
@@ -222,6 +223,7 @@ def _width(ids, lengths, prompts) -> int:
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.heavy
 def test_a_compiled_pass_compiles_once_per_width_and_equals_eager(family, request):
     model = load_model(request.getfixturevalue(f"tiny_{family}"))
     model.model.activation_checkpointing = True  # as in the learner's step: the checkpointed layers are captured too
@@ -262,6 +264,7 @@ def test_a_compiled_pass_compiles_once_per_width_and_equals_eager(family, reques
     assert counter.graphs == len(BUCKETS)
 
 
+@pytest.mark.heavy
 def test_inductor_compiles_the_static_packed_pass(tiny_qwen3):
     """One width through inductor (fullgraph, static shapes): the mask and the masked attention lower, forward
     and backward, and give the eager values."""

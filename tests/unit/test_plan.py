@@ -166,6 +166,7 @@ def test_lora_counts_the_adapters_the_learner_adds_and_trains_nothing_else(tmp_p
         assert on_cpu.rollout.part("lora_buffers").bytes == on_cpu.model.adapter_params(8, targets) * rb  # rank 8
 
 
+@pytest.mark.heavy
 def test_torch_attention_counts_the_scores_sdpa_forms(tmp_path):
     """torch's sdpa under a packed row's [W, W] mask (or on a TPU) forms s x s scores; the Pallas kernel none."""
     folder = _tiny_folder(tmp_path)

@@ -36,6 +36,7 @@ def _groups(count: int) -> list[Group]:
     return [Group(Prompt(n, f"q{n}", [n], {"answer": str(n)}), [completion(0), completion(1)]) for n in range(count)]
 
 
+@pytest.mark.heavy
 def test_a_worker_that_does_not_answer_by_the_deadline_is_restarted_and_its_share_unscored(tmp_path):
     from rlpipe.actors.reward_pool import RewardPool
     from rlpipe.types import StepScores

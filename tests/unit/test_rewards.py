@@ -480,6 +480,7 @@ def test_overlong_shaping_follows_dapo():
         overlong(completion_tokens=[5], max_tokens=[10], buffer_tokens=11)
 
 
+@pytest.mark.heavy
 def test_reasoning_gym_verifier_works_for_every_task_by_name():
     import reasoning_gym
 
@@ -840,6 +841,7 @@ def test_verl_adapter_defaults_to_verls_own_compute_score():
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.heavy
 def test_a_function_stuck_in_c_is_killed_with_its_process_and_only_its_sample_is_unscored():
     # math-verify hands 9^(9^(9^9)) to sympy, which computes the power in C and never returns to the interpreter.
     runner = RewardRunner([{"name": "numeric_answer"}], timeout_s=1, sample_timeout_s=1)

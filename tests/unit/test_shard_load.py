@@ -68,6 +68,7 @@ def moe_folder(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.mark.heavy
 def test_a_rank_allocates_its_shard_not_the_model_while_it_loads(moe_folder):
     cfg = load_config(
         None,

@@ -363,6 +363,7 @@ def _max_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor
 
 
 @pytest.mark.parametrize("run_name", ["fp32", "hybrid-fp32"])
+@pytest.mark.heavy
 def test_sharded_training_matches_unsharded(sharded, reference, config_name, run_name):
     observed = sharded[0][run_name]
     assert observed["losses"] == pytest.approx(reference["losses"], abs=FP32_TOLERANCE)
@@ -399,6 +400,7 @@ def test_bf16_compute_with_fp32_grads_and_master_weights(sharded, reference):
         assert bf16_update.norm() == pytest.approx(reference_update.norm().item(), rel=0.05), name
 
 
+@pytest.mark.heavy
 def test_fp32_run_computes_in_fp32(sharded):
     observed = sharded[0]["fp32"]
     assert set(observed["forward_dtypes"].values()) <= {"torch.float32", "Tensor:torch.float32"}

@@ -62,6 +62,7 @@ def local_ray():
     (["a", "a"], ["a", "b"]),  # both ranks with engine 0: still per-rank parts, since engine 1 needs them apart
     (["a", "a"], ["a", "a"]),  # one host: every rank writes into rank 0's segments, whole buckets, as `shm`
 ])
+@pytest.mark.heavy
 def test_each_engine_receives_every_bucket_by_its_own_route(local_ray, hosts):
     learner_hosts, engine_hosts = hosts
     ranks = len(learner_hosts)
@@ -96,6 +97,7 @@ def test_each_engine_receives_every_bucket_by_its_own_route(local_ray, hosts):
             transport.close()
 
 
+@pytest.mark.heavy
 def test_a_route_change_starts_the_sender_on_fresh_buffers(local_ray):
     sender = make_transport("auto")
     sender.set_routes(["shm"], whole_buckets=True)

@@ -106,6 +106,7 @@ def _wandb_records(path):
             yield record
 
 
+@pytest.mark.heavy
 def test_wandb_offline_run_holds_the_metrics_and_the_config(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -58,6 +58,7 @@ def test_the_tasks_own_rewards_weighted_as_verifiers_weights_them():
     assert scores == [1.5, 1.0, 0.0, 0.0]
 
 
+@pytest.mark.heavy
 def test_the_reward_through_the_reward_runner():
     train, _ = load_rows(_verifiers_cfg(), seed=0)
     runner = RewardRunner([{"name": REWARD, "weight": 2.0}], columns=reward_columns(train, "prompt"))

@@ -199,6 +199,7 @@ def _tp_worker(rank: int, world: int, port: int, kv_heads: int, results) -> None
 
 
 @pytest.mark.parametrize("tp,kv_heads", [(1, 2), (2, 2), (2, 1)])
+@pytest.mark.heavy
 def test_plan_destinations_match_vllm_parallel_layers(tp, kv_heads):
     """The plan's placement of every HF row equals what vLLM's fused, tensor-parallel layers hold after loading
     the same tensors (T=2 with kv_heads=1 replicates the kv head on both ranks)."""
@@ -564,6 +565,7 @@ def _send_over_gloo(port, plan, results):
 
 
 @pytest.mark.parametrize("transport_name, ranks", [("shm", 1), ("shm", 2), ("gloo", 1)])
+@pytest.mark.heavy
 def test_transport_carries_every_bucket_to_another_process(transport_name, ranks):
     from multiprocessing import shared_memory
 
@@ -734,6 +736,7 @@ def _allocate_and_die(names) -> None:
 
 
 @MACHINE_WIDE  # its dead process's segment would otherwise be an orphan the fault-tolerance test could see
+@pytest.mark.heavy
 def test_segments_of_a_killed_learner_are_removed_by_the_next_one():
     from multiprocessing import shared_memory
 
