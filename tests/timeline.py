@@ -54,23 +54,23 @@ def pytest_runtest_logreport(report):
 KINDS = (
     ("TPU contract lane (subprocess pytest, .venv-tpu)", lambda t, f: "test_tpu_contract.py" in t),
     ("xla lane (subprocess pytest, .venv-xla)", lambda t, f: "test_xla_lane.py" in t),
-    ("whole runs on hosts in namespaces", lambda t, f: "hosts" in f),
-    ("whole runs and role sets on a Ray cluster", lambda t, f: "ray_cluster" in f or "/integration/" in t),
-    ("engines shared by a module (vLLM in-process)", lambda t, f: "test_weight_sync.py" in t),
-    ("learner ranks in spawned processes", lambda t, f: any(n in t for n in ("learner_group", "learner_reference",
-                                                                               "simple_fsdp"))),
-    ("compiled (graph) steps in-process", lambda t, f: "graph" in t),
-    ("everything else (unit)", lambda t, f: True),
+    ("whole runs on hosts in network namespaces", lambda t, f: "hosts" in f),
+    ("vLLM engines shared by a module, in-process", lambda t, f: "test_weight_sync.py" in t),
+    ("whole runs and role sets on a Ray cluster", lambda t, f: "/integration/" in t),
+    ("unit: learner ranks in spawned processes", lambda t, f: any(n in t for n in (
+        "learner_group", "learner_reference", "simple_fsdp", "two_rank", "two-rank", "bench_load_memory")),),
+    ("unit: compiled (graph) steps in-process", lambda t, f: "graph" in t),
+    ("unit: everything else", lambda t, f: True),
 )
 
 
 def summarize(path: str) -> str:
     records = [json.loads(line) for line in Path(path).read_text().splitlines()]
-    fixtures = {r["test"]: r.get("fixtures", []) for r in records if r["when"] == "setup"}
+    fixtures = {r["test"].split("@")[0]: r.get("fixtures", []) for r in records if r["when"] == "setup"}
     tests: dict[str, float] = defaultdict(float)
     worker_busy: dict[str, float] = defaultdict(float)
     for r in records:
-        tests[r["test"]] += r["s"]
+        tests[r["test"].split("@")[0]] += r["s"]  # without pytest-xdist's group suffix
         worker_busy[r["worker"]] += r["s"]
     start, stop = min(r["start"] for r in records), max(r["stop"] for r in records)
     by_kind: dict[str, list[float]] = defaultdict(list)
@@ -87,7 +87,7 @@ def summarize(path: str) -> str:
     lines += ["", "| module | seconds |", "|---|---|"]
     lines += [f"| {m} | {s:.0f} |" for m, s in sorted(by_module.items(), key=lambda kv: -kv[1])[:25]]
     lines += ["", "| slowest tests | seconds |", "|---|---|"]
-    lines += [f"| {t} | {s:.0f} |" for t, s in sorted(tests.items(), key=lambda kv: -kv[1])[:30]]
+    lines += [f"| {t} | {s:.0f} |" for t, s in sorted(tests.items(), key=lambda kv: -kv[1])[:20]]
     return "\n".join(lines)
 
 
