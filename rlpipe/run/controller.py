@@ -83,15 +83,14 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
             log.note(f"weight sync: {form.describe(adapter_bytes=check['sync/bytes'])}")
         summary = run.summary or {}
         summary.setdefault("eval", [])  # every held-out evaluation's figures, before training (step 0) on
+        startup.update(roles.startup)
         if "eval_before" not in summary:
             began = time.monotonic()
             with log.activity("held-out evaluation before training"):
                 evaluate(roles, run, cfg, 0, summary)
             summary["eval_before"] = summary["eval"][0]["accuracy"] if summary["eval"] else None
             startup["startup/eval_before_s"] = time.monotonic() - began
-        eval_s = startup.pop("startup/eval_before_s", None)  # listed after the roles' parts
-        summary["startup"] = startup = {**startup, **roles.startup,
-                                        **({"startup/eval_before_s": eval_s} if eval_s is not None else {})}
+        summary["startup"] = startup
         logger.info("start-up: %s", ", ".join(f"{key.removeprefix('startup/').removesuffix('_s')} {value:.1f} s"
                                                for key, value in startup.items()))
         summary["sync_check"] = check

@@ -106,8 +106,7 @@ class WeightReceiver:
         reuse = self._spare_owned
         if memory is not None and not _fills(reuse, plan, memory):
             # Fresh shared memory for the whole version; the spare tensors (elsewhere, or of another plan) go.
-            reuse = memory.staging_memory({name: tuple(shape) for name, shape in plan.shapes.items()},
-                                          plan.torch_dtype)
+            reuse = _host_staging(memory, plan)
         self._spare_owned = {}
         self._staging = Staging(plan, version, reuse=reuse, whole_buckets=self.transport.whole_buckets)
 
@@ -208,11 +207,10 @@ class WeightReceiver:
         in a whole copy of the weights, a page fault per 4 KiB, inside its step. The second copy is one the engine
         keeps anyway from that version on (`keep_previous`: the served version and the one arriving)."""
         memory = self._host_memory() if self._host_memory is not None else None
-        shapes = {name: tuple(shape) for name, shape in plan.shapes.items()}
         if memory is not None:
-            spare = memory.staging_memory(shapes, plan.torch_dtype)
+            spare = _host_staging(memory, plan)
         else:
-            spare = {name: torch.empty(shape, dtype=plan.torch_dtype) for name, shape in shapes.items()}
+            spare = {name: torch.empty(tuple(shape), dtype=plan.torch_dtype) for name, shape in plan.shapes.items()}
         for tensor in spare.values():
             tensor.zero_()
         self._spare_owned = spare
@@ -241,6 +239,11 @@ class WeightReceiver:
     def close(self) -> None:
         """Free the transport's buffers."""
         self.transport.close()
+
+
+def _host_staging(host: HostMemory, plan: SyncPlan) -> Weights:
+    """Fresh memory in `host`'s shared memory for every tensor of `plan`."""
+    return host.staging_memory({name: tuple(shape) for name, shape in plan.shapes.items()}, plan.torch_dtype)
 
 
 def _fills(memory: Weights, plan: SyncPlan, host: HostMemory) -> bool:
