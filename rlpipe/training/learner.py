@@ -80,11 +80,6 @@ class Learner:
         return self.engine.model
 
     @property
-    def graph_step(self):
-        """The engine's step (compiled when learner.graph)."""
-        return self.engine.ready()
-
-    @property
     def policy_version(self) -> int:
         return self.engine.policy_version
 
@@ -148,9 +143,6 @@ class Learner:
         if by_decoding:
             return decode_probe(token_ids, self.engine.next_token, self.engine.sequence_logprobs)
         return self.engine.sequence_logprobs(token_ids)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.engine.full_state_dict()
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.engine.weight_shapes()

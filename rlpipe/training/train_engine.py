@@ -260,11 +260,6 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ weights, checkpoints, export
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole tensors under Hugging Face names, on the CPU (a collective when sharded: every rank calls it); with
-        adapters, the base weights with the adapters merged in."""
-        return self.weights.full_state_dict(self.model)
-
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """The full shape of every tensor weight sync sends, under its Hugging Face name, in state-dict order: every
         weight, or with adapters the merged weights or the adapters alone (the weights view's). No communication."""

@@ -12,6 +12,7 @@ from rlpipe.config import load_config
 from rlpipe.training.learner import Learner, combine_rank_metrics
 from rlpipe.parallel.mesh import destroy_distributed, find_free_port
 from tests.batches import four_samples as _batch
+from tests.weights import whole_weights
 
 DEVICE = "cuda"
 
@@ -38,7 +39,7 @@ def _config(model_path, *overrides):
 
 def _snapshot(learner: Learner) -> dict[str, torch.Tensor]:
     """Whole weights on the host, copied (on the cpu `full_state_dict` hands out the live tensors)."""
-    return {name: value.clone() for name, value in learner.full_state_dict().items()}
+    return {name: value.clone() for name, value in whole_weights(learner).items()}
 
 
 def _largest_change(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
@@ -61,7 +62,7 @@ def test_graph_step_equals_eager_step(tiny_qwen3):
     trained = _snapshot(eager)
     assert _largest_change(start, trained) > 1e-3  # the updates moved the weights, so equal weights mean something
     for name, tensor in trained.items():
-        torch.testing.assert_close(graph.full_state_dict()[name], tensor, atol=1e-4, rtol=0)
+        torch.testing.assert_close(whole_weights(graph)[name], tensor, atol=1e-4, rtol=0)
     # What weight sync and its probe read: host tensors, and the probe's log-probs from the GPU model.
     assert {t.device.type for t in eager.local_weights().values()} == {"cpu"}
     probe = eager.engine.sequence_logprobs(_batch(0).input_ids[0, :8].tolist())

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from tests.weights import whole_weights
 
 STEPS = 3
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -95,7 +96,7 @@ def _train(model_path: str, ranks: int, overrides: tuple[str, ...], rank: int = 
     learner = Learner.from_config(model_path, config(model_path, ranks, overrides), rank, ranks)
     learner.join_process_group("127.0.0.1", port)
     sums = [learner.train_step(batch) for batch in batches()]
-    state = learner.full_state_dict()
+    state = whole_weights(learner)
     return state, sums
 
 

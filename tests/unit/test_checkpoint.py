@@ -21,6 +21,7 @@ from rlpipe.config import load_config
 from rlpipe.training.learner import Learner, combine_rank_metrics
 from rlpipe.parallel.mesh import find_free_port
 from tests.unit.test_learner_group import _batches, _config
+from tests.weights import whole_weights
 
 
 def _save(learner: Learner, run_dir, step: int, keep: int = 3, model_path=None):
@@ -31,7 +32,7 @@ def _save(learner: Learner, run_dir, step: int, keep: int = 3, model_path=None):
 
 
 def _weights(learner: Learner) -> dict[str, torch.Tensor]:
-    return {name: value.detach().clone() for name, value in learner.full_state_dict().items()}
+    return {name: value.detach().clone() for name, value in whole_weights(learner).items()}
 
 
 def test_latest_moves_to_each_new_checkpoint_and_only_the_last_k_stay(tiny_qwen3, tmp_path):

@@ -14,6 +14,7 @@ from rlpipe.parallel.mesh import find_free_port
 from rlpipe.types import TrainBatch
 from rlpipe.weightsync.form import weight_form
 from rlpipe.weightsync import shard_rows
+from tests.weights import whole_weights
 
 STEPS = 3
 
@@ -61,7 +62,7 @@ def _rank(rank, world_size, model_path, port, graph, results, extra=(), zero_adv
     learner = Learner.from_config(model_path, cfg, rank, world_size, weight_form(cfg, model_path))
     learner.join_process_group("127.0.0.1", port)
     sums = [learner.train_step(batch) for batch in _batches(zero_advantages)]
-    state = learner.full_state_dict()
+    state = whole_weights(learner)
     local = {k: v.detach().numpy().copy() for k, v in learner.local_weights().items()}
     # numpy, not tensors: torch would share tensor memory by file descriptor, which dies with this process.
     results.put((sums, {k: v.detach().numpy().copy() for k, v in state.items()} if rank == 0 else None, rank, local))
@@ -169,7 +170,7 @@ def _recompute_rank(rank, model_path, port_queue, results):
         learner = Learner.from_config(model_path, cfg, rank, 2)
         learner.join_process_group("127.0.0.1", port)
         sums = [learner.train_step(batch) for batch in _batches()]
-        state = {k: v.detach().numpy().copy() for k, v in learner.full_state_dict().items()}
+        state = {k: v.detach().numpy().copy() for k, v in whole_weights(learner).items()}
         out[current] = (sums, state, learner.model.model.activation_checkpointing)
         torch.distributed.destroy_process_group()
     results.put((rank, out, gathers))

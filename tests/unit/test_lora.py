@@ -27,6 +27,7 @@ from rlpipe.weightsync.form import FULL, Kind, WeightForm, decide_weight_form, w
 from rlpipe.weightsync import EngineLayout, Staging, pack_part, plan_sync, shard_rows
 from tests.batches import four_samples
 from tests.unit.test_learner_group import _batches, _config, _rank
+from tests.weights import whole_weights
 
 LORA = ("learner.lora.rank=2", "learner.lora.alpha=4")  # scaling 2
 SCALE = 2.0
@@ -74,7 +75,7 @@ def test_the_base_is_frozen_and_only_the_adapters_train_and_hold_optimizer_state
     modules = {name.rpartition(".lora_")[0].split(".")[-1] for name in adapters}
     assert modules == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert not any("lm_head" in name or "embed" in name for name in adapters)
-    step = learner.graph_step
+    step = learner.engine.ready()
     assert {id(p) for p in step.params} == {id(p) for p in adapters.values()}
     assert len(step.optimizer.exp_avg) == len(step.optimizer.exp_avg_sq) == len(adapters)
     assert all(not torch.count_nonzero(p) for name, p in adapters.items() if name.endswith("lora_B.weight"))
@@ -365,7 +366,7 @@ def test_a_checkpoint_holds_the_adapters_alone_resumes_exactly_and_exports_as_pe
     reloaded = _learner(tiny_qwen3)
     reloaded.load_checkpoint(str(saved / checkpoint.LEARNER_STATE))
     exported = load_model(tmp_path / "merged").state_dict()
-    for name, value in reloaded.full_state_dict().items():
+    for name, value in whole_weights(reloaded).items():
         torch.testing.assert_close(exported[name], value, atol=1e-6, rtol=0)
 
 
@@ -404,7 +405,7 @@ def test_two_sharded_ranks_train_the_adapters_as_one_rank_does(tiny_qwen3):
     without a collective: lora_A is replicated, as the adapter sync's test above takes it) are the single rank's."""
     single, single_metrics, outputs = _one_rank_and_two(tiny_qwen3, graph=False, timeout_s=600)
     local = {rank: shards for *_, rank, shards in outputs}
-    full = single.full_state_dict()
+    full = whole_weights(single)
     assert local[0].keys() == full.keys()
     for name, value in full.items():
         start, stop = shard_rows(value.shape[0], 0, 2)
@@ -491,7 +492,7 @@ def test_two_sharded_ranks_capture_the_adapters_step_as_one_eager_rank_trains_it
     same merged weights (so the same adapters on the same base), and one compiled graph for three steps."""
     single, single_metrics, outputs = _one_rank_and_two(tiny_qwen3, graph=True, timeout_s=1200)
     local = {rank: shards for *_, rank, shards in outputs}
-    for name, value in single.full_state_dict().items():
+    for name, value in whole_weights(single).items():
         together = torch.from_numpy(np.concatenate([local[0][name], local[1][name]]))
         torch.testing.assert_close(together, value, atol=1e-5, rtol=0)
     for step in range(len(single_metrics)):
