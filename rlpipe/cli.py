@@ -23,6 +23,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rlpipe {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     parser.run_commands = {}  # for `_parse_args`, which parses these on their own
+    _add_run_commands(commands, parser.run_commands)
+    _add_eval(commands, parser.run_commands)
+    _add_submit(commands)
+    _add_plot(commands)
+    _add_export(commands)
+    _add_bench(commands)
+    return parser
+
+
+def _add_run_commands(commands, run_commands: dict) -> None:
+    """The commands that run a recipe with overrides: train, config, plan, rehearse."""
     for name, summary in (
         ("train", "run GRPO post-training"),
         ("config", "print the resolved config (`rlpipe config show [RECIPE] [key=value ...]`)"),
@@ -45,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
             epilog=None,  # the config keys with the values this command line would use: set by `_parse_args`
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        parser.run_commands[name] = sub
+        run_commands[name] = sub
         if name == "config":
             sub.add_argument("action", choices=["show"])
         sub.add_argument("recipe", nargs="?", help=f"YAML recipe (default: {DEFAULT_RECIPE.name})")
@@ -56,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--address", help="join this Ray cluster (same as ray.address=...)")
             sub.add_argument(
                 "--verbose", action="store_true",
-                help="also show vLLM, Ray and transformers INFO on the terminal; it is always in <run_dir>/logs/run.log "
-                "(same as run.verbose=true)",
+                help="also show vLLM, Ray and transformers INFO on the terminal; it is always in "
+                "<run_dir>/logs/run.log (same as run.verbose=true)",
             )
             sub.add_argument(
                 "--resume", nargs="?", const="latest", metavar="PATH",
@@ -65,9 +76,12 @@ def _parser() -> argparse.ArgumentParser:
             )
             sub.add_argument(
                 "--auto-resume", action="store_true",
-                help="when a worker dies for good (a learner rank, an engine past rollout.max_restarts), restart the run "
-                "from its latest checkpoint, up to train.max_auto_resumes times",
+                help="when a worker dies for good (a learner rank, an engine past rollout.max_restarts), restart the "
+                "run from its latest checkpoint, up to train.max_auto_resumes times",
             )
+
+
+def _add_eval(commands, run_commands: dict) -> None:
     evaluate = commands.add_parser(
         "eval",
         help="evaluate saved weights on the held-out set (engines and reward workers only, no learner)",
@@ -79,13 +93,16 @@ def _parser() -> argparse.ArgumentParser:
         epilog=None,  # the config keys, as for train (`_parse_args`)
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.run_commands["eval"] = evaluate
+    run_commands["eval"] = evaluate
     evaluate.add_argument("path", metavar="PATH",
                           help="a run directory, a checkpoint directory or a Hugging Face folder")
     evaluate.add_argument("recipe", nargs="?", help="YAML recipe (default: the checkpoint's config, else default.yaml)")
     evaluate.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     evaluate.add_argument("--out", metavar="FILE", help="where to write the figures (default: PATH's eval.json)")
     evaluate.add_argument("--verbose", action="store_true", help="also show vLLM, Ray and transformers INFO")
+
+
+def _add_submit(commands) -> None:
     submit = commands.add_parser(
         "submit", help="run a recipe as a Ray job on a cluster and follow its logs (exit status: the job's)"
     )
@@ -96,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--no-wait", action="store_true", help="return once the job is submitted")
     submit.add_argument("recipe", help="YAML recipe inside the working directory")
     submit.add_argument("overrides", nargs="*", help="section.key=value overrides")
+
+
+def _add_plot(commands) -> None:
     plot = commands.add_parser(
         "plot",
         help="draw a run's curves from its metrics.jsonl (to RUN_DIR/curves.png), or several runs overlaid (-o)",
@@ -108,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
                       "for one run, required for several")
     plot.add_argument("--smooth", type=float, default=None, metavar="W",
                       help="weight of the moving average over steps, in [0, 1) (default 0.6; 0: raw values only)")
+
+
+def _add_export(commands) -> None:
     export = commands.add_parser(
         "export", help="write a checkpoint's weights as a Hugging Face folder with a model card (README.md; LoRA "
         "adapters: a PEFT adapter folder)"
@@ -122,8 +145,16 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--private", action="store_true", help="create the --push-to-hub repository as private")
     export.add_argument("--merge", action="store_true",
                         help="for LoRA adapters: the base with them merged in, instead of a PEFT adapter folder")
+
+
+def _add_bench(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks, as ratios against a baseline run alongside")
     benches = bench.add_subparsers(dest="what", required=True)
+    for add in (_add_bench_learner, _add_bench_sync, _add_bench_kernels, _add_bench_agreement, _add_bench_e2e):
+        add(benches).add_argument("--out", help="also write the results as JSON here")
+
+
+def _add_bench_learner(benches) -> argparse.ArgumentParser:
     learner = benches.add_parser("learner", help="train-step throughput: eager vs graph, 1 vs 2 ranks, MFU")
     learner.add_argument("--layers", type=int, help="decoder layers (default 12, or the preset's)")
     learner.add_argument("--hidden", type=int, help="hidden width (default 512, or the preset's)")
@@ -158,6 +189,10 @@ def _parser() -> argparse.ArgumentParser:
         help="> 1: rows come in groups sharing their prompt (half of --seq), as GRPO's samples do; mode "
         "eager-unshared runs them with learner.share_prompts=false",
     )
+    return learner
+
+
+def _add_bench_sync(benches) -> argparse.ArgumentParser:
     sync = benches.add_parser("sync", help="weight-sync bytes/s per transport against this host's memcpy")
     sync.add_argument("--models", default="smollm2-135m,random-500m")
     sync.add_argument("--transports", default="ray,shm,gloo")
@@ -168,11 +203,19 @@ def _parser() -> argparse.ArgumentParser:
     sync.add_argument("--in-run-rounds", type=int, default=0,
                       help="> 0: also run the default recipe per transport, this many rounds, for the sync a step sees")
     sync.add_argument("--in-run-steps", type=int, default=6, help="training steps of each of those runs")
+    return sync
+
+
+def _add_bench_kernels(benches) -> argparse.ArgumentParser:
     kernels = benches.add_parser("kernels", help="fused (chunked) vs whole-logits log-probs: speed and peak memory")
     kernels.add_argument("--vocabs", default="49152,151936")
     kernels.add_argument("--tokens", default="1024,4096", help="tokens per call (sequence length x batch)")
     kernels.add_argument("--chunk", type=int, default=8192, help="vocabulary chunk of the fused path")
     kernels.add_argument("--repeats", type=int, default=1, help="timed runs after the first; the fastest counts")
+    return kernels
+
+
+def _add_bench_agreement(benches) -> argparse.ArgumentParser:
     agreement = benches.add_parser(
         "agreement", help="learner vs rollout log-probs: vLLM's model vs rlpipe's model inside vLLM, fp32 and bf16"
     )
@@ -182,22 +225,26 @@ def _parser() -> argparse.ArgumentParser:
     agreement.add_argument("--prompts", type=int, default=8)
     agreement.add_argument("--samples", type=int, default=4)
     agreement.add_argument("--max-tokens", type=int, default=64)
+    return agreement
+
+
+def _add_bench_e2e(benches) -> argparse.ArgumentParser:
     e2e = benches.add_parser(
         "e2e", help="one GRPO workload three ways: rlpipe synchronous, rlpipe one-step async, TRL's GRPOTrainer"
     )
     e2e.add_argument("--model", default="tiny", choices=["tiny", "smollm2-135m"])
     e2e.add_argument("--steps", type=int, default=4, help="GRPO steps of each system (the default recipe's workload)")
     e2e.add_argument("--threshold", type=float, default=0.2, help="report the timed seconds to this mean step reward")
-    e2e.add_argument("--trl", default="hf", help="TRL generation: hf, hf-cb, vllm-colocate, vllm-colocate-tf (comma list)")
+    e2e.add_argument("--trl", default="hf",
+                     help="TRL generation: hf, hf-cb, vllm-colocate, vllm-colocate-tf (comma list)")
     e2e.add_argument("--systems", default="rlpipe-sync,rlpipe-async,trl",
-                     help="which systems to run (also rlpipe-xla: rlpipe-sync with its learner on torch_xla, .venv-xla)")
+                     help="which systems to run (also rlpipe-xla: rlpipe-sync with its learner on torch_xla, "
+                     ".venv-xla)")
     e2e.add_argument("--repeats", type=int, default=1, help="rounds of all systems; each system's fastest is reported")
     e2e.add_argument("--png", help="reward-per-step plot (default: next to --out, else bench-e2e-MODEL.png)")
     e2e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="change the workload (a config override every system is set up from); repeatable")
-    for bench_parser in (learner, sync, kernels, agreement, e2e):
-        bench_parser.add_argument("--out", help="also write the results as JSON here")
-    return parser
+    return e2e
 
 
 def _version() -> str:
@@ -296,111 +343,130 @@ def _parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argp
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = _parse_args(parser, argv)
-    if args.command == "bench" and args.what == "sync":
-        from rlpipe.bench.sync import SYNC_MODELS, SYNC_TRANSPORTS, bench_sync
+def _split(text: str) -> list[str]:
+    return [item for item in text.split(",") if item]
 
-        split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
-        for option, values, known in (("--models", args.models, SYNC_MODELS), ("--transports", args.transports, SYNC_TRANSPORTS)):
-            unknown = [value for value in split(values) if value not in known]
-            if unknown:
-                parser.error(f"bench sync {option}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
-        bench_sync(split(args.models), split(args.transports), [int(r) for r in split(args.ranks)], args.bucket_mb,
-                   args.repeats, args.out, args.in_run_rounds, args.in_run_steps)
-        return 0
-    if args.command == "submit":
-        from rlpipe.run.submit import SubmitError, submit
 
-        try:
-            return submit(args.address, args.recipe, list(args.overrides), args.working_dir, args.env,
-                          args.runtime_env, follow=not args.no_wait)
-        except ConfigError as err:
-            print(f"rlpipe: config error: {err}", file=sys.stderr)
-            return 2
-        except SubmitError as err:
-            print(f"rlpipe: {err}", file=sys.stderr)
-            return 2
-    if args.command == "plot":
-        from rlpipe.reporting.plots import SMOOTHING, PlotError, plot_runs
+def _bench_sync(args, parser) -> int:
+    from rlpipe.bench.sync import SYNC_MODELS, SYNC_TRANSPORTS, bench_sync
 
-        try:
-            written = plot_runs(args.run_dirs, args.out, SMOOTHING if args.smooth is None else args.smooth)
-        except PlotError as err:
-            print(f"rlpipe: plot: {err}", file=sys.stderr)
-            return 2
-        print(f"curves written to {written}")
-        return 0
-    if args.command == "export":
-        return _export(args)
-    if args.command == "bench" and args.what == "agreement":
-        from rlpipe.bench.agreement import bench_agreement
-
-        split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
-        bench_agreement(args.model, split(args.impls), split(args.dtypes), args.prompts, args.samples,
-                        args.max_tokens, args.out)
-        return 0
-    if args.command == "bench" and args.what == "e2e":
-        from rlpipe.bench.e2e import TRL_GENERATION, bench_e2e
-
-        split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
-        unknown = [g for g in split(args.trl) if g not in TRL_GENERATION]
+    for option, values, known in (("--models", args.models, SYNC_MODELS),
+                                  ("--transports", args.transports, SYNC_TRANSPORTS)):
+        unknown = [value for value in _split(values) if value not in known]
         if unknown:
-            parser.error(f"bench e2e --trl: unknown {', '.join(unknown)} (known: {', '.join(TRL_GENERATION)})")
-        bench_e2e(args.model, args.steps, args.threshold, split(args.trl), split(args.systems), args.out, args.png,
-                  args.repeats, args.overrides)
-        return 0
-    if args.command == "bench" and args.what == "kernels":
-        from rlpipe.bench.kernels import bench_kernels
+            parser.error(f"bench sync {option}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    bench_sync(_split(args.models), _split(args.transports), [int(r) for r in _split(args.ranks)], args.bucket_mb,
+               args.repeats, args.out, args.in_run_rounds, args.in_run_steps)
+    return 0
 
-        numbers = lambda text: [int(item) for item in text.split(",") if item]  # noqa: E731
-        bench_kernels(numbers(args.vocabs), numbers(args.tokens), args.chunk, args.repeats, args.out)
-        return 0
-    if args.command == "bench":
-        from rlpipe.bench.learner import PRESETS, LearnerBenchShape, bench_learner, unsupported_modes
 
-        if args.preset is not None and args.preset not in PRESETS:
-            parser.error(f"bench learner --preset: unknown {args.preset!r} (known: {', '.join(PRESETS)})")
-        given = {key: getattr(args, key) for key in ("layers", "hidden", "seq", "batch") if getattr(args, key) is not None}
-        shape = LearnerBenchShape(
-            **{**PRESETS.get(args.preset, {}), **given}, steps=args.steps,
-            experts=args.experts, top_k=args.top_k, expert_intermediate=args.expert_intermediate, group=args.group_size,
-        )
-        if args.group_size < 1 or shape.batch % args.group_size:
-            parser.error(f"bench learner --group-size: must be >= 1 and divide --batch ({shape.batch})")
-        if args.experts < 0:
-            parser.error("bench learner --experts: must be >= 0")
-        if args.experts and not 1 <= args.top_k <= args.experts:
-            parser.error(f"bench learner --top-k: must be between 1 and --experts ({args.experts})")
-        default_modes = "eager,graph" if args.device == "cuda" else "eager,graph,eager-m2,graph-m2"
-        modes = (args.modes or ("eager+loop,eager,graph" if args.experts else default_modes)).split(",")
-        if args.device == "cuda":
-            import torch
+def _bench_agreement(args, parser) -> int:
+    from rlpipe.bench.agreement import bench_agreement
 
-            problem = unsupported_modes(modes, args.device)
-            if problem:
-                parser.error(f"bench learner --modes {problem}")
-            if args.rounds > 1:
-                parser.error("bench learner --rounds: on cuda the modes run one after another, in a process each")
-            if not torch.cuda.is_available():
-                parser.error("bench learner --device cuda: no CUDA GPU is visible to torch")
-        bench_learner(shape, modes, args.out, rounds=max(1, args.rounds), device=args.device)
-        return 0
-    if args.command == "eval":
-        from rlpipe.actors.calls import WorkerLost
+    bench_agreement(args.model, _split(args.impls), _split(args.dtypes), args.prompts, args.samples,
+                    args.max_tokens, args.out)
+    return 0
 
-        try:
-            return evaluate_saved_weights(args)
-        except (ConfigError, RewardConfigError) as err:
-            print(f"rlpipe: config error: {err}", file=sys.stderr)
-            return 2
-        except CheckpointError as err:
-            print(f"rlpipe: eval: {err}", file=sys.stderr)
-            return 2
-        except WorkerLost as err:
-            print(f"rlpipe: {err}", file=sys.stderr)
-            return 1
+
+def _bench_e2e(args, parser) -> int:
+    from rlpipe.bench.e2e import TRL_GENERATION, bench_e2e
+
+    unknown = [g for g in _split(args.trl) if g not in TRL_GENERATION]
+    if unknown:
+        parser.error(f"bench e2e --trl: unknown {', '.join(unknown)} (known: {', '.join(TRL_GENERATION)})")
+    bench_e2e(args.model, args.steps, args.threshold, _split(args.trl), _split(args.systems), args.out, args.png,
+              args.repeats, args.overrides)
+    return 0
+
+
+def _bench_kernels(args, parser) -> int:
+    from rlpipe.bench.kernels import bench_kernels
+
+    numbers = [int(item) for item in _split(args.vocabs)], [int(item) for item in _split(args.tokens)]
+    bench_kernels(*numbers, args.chunk, args.repeats, args.out)
+    return 0
+
+
+def _bench_learner(args, parser) -> int:
+    from rlpipe.bench.learner import PRESETS, LearnerBenchShape, bench_learner, unsupported_modes
+
+    if args.preset is not None and args.preset not in PRESETS:
+        parser.error(f"bench learner --preset: unknown {args.preset!r} (known: {', '.join(PRESETS)})")
+    given = {key: getattr(args, key) for key in ("layers", "hidden", "seq", "batch") if getattr(args, key) is not None}
+    shape = LearnerBenchShape(
+        **{**PRESETS.get(args.preset, {}), **given}, steps=args.steps,
+        experts=args.experts, top_k=args.top_k, expert_intermediate=args.expert_intermediate, group=args.group_size,
+    )
+    if args.group_size < 1 or shape.batch % args.group_size:
+        parser.error(f"bench learner --group-size: must be >= 1 and divide --batch ({shape.batch})")
+    if args.experts < 0:
+        parser.error("bench learner --experts: must be >= 0")
+    if args.experts and not 1 <= args.top_k <= args.experts:
+        parser.error(f"bench learner --top-k: must be between 1 and --experts ({args.experts})")
+    default_modes = "eager,graph" if args.device == "cuda" else "eager,graph,eager-m2,graph-m2"
+    modes = (args.modes or ("eager+loop,eager,graph" if args.experts else default_modes)).split(",")
+    if args.device == "cuda":
+        import torch
+
+        problem = unsupported_modes(modes, args.device)
+        if problem:
+            parser.error(f"bench learner --modes {problem}")
+        if args.rounds > 1:
+            parser.error("bench learner --rounds: on cuda the modes run one after another, in a process each")
+        if not torch.cuda.is_available():
+            parser.error("bench learner --device cuda: no CUDA GPU is visible to torch")
+    bench_learner(shape, modes, args.out, rounds=max(1, args.rounds), device=args.device)
+    return 0
+
+
+BENCHES = {"sync": _bench_sync, "agreement": _bench_agreement, "e2e": _bench_e2e, "kernels": _bench_kernels,
+           "learner": _bench_learner}
+
+
+def _submit(args, parser) -> int:
+    from rlpipe.run.submit import SubmitError, submit
+
+    try:
+        return submit(args.address, args.recipe, list(args.overrides), args.working_dir, args.env,
+                      args.runtime_env, follow=not args.no_wait)
+    except ConfigError as err:
+        print(f"rlpipe: config error: {err}", file=sys.stderr)
+        return 2
+    except SubmitError as err:
+        print(f"rlpipe: {err}", file=sys.stderr)
+        return 2
+
+
+def _plot(args, parser) -> int:
+    from rlpipe.reporting.plots import SMOOTHING, PlotError, plot_runs
+
+    try:
+        written = plot_runs(args.run_dirs, args.out, SMOOTHING if args.smooth is None else args.smooth)
+    except PlotError as err:
+        print(f"rlpipe: plot: {err}", file=sys.stderr)
+        return 2
+    print(f"curves written to {written}")
+    return 0
+
+
+def _eval(args, parser) -> int:
+    from rlpipe.actors.calls import WorkerLost
+
+    try:
+        return evaluate_saved_weights(args)
+    except (ConfigError, RewardConfigError) as err:
+        print(f"rlpipe: config error: {err}", file=sys.stderr)
+        return 2
+    except CheckpointError as err:
+        print(f"rlpipe: eval: {err}", file=sys.stderr)
+        return 2
+    except WorkerLost as err:
+        print(f"rlpipe: {err}", file=sys.stderr)
+        return 1
+
+
+def _run_recipe(args, parser) -> int:
+    """train, config, plan and rehearse: the recipe resolved with its overrides, then the command."""
     try:
         cfg = _resolve(args)
         if args.command == "config":
@@ -418,24 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             result = plan(cfg)
             print(format_plan(result))
             return 0 if result.ok else 1
-        from rlpipe.actors.calls import WorkerLost
-        from rlpipe.run.hub_push import HubPushError, after_run, check_can_push
-        from rlpipe.weightsync import NonFiniteWeights
-
-        try:
-            if cfg.metrics.push_to_hub:
-                check_can_push(cfg.metrics.push_to_hub, "metrics.push_to_hub")
-        except HubPushError as err:
-            print(f"rlpipe: config error: {err}", file=sys.stderr)
-            return 2
-        try:
-            after_run(cfg, train_with_restarts(cfg, args.resume, args.auto_resume))
-        # mid-run: the checkpoints written so far stay. Diverged weights are not a lost worker: a restart from the
-        # last checkpoint would take the same steps again.
-        except (WorkerLost, NonFiniteWeights, HubPushError) as err:
-            print(f"rlpipe: {err}", file=sys.stderr)
-            return 1
-        return 0
+        return _train(cfg, args)
     except (ConfigError, RewardConfigError) as err:
         print(f"rlpipe: config error: {err}", file=sys.stderr)
         return 2
@@ -445,6 +494,37 @@ def main(argv: list[str] | None = None) -> int:
     except RewardFailure as err:  # mid-run: the checkpoints written so far stay
         print(f"rlpipe: {err}", file=sys.stderr)
         return 1
+
+
+def _train(cfg: Config, args) -> int:
+    from rlpipe.actors.calls import WorkerLost
+    from rlpipe.run.hub_push import HubPushError, after_run, check_can_push
+    from rlpipe.weightsync import NonFiniteWeights
+
+    try:
+        if cfg.metrics.push_to_hub:
+            check_can_push(cfg.metrics.push_to_hub, "metrics.push_to_hub")
+    except HubPushError as err:
+        print(f"rlpipe: config error: {err}", file=sys.stderr)
+        return 2
+    try:
+        after_run(cfg, train_with_restarts(cfg, args.resume, args.auto_resume))
+    # mid-run: the checkpoints written so far stay. Diverged weights are not a lost worker: a restart from the
+    # last checkpoint would take the same steps again.
+    except (WorkerLost, NonFiniteWeights, HubPushError) as err:
+        print(f"rlpipe: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+COMMANDS = {"submit": _submit, "plot": _plot, "export": lambda args, parser: _export(args), "eval": _eval,
+            "bench": lambda args, parser: BENCHES[args.what](args, parser)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = _parse_args(parser, argv)
+    return COMMANDS.get(args.command, _run_recipe)(args, parser)
 
 
 def evaluate_saved_weights(args) -> int:
