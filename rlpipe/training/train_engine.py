@@ -16,9 +16,7 @@ engine slices, pads and moves with each micro-batch without reading them.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,28 +36,22 @@ from rlpipe.weightsync.form import FULL, WeightForm
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
     """Multiplier of the peak learning rate at optimizer step `step` (0-based): a linear warm-up whose first step
     already trains (lr / warmup), then transformers' schedule of that name (`linear` to 0 at `total`, `cosine` to
-    `min_ratio` at `total`, held there beyond it)."""
+    `min_ratio` at `total`, held there beyond it).
+
+    The decays are transformers' `get_scheduler` multipliers (constant, linear, cosine_with_min_lr) written out:
+    importing them from transformers loads its trainer stack, seconds of every learner process's first step.
+    tests/unit/test_trl_knobs.py holds them equal to transformers' own."""
     if step < warmup:
         return (step + 1) / warmup
-    return float(_decay(schedule, warmup, total, min_ratio)(min(step, total)))
-
-
-@functools.lru_cache(maxsize=8)
-def _decay(schedule: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
-    """transformers' multiplier function of `schedule`, as its LambdaLR holds it (the engine's functional AdamW is
-    no torch optimizer, so a placeholder one carries the scheduler)."""
-    from transformers import get_scheduler
-
-    name, kwargs = {
-        "constant": ("constant", {}),
-        "linear": ("linear", {}),
-        "cosine": ("cosine_with_min_lr", {"min_lr_rate": min_ratio}),
-    }[schedule]
-    placeholder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = get_scheduler(
-        name, placeholder, num_warmup_steps=warmup, num_training_steps=total, scheduler_specific_kwargs=kwargs
-    )
-    return scheduler.lr_lambdas[0]
+    step = min(step, total)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, (total - step) / max(1, total - warmup))
+    if schedule == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)) * (1 - min_ratio) + min_ratio)
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}")
 
 
 class TrainEngine:

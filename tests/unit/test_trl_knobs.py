@@ -196,23 +196,42 @@ def test_truncated_completions_leave_the_loss_as_in_trl():
     assert not theirs.grad[truncated].any() and theirs.grad.abs().sum() > 0
 
 
-def test_the_linear_schedule_is_transformers_after_rlpipes_warm_up():
-    from transformers import get_linear_schedule_with_warmup
+@pytest.mark.parametrize("schedule, name, kwargs", [
+    ("linear", "linear", {}),
+    ("cosine", "cosine_with_min_lr", {"min_lr_rate": 0.1}),
+    ("constant", "constant", {}),
+])
+def test_each_schedule_is_transformers_after_rlpipes_warm_up(schedule, name, kwargs):
+    from transformers import get_scheduler
 
     parameter = torch.zeros(1, requires_grad=True)
     optimizer = torch.optim.SGD([parameter], lr=1.0)
-    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=3, num_training_steps=12)
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=3, num_training_steps=12,
+                              scheduler_specific_kwargs=kwargs)
     theirs = []
     for _ in range(14):
         theirs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    ours = [lr_factor(step, 3, 12, "linear", 0.1) for step in range(14)]
+    ours = [lr_factor(step, 3, 12, schedule, 0.1) for step in range(14)]
     assert ours[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])  # rlpipe's first warm-up step trains; TRL's runs at lr 0
-    assert theirs[:3] == pytest.approx([0.0, 1 / 3, 2 / 3])
-    assert ours[3:] == pytest.approx(theirs[3:], abs=1e-15)
-    assert ours[11] == pytest.approx(1 / 9) and ours[12:] == [0.0, 0.0]
-    assert load_config(None, ["train.lr_schedule=linear"]).train.lr_schedule == "linear"
+    if schedule != "constant":  # transformers' constant schedule has no warm-up
+        assert theirs[:3] == pytest.approx([0.0, 1 / 3, 2 / 3])
+    assert ours[3:12] == pytest.approx(theirs[3:12], abs=1e-15)
+    held = {"linear": 0.0, "cosine": 0.1, "constant": 1.0}[schedule]  # at the last step and beyond it
+    assert ours[12:] == pytest.approx([held, held], abs=1e-15) and theirs[12] == pytest.approx(held, abs=1e-15)
+    assert load_config(None, [f"train.lr_schedule={schedule}"]).train.lr_schedule == schedule
+
+
+def test_the_learner_imports_no_transformers_schedule():
+    """The schedule's arithmetic is rlpipe's: transformers' trainer stack stays out of the learner's first step."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rlpipe.training.train_engine import lr_factor; lr_factor(5, 2, 10, 'cosine', 0.1); "
+            "print('transformers.optimization' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))
