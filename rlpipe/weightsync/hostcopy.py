@@ -38,9 +38,8 @@ import torch
 
 from rlpipe.weightsync.errors import SyncError
 from rlpipe.orphans import remove_orphans
+from rlpipe.weightsync.ownership import SHM_DIR, check_own_file
 from rlpipe.weightsync.transport import _SEGMENT_PREFIX
-
-SHM_DIR = "/dev/shm"
 _ALIGN = 64  # every tensor starts on a cache line
 MESSAGE_KEY = "rlpipe_shared_weights"
 
@@ -263,7 +262,9 @@ class _Mapping:
 
     def __init__(self, path: str):
         with open(path, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
+            info = os.fstat(file.fileno())
+            check_own_file(info, path)  # the engine's own file, which nobody else can have changed
+            size = info.st_size
             # MAP_PRIVATE, writable: reads share the file's pages; a write would go to a private page, never to them.
             self.map = mmap.mmap(file.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.bytes = np.frombuffer(self.map, dtype=np.uint8)

@@ -52,6 +52,7 @@ import torch
 
 from rlpipe.orphans import remove_orphans
 from rlpipe.weightsync.errors import SyncError
+from rlpipe.weightsync.ownership import SHM_DIR, check_own_file
 
 TRANSPORTS = ("auto", "ray", "shm", "gloo")
 
@@ -61,7 +62,7 @@ _created_here: set[str] = set()
 _SEGMENT_PREFIX = "rlpipe-"  # then the creating process's id
 
 
-def remove_orphaned_segments(directory: str = "/dev/shm") -> list[str]:
+def remove_orphaned_segments(directory: str = SHM_DIR) -> list[str]:
     """Unlink segments whose creating process is gone. A learner killed mid-run (SIGKILL, OOM) cannot free its
     segments, and they would hold up to two model copies of RAM until the next reboot. Unlinking is safe even
     if an engine still maps one: the memory lives until the last mapping goes."""
@@ -250,9 +251,9 @@ class SharedMemoryTransport(Transport):
     def _open(self, name: str, nbytes: int) -> tuple[Any, bool]:
         """The segment `name`, created by whichever rank gets there first, and whether it was this one; only the
         owner keeps it registered with its resource tracker (which would unlink it when that process exits)."""
-        from multiprocessing import resource_tracker, shared_memory
+        from multiprocessing import shared_memory
 
-        try:
+        try:  # created with mode 0600
             segment, created = shared_memory.SharedMemory(create=True, size=nbytes, name=name), True
         except FileExistsError:
             segment, created = self._attach_when_sized(name, nbytes), False
@@ -260,24 +261,22 @@ class SharedMemoryTransport(Transport):
         if self._owner:
             _created_here.add(segment.name)
         else:
-            with contextlib.suppress(Exception):
-                resource_tracker.unregister(segment._name, "shared_memory")
+            _untrack(segment)
         return segment, created
 
     @staticmethod
     def _attach_when_sized(name: str, nbytes: int, timeout_s: float = 30.0):
         """Another rank creates a segment in two steps (create, then set its size): wait for the second."""
-        from multiprocessing import shared_memory
-
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                segment = shared_memory.SharedMemory(name=name)
+                segment = attach_own_segment(name)
                 if segment.size >= nbytes:
                     return segment
                 segment.close()
-            except ValueError:  # "cannot mmap an empty file": created, not sized yet
-                pass
+            except ValueError:  # "cannot mmap an empty file": created, not sized yet, or someone else's
+                path = os.path.join(SHM_DIR, name)
+                check_own_file(os.stat(path), path)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"shm weight transport: segment {name} did not reach {nbytes} bytes "
                                    f"within {timeout_s:.0f} s (the rank creating it stalled?)")
@@ -304,14 +303,9 @@ class SharedMemoryTransport(Transport):
     def _attach(self, name: str) -> None:
         if name in self._attached:
             return
-        from multiprocessing import resource_tracker, shared_memory
-
-        segment = shared_memory.SharedMemory(name=name)
-        # Attaching registers the segment with this process's tracker (Python < 3.13), which would unlink it,
-        # or warn, when the engine exits; the learner owns it. (Its own process has it registered already.)
-        if name not in _created_here:
-            with contextlib.suppress(Exception):
-                resource_tracker.unregister(segment._name, "shared_memory")
+        segment = attach_own_segment(name)
+        if name not in _created_here:  # the learner owns it (see attach_own_segment)
+            _untrack(segment)
         populate(segment, created=False)
         self.segments_opened += 1
         self._attached[name] = (segment, np.ndarray((segment.size,), dtype=np.uint8, buffer=segment.buf))
@@ -345,6 +339,35 @@ class SharedMemoryTransport(Transport):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def attach_own_segment(name: str):
+    """The existing segment `name`, once the file it maps is found to be the run's own (`check_own_file`): a
+    segment another user made, or one group or others may use, is refused in one line naming it, and left as it
+    is. Attaching registers the segment with this process's resource tracker (Python < 3.13), which would unlink
+    it, or warn, when the process exits: only its creator keeps it registered (the callers unregister it)."""
+    from multiprocessing import shared_memory
+
+    path = os.path.join(SHM_DIR, name)
+    try:
+        segment = shared_memory.SharedMemory(name=name)
+    except PermissionError:  # another user's, not open to this one
+        raise SyncError(f"weight sync: shared-memory file {path} cannot be opened by the run's uid "
+                        f"{os.geteuid()} (made by another user?); refusing to use it") from None
+    try:
+        check_own_file(os.fstat(segment._fd), path)
+    except SyncError:
+        _untrack(segment)  # never unlinked on this process's behalf: it is not the run's
+        segment.close()
+        raise
+    return segment
+
+
+def _untrack(segment) -> None:
+    from multiprocessing import resource_tracker
+
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(segment._name, "shared_memory")
 
 
 def _other_parity(name: str) -> str:

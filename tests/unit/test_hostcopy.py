@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import uuid
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from rlpipe.weightsync.hostcopy import (
     read_shared_weights,
     sees_file,
 )
+from tests.unit.foreign_files import NOBODY, another_user, make_as_nobody, make_open_to_all
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -86,6 +89,32 @@ def test_a_missing_copy_is_a_sync_error():
     with pytest.raises(SyncError, match="is gone"):
         with read_shared_weights(shared) as tensors:
             list(tensors)
+
+
+def _read_all(path: str) -> list:
+    shared = SharedWeights((SharedTensor("w", path, 0, "float32", (2,)),), 1 << 20)
+    with read_shared_weights(shared) as tensors:
+        return list(tensors)
+
+
+@another_user
+def test_a_worker_refuses_a_copy_another_user_made():
+    # Where a file another user made stands for the engine's copy, the worker loads nothing from it.
+    path = f"/dev/shm/rlpipe-{os.getpid()}-host-{uuid.uuid4().hex[:12]}"
+    make_as_nobody([path], 64)
+    try:
+        with pytest.raises(SyncError, match=rf"^weight sync: shared-memory file {re.escape(path)} belongs to uid "
+                                            rf"{NOBODY}, not to the run's uid {os.geteuid()}"):
+            _read_all(path)
+    finally:
+        os.unlink(path)
+
+
+def test_a_worker_refuses_a_copy_open_to_group_or_others(tmp_path):
+    path = str(tmp_path / "rlpipe-1-host-open")
+    make_open_to_all(path, 64)
+    with pytest.raises(SyncError, match=rf"^weight sync: shared-memory file {re.escape(path)} has mode 0666"):
+        _read_all(path)
 
 
 def test_a_version_over_shm_is_the_engines_own_checked_copy_whatever_the_segment_holds_later():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue as queue_module
+import re
 import signal
+import uuid
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from rlpipe.weightsync import (
 )
 from tests.conftest import MACHINE_WIDE
 from tests.unit.engine_tensors import engine_tensors
+from tests.unit.foreign_files import NOBODY, another_user, make_as_nobody, make_open_to_all, untouched
 
 
 def _part_checksum(bucket, rank: int, buffer: np.ndarray, version: int) -> int:
@@ -702,6 +705,64 @@ def test_a_dev_shm_without_room_for_the_segments_fails_with_a_clear_error(monkey
     assert os.path.exists(f"/dev/shm/{name}")
     transport.close()
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def _segment_path(transport, bucket: int, parity: int) -> str:
+    """Where the learner's segment for `bucket` and the versions of `parity` lies."""
+    return f"/dev/shm/{transport.buffer_prefix()}-{bucket}-{parity}"
+
+
+@another_user
+@pytest.mark.parametrize("size", [4096, 0], ids=["sized", "empty"])
+def test_a_learner_refuses_a_segment_another_user_made_under_its_name(size):
+    # A neighbour who guessed the name of a bucket's segment for the next versions makes it first, open to all: the
+    # learner, which would pack the weights into the neighbour's file, refuses it (an empty one too, at once).
+    transport = make_transport("shm")
+    ours, theirs = _segment_path(transport, 0, 1), _segment_path(transport, 0, 0)  # version 1: parity 1 first
+    make_as_nobody([theirs], size)
+    try:
+        with pytest.raises(SyncError) as refused:
+            transport.allocate(4096, bucket=0, version=1)
+        assert str(refused.value) == (f"weight sync: shared-memory file {theirs} belongs to uid {NOBODY}, not to the "
+                                      f"run's uid {os.geteuid()} (made by another user?); refusing to use it")
+        assert untouched(theirs, size)
+        transport.close()
+        assert not os.path.exists(ours) and os.path.exists(theirs)  # the run's own unlinked, the other left as it is
+    finally:
+        os.unlink(theirs)
+
+
+def test_a_learner_refuses_a_segment_open_to_group_or_others():
+    transport = make_transport("shm")
+    path = _segment_path(transport, 0, 1)
+    make_open_to_all(path, 4096)
+    try:
+        expected = (f"weight sync: shared-memory file {path} has mode 0666: group or others may use it, where the "
+                    "run's own files are 0600; refusing to use it")
+        with pytest.raises(SyncError, match=f"^{re.escape(expected)}$"):
+            transport.allocate(4096, bucket=0, version=1)
+        assert untouched(path, 4096)
+    finally:
+        transport.close()
+        os.unlink(path)
+
+
+@another_user
+def test_an_engine_refuses_a_segment_another_user_made():
+    # A handle naming a file another user made (in place of the learner's segment): the engine reads nothing from it.
+    name = f"rlpipe-{os.getpid()}-{uuid.uuid4().hex[:12]}-0-0"
+    path = f"/dev/shm/{name}"
+    make_as_nobody([path], 4096)
+    receiver = make_transport("shm")
+    try:
+        with pytest.raises(SyncError, match=rf"^weight sync: shared-memory file {re.escape(path)} belongs to uid "
+                                            rf"{NOBODY}, not to the run's uid {os.geteuid()}"):
+            with receiver.receive(name, 0, 4096):
+                pass
+        assert receiver.segments_opened == 0 and untouched(path, 4096)
+    finally:
+        receiver.close()
+        os.unlink(path)
 
 
 def test_a_rank_waits_for_a_shared_segment_another_rank_is_still_sizing():
