@@ -17,6 +17,7 @@ from rlpipe.hardware.tpu_env import keep_only_given_tpu_env
 from rlpipe.types import TrainBatch
 from rlpipe.weightsync.form import FULL, WeightForm
 from rlpipe.weightsync import SyncPlan, make_transport, stream_parts
+from rlpipe.weightsync.transport import SegmentNames
 
 # Parts of this many buckets may be in flight per engine before the sender waits for receipts.
 _BUCKETS_IN_FLIGHT = 2
@@ -98,11 +99,11 @@ class LearnerActor:
         """The route to each engine (rlpipe/weightsync/routes.py)."""
         self.transport.set_routes(routes, whole_buckets)
 
-    def sync_buffer_prefix(self) -> str | None:
-        """The name of the buffers every rank writes into, where the transport shares them (asked of rank 0)."""
+    def sync_buffer_prefix(self) -> SegmentNames | None:
+        """How the buffers every rank writes into are named, where the transport shares them (asked of rank 0)."""
         return self.transport.buffer_prefix()
 
-    def share_sync_buffers(self, prefix: str | None) -> None:
+    def share_sync_buffers(self, prefix: SegmentNames | None) -> None:
         self.transport.share_buffers(prefix)
 
     def send_weights(self, plan: SyncPlan, version: int, engines: list, engine_indexes: list[int]) -> int:

@@ -20,11 +20,14 @@ An engine copies every part out of what `receive` yields, checking it as it copi
 later is read from a transport's buffer.
 
 - `ray`:  the Ray object store (default; works across hosts). The handle is an object reference.
-- `shm`:  POSIX shared memory on one host. The learner packs straight into a named segment; the handle is its name.
-          Every learner rank writes its rows of a bucket into the same segment, laid out as whole tensors
-          (`whole_buckets`), so the engine uses each tensor in place however many ranks sent it. The segments are
-          named after learner rank 0's transport (`buffer_prefix()` there, `share_buffers(prefix)` on every rank
-          before the first transfer); rank 0 unlinks them.
+- `shm`:  POSIX shared memory on one host. The learner packs straight into a named segment; the handle is its name
+          and that of the bucket's segment for the other versions (`SegmentHandle`). Every learner rank writes its
+          rows of a bucket into the same segment, laid out as whole tensors (`whole_buckets`), so the engine uses each
+          tensor in place however many ranks sent it. The segments are named by learner rank 0's transport
+          (`buffer_prefix()` there, `share_buffers(names)` on every rank before the first transfer): each name ends in
+          bits keyed with a secret of rank 0's, so one segment's name tells nothing of another's; rank 0 unlinks them.
+          Each is created 0600, and a process opening one another process created checks that it is the run's own
+          (ownership.py).
 - `auto`: per learner-rank/engine pair, `shm` where both are on one host and `ray` where they are not
           (routes.py decides, from where Ray placed them; `set_routes` tells each side). When every pair shares a
           host it is exactly `shm`; otherwise each rank sends its own part, from a segment of its own when some
@@ -38,14 +41,18 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
+import hashlib
 import mmap
 import os
+import secrets
+import struct
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -122,12 +129,12 @@ class Transport(abc.ABC):
     def set_routes(self, routes: list[str], whole_buckets: bool) -> None:
         """The route of each of this side's pairs, "shm" or "ray" (routes.py); only `auto` chooses per pair."""
 
-    def buffer_prefix(self) -> str | None:
-        """The name of the buffers every learner rank writes into, asked of rank 0; None where each rank sends its
+    def buffer_prefix(self) -> SegmentNames | None:
+        """How the buffers every learner rank writes into are named, asked of rank 0; None where each rank sends its
         own."""
         return None
 
-    def share_buffers(self, prefix: str | None) -> None:
+    def share_buffers(self, prefix: SegmentNames | None) -> None:
         """Write into the buffers `prefix` names (learner rank 0's `buffer_prefix()`); None: nothing is shared."""
 
     def connect(self, address: str, port: int, rank: int, learner_ranks: int, world: int, timeout_s: float) -> None:
@@ -190,6 +197,33 @@ class RayTransport(_BufferPool):
         yield ray.get(handle[0])  # zero-copy, read-only view of the object
 
 
+@dataclass(frozen=True)
+class SegmentNames:
+    """How the segments of one set of learner ranks are named: `prefix` (the creating process's id first, which the
+    orphan sweep reads, then random hex), then per bucket and version parity 16 hex digits keyed with `secret`.
+    Someone who sees one segment in /dev/shm cannot tell the name of the next one and make it first. The secret goes
+    from rank 0 to the other ranks over Ray, never into a file."""
+
+    prefix: str
+    secret: bytes = field(repr=False)
+
+    @classmethod
+    def new(cls) -> SegmentNames:
+        return cls(f"{_SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", secrets.token_bytes(16))
+
+    def name(self, bucket: int, parity: int) -> str:
+        tag = hashlib.blake2b(struct.pack("<QQ", bucket, parity), key=self.secret, digest_size=8).hexdigest()
+        return f"{self.prefix}-{tag}"
+
+
+class SegmentHandle(NamedTuple):
+    """What an engine is told of a part sent over shared memory: the segment it lies in, and the bucket's segment for
+    the versions of the other parity, which the engine maps ahead (names cannot be derived from one another)."""
+
+    name: str
+    partner: str
+
+
 class SharedMemoryTransport(Transport):
     """Segments live for the whole run, one per bucket and version parity. Both parities of a bucket are created
     the first time the bucket is allocated and faulted in (`populate`) everywhere: by the rank that created the
@@ -204,24 +238,24 @@ class SharedMemoryTransport(Transport):
     whole_buckets = True
 
     def __init__(self) -> None:
-        self._segments: dict[object, Any] = {}  # sender: key -> segment
-        self._by_address: dict[int, Any] = {}  # sender: buffer address -> segment
+        self._segments: dict[tuple[int, int], Any] = {}  # sender: (bucket, parity) -> segment
+        self._by_address: dict[int, tuple[int, int]] = {}  # sender: buffer address -> (bucket, parity)
         self._attached: dict[str, tuple[Any, np.ndarray]] = {}  # receiver: name -> (segment, view)
-        self._prefix = f"{_SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._names = SegmentNames.new()
         self._owner = True  # unlinks the segments; the other ranks only map them
         self.segments_opened = 0  # segments this process created or attached to, sending or receiving
         self._unpopulated: list[Any] = []  # sender: segments another rank created, to map after this version
 
-    def buffer_prefix(self) -> str:
-        return self._prefix
+    def buffer_prefix(self) -> SegmentNames:
+        return self._names
 
-    def share_buffers(self, prefix: str | None) -> None:
-        """Write into the segments named after `prefix` (learner rank 0's `buffer_prefix()`)."""
+    def share_buffers(self, prefix: SegmentNames | None) -> None:
+        """Write into the segments `prefix` names (learner rank 0's `buffer_prefix()`)."""
         if prefix is None:
             return
         if self._segments:
             raise RuntimeError("shm weight transport: share_buffers() after the first transfer")
-        self._prefix, self._owner = prefix, prefix == self._prefix
+        self._names, self._owner = prefix, prefix == self._names
 
     def allocate(self, nbytes: int, bucket: int, version: int) -> np.ndarray:
         key = (bucket, version % 2)
@@ -234,7 +268,7 @@ class SharedMemoryTransport(Transport):
             for parity in (version % 2, 1 - version % 2):
                 if (bucket, parity) in self._segments:  # set up by an allocation that failed half-way
                     continue
-                opened, created = self._open(f"{self._prefix}-{bucket}-{parity}", max(1, nbytes))
+                opened, created = self._open(self._names.name(bucket, parity), max(1, nbytes))
                 self._segments[(bucket, parity)] = opened  # before populating, so that close() frees it whatever happens
                 if created:
                     populate(opened, created=True)
@@ -245,7 +279,7 @@ class SharedMemoryTransport(Transport):
             raise RuntimeError(f"shm weight transport: segment {segment.name} holds {segment.size} bytes, "
                                f"bucket {bucket} needs {nbytes} (the sync plan changed)")
         buffer = np.ndarray((nbytes,), dtype=np.uint8, buffer=segment.buf)
-        self._by_address[buffer.ctypes.data] = segment
+        self._by_address[buffer.ctypes.data] = key
         return buffer
 
     def _open(self, name: str, nbytes: int) -> tuple[Any, bool]:
@@ -283,20 +317,23 @@ class SharedMemoryTransport(Transport):
             time.sleep(0.001)
 
     def send(self, buffer: np.ndarray) -> tuple[Any, Callable[[], None]]:
-        return self._by_address[buffer.ctypes.data].name, _nothing
+        bucket, parity = self._by_address[buffer.ctypes.data]
+        partner = self._segments[(bucket, 1 - parity)]  # allocate() sets both up
+        return SegmentHandle(self._segments[(bucket, parity)].name, partner.name), _nothing
 
     @contextlib.contextmanager
     def receive(self, handle: Any, source_rank: int, nbytes: int) -> Iterator[np.ndarray]:
-        if handle not in self._attached:
-            self._attach(handle)
+        name = handle.name
+        if name not in self._attached:
+            self._attach(name)
             # The bucket's other parity carries the next version: mapped and faulted in now, with this one.
-            with contextlib.suppress(FileNotFoundError, ValueError):  # a sender that made one parity only
-                self._attach(_other_parity(handle))
-        segment, view = self._attached[handle]
+            with contextlib.suppress(FileNotFoundError, ValueError):  # gone already, or not sized yet
+                self._attach(handle.partner)
+        segment, view = self._attached[name]
         # Reading a mapped page past the file's end (a segment truncated since it was mapped) is SIGBUS.
         size = os.fstat(segment._fd).st_size
         if size < nbytes:
-            raise SyncError(f"weight sync: shared-memory segment {handle} holds {size} bytes, {nbytes} expected "
+            raise SyncError(f"weight sync: shared-memory segment {name} holds {size} bytes, {nbytes} expected "
                             "(truncated under the receiver)")
         yield view[:nbytes]
 
@@ -370,12 +407,6 @@ def _untrack(segment) -> None:
         resource_tracker.unregister(segment._name, "shared_memory")
 
 
-def _other_parity(name: str) -> str:
-    """The segment of the same bucket for the versions of the other parity (names end in `-<bucket>-<parity>`)."""
-    stem, parity = name.rsplit("-", 1)
-    return f"{stem}-{1 - int(parity)}"
-
-
 class AutoTransport(Transport):
     """`shm` or `ray` per pair. A learner rank's handle for a part carries what each kind of receiver needs (the
     segment name, the object reference); each engine reads it the way its route from that rank says."""
@@ -396,10 +427,10 @@ class AutoTransport(Transport):
             self._shm = SharedMemoryTransport()
         self._routes, self.whole_buckets = list(routes), whole_buckets
 
-    def buffer_prefix(self) -> str | None:
+    def buffer_prefix(self) -> SegmentNames | None:
         return self._shm.buffer_prefix() if self.whole_buckets else None
 
-    def share_buffers(self, prefix: str | None) -> None:
+    def share_buffers(self, prefix: SegmentNames | None) -> None:
         if self.whole_buckets:
             self._shm.share_buffers(prefix)
 

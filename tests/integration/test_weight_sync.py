@@ -81,7 +81,7 @@ def _send_weights(engine, plan, version, weights, corrupt_bucket=None, fault=_fl
             if part.bucket == corrupt_bucket:
                 from multiprocessing import shared_memory
 
-                segment = shared_memory.SharedMemory(name=part.handle)
+                segment = shared_memory.SharedMemory(name=part.handle.name)
                 buffer = np.ndarray((part.nbytes,), dtype=np.uint8, buffer=segment.buf)
                 fault(buffer, plan.buckets[part.bucket], plan)
                 del buffer

@@ -365,7 +365,7 @@ def test_a_segment_truncated_under_the_receiver_is_an_error_not_sigbus():
         handle, _ = sender.send(buffer)
         with receiver.receive(handle, 0, buffer.nbytes) as view:
             assert int(view[-1]) == 7
-        os.truncate(os.path.join("/dev/shm", handle), 4096)
+        os.truncate(os.path.join("/dev/shm", handle.name), 4096)
         with pytest.raises(SyncError, match="holds 4096 bytes, 65536 expected"):
             with receiver.receive(handle, 0, buffer.nbytes) as view:
                 np.asarray(view).sum()

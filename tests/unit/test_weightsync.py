@@ -27,6 +27,7 @@ from rlpipe.weightsync import (
     shard_rows,
     stream_parts,
 )
+from rlpipe.weightsync.transport import SegmentHandle, SegmentNames
 from tests.conftest import MACHINE_WIDE
 from tests.unit.engine_tensors import engine_tensors
 from tests.unit.foreign_files import NOBODY, another_user, make_as_nobody, make_open_to_all, untouched
@@ -584,7 +585,7 @@ def test_transport_carries_every_bucket_to_another_process(transport_name, ranks
         parts = [(p.bucket, p.rank, p.handle, p.nbytes, p.checksum)
                  for rank, sender in enumerate(senders)
                  for p in stream_parts(plan, rank, _local_shards(full, rank, ranks), sender, 1)]
-        assert len({handle for _, _, handle, _, _ in parts}) == len(plan.buckets)  # one segment per bucket
+        assert len({handle.name for _, _, handle, _, _ in parts}) == len(plan.buckets)  # one segment per bucket
         receiver = context.Process(target=_receive_all, args=("shm", parts, plan, results))
         receiver.start()
         received = results.get(timeout=120)
@@ -592,9 +593,9 @@ def test_transport_carries_every_bucket_to_another_process(transport_name, ranks
         for sender in reversed(senders):
             sender.close()
             if sender is not senders[0]:
-                shared_memory.SharedMemory(name=parts[0][2]).close()  # rank 0's segments outlive the others
+                shared_memory.SharedMemory(name=parts[0][2].name).close()  # rank 0's segments outlive the others
         with pytest.raises(FileNotFoundError):
-            shared_memory.SharedMemory(name=parts[0][2])
+            shared_memory.SharedMemory(name=parts[0][2].name)
     else:
         # gloo handles carry nothing: the receiver knows sizes and checksums travel beside the bytes.
         parts = []
@@ -625,11 +626,12 @@ def test_shared_memory_alternates_two_segment_sets_and_is_freed_on_close():
     after_next, _ = transport.send(transport.allocate(64, bucket=0, version=3))
     next_version, _ = transport.send(transport.allocate(64, bucket=0, version=2))  # never the previous version's
     other, _ = transport.send(transport.allocate(64, bucket=1, version=1))
-    assert after_next == first and len({first, next_version, other}) == 3
+    assert after_next == first and len({first.name, next_version.name, other.name}) == 3
+    assert first.partner == next_version.name and next_version.partner == first.name  # the bucket's other segment
     transport.close()
-    for name in (first, next_version, other):
+    for handle in (first, next_version, other):
         with pytest.raises(FileNotFoundError):
-            shared_memory.SharedMemory(name=name)
+            shared_memory.SharedMemory(name=handle.name)
 
 
 def _mapped_and_resident(name: str) -> list[tuple[int, int]]:
@@ -666,7 +668,7 @@ def test_shared_memory_sets_up_both_segment_sets_once_and_faults_them_in():
             staging = Staging(plan, version, whole_buckets=True)
             for rank, sender in enumerate(senders):
                 for part in stream_parts(plan, rank, _local_shards(full, rank, 2), sender, version):
-                    handles.setdefault(version % 2, set()).add(part.handle)
+                    handles.setdefault(version % 2, set()).add(part.handle.name)
                     with receiver.receive(part.handle, part.rank, part.nbytes) as buffer:
                         staging.add(part.bucket, part.rank, buffer, part.checksum)
             for name, tensor in staging.complete().items():
@@ -676,7 +678,7 @@ def test_shared_memory_sets_up_both_segment_sets_once_and_faults_them_in():
             # Two segments per bucket, each opened once per process, all with the first version.
             assert [t.segments_opened for t in (*senders, receiver)] == [2 * len(plan.buckets)] * 3
             if version == 1:
-                names = [f"{senders[0].buffer_prefix()}-{bucket.index}-{parity}"
+                names = [senders[0].buffer_prefix().name(bucket.index, parity)
                          for bucket in plan.buckets for parity in (0, 1)]
                 for name in names:  # the next version's segments too: three mappings, every page mapped in each
                     mappings = _mapped_and_resident(name)
@@ -701,7 +703,7 @@ def test_a_dev_shm_without_room_for_the_segments_fails_with_a_clear_error(monkey
     transport = make_transport("shm")
     with pytest.raises(RuntimeError, match=r"no room in /dev/shm for segment .*\(or use sync.transport=ray\)"):
         transport.allocate(4096, bucket=0, version=1)
-    name = f"{transport.buffer_prefix()}-0-1"
+    name = transport.buffer_prefix().name(0, 1)
     assert os.path.exists(f"/dev/shm/{name}")
     transport.close()
     assert not os.path.exists(f"/dev/shm/{name}")
@@ -709,7 +711,7 @@ def test_a_dev_shm_without_room_for_the_segments_fails_with_a_clear_error(monkey
 
 def _segment_path(transport, bucket: int, parity: int) -> str:
     """Where the learner's segment for `bucket` and the versions of `parity` lies."""
-    return f"/dev/shm/{transport.buffer_prefix()}-{bucket}-{parity}"
+    return f"/dev/shm/{transport.buffer_prefix().name(bucket, parity)}"
 
 
 @another_user
@@ -748,21 +750,45 @@ def test_a_learner_refuses_a_segment_open_to_group_or_others():
 
 
 @another_user
-def test_an_engine_refuses_a_segment_another_user_made():
-    # A handle naming a file another user made (in place of the learner's segment): the engine reads nothing from it.
-    name = f"rlpipe-{os.getpid()}-{uuid.uuid4().hex[:12]}-0-0"
-    path = f"/dev/shm/{name}"
+@pytest.mark.parametrize("foreign", ["segment", "partner"])
+def test_an_engine_refuses_a_segment_another_user_made(foreign):
+    # A handle naming a file another user made, as the part's segment or as the bucket's segment for the next
+    # versions (which the engine maps ahead): the engine maps nothing of it.
+    sender, receiver = make_transport("shm"), make_transport("shm")
+    theirs = SegmentNames.new().name(0, 0)
+    path = f"/dev/shm/{theirs}"
     make_as_nobody([path], 4096)
-    receiver = make_transport("shm")
     try:
+        ours = sender.send(sender.allocate(4096, bucket=0, version=1))[0].name
+        handle = SegmentHandle(theirs, ours) if foreign == "segment" else SegmentHandle(ours, theirs)
         with pytest.raises(SyncError, match=rf"^weight sync: shared-memory file {re.escape(path)} belongs to uid "
                                             rf"{NOBODY}, not to the run's uid {os.geteuid()}"):
-            with receiver.receive(name, 0, 4096):
+            with receiver.receive(handle, 0, 4096):
                 pass
-        assert receiver.segments_opened == 0 and untouched(path, 4096)
+        assert theirs not in receiver._attached and untouched(path, 4096)
     finally:
         receiver.close()
+        sender.close()
         os.unlink(path)
+
+
+def test_no_segment_name_tells_another():
+    # A neighbour who sees one segment in /dev/shm cannot name the others (say, by counting bucket and parity up) to
+    # make them first: every name ends in bits of its own.
+    ours = f"rlpipe-{os.getpid()}-"
+    before = set(os.listdir("/dev/shm"))
+    transport = make_transport("shm")
+    try:
+        for bucket in range(3):
+            transport.allocate(64, bucket=bucket, version=1)
+        made = sorted(name for name in set(os.listdir("/dev/shm")) - before if name.startswith(ours))
+        assert len(made) == 6
+        stem = made[0].rsplit("-", 2)[0]
+        assert not {f"{stem}-{bucket}-{parity}" for bucket in range(3) for parity in (0, 1)} & set(made)
+        assert len({name.rsplit("-", 1)[1] for name in made}) == 6
+        assert len({name.rsplit("-", 1)[0] for name in made}) == 1  # one prefix: the orphan sweep finds them all
+    finally:
+        transport.close()
 
 
 def test_a_rank_waits_for_a_shared_segment_another_rank_is_still_sizing():
@@ -773,18 +799,18 @@ def test_a_rank_waits_for_a_shared_segment_another_rank_is_still_sizing():
     owner = make_transport("shm")
     other = make_transport("shm")
     other.share_buffers(owner.buffer_prefix())
-    name = f"{owner.buffer_prefix()}-0-1"
+    name = owner.buffer_prefix().name(0, 1)
     descriptor = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     sizing = threading.Timer(0.3, os.ftruncate, (descriptor, 4096))
     sizing.start()
     try:
         buffer = other.allocate(4096, bucket=0, version=1)  # attaches once the size is there, does not fail
-        assert buffer.nbytes == 4096 and other.send(buffer)[0] == name
+        assert buffer.nbytes == 4096 and other.send(buffer)[0].name == name
     finally:
         sizing.join()
         os.close(descriptor)
         other.close()
-        for left in (name, f"{owner.buffer_prefix()}-0-0"):  # and the other parity's, which it created
+        for left in (name, owner.buffer_prefix().name(0, 0)):  # and the other parity's, which it created
             assert os.path.exists(f"/dev/shm/{left}")  # not the owner: it leaves the segments
             _posixshmem.shm_unlink("/" + left)
         owner.close()
@@ -792,7 +818,7 @@ def test_a_rank_waits_for_a_shared_segment_another_rank_is_still_sizing():
 
 def _allocate_and_die(names) -> None:
     transport = make_transport("shm")
-    names.send(transport.send(transport.allocate(64, bucket=0, version=1))[0])  # a pipe sends before returning
+    names.send(transport.send(transport.allocate(64, bucket=0, version=1))[0].name)  # sent before returning
     os.kill(os.getpid(), signal.SIGKILL)  # no close(), no resource tracker run: as when the OOM killer strikes
 
 
@@ -811,7 +837,7 @@ def test_segments_of_a_killed_learner_are_removed_by_the_next_one():
     assert dead.exitcode == -signal.SIGKILL
     assert os.path.exists(f"/dev/shm/{orphan}")
     transport = make_transport("shm")
-    own, _ = transport.send(transport.allocate(64, bucket=0, version=1))
+    own = transport.send(transport.allocate(64, bucket=0, version=1))[0].name
     assert not os.path.exists(f"/dev/shm/{orphan}")
     assert os.path.exists(f"/dev/shm/{own}")  # a live process's segments stay
     transport.close()
