@@ -26,17 +26,18 @@ _SETTLE_S = 30.0
 
 
 def send_parts(
-    plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], transport, engines: list, version: int,
+    plan: SyncPlan, rank: int, local: dict[str, torch.Tensor], transport, engines: list, version: int, key: bytes,
     timeout_s: float | None = None,
 ) -> int:
-    """Stream `rank`'s parts of every bucket to the engines' `receive_part`; returns the bytes sent per engine.
+    """Stream `rank`'s parts of every bucket to the engines' `receive_part`, their checksums keyed with the run's
+    secret `key`; returns the bytes sent per engine.
     Each engine is told about a part before it is delivered (a gloo send waits for its receiver). Every receipt has
     the deadline `timeout_s` (sync.timeout_s). After a failed receipt the parts still in flight are waited for and
     their errors dropped: they fail only because the version was abandoned."""
     receipts: list[list] = []
     sent = 0
     try:
-        for part in stream_parts(plan, rank, local, transport, version):
+        for part in stream_parts(plan, rank, local, transport, version, key):
             receipts.append(
                 [
                     engine.receive_part.remote(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
@@ -106,12 +107,12 @@ class LearnerActor:
     def share_sync_buffers(self, prefix: SegmentNames | None) -> None:
         self.transport.share_buffers(prefix)
 
-    def send_weights(self, plan: SyncPlan, version: int, engines: list, engine_indexes: list[int]) -> int:
-        """Stream this rank's parts of every bucket to `engines` (the pool's engines `engine_indexes`); returns the
-        bytes sent to each engine."""
+    def send_weights(self, plan: SyncPlan, version: int, engines: list, engine_indexes: list[int], key: bytes) -> int:
+        """Stream this rank's parts of every bucket to `engines` (the pool's engines `engine_indexes`), checksums keyed
+        with the run's secret `key`; returns the bytes sent to each engine."""
         self.transport.select(engine_indexes)
         return send_parts(plan, self.learner.rank, self.learner.local_weights(), self.transport, engines, version,
-                          self.cfg.sync.timeout_s)
+                          key, self.cfg.sync.timeout_s)
 
     def release_weights(self) -> None:
         self.transport.release()

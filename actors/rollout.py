@@ -125,8 +125,9 @@ class RolloutActor:
         self.engine.sync.transport.set_routes(routes, whole_buckets)
 
     @ray.method(concurrency_group="sync")
-    def begin_sync(self, plan: SyncPlan, version: int) -> None:
-        self.engine.sync.begin(plan, version)
+    def begin_sync(self, plan: SyncPlan, version: int, key: bytes) -> None:
+        """`key`: the run's secret that the parts' checksums are keyed with."""
+        self.engine.sync.begin(plan, version, key)
 
     @ray.method(concurrency_group="sync")
     def receive_part(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:

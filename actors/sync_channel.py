@@ -25,6 +25,7 @@ from rlpipe.actors.engine_pool import EnginePool
 from rlpipe.config import ConfigError, SyncConfig
 from rlpipe.types import Group
 from rlpipe.weightsync import DECODE_TOKENS, NonFiniteWeights, SyncError, SyncPlan, plan_routes, plan_sync
+from rlpipe.weightsync.codec import new_sync_key
 from rlpipe.weightsync.receiver import CommitResult
 
 # After a failed attempt, how long its calls still running are waited for (their errors are dropped).
@@ -52,6 +53,10 @@ class SyncChannel:
         self.learners: list = []
         self.version = 0
         self.plan = None  # the SyncPlan, in the object store (every send and begin_sync reads it)
+        # The secret the parts' checksums are keyed with: an argument of every version's calls to the learner ranks
+        # and engines, which Ray carries inside the call's message (arguments this small are inlined, not put in the
+        # object store), so it is never in a file, a segment or the object store another user might read.
+        self.key = new_sync_key()
         self.probe_by_decoding = False
         self.probe_tokens: list[int] = []
         self.rehearsal: dict[str, float] = {}
@@ -283,10 +288,11 @@ class SyncChannel:
         calls: list = []  # every call of this attempt: on failure, those still running are waited for
         done = False
         try:
-            calls += [engine.begin_sync.remote(self.plan, version) for engine in handles]
+            calls += [engine.begin_sync.remote(self.plan, version, self.key) for engine in handles]
             self._wait(calls, "a rollout engine", "begin_sync")
             started = time.perf_counter()
-            sends = [learner.send_weights.remote(self.plan, version, handles, targets) for learner in self.learners]
+            sends = [learner.send_weights.remote(self.plan, version, handles, targets, self.key)
+                     for learner in self.learners]
             probes = None if expected else [
                 learner.probe_reference.remote(probe_tokens, self.probe_by_decoding) for learner in self.learners
             ]

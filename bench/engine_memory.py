@@ -128,11 +128,11 @@ class LearnerStandIn:
     def shapes(self) -> dict:
         return {name: tuple(t.shape) for name, t in self.weights.items()}
 
-    def send(self, plan, version: int) -> list:
+    def send(self, plan, version: int, key: bytes) -> list:
         from rlpipe.weightsync import stream_parts
 
         return [(p.bucket, p.rank, p.handle, p.nbytes, p.checksum)
-                for p in stream_parts(plan, 0, self.weights, self.transport, version)]
+                for p in stream_parts(plan, 0, self.weights, self.transport, version, key)]
 
     def release(self) -> None:
         self.transport.release()
@@ -163,8 +163,8 @@ class _PipeLearner:
     def shapes(self) -> dict:
         return self._shapes
 
-    def send(self, plan, version: int) -> list:
-        self.connection.send((plan, version))
+    def send(self, plan, version: int, key: bytes) -> list:
+        self.connection.send((plan, version, key))
         return self.connection.recv()
 
     def release(self) -> None:
@@ -189,10 +189,10 @@ class _RayLearner:
     def shapes(self) -> dict:
         return self._shapes
 
-    def send(self, plan, version: int) -> list:
+    def send(self, plan, version: int, key: bytes) -> list:
         import ray
 
-        return ray.get(self.actor.send.remote(plan, version))
+        return ray.get(self.actor.send.remote(plan, version, key))
 
     def release(self) -> None:
         import ray
@@ -211,6 +211,7 @@ def measure(model: str, transport: str, syncs: int, bucket_mb: float) -> dict:
     from rlpipe.config import RolloutConfig, load_config
     from rlpipe.rollout.engine import RolloutEngine
     from rlpipe.weightsync import plan_sync
+    from rlpipe.weightsync.codec import new_sync_key
 
     cfg = load_config(None, [f"model.path={model}", f"sync.transport={transport}", f"sync.bucket_mb={bucket_mb}",
                              "sync.probe_tolerance=1e-4"])
@@ -219,6 +220,7 @@ def measure(model: str, transport: str, syncs: int, bucket_mb: float) -> dict:
     engine = RolloutEngine(model, rollout, 0, sync=cfg.sync, progress_bars=False)
     layout, _ = engine.layout()
     plan = plan_sync(learner.shapes(), 1, layout, int(bucket_mb * 2**20))
+    key = new_sync_key()
     expected = engine.sequence_logprobs(PROBE)
     host_copy = getattr(engine, "host_copy", None)
     sampler = TreeSampler(os.getpid(), host_copy.segment_prefix() if host_copy else None)
@@ -230,8 +232,8 @@ def measure(model: str, transport: str, syncs: int, bucket_mb: float) -> dict:
         rest_rss, rest_pss = sampler.sample()
         started = time.perf_counter()
         with sampler:
-            engine.sync.begin(plan, version)
-            for bucket, rank, handle, nbytes, digest in learner.send(plan, version):
+            engine.sync.begin(plan, version, key)
+            for bucket, rank, handle, nbytes, digest in learner.send(plan, version, key):
                 engine.sync.receive(version, bucket, rank, handle, nbytes, digest)
             result = engine.sync.commit(version, PROBE, expected, rehearsal=rehearsal)
         learner.release()

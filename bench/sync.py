@@ -63,7 +63,7 @@ def copy_bandwidth(nbytes: int) -> Callable[[int], tuple[float, float | None]]:
     streaming = native.copy_hash()
     copies = {"memcpy": lambda: target.copy_(source)}
     if streaming is not None:
-        copies["streaming"] = lambda: streaming(source.numpy(), target.numpy(), 0, 0, 0, 0)
+        copies["streaming"] = lambda: streaming(source.numpy(), target.numpy(), 0, 0, 0, 1, 0)
     for copy in copies.values():
         copy()  # first touch
 
@@ -93,8 +93,10 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
     from rlpipe.config import load_config
     from rlpipe.parallel.mesh import find_free_port
     from rlpipe.weightsync import EngineLayout, plan_sync
+    from rlpipe.weightsync.codec import new_sync_key
 
     start_ray(load_config(None, [f"ray.num_cpus={max(ranks) + 2}"]))
+    key = new_sync_key()  # as the run's channel draws it
     sender_cls, receiver_cls = _sync_bench_actors()
     rows = []
     for model in models:
@@ -118,9 +120,9 @@ def bench_sync(models: list[str], transports: list[str], ranks: list[int], bucke
                 syncs = []
                 for version in range(1, repeats + 1):
                     memcpy, streaming = copy_rates(2)
-                    ray.get(receiver.begin.remote(version))
+                    ray.get(receiver.begin.remote(version, key))
                     started = time.perf_counter()
-                    sent = ray.get([s.send.remote(version, receiver) for s in senders])
+                    sent = ray.get([s.send.remote(version, key, receiver) for s in senders])
                     receiving, receiver_faults = ray.get(receiver.finish.remote(version))
                     released = time.perf_counter()
                     # As in a run, after the version is committed: counted, since a transport may do work there.
@@ -325,9 +327,9 @@ def _sync_bench_actors():
         def share_buffers(self, prefix):
             self.transport.share_buffers(prefix)
 
-        def send(self, version, receiver):
+        def send(self, version, key, receiver):
             started, faults = time.perf_counter(), _minor_faults()
-            send_parts(self.plan, self.rank, self.local, self.transport, [receiver], version)
+            send_parts(self.plan, self.rank, self.local, self.transport, [receiver], version, key)
             return time.perf_counter() - started, _minor_faults() - faults
 
         def release(self):
@@ -352,8 +354,8 @@ def _sync_bench_actors():
         def connect(self, port, world):
             self.receiver.transport.connect("127.0.0.1", port, world - 1, self.plan.learner_ranks, world, 300)
 
-        def begin(self, version):
-            self.receiver.begin(self.plan, version)
+        def begin(self, version, key):
+            self.receiver.begin(self.plan, version, key)
             self.faults = _minor_faults()
 
         @ray.method(concurrency_group="sync")

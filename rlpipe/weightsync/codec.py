@@ -6,30 +6,38 @@ sits, so both sides compute the layout and only bytes and a checksum travel. Whe
 one buffer per bucket (shared memory), each rank instead writes its rows where they belong in the bucket's whole
 tensors, and its part is those spans.
 
-The checksum is keyed with the part's identity and built from two sums over the 8-byte words of each piece (the
-piece's last one zero-padded), both modulo 2^64: the words themselves, and for each word v = word XOR key, where the
-key is made of the seed (`part_seed`: XXH3-64 of the version, the bucket index and the sending rank) and the word's
-byte position in the part, the product of v's low and high 32 bits (XXH3's accumulator step). The two sums, the
-part's length and the seed are mixed into the checksum at the end (`PartHash`). A single changed word always changes
-the first sum; swapped words, compensating changes (which leave the first sum alone), a truncation, and a buffer
-labelled with another bucket, rank or version (a stale one replayed; other keys) change the second. The checksum
-then fails but for a small chance, estimated (not proven) at 2^-32 for the least favourable words. It guards against
-faults, stale and misrouted buffers, not against an adversary: whoever knows the seed can forge the sums. Summed word by word, it is taken in the same pass as the copy on both sides, while each word is in a register
-(`native.copy_hash`): the sender while packing, the engine while copying the part out of the transport's buffer into
-its own staging copy, the memory the engine writes from. Without the native loop numpy computes the same sums
-(`word_sums`), so sender and engine agree whichever each has.
+The checksum is keyed with a secret of the run and the part's identity, and built from two sums over the 8-byte words
+of each piece (the piece's last one zero-padded), both modulo 2^64: the words themselves, and for each word v = word
+XOR (seed + position * step), where position is the word's byte position in the part, the product of v's low and
+high 32 bits (XXH3's accumulator step). The seed and the odd step are the part's (`part_keys`: BLAKE2b, keyed with the
+run's 16-byte secret `key`, of the version, the bucket index and the sending rank). The two sums, the part's length
+and the seed are mixed into the checksum at the end (`PartHash`). A single changed word always changes the first sum;
+swapped words, compensating changes (which leave the first sum alone), a truncation, and a buffer labelled with
+another bucket, rank or version (a stale one replayed; other keys) change the second. The checksum then fails but
+for a small chance, estimated (not proven) at 2^-32 for the least favourable words.
+
+The secret (`new_sync_key`) is drawn once per run by the sync channel's driver and travels with each version's calls
+over Ray, never into a file: someone who can change a part's bytes in shared memory but cannot read that secret does
+not know any word's key, so cannot pick filler words that bring both sums back. It is not a cryptographic MAC: the
+product sum is linear enough that a forgery succeeds with a chance far above a MAC's, estimated (not proven) at about
+2^-32 a try, and each try that fails stops the sync with an error. Whoever holds the secret can forge any part.
+Summed word by word, the checksum is taken in the same pass as the copy on both sides, while each word is in a
+register (`native.copy_hash`): the sender while packing, the engine while copying the part out of the transport's
+buffer into its own staging copy, the memory the engine writes from. Without the native loop numpy computes the same
+sums (`word_sums`), so sender and engine agree whichever each has.
 
 Packing also refuses non-finite values (`NonFiniteWeights`): a diverged step's weights never leave the learner.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import struct
 from collections.abc import Mapping
 
 import numpy as np
 import torch
-import xxhash
 
 from rlpipe.weightsync import native
 from rlpipe.weightsync.errors import NonFiniteWeights, SyncError
@@ -46,9 +54,27 @@ _LOW32 = np.uint64(0xFFFFFFFF)
 Sums = tuple[int, int]  # (the words' sum, the keyed products' sum), each modulo 2^64
 
 
-def part_seed(version: int, bucket: int, rank: int) -> int:
-    """The checksum's seed for `rank`'s part of `bucket` in `version`: the part's identity folded into its hash."""
-    return xxhash.xxh3_64_intdigest(struct.pack("<4sQQQ", b"rlws", version, bucket, rank))
+KEY_BYTES = 16
+
+
+def new_sync_key() -> bytes:
+    """A fresh secret for a run's checksums: drawn by the sync channel, sent with every version over Ray."""
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"weight sync: the checksum key must be {KEY_BYTES} random bytes (codec.new_sync_key), "
+                         f"got {type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '-'}")
+
+
+def part_keys(version: int, bucket: int, rank: int, key: bytes) -> tuple[int, int]:
+    """The checksum's seed and odd step for `rank`'s part of `bucket` in `version` under the run's secret `key`: the
+    part's identity folded into its hash, and nothing about either known without the secret."""
+    check_key(key)
+    identity = struct.pack("<4sQQQ", b"rlws", version, bucket, rank)
+    seed, step = struct.unpack("<QQ", hashlib.blake2b(identity, key=key, digest_size=16).digest())
+    return seed, step | 1
 
 
 def _mix(x: int) -> int:
@@ -58,10 +84,10 @@ def _mix(x: int) -> int:
     return x ^ (x >> 29)
 
 
-def word_sums(data: np.ndarray, seed: int, position: int) -> Sums:
+def word_sums(data: np.ndarray, seed: int, step: int, position: int) -> Sums:
     """Over the 8-byte little-endian words of the uint8 array `data` (the last zero-padded), which starts at byte
     `position` of its part: the sum of the words, and the sum of lo32(v) * hi32(v) where v = word ^ (seed +
-    (position + 8 i) * GOLDEN), both modulo 2^64. Additive over spans that start on the word grid: a part is summed
+    (position + 8 i) * step), both modulo 2^64. Additive over spans that start on the word grid: a part is summed
     piece by piece, chunk by chunk."""
     whole = len(data) // 8 * 8
     words = data[:whole].view("<u8").astype(np.uint64)  # a copy: aligned, native order, and free to change in place
@@ -70,8 +96,8 @@ def word_sums(data: np.ndarray, seed: int, position: int) -> Sums:
         tail[: len(data) - whole] = data[whole:]
         words = np.concatenate([words, tail.view("<u8").astype(np.uint64)])
     keyed = np.arange(len(words), dtype=np.uint64)
-    keyed *= np.uint64(8 * _GOLDEN & _MASK64)
-    keyed += np.uint64((seed + position * _GOLDEN) & _MASK64)
+    keyed *= np.uint64(8 * step & _MASK64)
+    keyed += np.uint64((seed + position * step) & _MASK64)
     keyed ^= words
     products = (keyed & _LOW32) * (keyed >> np.uint64(32))  # numpy's uint64 arithmetic wraps modulo 2^64
     return int(words.sum(dtype=np.uint64)), int(products.sum(dtype=np.uint64))
@@ -81,13 +107,13 @@ def _add(a: Sums, b: Sums) -> Sums:
     return (a[0] + b[0]) & _MASK64, (a[1] + b[1]) & _MASK64
 
 
-def _hash_only(data: np.ndarray, seed: int, position: int) -> Sums:
+def _hash_only(data: np.ndarray, seed: int, step: int, position: int) -> Sums:
     hasher = native.copy_hash()
     if hasher is not None:
-        return hasher(data, None, 0, 0, seed, position)[0]
+        return hasher(data, None, 0, 0, seed, step, position)[0]
     total = (0, 0)
     for start in range(0, len(data), _chunk_bytes()):
-        total = _add(total, word_sums(data[start : start + _chunk_bytes()], seed, position + start))
+        total = _add(total, word_sums(data[start : start + _chunk_bytes()], seed, step, position + start))
     return total
 
 
@@ -99,19 +125,19 @@ class PartHash:
     """The checksum of one part, summed a span at a time: `add(sums)` a span's `word_sums` (or `update` its bytes);
     `digest()` mixes the sums with the part's length and seed."""
 
-    def __init__(self, seed: int, nbytes: int):
-        self.seed, self.nbytes, self.sums = seed, nbytes, (0, 0)
+    def __init__(self, seed: int, step: int, nbytes: int):
+        self.seed, self.step, self.nbytes, self.sums = seed, step, nbytes, (0, 0)
 
     @classmethod
-    def of_part(cls, version: int, bucket: Bucket, rank: int) -> PartHash:
-        return cls(part_seed(version, bucket.index, rank), bucket.part_bytes(rank))
+    def of_part(cls, version: int, bucket: Bucket, rank: int, key: bytes) -> PartHash:
+        return cls(*part_keys(version, bucket.index, rank, key), bucket.part_bytes(rank))
 
     def add(self, sums: Sums) -> None:
         self.sums = _add(self.sums, sums)
 
     def update(self, data: np.ndarray, position: int) -> None:
         """Hash the uint8 array `data`, which lies at byte `position` of the part."""
-        self.add(_hash_only(data, self.seed, position))
+        self.add(_hash_only(data, self.seed, self.step, position))
 
     def digest(self) -> int:
         # For given products, a bijection of the words' sum: a single changed word always changes the checksum.
@@ -119,10 +145,10 @@ class PartHash:
         return _mix(_mix(_mix((products + self.seed + self.nbytes * _GOLDEN) & _MASK64) ^ words))
 
 
-def checksum(buffer: np.ndarray, seed: int = 0) -> int:
-    """The checksum of `buffer` as one part in one piece."""
+def checksum(buffer: np.ndarray, seed: int = 0, step: int = _GOLDEN) -> int:
+    """The checksum of `buffer` as one part in one piece (unkeyed unless given a part's `seed` and `step`)."""
     data = np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)
-    hasher = PartHash(seed, data.nbytes)
+    hasher = PartHash(seed, step, data.nbytes)
     hasher.update(data, 0)
     return hasher.digest()
 
@@ -168,14 +194,16 @@ def pack_part(
     out: np.ndarray,
     whole_bucket: bool = False,
     version: int = 0,
+    *,
+    key: bytes,
 ) -> int:
-    """Write `rank`'s pieces of `bucket` into `out` (uint8), casting to `dtype`; returns the checksum (seeded with
-    `version`, the bucket and `rank`). `local[name]` is the rank's shard of that tensor: exactly the rows the plan
-    assigns it. `out` is the rank's part (part_bytes long), or with `whole_bucket` the buffer every rank writes its
-    rows into (bucket.nbytes long, the whole tensors end to end): then the rows go to their place in their tensor and
-    the checksum covers just them. Raises `NonFiniteWeights` on a NaN or inf, naming the tensor."""
+    """Write `rank`'s pieces of `bucket` into `out` (uint8), casting to `dtype`; returns the checksum (keyed with the
+    run's secret `key`, `version`, the bucket and `rank`). `local[name]` is the rank's shard of that tensor: exactly
+    the rows the plan assigns it. `out` is the rank's part (part_bytes long), or with `whole_bucket` the buffer every
+    rank writes its rows into (bucket.nbytes long, the whole tensors end to end): then the rows go to their place in
+    their tensor and the checksum covers just them. Raises `NonFiniteWeights` on a NaN or inf, naming the tensor."""
     copy_hash = native.copy_hash()
-    hasher = PartHash.of_part(version, bucket, rank)
+    hasher = PartHash.of_part(version, bucket, rank, key)
     exponent = _EXPONENT_BITS.get(dtype, 0)
     for piece in bucket.parts[rank]:
         shard = local[piece.name]
@@ -193,7 +221,7 @@ def pack_part(
             # the receiver needs): each word is read once, hashed and checked, and stored without reading `span`.
             source_bytes = source.view(torch.uint8).numpy()
             sums, suspect = copy_hash(source_bytes, span, dtype.itemsize if exponent else 0, exponent,
-                                      hasher.seed, piece.offset)
+                                      hasher.seed, hasher.step, piece.offset)
             hasher.add(sums)
             bad = first_non_finite(source_bytes, dtype) if suspect else None
             if bad is not None:
@@ -216,16 +244,16 @@ def pack_part(
     return hasher.digest()
 
 
-def copy_hashed(source: np.ndarray, target: np.ndarray, seed: int, position: int) -> Sums:
+def copy_hashed(source: np.ndarray, target: np.ndarray, seed: int, step: int, position: int) -> Sums:
     """Copy the uint8 array `source` into `target` (same length) and return the `word_sums` of what was written
     (`source` lying at byte `position` of its part): in one pass with the native loop, else a chunk at a time, each
     hashed where it now lies while it is in cache."""
     copy_hash = native.copy_hash()
     if copy_hash is not None:
-        return copy_hash(source, target, 0, 0, seed, position)[0]
+        return copy_hash(source, target, 0, 0, seed, step, position)[0]
     total = (0, 0)
     for start in range(0, len(source), _chunk_bytes()):
         written = target[start : start + _chunk_bytes()]
         np.copyto(written, source[start : start + _chunk_bytes()])
-        total = _add(total, word_sums(written, seed, position + start))
+        total = _add(total, word_sums(written, seed, step, position + start))
     return total

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-# copy_hash(src, dst, n, width, mask, seed, position, sums): copy n bytes from src to dst (dst NULL: hash only) and add
-# to sums[0] the sum mod 2^64 of the 8-byte words of src (the last zero-padded), to sums[1] that of lo32(v) * hi32(v)
-# where v = word ^ (seed + (position + offset of the word) * GOLDEN): codec.py's word sums. Returns 1 when some value,
+# copy_hash(src, dst, n, width, mask, seed, step, position, sums): copy n bytes from src to dst (dst NULL: hash only)
+# and add to sums[0] the sum mod 2^64 of the 8-byte words of src (the last zero-padded), to sums[1] that of
+# lo32(v) * hi32(v) where v = word ^ (seed + (position + offset of the word) * step): codec.py's word sums, whose seed
+# and step are secret to the run. Returns 1 when some value,
 # read as floats of `width` bytes (2, 4 or 8; 0: no check) whose exponent bits are `mask`, has all of them set (inf
 # or NaN), else 0. Streaming stores need dst aligned past a head of whole words (numpy, torch, shared memory and Ray
 # buffers, and the plan's pieces, all give that), else the loop stores through the cache.
@@ -42,8 +43,6 @@ _SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-#define GOLDEN 0x9E3779B97F4A7C15ULL
-
 static int word_non_finite(uint64_t word, int width, uint64_t mask) {
     int bad = 0;
     if (width == 0) return 0;
@@ -53,13 +52,13 @@ static int word_non_finite(uint64_t word, int width, uint64_t mask) {
 
 /* Whole or partial (the last, zero-padded) words of [i, end): summed, checked, copied. */
 static void scalar_words(const uint8_t *src, uint8_t *dst, size_t i, size_t end, int width, uint64_t mask,
-                         uint64_t seed, uint64_t position, uint64_t *sums, int *bad) {
+                         uint64_t seed, uint64_t step, uint64_t position, uint64_t *sums, int *bad) {
     for (; i < end; i += 8) {
         size_t length = end - i < 8 ? end - i : 8;
         uint64_t word = 0;
         memcpy(&word, src + i, length);
         if (dst) memcpy(dst + i, src + i, length);
-        uint64_t keyed = word ^ (seed + (position + i) * GOLDEN);
+        uint64_t keyed = word ^ (seed + (position + i) * step);
         sums[0] += word;
         sums[1] += (keyed & 0xFFFFFFFFULL) * (keyed >> 32);
         *bad |= word_non_finite(word, width, mask);
@@ -73,8 +72,8 @@ static void scalar_words(const uint8_t *src, uint8_t *dst, size_t i, size_t end,
 #ifdef __cplusplus
 extern "C"
 #endif
-int copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t mask, uint64_t seed, uint64_t position,
-              uint64_t *sums) {
+int copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t mask, uint64_t seed, uint64_t step,
+              uint64_t position, uint64_t *sums) {
     int bad = 0;
     size_t i = 0;
 #if defined(WIDE)
@@ -83,17 +82,17 @@ int copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t ma
     int streaming = dst != NULL && head % 8 == 0;
     if (!streaming) head = 0;
     if (head + 64 <= n) {
-        scalar_words(src, dst, 0, head, width, mask, seed, position, sums, &bad);
+        scalar_words(src, dst, 0, head, width, mask, seed, step, position, sums, &bad);
         i = head;
         __m512i exponent = width == 2 ? _mm512_set1_epi16((short)mask)
                          : width == 4 ? _mm512_set1_epi32((int)mask) : _mm512_set1_epi64((long long)mask);
         __m512i words = _mm512_setzero_si512(), products = _mm512_setzero_si512();
-        uint64_t key = seed + (position + i) * GOLDEN;
-        __m512i keys = _mm512_set_epi64((long long)(key + 56 * GOLDEN), (long long)(key + 48 * GOLDEN),
-                                        (long long)(key + 40 * GOLDEN), (long long)(key + 32 * GOLDEN),
-                                        (long long)(key + 24 * GOLDEN), (long long)(key + 16 * GOLDEN),
-                                        (long long)(key + 8 * GOLDEN), (long long)key);
-        __m512i step = _mm512_set1_epi64((long long)(64 * GOLDEN));
+        uint64_t key = seed + (position + i) * step;
+        __m512i keys = _mm512_set_epi64((long long)(key + 56 * step), (long long)(key + 48 * step),
+                                        (long long)(key + 40 * step), (long long)(key + 32 * step),
+                                        (long long)(key + 24 * step), (long long)(key + 16 * step),
+                                        (long long)(key + 8 * step), (long long)key);
+        __m512i stride = _mm512_set1_epi64((long long)(64 * step));
         uint64_t seen = 0;
         for (; i + 64 <= n; i += 64) {
             __m512i x = _mm512_loadu_si512((const void *)(src + i));
@@ -104,7 +103,7 @@ int copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t ma
             __m512i keyed = _mm512_xor_si512(x, keys);
             products = _mm512_add_epi64(products, _mm512_mul_epu32(keyed, _mm512_srli_epi64(keyed, 32)));
             words = _mm512_add_epi64(words, x);
-            keys = _mm512_add_epi64(keys, step);
+            keys = _mm512_add_epi64(keys, stride);
             __m512i ex = _mm512_and_si512(x, exponent);
             if (width == 2) seen |= _mm512_cmpeq_epi16_mask(ex, exponent);
             else if (width == 4) seen |= _mm512_cmpeq_epi32_mask(ex, exponent);
@@ -120,15 +119,15 @@ int copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t ma
     int streaming = dst != NULL && head % 8 == 0;
     if (!streaming) head = 0;
     if (head + 64 <= n) {
-        scalar_words(src, dst, 0, head, width, mask, seed, position, sums, &bad);
+        scalar_words(src, dst, 0, head, width, mask, seed, step, position, sums, &bad);
         i = head;
         __m256i exponent = width == 2 ? _mm256_set1_epi16((short)mask)
                          : width == 4 ? _mm256_set1_epi32((int)mask) : _mm256_set1_epi64x((long long)mask);
         __m256i seen = _mm256_setzero_si256(), words = _mm256_setzero_si256(), products = _mm256_setzero_si256();
-        uint64_t key = seed + (position + i) * GOLDEN;
-        __m256i keys_x = _mm256_set_epi64x((long long)(key + 24 * GOLDEN), (long long)(key + 16 * GOLDEN),
-                                           (long long)(key + 8 * GOLDEN), (long long)key);
-        __m256i half = _mm256_set1_epi64x((long long)(32 * GOLDEN)), step = _mm256_set1_epi64x((long long)(64 * GOLDEN));
+        uint64_t key = seed + (position + i) * step;
+        __m256i keys_x = _mm256_set_epi64x((long long)(key + 24 * step), (long long)(key + 16 * step),
+                                           (long long)(key + 8 * step), (long long)key);
+        __m256i half = _mm256_set1_epi64x((long long)(32 * step)), stride = _mm256_set1_epi64x((long long)(64 * step));
         for (; i + 64 <= n; i += 64) {
             __m256i x = _mm256_loadu_si256((const __m256i *)(src + i));
             __m256i y = _mm256_loadu_si256((const __m256i *)(src + i + 32));
@@ -143,7 +142,7 @@ int copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t ma
             products = _mm256_add_epi64(products, _mm256_mul_epu32(kx, _mm256_srli_epi64(kx, 32)));
             products = _mm256_add_epi64(products, _mm256_mul_epu32(ky, _mm256_srli_epi64(ky, 32)));
             words = _mm256_add_epi64(words, _mm256_add_epi64(x, y));
-            keys_x = _mm256_add_epi64(keys_x, step);
+            keys_x = _mm256_add_epi64(keys_x, stride);
             if (width) {
                 __m256i ex = _mm256_and_si256(x, exponent), ey = _mm256_and_si256(y, exponent);
                 if (width == 2)
@@ -163,13 +162,14 @@ int copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t ma
         sums[1] += lanes[0] + lanes[1] + lanes[2] + lanes[3];
     }
 #endif
-    scalar_words(src, dst, i, n, width, mask, seed, position, sums, &bad);
+    scalar_words(src, dst, i, n, width, mask, seed, step, position, sums, &bad);
     return bad;
 }
 """
 
-# (source, target or None, width, mask, seed, position) -> ((word sum, product sum), whether some value is inf or NaN)
-CopyHash = Callable[[np.ndarray, "np.ndarray | None", int, int, int, int], tuple[tuple[int, int], bool]]
+# (source, target or None, width, mask, seed, step, position) -> ((word sum, product sum), whether some value is inf
+# or NaN)
+CopyHash = Callable[[np.ndarray, "np.ndarray | None", int, int, int, int, int], tuple[tuple[int, int], bool]]
 _MASK64 = (1 << 64) - 1
 
 
@@ -197,10 +197,10 @@ def _build(compiler: str) -> Path:
 
 @functools.cache
 def copy_hash() -> CopyHash | None:
-    """`fn(source, target, width, mask, seed, position) -> (sums, non_finite)`: copy the uint8 array `source` into
-    `target` (same length; None: hash only), return its word sums (codec.word_sums: `seed`, and `source` starting
-    at byte `position` of its part) and whether some value, read as floats of `width` bytes whose exponent bits are
-    `mask`, is inf or NaN (width 0: no check); None where no C compiler is available."""
+    """`fn(source, target, width, mask, seed, step, position) -> (sums, non_finite)`: copy the uint8 array `source`
+    into `target` (same length; None: hash only), return its word sums (codec.word_sums: `seed` and `step`, and
+    `source` starting at byte `position` of its part) and whether some value, read as floats of `width` bytes whose
+    exponent bits are `mask`, is inf or NaN (width 0: no check); None where no C compiler is available."""
     if os.environ.get("RLPIPE_NATIVE", "1") == "0":
         return None
     compiler = next(filter(None, map(shutil.which, [os.environ.get("CC", "cc"), "gcc", "clang", "g++"])), None)
@@ -215,16 +215,16 @@ def copy_hash() -> CopyHash | None:
         return None
     function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64,
-                         ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]
+                         ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]
 
-    def run(source: np.ndarray, target: np.ndarray | None, width: int, mask: int, seed: int,
+    def run(source: np.ndarray, target: np.ndarray | None, width: int, mask: int, seed: int, step: int,
             position: int) -> tuple[tuple[int, int], bool]:
         if not source.flags.c_contiguous or (target is not None and (
                 target.nbytes != source.nbytes or not target.flags.c_contiguous)):
             raise ValueError("copy_hash needs contiguous arrays of the same size")
         sums = (ctypes.c_uint64 * 2)(0, 0)
         bad = function(source.ctypes.data, None if target is None else target.ctypes.data, source.nbytes, width,
-                       mask, seed & _MASK64, position & _MASK64, sums)
+                       mask, seed & _MASK64, step & _MASK64, position & _MASK64, sums)
         return (int(sums[0]), int(sums[1])), bool(bad)
 
     return run

@@ -96,8 +96,9 @@ class WeightReceiver:
         self._current_owned: Weights = {}
         self._spare_owned: Weights = {}
 
-    def begin(self, plan: SyncPlan, version: int) -> None:
-        """Start receiving `version`; an unfinished earlier staging is dropped."""
+    def begin(self, plan: SyncPlan, version: int, key: bytes) -> None:
+        """Start receiving `version`, its parts' checksums keyed with the run's secret `key`; an unfinished earlier
+        staging is dropped."""
         if version <= self.policy_version:
             raise SyncError(f"weight version {version} is not newer than the engine's {self.policy_version}")
         if self._staging is not None:  # an abandoned version: its memory is free again
@@ -108,7 +109,7 @@ class WeightReceiver:
             # Fresh shared memory for the whole version; the spare tensors (elsewhere, or of another plan) go.
             reuse = _host_staging(memory, plan)
         self._spare_owned = {}
-        self._staging = Staging(plan, version, reuse=reuse, whole_buckets=self.transport.whole_buckets)
+        self._staging = Staging(plan, version, key, reuse=reuse, whole_buckets=self.transport.whole_buckets)
 
     def receive(self, version: int, bucket: int, rank: int, handle, nbytes: int, digest: int) -> int:
         """Take learner rank `rank`'s part of `bucket` from the transport and check it; returns its size."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rlpipe.weightsync.codec import pack_part
+from rlpipe.weightsync.codec import check_key, pack_part
 from rlpipe.weightsync.layout import SyncPlan
 
 
@@ -33,11 +33,13 @@ class OutgoingPart:
 
 
 def stream_parts(
-    plan: SyncPlan, rank: int, local: Mapping[str, torch.Tensor], transport, version: int
+    plan: SyncPlan, rank: int, local: Mapping[str, torch.Tensor], transport, version: int, key: bytes
 ) -> Iterator[OutgoingPart]:
-    """This rank's non-empty parts in bucket order. While the caller ships one part, the next ones are being
-    packed (cast, copy, checksum, the check for NaN and inf) in a worker thread, so packing and transfer overlap.
-    A tensor holding NaN or inf raises `NonFiniteWeights` before its bucket leaves the rank."""
+    """This rank's non-empty parts in bucket order, their checksums keyed with the run's secret `key`. While the
+    caller ships one part, the next ones are being packed (cast, copy, checksum, the check for NaN and inf) in a
+    worker thread, so packing and transfer overlap. A tensor holding NaN or inf raises `NonFiniteWeights` before its
+    bucket leaves the rank."""
+    check_key(key)
     buckets = [bucket for bucket in plan.buckets if bucket.part_bytes(rank)]
     dtype = plan.torch_dtype
 
@@ -45,7 +47,7 @@ def stream_parts(
         bucket = buckets[index]
         whole = transport.whole_buckets
         buffer = transport.allocate(bucket.nbytes if whole else bucket.part_bytes(rank), bucket.index, version)
-        digest = pack_part(bucket, rank, local, dtype, buffer, whole_bucket=whole, version=version)
+        digest = pack_part(bucket, rank, local, dtype, buffer, whole_bucket=whole, version=version, key=key)
         handle, deliver = transport.send(buffer)
         return OutgoingPart(bucket.index, rank, buffer.nbytes, bucket.part_bytes(rank), digest, handle, deliver)
 

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import torch
 
-from rlpipe.weightsync.codec import PartHash, copy_hashed
+from rlpipe.weightsync.codec import PartHash, check_key, copy_hashed
 from rlpipe.weightsync.errors import SyncError
 from rlpipe.weightsync.layout import Bucket, SyncPlan
 
@@ -28,19 +28,22 @@ class Staging:
     `whole_buckets` (the transport hands every rank's part of a bucket in one buffer, the rows already in place:
     shared memory) each rank's rows are read where they lie in the bucket's whole tensors.
 
-    The checksums stay with the staging: `verify()` checks the assembled tensors against them again, before a
-    version kept for rolling back is written back.
+    The checksums are keyed with the run's secret `key` (codec.py), and stay with the staging: `verify()` checks
+    the assembled tensors against them again, before a version kept for rolling back is written back.
     """
 
     def __init__(
         self,
         plan: SyncPlan,
         version: int,
+        key: bytes,
         reuse: dict[str, torch.Tensor] | None = None,
         whole_buckets: bool = False,
     ):
+        check_key(key)
         self.plan = plan
         self.version = version
+        self.key = key
         self.whole_buckets = whole_buckets
         self.tensors: dict[str, torch.Tensor] = {}
         self.owned: dict[str, torch.Tensor] = {}
@@ -99,11 +102,12 @@ class Staging:
     def _copy_in(self, bucket: Bucket, rank: int, buffer: np.ndarray) -> int:
         """Copy `rank`'s rows of `bucket` from `buffer` into this staging's tensors; the checksum of what was written."""
         data = buffer.reshape(-1).view(np.uint8)
-        hasher = PartHash.of_part(self.version, bucket, rank)
+        hasher = PartHash.of_part(self.version, bucket, rank, self.key)
         for piece in bucket.parts[rank]:
             position = piece.bucket_offset if self.whole_buckets else piece.offset
             hasher.add(copy_hashed(data[position : position + piece.nbytes],
-                                   self._rows(piece.name, piece.start, piece.stop), hasher.seed, piece.offset))
+                                   self._rows(piece.name, piece.start, piece.stop), hasher.seed, hasher.step,
+                                   piece.offset))
         return hasher.digest()
 
     def verify(self) -> str | None:
@@ -113,7 +117,7 @@ class Staging:
             received = dict(self._received)
         for (bucket_index, rank), digest in sorted(received.items()):
             bucket = self.plan.buckets[bucket_index]
-            hasher = PartHash.of_part(self.version, bucket, rank)
+            hasher = PartHash.of_part(self.version, bucket, rank, self.key)
             for piece in bucket.parts[rank]:
                 hasher.update(self._rows(piece.name, piece.start, piece.stop), piece.offset)
             if hasher.digest() != digest:

@@ -15,9 +15,11 @@ from rlpipe.training.learner import Learner
 from rlpipe.types import Prompt
 from rlpipe.weightsync.form import weight_form
 from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
+from rlpipe.weightsync.codec import new_sync_key
 from tests.weights import whole_weights
 
 pytestmark = pytest.mark.integration
+KEY = new_sync_key()  # the secret the checksums are keyed with, as the sync channel draws one per run
 
 PROBE = list(range(5, 45))
 TOP_K = 3
@@ -75,9 +77,9 @@ def _send(engine, learner, plan, version, corrupt_bucket=None, fault=_flip_middl
 def _send_weights(engine, plan, version, weights, corrupt_bucket=None, fault=_flip_middle_byte):
     """`_send` of `weights` (a learner rank's `local_weights`)."""
     transport = make_transport("shm")
-    engine.sync.begin(plan, version)
+    engine.sync.begin(plan, version, KEY)
     try:
-        for part in stream_parts(plan, 0, weights, transport, version):
+        for part in stream_parts(plan, 0, weights, transport, version, KEY):
             if part.bucket == corrupt_bucket:
                 from multiprocessing import shared_memory
 
@@ -376,7 +378,10 @@ from rlpipe.config import RolloutConfig, load_config
 from rlpipe.training.learner import Learner
 from rlpipe.rollout.engine import RolloutEngine
 from rlpipe.weightsync import SyncError, make_transport, plan_sync, stream_parts
+from rlpipe.weightsync.codec import new_sync_key
 from rlpipe.weightsync.hostcopy import SharedWeights
+
+KEY = new_sync_key()
 
 if __name__ == "__main__":
     model, probe = sys.argv[1], list(range(5, 45))
@@ -413,8 +418,8 @@ if __name__ == "__main__":
     transport = make_transport("shm")
 
     def send(version):
-        engine.sync.begin(plan, version)
-        for part in stream_parts(plan, 0, learner.local_weights(), transport, version):
+        engine.sync.begin(plan, version, KEY)
+        for part in stream_parts(plan, 0, learner.local_weights(), transport, version, KEY):
             engine.sync.receive(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
             part.deliver()
 
@@ -602,7 +607,7 @@ def test_a_stop_string_ends_a_completion_whose_text_keeps_it_as_its_token_ids_do
 def test_versions_only_go_up(setup):
     engine, _, plan = setup
     with pytest.raises(SyncError, match="is not newer"):
-        engine.sync.begin(plan, engine.policy_version)
+        engine.sync.begin(plan, engine.policy_version, KEY)
 
 
 @pytest.mark.parametrize("policy", ["finish", "abort"])

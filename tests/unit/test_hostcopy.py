@@ -21,6 +21,7 @@ from rlpipe.weightsync.hostcopy import (
     sees_file,
 )
 from tests.unit.foreign_files import NOBODY, another_user, make_as_nobody, make_open_to_all
+from tests.unit.test_weightsync import KEY
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -132,9 +133,9 @@ def test_a_version_over_shm_is_the_engines_own_checked_copy_whatever_the_segment
 
     host = HostCopy()
     memory = host.staging_memory(dict(plan.shapes), plan.torch_dtype)
-    staging = Staging(plan, 1, reuse=memory, whole_buckets=True)
+    staging = Staging(plan, 1, KEY, reuse=memory, whole_buckets=True)
     try:
-        for part in stream_parts(plan, 0, weights, sender, 1):
+        for part in stream_parts(plan, 0, weights, sender, 1, KEY):
             with receiver.receive(part.handle, part.rank, part.nbytes) as buffer:
                 staging.add(part.bucket, part.rank, buffer, part.checksum)
             part.deliver()
@@ -237,9 +238,9 @@ def test_a_version_staged_into_the_host_copy_is_published_without_copying(ranks,
                                tolerance=1e-9, exact=True, host_memory=lambda: host)
 
     def send(version, weights):
-        receiving.begin(plan, version)
+        receiving.begin(plan, version, KEY)
         for rank, sender in enumerate(senders):
-            for part in stream_parts(plan, rank, _local_shards(weights, rank, ranks), sender, version):
+            for part in stream_parts(plan, rank, _local_shards(weights, rank, ranks), sender, version, KEY):
                 receiving.receive(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
         staged = receiving._staging.complete()
         assert all(host.holds(tensor) for tensor in staged.values())  # every tensor in the engine's segment

@@ -27,6 +27,7 @@ from rlpipe.weightsync.form import FULL, Kind, WeightForm, decide_weight_form, w
 from rlpipe.weightsync import EngineLayout, Staging, pack_part, plan_sync, shard_rows
 from tests.batches import four_samples
 from tests.unit.test_learner_group import _batches, _config, _rank
+from tests.unit.test_weightsync import KEY
 from tests.weights import whole_weights
 
 LORA = ("learner.lora.rank=2", "learner.lora.alpha=4")  # scaling 2
@@ -155,7 +156,7 @@ def test_an_adapter_sync_sends_the_adapters_alone_and_two_ranks_send_each_row_on
     layout = EngineLayout.from_hf_config(read_hf_config(tiny_qwen3), 1, "float32")
     plan = plan_sync(shapes, 2, layout, 4096)
     assert len(plan.buckets) > 1
-    staging = Staging(plan, version=1)
+    staging = Staging(plan, 1, KEY)
     for rank in range(2):
         held = {  # as SimpleFSDP holds them: A replicated, B's rows sharded
             name: value if ".lora_A." in name else value[slice(*shard_rows(value.shape[0], rank, 2))]
@@ -168,7 +169,7 @@ def test_an_adapter_sync_sends_the_adapters_alone_and_two_ranks_send_each_row_on
         for bucket in plan.buckets:
             if bucket.part_bytes(rank):
                 buffer = np.empty(bucket.part_bytes(rank), dtype=np.uint8)
-                digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, version=1)
+                digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, version=1, key=KEY)
                 staging.add(bucket.index, rank, buffer, digest)
     received = staging.complete()
     assert received.keys() == adapters.keys()

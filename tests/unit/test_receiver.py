@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlpipe.weightsync import TRANSPORTS, SyncError, WeightReceiver, make_transport, plan_sync, stream_parts
-from tests.unit.test_weightsync import _full_tensors, _hf_shapes, _layout, _local_shards
+from tests.unit.test_weightsync import KEY, _full_tensors, _hf_shapes, _layout, _local_shards
 
 PROBE = [3, 1, 4, 1, 5]
 
@@ -67,9 +67,9 @@ def channel():
                               exact=True, keep_previous=keep_previous)
 
     def send(receiving: WeightReceiver, version: int, weights):
-        receiving.begin(plan, version)
+        receiving.begin(plan, version, KEY)
         for rank, transport in enumerate(sender_transports):
-            for part in stream_parts(plan, rank, _local_shards(weights, rank, 2), transport, version):
+            for part in stream_parts(plan, rank, _local_shards(weights, rank, 2), transport, version, KEY):
                 receiving.receive(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
                 part.deliver()
         for transport in sender_transports:

@@ -8,7 +8,7 @@ import pytest
 
 from rlpipe.config import ConfigError
 from rlpipe.weightsync import Staging, make_transport, plan_routes, plan_sync, stream_parts
-from tests.unit.test_weightsync import _full_tensors, _hf_shapes, _layout, _local_shards
+from tests.unit.test_weightsync import KEY, _full_tensors, _hf_shapes, _layout, _local_shards
 
 
 def test_auto_picks_shared_memory_within_a_host_and_the_object_store_across():
@@ -80,9 +80,10 @@ def test_each_engine_receives_every_bucket_by_its_own_route(local_ray, hosts):
                 sender.share_buffers(senders[0].buffer_prefix())
         for engine, receiver in enumerate(receivers):
             receiver.set_routes(routes.from_ranks(engine), routes.whole_buckets)
-        parts = [p for rank, sender in enumerate(senders) for p in stream_parts(plan, rank, _local_shards(full, rank, ranks), sender, 1)]
+        parts = [p for rank, sender in enumerate(senders)
+                 for p in stream_parts(plan, rank, _local_shards(full, rank, ranks), sender, 1, KEY)]
         for engine, receiver in enumerate(receivers):
-            staging = Staging(plan, 1, whole_buckets=receiver.whole_buckets)
+            staging = Staging(plan, 1, KEY, whole_buckets=receiver.whole_buckets)
             for part in parts:
                 # Each handle carries only what its sender's routes need.
                 assert set(part.handle) == set(routes.to_engines(part.rank))

@@ -33,9 +33,14 @@ from tests.unit.engine_tensors import engine_tensors
 from tests.unit.foreign_files import NOBODY, another_user, make_as_nobody, make_open_to_all, untouched
 
 
+# The secret the tests' checksums are keyed with (a run draws its own: codec.new_sync_key); fixed, so that processes
+# the tests start agree on it.
+KEY = bytes(range(16))
+
+
 def _part_checksum(bucket, rank: int, buffer: np.ndarray, version: int) -> int:
     """The checksum of `rank`'s part of `bucket`, hashed afresh from the packed bytes."""
-    hasher = codec.PartHash.of_part(version, bucket, rank)
+    hasher = codec.PartHash.of_part(version, bucket, rank, KEY)
     data = buffer.reshape(-1).view(np.uint8)
     for piece in bucket.parts[rank]:
         hasher.update(data[piece.offset : piece.offset + piece.nbytes], piece.offset)
@@ -299,7 +304,7 @@ def test_packing_takes_the_checksum_of_exactly_the_bytes_it_wrote(monkeypatch, c
         local = _local_shards(full, rank, 3)
         for bucket in plan.buckets:
             buffer = np.full(bucket.part_bytes(rank), 0xAB, dtype=np.uint8)
-            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, version=5)
+            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, version=5, key=KEY)
             assert digest == _part_checksum(bucket, rank, buffer, version=5)
             for piece in bucket.parts[rank]:
                 packed = torch.from_numpy(buffer[piece.offset : piece.offset + piece.nbytes]).view(plan.torch_dtype)
@@ -323,18 +328,20 @@ def test_the_native_loop_copies_exactly_hashes_as_numpy_does_and_finds_every_nan
             target_block = np.zeros(count * size + 80, dtype=np.uint8)
             target = target_block[target_shift : target_shift + count * size]
             position = 8 * (count + target_shift)
-            sums, bad = copy_hash(source, target, size, exponent, 0xC0FFEE + count, position)
+            seed, step = 0xC0FFEE + count, 0x5DEECE66D + 2 * count + 1
+            sums, bad = copy_hash(source, target, size, exponent, seed, step, position)
             assert not bad, (count, target_shift)
-            assert sums == codec.word_sums(source, 0xC0FFEE + count, position), (count, target_shift)
-            assert copy_hash(source, None, 0, 0, 0xC0FFEE + count, position)[0] == sums
+            assert sums == codec.word_sums(source, seed, step, position), (count, target_shift)
+            assert copy_hash(source, None, 0, 0, seed, step, position)[0] == sums
             assert np.array_equal(target, source)
             assert not target_block[:target_shift].any() and not target_block[target_shift + count * size :].any()
             for index in sorted({0, count // 2, count - 1}) if count else []:
                 for bad in [float("nan"), float("inf"), -float("inf")]:
                     broken = values[:count].clone()
                     broken[index] = bad
-                    assert copy_hash(broken.view(torch.uint8).numpy(), target, size, exponent, 1, 0)[1], (count, index, bad)
-                    assert not copy_hash(broken.view(torch.uint8).numpy(), target, 0, 0, 1, 0)[1]  # width 0: no check
+                    broken_bytes = broken.view(torch.uint8).numpy()
+                    assert copy_hash(broken_bytes, target, size, exponent, 1, 1, 0)[1], (count, index, bad)
+                    assert not copy_hash(broken_bytes, target, 0, 0, 1, 1, 0)[1]  # width 0: no check
 
 
 @pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe"])
@@ -348,7 +355,7 @@ def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, experts, 
     full = _full_tensors(shapes)
     layout = _moe_layout(1, dtype=dtype) if experts else _layout(1, 2, dtype)
     plan = plan_sync(shapes, ranks, layout, 30_000)
-    staging = Staging(plan, version=1, whole_buckets=whole)
+    staging = Staging(plan, 1, KEY, whole_buckets=whole)
     shared = {bucket.index: np.full(bucket.nbytes, 0xAB, dtype=np.uint8) for bucket in plan.buckets}
     for rank in reversed(range(ranks)):  # arrival order does not matter
         local = _local_shards(full, rank, ranks)
@@ -356,7 +363,7 @@ def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, experts, 
             if not bucket.part_bytes(rank):
                 continue
             buffer = shared[bucket.index] if whole else np.empty(bucket.part_bytes(rank), dtype=np.uint8)
-            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, whole_bucket=whole, version=1)
+            digest = pack_part(bucket, rank, local, plan.torch_dtype, buffer, whole_bucket=whole, version=1, key=KEY)
             staging.add(bucket.index, rank, buffer, digest)
     assembled = staging.complete()
     assert list(assembled) == list(plan.shapes)
@@ -369,7 +376,7 @@ def test_parts_from_every_rank_assemble_the_full_tensors(dtype, ranks, experts, 
     torch.testing.assert_close(assembled[next(iter(shapes))], full[next(iter(shapes))].to(getattr(torch, dtype)),
                                rtol=0, atol=0)
     assert staging.verify() is None
-    reused = Staging(plan, version=2, reuse=staging.owned)
+    reused = Staging(plan, 2, KEY, reuse=staging.owned)
     if staging.owned:
         name = next(iter(staging.owned))
         assert reused._owned_tensor(name) is staging.owned[name]  # written over, not allocated again
@@ -381,10 +388,10 @@ def test_a_corrupt_short_or_missing_part_is_refused():
     plan = plan_sync(shapes, 2, _layout(1, 2), 30_000)
     bucket = plan.buckets[1]
     buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
-    digest = pack_part(bucket, 0, _local_shards(full, 0, 2), torch.float32, buffer, version=3)
+    digest = pack_part(bucket, 0, _local_shards(full, 0, 2), torch.float32, buffer, version=3, key=KEY)
     corrupt = buffer.copy()
     corrupt[len(corrupt) // 2] ^= 1
-    staging = Staging(plan, version=3)
+    staging = Staging(plan, 3, KEY)
     with pytest.raises(SyncError, match="v3: bucket 1 from learner rank 0 is corrupt"):
         staging.add(1, 0, corrupt, digest)
     with pytest.raises(SyncError, match="bucket 1 from rank 0 has .* bytes, the plan says"):
@@ -403,12 +410,12 @@ def test_in_a_shared_bucket_each_ranks_rows_are_checked_on_their_own():
     bucket = next(b for b in plan.buckets if b.part_bytes(0) and b.part_bytes(1))
     buffer = np.zeros(bucket.nbytes, dtype=np.uint8)
     digests = [pack_part(bucket, rank, _local_shards(full, rank, 2), torch.float32, buffer, whole_bucket=True,
-                         version=4)
+                         version=4, key=KEY)
                for rank in range(2)]
     assert buffer.any()
     piece = bucket.parts[1][0]
     buffer[piece.bucket_offset + piece.nbytes // 2] ^= 1  # in rank 1's rows
-    staging = Staging(plan, version=4, whole_buckets=True)
+    staging = Staging(plan, 4, KEY, whole_buckets=True)
     staging.add(bucket.index, 0, buffer, digests[0])
     with pytest.raises(SyncError, match=f"bucket {bucket.index} from learner rank 1 is corrupt"):
         staging.add(bucket.index, 1, buffer, digests[1])
@@ -421,7 +428,7 @@ def _packed_bucket(dtype="float32", version=3, seed=0):
     plan = plan_sync(shapes, 1, _layout(1, 2, dtype), 1 << 20)
     bucket = next(b for b in plan.buckets if "model.layers.0.self_attn.q_proj.weight" in b.names)
     buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
-    digest = pack_part(bucket, 0, _full_tensors(shapes, seed=seed), plan.torch_dtype, buffer, version=version)
+    digest = pack_part(bucket, 0, _full_tensors(shapes, seed=seed), plan.torch_dtype, buffer, version=version, key=KEY)
     return plan, bucket, buffer, digest
 
 
@@ -431,12 +438,12 @@ def _piece(bucket, name):
 
 def _refused(plan, bucket, buffer, digest, version=3, rank=0):
     with pytest.raises(SyncError, match="is corrupt"):
-        Staging(plan, version).add(bucket.index, rank, buffer, digest)
+        Staging(plan, version, KEY).add(bucket.index, rank, buffer, digest)
 
 
 def test_swapped_words_and_compensating_changes_fail_the_checksum():
     plan, bucket, buffer, digest = _packed_bucket()
-    Staging(plan, 3).add(bucket.index, 0, buffer, digest)  # intact: accepted
+    Staging(plan, 3, KEY).add(bucket.index, 0, buffer, digest)  # intact: accepted
     words = buffer.view(np.uint64)
     swapped = buffer.copy()
     swapped.view(np.uint64)[[10, 11]] = words[[11, 10]]  # two words trade places: their sum stays
@@ -471,19 +478,79 @@ def test_a_part_labelled_with_another_version_bucket_or_rank_fails_the_checksum(
     plan, bucket, buffer, digest = _packed_bucket(version=3)
     # The previous version's intact part, with its own checksum, replayed as version 4 (a stale buffer).
     with pytest.raises(SyncError, match="v4: bucket .* is corrupt"):
-        Staging(plan, 4).add(bucket.index, 0, buffer, digest)
+        Staging(plan, 4, KEY).add(bucket.index, 0, buffer, digest)
     # The same bytes and checksum relabelled as another bucket of the same size, or another rank's part.
     equal_plan = plan_sync({"a.weight": (8, 16), "b.weight": (8, 16)}, 2, _layout(1, 2), 8 * 16 * 4)
     first, second = equal_plan.buckets[0], equal_plan.buckets[1]
     assert first.part_bytes(0) == second.part_bytes(0) == first.part_bytes(1)
     local = _local_shards(_full_tensors({"a.weight": (8, 16), "b.weight": (8, 16)}), 0, 2)
     part = np.empty(first.part_bytes(0), dtype=np.uint8)
-    first_digest = pack_part(first, 0, local, torch.float32, part, version=3)
+    first_digest = pack_part(first, 0, local, torch.float32, part, version=3, key=KEY)
     with pytest.raises(SyncError, match=f"bucket {second.index} from learner rank 0 is corrupt"):
-        Staging(equal_plan, 3).add(second.index, 0, part, first_digest)
+        Staging(equal_plan, 3, KEY).add(second.index, 0, part, first_digest)
     with pytest.raises(SyncError, match=f"bucket {first.index} from learner rank 1 is corrupt"):
-        Staging(equal_plan, 3).add(first.index, 1, part, first_digest)
-    Staging(equal_plan, 3).add(first.index, 0, part, first_digest)  # where it belongs: accepted
+        Staging(equal_plan, 3, KEY).add(first.index, 1, part, first_digest)
+    Staging(equal_plan, 3, KEY).add(first.index, 0, part, first_digest)  # where it belongs: accepted
+
+
+_MASK64, _LOW32 = (1 << 64) - 1, (1 << 32) - 1
+
+
+def _forged(part: np.ndarray, seed: int, step: int, index: int, value: float, fillers: tuple[int, ...]) -> np.ndarray:
+    """`part` (float32 pieces whose words lie at their byte positions in the part) with float `index` set to `value`,
+    and four filler words rewritten so that both word sums under the keys `seed` and `step` (codec.word_sums) are
+    what they were: a forgery that whoever knows the keys can make."""
+    def keyed(i: int) -> int:
+        return (seed + 8 * i * step) & _MASK64
+
+    def product(i: int, word: int) -> int:
+        v = word ^ keyed(i)
+        return (v & _LOW32) * (v >> 32)
+
+    words = [int(w) for w in part.view("<u8")]
+    total = sum(words) & _MASK64, sum(product(i, w) for i, w in enumerate(words)) & _MASK64
+    forged = part.copy()
+    forged.view(np.float32)[index] = value
+    words = [int(w) for w in forged.view("<u8")]
+    a, b, c, d = fillers
+    kept = [i for i in range(len(words)) if i not in fillers]
+    # a and b bring the product sum back: lo32(v) = 1 gives hi32(v); hi32(v) = 2^32 - 1 gives (2^32 - 1) lo32(v).
+    times, rest = divmod((total[1] - sum(product(i, words[i]) for i in kept)) & _MASK64, _LOW32)
+    assert times <= _LOW32
+    words[a], words[b] = ((rest << 32) | 1) ^ keyed(a), ((_LOW32 << 32) | times) ^ keyed(b)
+    # c and d, whose products are zero (lo32(v) = 0, hi32(v) = 0), bring the word sum back.
+    needed = (total[0] - sum(words[i] for i in kept) - words[a] - words[b]) & _MASK64
+    free = (needed - (keyed(c) & _LOW32) - ((keyed(d) >> 32) << 32)) & _MASK64
+    words[c] = ((free >> 32) << 32) | (keyed(c) & _LOW32)
+    words[d] = ((keyed(d) >> 32) << 32) | (free & _LOW32)
+    forged.view("<u8")[list(fillers)] = np.array([words[i] for i in fillers], dtype=np.uint64)
+    return forged
+
+
+def test_a_weight_changed_by_someone_without_the_runs_secret_fails_the_checksum():
+    # Someone who can write a staged part (shared memory open to them) sets a weight to 1000.0 and rewrites four
+    # filler words so that the sums come out as before. Keyed with the run's secret, the keys of every word are
+    # unknown to them, and whatever keys they assume (none, another secret), the part is refused; only with the
+    # run's own keys would the same forgery pass.
+    plan, bucket, buffer, digest = _packed_bucket(version=3)
+    assert all(piece.offset % 8 == 0 and piece.nbytes % 8 == 0 for piece in bucket.parts[0])  # words where they lie
+    fillers, index = (40, 41, 42, 43), 7
+    guesses = {"the unkeyed sum": (0, codec._GOLDEN), "another secret": codec.part_keys(3, bucket.index, 0, bytes(16))}
+    for assumed, (seed, step) in guesses.items():
+        with pytest.raises(SyncError, match="is corrupt"):
+            Staging(plan, 3, KEY).add(bucket.index, 0, _forged(buffer, seed, step, index, 1000.0, fillers), digest)
+    own = _forged(buffer, *codec.part_keys(3, bucket.index, 0, KEY), index, 1000.0, fillers)
+    staging = Staging(plan, 3, KEY)
+    staging.add(bucket.index, 0, own, digest)  # the forgery itself is sound: the secret is what stops it
+    first = bucket.parts[0][0]
+    assert staging.tensors[first.name].reshape(-1)[index] == 1000.0
+
+
+def test_a_checksum_key_that_is_not_sixteen_bytes_is_refused():
+    plan, bucket, buffer, digest = _packed_bucket()
+    for key in (b"", bytes(8), "0123456789abcdef"):
+        with pytest.raises(ValueError, match="^weight sync: the checksum key must be 16 random bytes"):
+            Staging(plan, 3, key)
 
 
 def test_a_sender_and_an_engine_agree_whichever_has_the_native_loop(monkeypatch):
@@ -491,13 +558,13 @@ def test_a_sender_and_an_engine_agree_whichever_has_the_native_loop(monkeypatch)
     plan, bucket, native_packed, native_digest = _packed_bucket()
     with monkeypatch.context() as without_native:
         without_native.setattr(native, "copy_hash", lambda: None)
-        Staging(plan, 3).add(bucket.index, 0, native_packed, native_digest)  # the engine hashes with numpy
+        Staging(plan, 3, KEY).add(bucket.index, 0, native_packed, native_digest)  # the engine hashes with numpy
         _, _, numpy_packed, numpy_digest = _packed_bucket()  # the sender packs with numpy
         corrupt = numpy_packed.copy()
         corrupt[100] ^= 4
         _refused(plan, bucket, corrupt, numpy_digest)
     assert numpy_digest == native_digest and np.array_equal(numpy_packed, native_packed)
-    Staging(plan, 3).add(bucket.index, 0, numpy_packed, numpy_digest)
+    Staging(plan, 3, KEY).add(bucket.index, 0, numpy_packed, numpy_digest)
     _refused(plan, bucket, corrupt, numpy_digest)
 
 
@@ -516,7 +583,7 @@ def test_non_finite_weights_never_leave_the_learner(monkeypatch, dtype, bad, use
     with pytest.raises(NonFiniteWeights, match=r"v6: model\.layers\.0\.mlp\.down_proj\.weight holds NaN or inf "
                                               r"\(element 77 of learner rank 0's rows\); the training step that "
                                               r"produced version 6 diverged"):
-        for _ in stream_parts(plan, 0, weights, transport, version=6):
+        for _ in stream_parts(plan, 0, weights, transport, 6, KEY):
             pass
     assert not issubclass(NonFiniteWeights, SyncError)  # a transfer fault is worth repeating; this is not
 
@@ -537,7 +604,7 @@ def test_a_shard_that_does_not_match_the_plan_is_refused():
     wrong = _local_shards(_full_tensors(shapes), 0, 1)  # whole tensors where rank 0 of 2 should hold half
     buffer = np.empty(plan.buckets[0].part_bytes(0), dtype=np.uint8)
     with pytest.raises(SyncError, match="rank 0 holds .* but the sync plan expects"):
-        pack_part(plan.buckets[0], 0, wrong, torch.float32, buffer)
+        pack_part(plan.buckets[0], 0, wrong, torch.float32, buffer, key=KEY)
 
 
 # ---------------------------------------------------------------- transports
@@ -548,7 +615,7 @@ def _receive_all(transport_name, parts, plan, results, connect=None):
         transport = make_transport(transport_name)
         if connect:
             transport.connect(*connect)
-        staging = Staging(plan, 1, whole_buckets=transport.whole_buckets)
+        staging = Staging(plan, 1, KEY, whole_buckets=transport.whole_buckets)
         for bucket, rank, handle, nbytes, digest in parts:
             with transport.receive(handle, rank, nbytes) as buffer:
                 staging.add(bucket, rank, buffer, digest)
@@ -561,7 +628,7 @@ def _send_over_gloo(port, plan, results):
     try:
         transport = make_transport("gloo")
         transport.connect("127.0.0.1", port, 0, 1, 2, 60)
-        for part in stream_parts(plan, 0, _full_tensors(plan.shapes), transport, version=1):
+        for part in stream_parts(plan, 0, _full_tensors(plan.shapes), transport, 1, KEY):
             part.deliver()
         results.put("sent")
     except Exception as err:
@@ -584,7 +651,7 @@ def test_transport_carries_every_bucket_to_another_process(transport_name, ranks
             sender.share_buffers(senders[0].buffer_prefix())
         parts = [(p.bucket, p.rank, p.handle, p.nbytes, p.checksum)
                  for rank, sender in enumerate(senders)
-                 for p in stream_parts(plan, rank, _local_shards(full, rank, ranks), sender, 1)]
+                 for p in stream_parts(plan, rank, _local_shards(full, rank, ranks), sender, 1, KEY)]
         assert len({handle.name for _, _, handle, _, _ in parts}) == len(plan.buckets)  # one segment per bucket
         receiver = context.Process(target=_receive_all, args=("shm", parts, plan, results))
         receiver.start()
@@ -601,7 +668,8 @@ def test_transport_carries_every_bucket_to_another_process(transport_name, ranks
         parts = []
         for bucket in plan.buckets:
             buffer = np.empty(bucket.part_bytes(0), dtype=np.uint8)
-            parts.append((bucket.index, 0, None, len(buffer), pack_part(bucket, 0, full, torch.float32, buffer, version=1)))
+            parts.append((bucket.index, 0, None, len(buffer),
+                          pack_part(bucket, 0, full, torch.float32, buffer, version=1, key=KEY)))
         port = find_free_port()
         sent = context.Queue()
         sender_proc = context.Process(target=_send_over_gloo, args=(port, plan, sent))
@@ -665,9 +733,9 @@ def test_shared_memory_sets_up_both_segment_sets_once_and_faults_them_in():
     try:
         for version in range(1, 6):
             full = _full_tensors(shapes, seed=version)
-            staging = Staging(plan, version, whole_buckets=True)
+            staging = Staging(plan, version, KEY, whole_buckets=True)
             for rank, sender in enumerate(senders):
-                for part in stream_parts(plan, rank, _local_shards(full, rank, 2), sender, version):
+                for part in stream_parts(plan, rank, _local_shards(full, rank, 2), sender, version, KEY):
                     handles.setdefault(version % 2, set()).add(part.handle.name)
                     with receiver.receive(part.handle, part.rank, part.nbytes) as buffer:
                         staging.add(part.bucket, part.rank, buffer, part.checksum)
