@@ -18,9 +18,9 @@ for a small chance, estimated (not proven) at 2^-32 for the least favourable wor
 
 The secret (`new_sync_key`) is drawn once per run by the sync channel's driver and travels with each version's calls
 over Ray, never into a file: someone who can change a part's bytes in shared memory but cannot read that secret does
-not know any word's key, so cannot pick filler words that bring both sums back. It is not a cryptographic MAC: the
-product sum is linear enough that a forgery succeeds with a chance far above a MAC's, estimated (not proven) at about
-2^-32 a try, and each try that fails stops the sync with an error. Whoever holds the secret can forge any part.
+not know any word's key, so cannot pick filler words that bring both sums back. It is not a cryptographic MAC: that
+a change goes unnoticed but for about 2^-32 a try is an estimate for sums of this kind, not a proof (a MAC gives 2^-64
+or better, proven), and each try that fails stops the sync with an error. Whoever holds the secret can forge any part.
 Summed word by word, the checksum is taken in the same pass as the copy on both sides, while each word is in a
 register (`native.copy_hash`): the sender while packing, the engine while copying the part out of the transport's
 buffer into its own staging copy, the memory the engine writes from. Without the native loop numpy computes the same
