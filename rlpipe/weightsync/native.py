@@ -31,10 +31,10 @@ import numpy as np
 # copy_hash(src, dst, n, width, mask, seed, step, position, sums): copy n bytes from src to dst (dst NULL: hash only)
 # and add to sums[0] the sum mod 2^64 of the 8-byte words of src (the last zero-padded), to sums[1] that of
 # lo32(v) * hi32(v) where v = word ^ (seed + (position + offset of the word) * step): codec.py's word sums, whose seed
-# and step are secret to the run. Returns 1 when some value,
-# read as floats of `width` bytes (2, 4 or 8; 0: no check) whose exponent bits are `mask`, has all of them set (inf
-# or NaN), else 0. Streaming stores need dst aligned past a head of whole words (numpy, torch, shared memory and Ray
-# buffers, and the plan's pieces, all give that), else the loop stores through the cache.
+# and step are secret to the run. Returns 1 when some value, read as floats of `width` bytes (2, 4 or 8; 0: no check)
+# whose exponent bits are `mask`, has all of them set (inf or NaN), else 0. Streaming stores need dst aligned past a
+# head of whole words (numpy, torch, shared memory and Ray buffers, and the plan's pieces, all give that), else the loop
+# stores through the cache.
 _SOURCE = r"""
 #include <stddef.h>
 #include <stdint.h>
@@ -127,7 +127,8 @@ int copy_hash(const uint8_t *src, uint8_t *dst, size_t n, int width, uint64_t ma
         uint64_t key = seed + (position + i) * step;
         __m256i keys_x = _mm256_set_epi64x((long long)(key + 24 * step), (long long)(key + 16 * step),
                                            (long long)(key + 8 * step), (long long)key);
-        __m256i half = _mm256_set1_epi64x((long long)(32 * step)), stride = _mm256_set1_epi64x((long long)(64 * step));
+        __m256i half = _mm256_set1_epi64x((long long)(32 * step));
+        __m256i stride = _mm256_set1_epi64x((long long)(64 * step));
         for (; i + 64 <= n; i += 64) {
             __m256i x = _mm256_loadu_si256((const __m256i *)(src + i));
             __m256i y = _mm256_loadu_si256((const __m256i *)(src + i + 32));
