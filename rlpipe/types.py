@@ -23,6 +23,7 @@ class Prompt:
     messages: list[dict] | None = None  # a conversation's messages as templated (None for a text prompt)
     chat: list[dict] | None = None  # the messages templated, a text prompt's too (multi-turn episodes render them)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # data.chat_template_kwargs, for those renderings
+    messages_as_text: bool = False  # data.special_tokens_in_prompts is text: for those renderings too
 
     @property
     def for_rewards(self) -> str | list[dict]:

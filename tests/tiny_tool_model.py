@@ -42,6 +42,26 @@ def tool_conversation(tokenizer, system_prompt: str, question: str, expression: 
     return ids, [0] * len(prompt) + [1] * len(first) + [0] * len(suffix) + [1] * len(second)
 
 
+def build_tool_tokenizer(folder, system_prompt: str, prompt_suffix: str = "", questions=None):
+    """The tiny tool model's tokenizer (TOOL_CHATML, the chat specials), trained on calculator episodes' text of
+    `questions` (arithmetic_question's; 256 of seed 0's when None), saved to `folder`: digits one by one, the call's
+    JSON as few tokens."""
+    import random
+
+    from tokenizers import pre_tokenizers
+
+    if questions is None:
+        rng = random.Random(0)
+        questions = [arithmetic_question(rng) for _ in range(256)]
+    call = json.dumps({"name": "calculator", "arguments": {"expression": "1 + 2"}})
+    corpus = [f"system\n{system_prompt}\nTools: calculator\nuser\n{q}{prompt_suffix}\nassistant\n"
+              f"<tool_call>{call}</tool_call>\ntool\n" for q, _ in questions]
+    digits_apart = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    return train_tokenizer(folder, digits_apart, corpus, 448, TOOL_CHATML)
+
+
 def build_tiny_tool_model(folder, system_prompt: str, prompt_suffix: str = "", seed: int = 0, steps: int = 400,
                           lr: float = 5e-3) -> str:
     """A tiny Qwen3 that calls the calculator tool (rlpipe.tools:calculator): trained briefly (supervised, on the
@@ -52,17 +72,10 @@ def build_tiny_tool_model(folder, system_prompt: str, prompt_suffix: str = "", s
 
     import torch
     import transformers
-    from tokenizers import pre_tokenizers
 
     rng = random.Random(seed)
     questions = [arithmetic_question(rng) for _ in range(2048)]
-    call = json.dumps({"name": "calculator", "arguments": {"expression": "1 + 2"}})
-    corpus = [f"system\n{system_prompt}\nTools: calculator\nuser\n{q}{prompt_suffix}\nassistant\n"
-              f"<tool_call>{call}</tool_call>\ntool\n" for q, _ in questions[:256]]
-    digits_apart = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tokenizer = train_tokenizer(folder, digits_apart, corpus, 448, TOOL_CHATML)
+    tokenizer = build_tool_tokenizer(folder, system_prompt, prompt_suffix, questions[:256])
 
     rows = [tool_conversation(tokenizer, system_prompt, q + prompt_suffix, e) for q, e in questions]
     config = transformers.Qwen3Config(

@@ -80,6 +80,13 @@ class DataConfig:
         "tokenizer", "tokenizer: the tokenizer's chat template; none: the prompt text as is (base models)"
     )
     chat_template_kwargs: dict = key({}, "extra variables for the chat template (e.g. {enable_thinking: false})")
+    special_tokens_in_prompts: Literal["special", "text"] = key(
+        "special",
+        "a special token's text (e.g. <|im_end|>) inside the prompts' messages (rows, system prompt, examples, "
+        "suffix): special reads it as the token, as the tokenizer does; text tokenizes it as plain text, so a row "
+        "cannot end its turn or start another (the template's own markers stay special; tool messages are always "
+        "text)",
+    )
     max_prompt_tokens: int | None = key(
         None,
         "the longest prompt in tokens (after templating); null: what rollout.max_model_len leaves after "

@@ -20,6 +20,7 @@ from rlpipe.config import (
     VerifiersSource,
     one_line,
 )
+from rlpipe.data.templating import kept_contents, templated_ids, valid_text
 from rlpipe.optional import optional_source
 from rlpipe.types import Prompt
 
@@ -325,29 +326,34 @@ def chat_messages(
 
 def render_prompt(
     tokenizer, prompt: str | list[dict], system_prompt: str | None, chat_template: str = "tokenizer",
-    template_kwargs: dict | None = None, example_messages: list[dict] | None = None,
+    template_kwargs: dict | None = None, example_messages: list[dict] | None = None, messages_as_text: bool = False,
 ) -> list[int]:
     """Token ids of the prompt: chat-templated, ending where the assistant's reply begins; or, with chat_template
-    "none", the text as is (after data.system_prompt and a blank line), for base models."""
+    "none", the text as is (after data.system_prompt and a blank line), for base models. `messages_as_text`
+    (data.special_tokens_in_prompts: text): a special token's text in the messages is tokenized as plain text."""
     if chat_template == "none":
         if not isinstance(prompt, str):
             raise ConfigError("data.chat_template: none sends prompts as text, but this prompt is a list of chat messages")
         text = f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
-        return tokenizer(text)["input_ids"]  # the tokenizer's own BOS, as a base model was trained with
+        # The tokenizer's own BOS, as a base model was trained with.
+        return tokenizer(valid_text(text), split_special_tokens=messages_as_text)["input_ids"]
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
             f"model.tokenizer: {tokenizer.name_or_path} has no chat template (set data.chat_template=none for a base "
             "model)"
         )
-    try:
-        text = tokenizer.apply_chat_template(
-            chat_messages(prompt, system_prompt, example_messages), tokenize=False, add_generation_prompt=True,
-            **(template_kwargs or {}),
-        )
-    except Exception as err:  # jinja's TemplateError, or the template's own raise_exception
-        raise ConfigError(f"model.tokenizer: the chat template fails on a prompt: {one_line(err)}") from None
-    # The template already holds any BOS token; adding special tokens again would double it.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    messages = chat_messages(prompt, system_prompt, example_messages)
+
+    def render(keep) -> str:
+        try:
+            return tokenizer.apply_chat_template(
+                kept_contents(messages, keep), tokenize=False, add_generation_prompt=True, **(template_kwargs or {}),
+            )
+        except Exception as err:  # jinja's TemplateError, or the template's own raise_exception
+            raise ConfigError(f"model.tokenizer: the chat template fails on a prompt: {one_line(err)}") from None
+
+    # The template already holds any BOS token; the ids are the text's own, without special tokens added.
+    return templated_ids(tokenizer, render, messages_as_text)
 
 
 class PromptSet:
@@ -386,7 +392,7 @@ class PromptSet:
         messages = None if isinstance(prompt, str) else chat_messages(prompt, self.cfg.system_prompt, examples)
         chat = None if self.cfg.chat_template == "none" else chat_messages(prompt, self.cfg.system_prompt, examples)
         return Prompt(self.id_offset + number, question_text(prompt), token_ids, columns, messages, chat,
-                      dict(self.cfg.chat_template_kwargs))
+                      dict(self.cfg.chat_template_kwargs), self.messages_as_text)
 
     def drop_overlong(self) -> int:
         """Leave out the rows whose prompt is longer than max_prompt_tokens (data.overlong: drop); how many were."""
@@ -409,9 +415,13 @@ class PromptSet:
                 )
             self._token_ids[number] = render_prompt(
                 self.tokenizer, self._prompt(row), self.cfg.system_prompt, self.cfg.chat_template,
-                self.cfg.chat_template_kwargs, self.cfg.example_messages,
+                self.cfg.chat_template_kwargs, self.cfg.example_messages, self.messages_as_text,
             )
         return self._token_ids[number]
+
+    @property
+    def messages_as_text(self) -> bool:
+        return self.cfg.special_tokens_in_prompts == "text"
 
     def _prompt(self, row: dict) -> str | list[dict]:
         return with_suffix(row[self.cfg.prompt_field], self.cfg.prompt_suffix)

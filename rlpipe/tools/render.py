@@ -1,12 +1,15 @@
 """Tool turns through the chat template, and tool calls read from the model's text: a conversation's prompt rendered
 with its tools' schemas, the ids of tool messages appended after a finished assistant turn (TRL's
 `_get_tool_suffix_ids`), and Qwen/Hermes-style `<tool_call>` blocks parsed as TRL's `parse_response` gives them. Pure
-functions of a tokenizer and text; it imports nothing of rlpipe."""
+functions of a tokenizer and text; of rlpipe it imports only the chat templating of rlpipe.data (texts kept as
+text), which imports nothing."""
 
 from __future__ import annotations
 
 import json
 import re
+
+from rlpipe.data.templating import kept_contents, templated_ids
 
 # Qwen/Hermes-style tool calls, the format TRL's response schemas parse for those families.
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -21,40 +24,55 @@ TOOLS_SYSTEM_BLOCK = (
 )
 
 
-def render_conversation(tokenizer, messages: list[dict], schemas: list[dict], **template_kwargs) -> list[int]:
+def render_conversation(tokenizer, messages: list[dict], schemas: list[dict], messages_as_text: bool = False,
+                        **template_kwargs) -> list[int]:
     """Token ids of a conversation's prompt with its tools: rendered by the chat template with `tools=`; a template
-    that ignores tools gets them in its system message (TOOLS_SYSTEM_BLOCK), so the model is told of them."""
+    that ignores tools gets them in its system message (TOOLS_SYSTEM_BLOCK), so the model is told of them.
+    `messages_as_text` (data.special_tokens_in_prompts: text): a special token's text in a message is tokenized as
+    plain text (rlpipe/data/templating.py)."""
 
     def render(conversation, **extra) -> str:
         return tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=True, **template_kwargs, **extra
         )
 
-    text = render(messages, tools=schemas)
-    if schemas and text == render(messages):
+    def with_tools(keep) -> str:
+        kept = kept_contents(messages, keep)
+        text = render(kept, tools=schemas)
+        if not schemas or text != render(kept):
+            return text
         block = TOOLS_SYSTEM_BLOCK.format(tools="\n".join(json.dumps(s) for s in schemas))
-        if messages and messages[0]["role"] == "system":
-            messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{block}"}, *messages[1:]]
+        if kept and kept[0]["role"] == "system":
+            kept = [{**kept[0], "content": f"{kept[0]['content']}\n\n{block}"}, *kept[1:]]
         else:
-            messages = [{"role": "system", "content": block}, *messages]
-        text = render(messages)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+            kept = [{"role": "system", "content": block}, *kept]
+        return render(kept)
+
+    return templated_ids(tokenizer, with_tools, messages_as_text)
 
 
 def tool_suffix_ids(tokenizer, tool_messages: list[dict], **template_kwargs) -> list[int]:
     """The ids that follow a finished assistant turn when `tool_messages` answer it, up to the next assistant
     header: TRL's `_get_tool_suffix_ids` (a minimal conversation rendered with and without the tool messages, the
-    shorter cut after its last end-of-sequence token, the difference taken)."""
-    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    shorter cut after its last end-of-sequence token, the difference taken). The messages' names and contents are
+    tools' and the model's text: a special token's text in them is tokenized as plain text, so a tool that prints
+    `<|im_end|>` cannot end its message or start a turn (rlpipe/data/templating.py)."""
 
-    def ids(conversation, generation_prompt: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=generation_prompt, **template_kwargs
-        )
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    def ids(answered: bool) -> list[int]:
+        def render(keep) -> str:
+            calls = [{"type": "function", "function": {"name": keep(tool_messages[0]["name"]), "arguments": {}}}]
+            conversation = [
+                {"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            ]
+            if answered:
+                conversation += [{**m, **{k: keep(m[k]) for k in ("name", "content") if k in m}} for m in tool_messages]
+            return tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=answered, **template_kwargs
+            )
 
-    prefix, full = ids(dummy, False), ids(dummy + tool_messages, True)
+        return templated_ids(tokenizer, render)
+
+    prefix, full = ids(False), ids(True)
     ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
     if ends:
         prefix = prefix[: ends[-1] + 1]

@@ -84,7 +84,8 @@ class MultiTurn:
                     messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
                 tools = self.toolset.episode_tools(environment)
                 schemas = self.toolset.schemas(environment)
-                ids = render_conversation(tokenizer, messages, schemas, **prompt.template_kwargs)
+                ids = render_conversation(tokenizer, messages, schemas, prompt.messages_as_text,
+                                          **prompt.template_kwargs)
                 episodes.append(Episode(ids, {tool.__name__: tool for tool in tools}, environment))
         turn_params = params.clone()
         turn_params.n = 1
