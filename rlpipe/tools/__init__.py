@@ -40,12 +40,19 @@ from rlpipe.tools.loading import (
     sandboxed_tools,
     tool_schemas,
 )
-from rlpipe.tools.render import TOOL_CALL, TOOLS_SYSTEM_BLOCK, parse_tool_calls, render_conversation, tool_suffix_ids
+from rlpipe.tools.render import (
+    MAX_CALL_DEPTH,
+    TOOLS_SYSTEM_BLOCK,
+    parse_tool_calls,
+    render_conversation,
+    tool_call_bodies,
+    tool_suffix_ids,
+)
 
 __all__ = [
-    "MAX_RUNNING_TOOL_CALLS", "MAX_STUCK_TOOL_CALLS", "PYTHON_LIMITS", "TOOLS_SYSTEM_BLOCK", "TOOL_CALL", "Episode",
-    "EpisodeLimits", "ProgramFailed", "ToolCall", "ToolConfigError", "ToolSet", "ToolThreads", "Turn", "calculator",
-    "check_tools", "environment_tools", "load_object", "load_tools", "parse_tool_calls", "python",
-    "render_conversation", "run_episodes", "run_tool_calls", "sandboxed_python", "sandboxed_tools", "tool_schemas",
-    "tool_suffix_ids",
+    "MAX_CALL_DEPTH", "MAX_RUNNING_TOOL_CALLS", "MAX_STUCK_TOOL_CALLS", "PYTHON_LIMITS", "TOOLS_SYSTEM_BLOCK",
+    "Episode", "EpisodeLimits", "ProgramFailed", "ToolCall", "ToolConfigError", "ToolSet", "ToolThreads", "Turn",
+    "calculator", "check_tools", "environment_tools", "load_object", "load_tools", "parse_tool_calls", "python",
+    "render_conversation", "run_episodes", "run_tool_calls", "sandboxed_python", "sandboxed_tools", "tool_call_bodies",
+    "tool_schemas", "tool_suffix_ids",
 ]

@@ -9,10 +9,14 @@ from __future__ import annotations
 import json
 import re
 
-from rlpipe.data.templating import kept_contents, templated_ids
+from rlpipe.data.templating import kept_contents, templated_ids, valid_text
 
 # Qwen/Hermes-style tool calls, the format TRL's response schemas parse for those families.
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+# A call nested deeper is read as malformed: deep enough for any tool's arguments, and far from what Python's
+# recursion limit lets pickling (Ray), logging and reward functions carry.
+MAX_CALL_DEPTH = 64
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 # Said to a model whose chat template does not render `tools=` (ChatML templates without tool support, e.g.
 # SmolLM2's): the tool block Qwen2.5's template writes into the system message, so the model learns one format.
@@ -81,25 +85,54 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], **template_kwargs) -> 
     return full[len(prefix) :]
 
 
+def tool_call_bodies(text: str) -> list[str]:
+    """The text inside each `<tool_call>...</tool_call>` block, trimmed, in order: what the pattern
+    `<tool_call>\\s*(.*?)\\s*</tool_call>` finds, read in one pass (that pattern's backtracking takes seconds on a
+    `<tool_call>` followed by a few thousand spaces)."""
+    bodies, position = [], 0
+    while (start := text.find(TOOL_CALL_OPEN, position)) != -1:
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        if end == -1:
+            break
+        bodies.append(text[start + len(TOOL_CALL_OPEN) : end].strip())
+        position = end + len(TOOL_CALL_CLOSE)
+    return bodies
+
+
 def parse_tool_calls(text: str) -> dict:
     """An assistant turn as TRL's `parse_response` gives it: {"role": "assistant", "content": ..., "tool_calls":
     [{"type": "function", "function": {"name", "arguments"}}]} when the text holds Qwen-style tool calls. A malformed
-    call makes the whole turn plain text, as TRL's fallback does."""
-    found = TOOL_CALL.findall(text)
-    if not found:
+    call makes the whole turn plain text, as TRL's fallback does: one that is not JSON (Python's limits included: an
+    integer of more than 4300 digits, nesting past the recursion limit), names no tool, or nests deeper than
+    MAX_CALL_DEPTH. Lone surrogates in a call, as characters or as JSON escapes, become U+FFFD."""
+    bodies = tool_call_bodies(text)
+    calls = [_read_call(body) for body in bodies]
+    if not calls or None in calls:
         return {"role": "assistant", "content": text}
-    calls = []
-    for body in found:
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
-            return {"role": "assistant", "content": text}
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return {"role": "assistant", "content": text}
-        arguments = call.get("arguments")
-        if arguments is None:
-            arguments = {}
-        calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
-    content = text[: text.index("<tool_call>")].strip()
+    content = text[: text.index(TOOL_CALL_OPEN)].strip()
     return {"role": "assistant", "content": content, "tool_calls": calls}
 
+
+def _read_call(body: str) -> dict | None:
+    """A block's call as TRL gives it, or None where the block holds none."""
+    try:
+        call = json.loads(valid_text(body))
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError, as is the integer digit limit
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or _depth(call) > MAX_CALL_DEPTH:
+        return None
+    if _SURROGATE_ESCAPE.search(body):
+        call = json.loads(valid_text(json.dumps(call, ensure_ascii=False)))
+    arguments = call.get("arguments")
+    return {"type": "function", "function": {"name": call["name"], "arguments": {} if arguments is None else arguments}}
+
+
+def _depth(value) -> int:
+    """How deep lists and mappings nest in `value`, counted without recursion (stopping past MAX_CALL_DEPTH)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending and deepest <= MAX_CALL_DEPTH:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            pending += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
+    return deepest

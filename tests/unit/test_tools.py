@@ -106,6 +106,44 @@ def test_a_qwen_style_call_parses_as_trl_gives_it():
     assert parse_tool_calls(broken) == {"role": "assistant", "content": broken}
 
 
+def test_a_call_python_cannot_read_leaves_the_turn_plain_text():
+    from rlpipe.tools import MAX_CALL_DEPTH
+
+    def block(body: str) -> str:
+        return f"<tool_call>{body}</tool_call>"
+
+    unreadable = {
+        "nested past the recursion limit": "[" * 1000 + "]" * 1000,
+        "an integer past Python's digit limit": '{"name": "add", "arguments": {"a": ' + "9" * 4301 + ', "b": 1}}',
+        "nested past MAX_CALL_DEPTH": '{"name": "add", "arguments": {"a": ' + "[" * MAX_CALL_DEPTH + "]" * MAX_CALL_DEPTH
+        + "}}",
+    }
+    for what, body in unreadable.items():
+        text = "Let me add. " + call_text("add", a=1, b=2) + block(body)
+        assert parse_tool_calls(text) == {"role": "assistant", "content": text}, what
+    # Just inside the limits, the call is read.
+    deepest = '{"name": "add", "arguments": {"a": ' + "[" * (MAX_CALL_DEPTH - 2) + "]" * (MAX_CALL_DEPTH - 2) + "}}"
+    assert parse_tool_calls(block(deepest))["tool_calls"][0]["function"]["name"] == "add"
+    # A lone surrogate the JSON escapes becomes U+FFFD (no tokenizer, log or pickle refuses it); a pair stays its
+    # character.
+    message = parse_tool_calls(block(r'{"name": "a\ud800", "arguments": {"k\udc00": "\ud83d\ude00"}}'))
+    assert message["tool_calls"][0]["function"] == {"name": "a\ufffd", "arguments": {"k\ufffd": "\U0001f600"}}
+
+
+def test_reading_calls_takes_one_pass_over_a_turn():
+    """A `<tool_call>` followed by spaces and no end: the pattern `<tool_call>\\s*(.*?)\\s*</tool_call>` backtracks
+    for seconds over 1500 spaces (a few dozen tokens of a tokenizer with whitespace runs), holding every episode of
+    the step."""
+    import time
+
+    text = "<tool_call>" + " " * 1500
+    started = time.monotonic()
+    assert parse_tool_calls(text) == {"role": "assistant", "content": text}
+    many = "".join(call_text("add", a=i, b=1) for i in range(3000)) + "<tool_call>" * 3000
+    assert len(parse_tool_calls(many)["tool_calls"]) == 3000
+    assert time.monotonic() - started < 1.0
+
+
 def test_the_tool_suffix_is_the_tool_message_and_the_next_assistant_header(tokenizer):
     suffix = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "add", "content": "5"}])
     assert tokenizer.decode(suffix) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
