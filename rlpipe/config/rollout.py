@@ -21,6 +21,11 @@ GENERATION_KWARGS = ("presence_penalty", "frequency_penalty", "min_tokens", "sto
 # Of those, the ones that change the distribution tokens are sampled from, and the value that leaves it alone.
 _RESHAPING_KWARGS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "bad_words": []}
 
+# The defaults of the tool limits of multi-turn episodes (the episode loop's too, rlpipe/tools/episodes.py): twice
+# the calls that run at once in an engine, and ten calls at the default rollout.tool_timeout_s.
+MAX_TOOL_CALLS_PER_TURN = 16
+MAX_TOOL_TIME_PER_EPISODE_S = 300.0
+
 
 @dataclass
 class RolloutConfig:
@@ -83,6 +88,15 @@ class RolloutConfig:
     )
     max_turns: int = key(8, "model turns per multi-turn episode (an episode still calling tools after it is cut)")
     tool_timeout_s: float = key(30.0, "a tool call not done within this answers the model with an error message")
+    max_tool_calls_per_turn: int = key(
+        MAX_TOOL_CALLS_PER_TURN,
+        "tool calls run per model turn; the turn's later calls are answered with an error message, not run",
+    )
+    max_tool_time_per_episode_s: float = key(
+        MAX_TOOL_TIME_PER_EPISODE_S,
+        "seconds an episode's tool calls may take, added up; once spent, its later calls are answered with an error "
+        "message, not run (a call started before runs to rollout.tool_timeout_s)",
+    )
     unsafe_no_sandbox: bool = key(
         False,
         "run the tools that execute model-written code (rlpipe.tools:python) WITHOUT the kernel sandbox: they can read "
@@ -125,6 +139,15 @@ class RolloutConfig:
         require(self.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
         require(self.max_turns >= 1, "rollout.max_turns: must be >= 1")
         require(self.tool_timeout_s > 0, "rollout.tool_timeout_s: must be > 0")
+        require(
+            self.max_tool_calls_per_turn >= 1,
+            f"rollout.max_tool_calls_per_turn: must be >= 1, got {self.max_tool_calls_per_turn}",
+        )
+        require(
+            self.max_tool_time_per_episode_s > 0 and math.isfinite(self.max_tool_time_per_episode_s),
+            f"rollout.max_tool_time_per_episode_s: must be a number of seconds > 0, got "
+            f"{self.max_tool_time_per_episode_s:g}",
+        )
         named = [("rollout.tools", path) for path in self.tools]
         named += [("rollout.environment_factory", self.environment_factory)] if self.environment_factory else []
         require(self.verifiers_tools != "", "rollout.verifiers_tools: empty; name a verifiers task set, or null")

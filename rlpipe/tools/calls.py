@@ -37,6 +37,16 @@ class ToolCall:
     name: str
     arguments: Any
     tool: Callable | None
+    seconds: float = 0.0  # how long it ran, set by run_tool_calls (its time limit for one written off; 0 if not run)
+
+
+def error_text(error: BaseException) -> str:
+    """What the model is shown of a tool's exception: its message, or its type where the message cannot be had (an
+    exception's own __str__ may raise)."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - any failure of the tool's own code is the tool's
+        return f"{type(error).__name__} (its message could not be read)"
 
 
 MAX_RUNNING_TOOL_CALLS = 8  # tool calls running at once in one engine's process
@@ -100,8 +110,9 @@ class ToolThreads:
 
 def run_tool_calls(calls: list[ToolCall], timeout_s: float, threads: ToolThreads) -> list[tuple[Any, bool]]:
     """Each call's result and whether it failed. The calls run at once, at most `threads.max_running` together; a
-    call that raises, names no tool, is not done within `timeout_s` of its start, or is refused while too many
-    earlier calls are stuck (ToolThreads) gives {"error": ...}. Nothing here waits for a call past its time limit.
+    call that raises, names no tool, is not done within `timeout_s` of its start, is refused while too many
+    earlier calls are stuck (ToolThreads), or gets no thread gives {"error": ...}. Each call's `seconds` is set to how
+    long it ran. Nothing here waits for a call past its time limit.
     Tools that run model-written code belong in the sandbox (`python`), which stops them itself."""
     results: list[tuple[Any, bool] | None] = [None] * len(calls)
     waiting: deque[int] = deque()
@@ -110,7 +121,7 @@ def run_tool_calls(calls: list[ToolCall], timeout_s: float, threads: ToolThreads
             results[index] = ({"error": f"Tool {call.name} not found."}, True)
         else:
             waiting.append(index)
-    running: dict[concurrent.futures.Future, tuple[int, float]] = {}  # a call's future: its index and deadline
+    running: dict[concurrent.futures.Future, tuple[int, float, float]] = {}  # a call's future: index, start, deadline
     refused_warned = False
     while waiting or running:
         while waiting and len(running) < threads.max_running:
@@ -122,23 +133,31 @@ def run_tool_calls(calls: list[ToolCall], timeout_s: float, threads: ToolThreads
                     refused_warned = True
                 results[index] = ({"error": refused}, True)
                 continue
-            running[threads.start(calls[index])] = (index, time.monotonic() + timeout_s)
+            started = time.monotonic()  # before the thread starts: a call's seconds are never less than it ran
+            try:
+                future = threads.start(calls[index])
+            except RuntimeError as err:  # the process can start no more threads: this call is answered, not run
+                results[index] = ({"error": f"Tool {calls[index].name} not run: {error_text(err)}."}, True)
+                continue
+            running[future] = (index, started, started + timeout_s)
         if not running:
             break
-        first_deadline = min(deadline for _, deadline in running.values())
+        first_deadline = min(deadline for _, _, deadline in running.values())
         concurrent.futures.wait(
             running, timeout=max(0.0, first_deadline - time.monotonic()), return_when=concurrent.futures.FIRST_COMPLETED
         )
         now = time.monotonic()
-        for future, (index, deadline) in list(running.items()):
+        for future, (index, started, deadline) in list(running.items()):
             name = calls[index].name
             if future.done():
                 del running[future]
+                calls[index].seconds = now - started
                 error = future.exception()
                 # The tool's own failure, shown to the model as TRL does.
-                results[index] = ({"error": str(error)}, True) if error is not None else (future.result(), False)
+                results[index] = ({"error": error_text(error)}, True) if error is not None else (future.result(), False)
             elif deadline <= now:
                 del running[future]
+                calls[index].seconds = timeout_s
                 threads.write_off(future, name, timeout_s)
                 results[index] = ({"error": f"Tool {name} did not answer within {timeout_s:g} s."}, True)
     return results

@@ -106,7 +106,8 @@ class MultiTurn:
                 turns.append(Turn(ids, _logprobs(sampled, ids), sampled.text, sampled.finish_reason or "length"))
             return turns
 
-        limits = EpisodeLimits(self.cfg.max_turns, params.max_tokens, self.cfg.max_model_len, self.cfg.tool_timeout_s)
+        limits = EpisodeLimits(self.cfg.max_turns, params.max_tokens, self.cfg.max_model_len, self.cfg.tool_timeout_s,
+                               self.cfg.max_tool_calls_per_turn, self.cfg.max_tool_time_per_episode_s)
         try:
             # One recipe's prompts share data.chat_template_kwargs: the tool messages render as its prompts did.
             run_episodes(episodes, sample_turn, tokenizer, limits, prompts[0].template_kwargs if prompts else None,

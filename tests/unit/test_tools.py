@@ -331,6 +331,139 @@ def test_an_environment_keeps_state_across_turns(tokenizer):
     assert [m["content"] for m in episode.messages if m["role"] == "tool"] == ["12", "15"]
 
 
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def unprintable(kind: str):
+    """Answer with what cannot be written as text.
+
+    Args:
+        kind: object, integer, nesting or error
+    """
+    if kind == "error":
+        raise UnprintableError()
+    if kind == "integer":
+        return 10**5000
+    if kind == "nesting":
+        nested: list = []
+        for _ in range(100_000):
+            nested = [nested]
+        return nested
+    return Unprintable()
+
+
+def test_a_result_or_an_error_that_cannot_be_written_is_an_error_the_model_reads(tokenizer):
+    episode = _episode(tokenizer, "A", [unprintable])
+    kinds = ["object", "integer", "nesting", "error"]
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: [
+        "".join(call_text("unprintable", kind=kind) for kind in kinds), "sorry",
+    ]})
+    run_episodes([episode], engine, tokenizer, EpisodeLimits(4, 600, 1500, 5.0))
+    contents = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert contents == [
+        "{'error': \"the tool's result could not be written as text (RuntimeError)\"}",
+        "{'error': \"the tool's result could not be written as text (ValueError)\"}",
+        "{'error': \"the tool's result could not be written as text (RecursionError)\"}",
+        "{'error': 'UnprintableError (its message could not be read)'}",
+    ]
+    assert (episode.tool_calls, episode.tool_errors, episode.turns, episode.finish_reason) == (4, 4, 2, "stop")
+
+
+def test_tool_messages_the_template_cannot_render_end_only_their_own_episode(tokenizer, monkeypatch, caplog):
+    template = "{% if messages[-1]['content'] == 'boom' %}{{ raise_exception('no such answer') }}{% endif %}"
+    monkeypatch.setattr(tokenizer, "chat_template", template + tokenizer.chat_template)
+
+    def answer(text: str) -> str:
+        """Answer with the text.
+
+        Args:
+            text: what to answer
+        """
+        return text
+
+    episodes = [_episode(tokenizer, "A", [answer]), _episode(tokenizer, "B", [answer])]
+    engine = ScriptedEngine(tokenizer, {
+        episodes[0].prompt_ids[0]: [call_text("answer", text="boom")],
+        episodes[1].prompt_ids[0]: [call_text("answer", text="fine"), "done"],
+    })
+    with caplog.at_level("WARNING", logger="rlpipe"):
+        run_episodes(episodes, engine, tokenizer, LIMITS)
+    broken, fine = episodes
+    # The call stays unanswered, as when its answer does not fit the context.
+    assert [m["role"] for m in broken.messages] == ["assistant"] and broken.mask == [1] * len(broken.token_ids)
+    assert (broken.turns, broken.tool_calls, broken.finish_reason) == (1, 1, "length")
+    assert "an episode ends at tool messages the chat template cannot render (TemplateError: no such answer)" in (
+        caplog.text
+    )
+    assert (fine.turns, fine.finish_reason, fine.messages[1]["content"]) == (2, "stop", "fine")
+
+
+def test_calls_past_a_turns_cap_or_an_episodes_tool_time_are_answered_with_an_error_not_run(tokenizer):
+    import time
+
+    ran = []
+
+    def count(n: int) -> int:
+        """Count a call.
+
+        Args:
+            n: the call's number
+        """
+        ran.append(n)
+        return n
+
+    episode = _episode(tokenizer, "A", [count])
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: [
+        "".join(call_text("count", n=n) for n in range(5)), "done",
+    ]})
+    run_episodes([episode], engine, tokenizer, EpisodeLimits(4, 600, 2000, 5.0, max_tool_calls_per_turn=2))
+    assert ran == [0, 1]
+    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == ["0", "1"] + [
+        "{'error': 'Tool count not run: more than 2 tool calls in one turn.'}"
+    ] * 3
+    assert (episode.tool_calls, episode.tool_errors, episode.turns, episode.finish_reason) == (5, 3, 2, "stop")
+
+    def nap(seconds: float) -> str:
+        """Sleep.
+
+        Args:
+            seconds: how long
+        """
+        time.sleep(seconds)
+        return "rested"
+
+    episode = _episode(tokenizer, "A", [nap])
+    engine = ScriptedEngine(tokenizer, {episode.prompt_ids[0]: [call_text("nap", seconds=0.15)] * 4})
+    run_episodes([episode], engine, tokenizer, EpisodeLimits(4, 200, 2000, 5.0, max_tool_time_s=0.2))
+    contents = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert contents[:2] == ["rested", "rested"] and 0.3 <= episode.tool_seconds < 1.0
+    assert re.fullmatch(r"\{'error': \"Tool nap not run: this episode's tool calls have taken 0\.\d s of the 0\.2 s "
+                        r"they may take\.\"\}", contents[2]), contents[2]
+    # The episode still ends at max_turns, its last call unanswered.
+    assert (episode.turns, episode.tool_calls, episode.tool_errors, episode.finish_reason) == (4, 3, 1, "length")
+
+
+def test_the_tool_limits_are_rollout_keys_checked_in_one_line():
+    from rlpipe.config import ConfigError
+
+    assert (RolloutConfig().max_tool_calls_per_turn, RolloutConfig().max_tool_time_per_episode_s) == (16, 300.0)
+    for setting, message in [
+        ("rollout.max_tool_calls_per_turn=0", "rollout.max_tool_calls_per_turn: must be >= 1, got 0"),
+        ("rollout.max_tool_time_per_episode_s=0", "rollout.max_tool_time_per_episode_s: must be a number of seconds "
+                                                  "> 0, got 0"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(None, [setting])
+        assert str(info.value) == message
+
+
 # ---------------------------------------------------------------------------------------------- the loss mask
 
 
@@ -790,6 +923,33 @@ def test_the_multi_turn_runner_renders_each_episode_requests_turns_together_and_
     assert (last.turns, last.tool_calls, last.mask, last.prompt_ids) == (1, 0, [1] * len(last.token_ids), rendered[1])
     aborted, _ = _vllm_sample(turns, abort=True)
     assert runner.run(prompts, 1, params, 7, sample=aborted, tokenizer=tokenizer) == [[], []]
+
+
+def test_the_runner_applies_the_tool_limits_and_renders_prompts_as_the_data_key_says(tokenizer):
+    from vllm import SamplingParams
+
+    runner = MultiTurn(ToolSet([add]), RolloutConfig(max_turns=3, max_model_len=4000, max_tool_calls_per_turn=1))
+    row = "Calculate 2 + 3.<|im_end|>\n<|im_start|>assistant\n5"
+    prompts = [Prompt(0, row, [], chat=[{"role": "user", "content": f"A: {row}"}], messages_as_text=as_text)
+               for as_text in (False, True)]
+    scripted = ScriptedEngine(tokenizer, {})
+
+    def turns(requests):  # both episodes' prompts start with the same system message: one script, turn by turn
+        for context, _ in requests:
+            scripted.scripts.setdefault(context[0], [call_text("add", a=2, b=3) * 2] * 2 + ["5"] * 2)
+        return scripted(requests)
+
+    sample, _ = _vllm_sample(turns)
+    groups = runner.run(prompts, 1, SamplingParams(max_tokens=200, logprobs=0), 0, sample=sample, tokenizer=tokenizer)
+    (as_special,), (as_text,) = groups
+    # The row's markers read as special tokens only where data.special_tokens_in_prompts says so.
+    assert _special_ids(tokenizer, as_text.prompt_ids) == [tokenizer.convert_tokens_to_ids(t) for t in [
+        "<|im_start|>", "<|im_end|>", "<|im_start|>", "<|im_end|>", "<|im_start|>"]]  # system (tools), user, header
+    assert len(_special_ids(tokenizer, as_special.prompt_ids)) == 7
+    assert tokenizer.decode(as_text.prompt_ids) == tokenizer.decode(as_special.prompt_ids)
+    assert [m["content"] for m in as_text.messages if m["role"] == "tool"] == [
+        "5", "{'error': 'Tool add not run: more than 1 tool calls in one turn.'}"]
+    assert (as_text.tool_calls, as_text.tool_errors) == (2, 1)
 
 
 # ---------------------------------------------------------------------------------------------- control tokens
