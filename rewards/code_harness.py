@@ -12,7 +12,11 @@ Program side (`python main.py program R W`): runs program.py, sends the names it
 Arguments and results cross as marshal data (numbers, strings, bytes, lists, tuples, dicts, sets, None; a result
 is checked to be only that on arrival), so the tests only ever see plain values: no object the program made runs
 in the test process (an `__eq__` that always says yes is not a value). Whatever the program does to its own
-interpreter (exits, patched builtins, a forged line on stdout) stays there.
+interpreter (exits, patched builtins, a forged line on stdout) stays there. An exception the program raises crosses
+as the built-in type, but never one that steers the tests' own code: StopIteration would end a `map` the tests
+iterate as if it were exhausted (`all(map(candidate, xs))` holds then), so it, StopAsyncIteration, GeneratorExit,
+SystemExit and KeyboardInterrupt arrive as ProgramControlFlowError, as PEP 479 turns a generator's StopIteration
+into a RuntimeError, and the tests fail even where they catch it.
 
 Kept to the standard library and to what the sandbox's interpreter (3.8 or later) has.
 """
@@ -98,6 +102,18 @@ def plain(value):
     return value
 
 
+CONTROL_FLOW = ("StopIteration", "StopAsyncIteration", "GeneratorExit", "SystemExit", "KeyboardInterrupt")
+"""Exceptions that end an iteration or the interpreter rather than report an error: raised by the program, they
+would pass for the tests' own control flow."""
+
+
+class ProgramControlFlowError(RuntimeError):
+    """The program raised one of CONTROL_FLOW; once seen, the tests have failed, whatever they catch."""
+
+
+control_flow_seen = []
+
+
 class Remote:
     """Stands in for a function of the program: calls it in the program's process, returns plain data."""
 
@@ -111,6 +127,9 @@ class Remote:
         if reply[0] == "returned":
             return plain(reply[1])
         _, kind, message = reply
+        if kind in CONTROL_FLOW:
+            control_flow_seen.append(kind)
+            raise ProgramControlFlowError(f"{self.__name__} raised {kind}: {message}")
         error = getattr(builtins, kind, None)
         if isinstance(error, type) and issubclass(error, Exception):
             raise error(message)
@@ -147,6 +166,8 @@ def run_tests():
     exec(compile(spec["test"], "tests.py", "exec"), namespace)
     if entry_point:
         namespace["check"](namespace[entry_point])
+    if control_flow_seen:
+        raise ProgramControlFlowError(f"the program raised {control_flow_seen[0]}, which the tests caught")
     os.write(REPORT_FD, b"passed")
     program.kill()
 

@@ -242,3 +242,67 @@ def test_no_part_of_the_tests_is_reachable_by_the_program(user, readable_by_anyo
     count, canary_seen_in, memory_readable = seen["stdout"].split(" ", 2)
     # bwrap's init is the one other process whose memory it reads: it never held the tests.
     assert int(count) > 10 and canary_seen_in == "[]" and memory_readable.strip() in ("[]", "['mem 1']"), seen
+
+
+DOUBLE = 'def double(x):\n    """Return 2 * x; refuse a negative x."""\n'
+DOUBLES = "    if x < 0:\n        raise ValueError(x)\n    return 2 * x\n"
+# Driven by hand: the sandbox has no event loop (asyncio's needs a socket pair, which its filter refuses).
+ASYNC_TESTS = """
+class Doubled:
+    def __init__(self, candidate, xs):
+        self.candidate, self.xs = candidate, iter(xs)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        x = next(self.xs, None)
+        if x is None:
+            raise StopAsyncIteration
+        return x, self.candidate(x)
+
+
+async def pairs(candidate):
+    return [pair async for pair in Doubled(candidate, [1, 2, 3])]
+
+
+def run(coroutine):
+    try:
+        coroutine.send(None)
+    except StopIteration as finished:
+        return finished.value
+    raise AssertionError("the coroutine waited")
+
+
+def check(candidate):
+    assert all(y == 2 * x for x, y in run(pairs(candidate)))
+"""
+REFUSES_NEGATIVES = (
+    "def check(candidate):\n    assert candidate(1) == 2\n    try:\n        candidate(-1)\n    except Exception:\n"
+    "        return\n    assert False, 'a negative x is refused'\n"
+)
+
+
+def raising(name: str, when: str = "True") -> str:
+    """A program for `double` that raises `name` where `when` holds, and is right elsewhere."""
+    return f"    if {when}:\n        raise {name}\n    return 2 * x\n"
+
+
+@pytest.mark.parametrize("tests, program", [
+    ("def check(candidate):\n    assert all(map(lambda x: candidate(x) == 2 * x, [1, 2, 3]))\n",
+     raising("StopIteration")),
+    ("def check(candidate):\n    assert not any(map(lambda x: candidate(x) != 2 * x, [1, 2, 3]))\n",
+     raising("StopIteration")),
+    ("def check(candidate):\n    for x, y in zip([1, 2, 3], map(candidate, [1, 2, 3])):\n        assert y == 2 * x\n",
+     raising("StopIteration")),
+    (ASYNC_TESTS, raising("StopAsyncIteration")),
+    (REFUSES_NEGATIVES, raising("SystemExit", when="x < 0")),
+    (REFUSES_NEGATIVES, raising("KeyboardInterrupt", when="x < 0")),
+    (REFUSES_NEGATIVES, raising("GeneratorExit", when="x < 0")),
+], ids=["all-map", "not-any-map", "zip-map", "async-for", "SystemExit", "KeyboardInterrupt", "GeneratorExit"])
+def test_an_exception_that_steers_the_tests_control_flow_fails_them(tests_pass, tests, program):
+    # StopIteration from the program would end the tests' own `map` as if it were exhausted, so that the assertion
+    # holds over nothing; SystemExit and the like are no error the tests mean to catch.
+    scores = tests_pass(prompts=[DOUBLE] * 2, completions=[DOUBLES, program], test=[tests] * 2,
+                        entry_point=["double"] * 2, cpu_s=2, wall_s=5)
+    assert scores == [1.0, 0.0]
