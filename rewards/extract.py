@@ -25,6 +25,24 @@ _NUMBER = re.compile(
 _NUMERAL = re.compile(r"(?<![\w.])-?(?:0[xXbBoO][0-9a-fA-F]+|\d[\d,]*(?:\.\d+)?(?:[eE][+-]?\d+)?|\.\d+)")
 # An integer written plainly: digits, a sign, thousands separators, a full stop ending the sentence.
 _INTEGER_LITERAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d+)\.?")
+# An exponent of scientific notation (`1e9999999`: Fraction builds the ten-million-digit power of ten).
+_SCIENTIFIC_EXPONENT = re.compile(r"[\d.][eE][+-]?(\d+)")
+# A power (LaTeX's `^`, Python's `**`) or a factorial (not LaTeX's `\!`, nor `!=`): the operations whose value can
+# outgrow any time limit from a few characters.
+_GROWTH = re.compile(r"\^|\*\*|(?<!\\)!(?!=)")
+_DIGITS = re.compile(r"\d+")
+_COMMAND = re.compile(r"\\[a-zA-Z]+")
+_VARIABLE = re.compile(r"[a-zA-Z]")
+_OPENING, _CLOSING = "([{", ")]}"
+
+MAX_ANSWER_CHARS = 500
+"""Longer answers are no number or expression a task asks for; math-verify takes seconds over 1000 characters of sum."""
+MAX_NESTING = 8
+"""Brackets within brackets: math-verify's cost grows with each level (a 14-deep `\\frac` took seconds, 20 deep
+minutes)."""
+MAX_GROWTH_DIGITS = 3
+"""Digits of a number in an exponent (`2^{999}`), of a factorial's operand (`999!`) and of a scientific exponent
+(`1e999`): a few thousand digits of result at most."""
 _ANSWER_PREFIX = re.compile(
     r"^\s*(?:\*\*)?(?:final\s+answer|the\s+answer\s+is|answer)\b\s*(?:\*\*)?\s*[:=\-]?\s*(?:\*\*)?\s*",
     re.IGNORECASE,
@@ -137,3 +155,110 @@ def gold_answer(answer: str) -> str:
     """The reference answer of a dataset row: text after `####` (GSM8K style), else the whole string."""
     after_marker = after_hashes(answer)
     return (after_marker if after_marker is not None else answer).strip()
+
+
+def explosive_number(text: str) -> bool:
+    """Whether `text` writes a number too costly to compute, for Fraction, sympy or a scorer: a power or factorial in
+    another's base or exponent (`9^{9^{9}}`, `(9^{99})^{99}`, `9**9**9`, `(9!)!`), a number of more than
+    MAX_GROWTH_DIGITS digits in an exponent or as a factorial's operand (`2^{1000}`, `1000!`), a factorial of a
+    bracketed expression of numbers alone (`(9*9*9*9)!`), a scientific exponent of more than MAX_GROWTH_DIGITS
+    digits (`1e9999999`). Decided from the text alone; `x^{2}`, `n!`, `(n+1)!` and `1.5e-3` are not."""
+    if any(len(match.group(1)) > MAX_GROWTH_DIGITS for match in _SCIENTIFIC_EXPONENT.finditer(text)):
+        return True
+    groups = _bracket_groups(text)
+    return any(_explosive(text, operation, groups) for operation in _GROWTH.finditer(text))
+
+
+def costly_answer(text: str) -> bool:
+    """Whether comparing `text` by value (Fraction, sympy, math-verify) may cost more than a reward call should:
+    longer than MAX_ANSWER_CHARS, brackets nested deeper than MAX_NESTING, or an explosive_number. Decided in
+    microseconds, before any such work."""
+    return len(text) > MAX_ANSWER_CHARS or _nesting(text) > MAX_NESTING or explosive_number(text)
+
+
+def _explosive(text: str, operation: re.Match, groups: dict[int, int]) -> bool:
+    before = text[_operand_start(text, operation.start(), groups) : operation.start()]
+    if operation.group() == "!":
+        return _grows(before) or _bracketed_numbers(before)
+    after_end = _operand_end(text, operation.end(), groups)
+    exponent = text[operation.end() : after_end]
+    tower = _GROWTH.match(text, _skip(text, after_end)) is not None  # `a^b^c`, `a**b**c`: raised to a power
+    return _GROWTH.search(before) is not None or _grows(exponent) or tower
+
+
+def _grows(operand: str) -> bool:
+    """Whether an exponent or a factorial's operand holds a power or factorial itself, or a number of more than
+    MAX_GROWTH_DIGITS digits."""
+    return _GROWTH.search(operand) is not None or any(
+        len(digits) > MAX_GROWTH_DIGITS for digits in _DIGITS.findall(operand)
+    )
+
+
+def _bracketed_numbers(operand: str) -> bool:
+    """Whether a factorial's operand is a bracketed expression of numbers alone, whose value may be of any size (one
+    with a variable stays symbolic)."""
+    has_number = _DIGITS.search(operand) is not None
+    return operand.rstrip()[-1:] in _CLOSING and has_number and _VARIABLE.search(_COMMAND.sub("", operand)) is None
+
+
+def _nesting(text: str) -> int:
+    """How deep brackets of any kind nest (`[0, 1)` opens with one kind and closes with another)."""
+    depth = deepest = 0
+    for character in text:
+        if character in _OPENING:
+            depth += 1
+            deepest = max(deepest, depth)
+        elif character in _CLOSING:
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _bracket_groups(text: str) -> dict[int, int]:
+    """Each bracket's partner, both ways: opening position -> closing position and back (any kinds pair, as in
+    intervals); an unclosed opening's partner is the end of the text."""
+    partners: dict[int, int] = {}
+    open_at: list[int] = []
+    for position, character in enumerate(text):
+        if character in _OPENING:
+            open_at.append(position)
+        elif character in _CLOSING and open_at:
+            opening = open_at.pop()
+            partners[opening], partners[position] = position, opening
+    for opening in open_at:
+        partners[opening] = len(text)
+    return partners
+
+
+def _skip(text: str, position: int) -> int:
+    """`position` past any whitespace."""
+    while position < len(text) and text[position].isspace():
+        position += 1
+    return position
+
+
+def _operand_start(text: str, end: int, groups: dict[int, int]) -> int:
+    """Where the operand ending at `end` starts: a bracketed group's opening, else the start of the run of word
+    characters, dots and factorials before it."""
+    end_of_operand = end
+    while end_of_operand and text[end_of_operand - 1].isspace():
+        end_of_operand -= 1
+    if end_of_operand and text[end_of_operand - 1] in _CLOSING and end_of_operand - 1 in groups:
+        return groups[end_of_operand - 1]
+    start = end_of_operand
+    while start and (text[start - 1].isalnum() or text[start - 1] in "._!"):
+        start -= 1
+    return start
+
+
+def _operand_end(text: str, start: int, groups: dict[int, int]) -> int:
+    """Where the operand starting at `start` ends: after a sign, a bracketed group, else a LaTeX command or a run of
+    word characters and dots."""
+    position = _skip(text, start)
+    if position < len(text) and text[position] in "+-":
+        position = _skip(text, position + 1)
+    if position < len(text) and text[position] in _OPENING:
+        return min(groups[position] + 1, len(text))
+    end = position + 1 if position < len(text) and text[position] == "\\" else position
+    while end < len(text) and (text[end].isalnum() or text[end] in "._"):
+        end += 1
+    return end

@@ -8,6 +8,11 @@ An integer reference accepts an integer written plainly only (`rlpipe.rewards.ex
 " 50 ", "50.", "1,000"), not another spelling of its value ("50.0", "5E1", "0x32", "50/1", "\\frac{100}{2}"), so
 that a policy cannot earn the reward with a notation that hides the number; `strict_integers=False` compares
 such answers by value.
+
+An answer whose value is costly to compute scores 0, decided from its text in microseconds before any Fraction,
+sympy or math-verify work (`rlpipe.rewards.extract.costly_answer`: `9^{9^{9^{9}}}`, `1e9999999`, a 50-deep
+`\\frac`): such work cannot be interrupted, so it would take a reward call's whole time limit, and leaving the
+sample unscored would never teach the policy not to write it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 from math_verify import parse, verify
 
 from rlpipe.rewards.contract import completion_text
-from rlpipe.rewards.extract import extract_answer, gold_answer, integer_literal
+from rlpipe.rewards.extract import costly_answer, extract_answer, gold_answer, integer_literal
 
 # Plain numbers are compared exactly, up to float printing noise (0.30000000000000004 == 0.3); a looser
 # relative tolerance would accept a wrong last digit in a large integer.
@@ -59,6 +64,8 @@ def _equivalent(predicted: str | None, gold: str, strict_integers: bool = True) 
     gold_integer = integer_literal(gold) if strict_integers else None
     if gold_integer is not None:
         return integer_literal(predicted) == gold_integer
+    if costly_answer(predicted):
+        return False
     predicted_number, gold_number = _as_number(predicted), _as_number(gold)
     if predicted_number is not None and gold_number is not None:
         # Two plain numbers: skip sympy, which is orders of magnitude slower and agrees here.

@@ -11,6 +11,8 @@ answers that merely contain the reference, which a policy learns to exploit by p
 An entry whose answer is an integer takes only candidates that write an integer plainly
 (`rlpipe.rewards.extract.integer_literal`): scorers that compare floats would accept "5E1" or "50.0" for 50.
 `strict_integers=False` leaves every candidate to the scorer.
+A candidate that writes a number too costly to compute (`rlpipe.rewards.extract.explosive_number`: `9**9**9`,
+`1e9999999`) is wrong without reaching the scorer: several scorers hand the answer to sympy, which would compute it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ except ModuleNotFoundError as err:  # an optional dependency: say which extra br
     ) from None
 
 from rlpipe.rewards.contract import completion_text
-from rlpipe.rewards.extract import integer_literal, last_answer_tag, last_boxed, last_line, last_number
+from rlpipe.rewards.extract import explosive_number, integer_literal, last_answer_tag, last_boxed, last_line
+from rlpipe.rewards.extract import last_number
 
 logger = logging.getLogger("rewards")
 
@@ -55,7 +58,7 @@ def verifier(
 
 def _score(completion: str, entry: Mapping[str, Any], task: str | None, strict_integers: bool) -> float:
     score_answer = _scorer(task or entry["metadata"]["source_dataset"])
-    candidates = _candidates(completion)
+    candidates = [candidate for candidate in _candidates(completion) if not explosive_number(candidate)]
     if strict_integers and integer_literal(str(entry.get("answer"))) is not None:
         candidates = [candidate for candidate in candidates if integer_literal(candidate) is not None]
     return float(any(_accepts(score_answer, candidate, entry) for candidate in candidates))

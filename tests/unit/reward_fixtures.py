@@ -147,6 +147,16 @@ def stalls_on(prompts, completions, marker="stall", how="sleep", **_):
     return [1.0] * len(completions)
 
 
+def computes_in_c(completions, **_):
+    """1.0 per sample; for a completion holding "tower" it first computes 9 ** 9 ** 9, which Python's integers do in C
+    from start to end (no signal handler or thread of the interpreter runs until it is done)."""
+    base = 9
+    for completion in completions:
+        if "tower" in completion:
+            base ** base ** base
+    return [1.0] * len(completions)
+
+
 def utf8_length(completions, **_):
     """Bytes of each completion in UTF-8: raises on a lone surrogate, which has none."""
     return [float(len(completion.encode("utf-8"))) for completion in completions]

@@ -124,6 +124,52 @@ def test_math_verify_runs_outside_the_main_thread():
     assert result.totals == [1.0]
 
 
+# Answers whose value takes long to compute (a power tower, a huge exponent, deep nesting), each beside a look-alike
+# that does not.
+COSTLY_AND_AFFORDABLE = {
+    "power tower": (r"9^{9^{9^{9}}}", r"9^{9}"),
+    "tower by brackets": (r"(9^{99})^{99}", r"\left(\frac{1}{2}\right)^{2}"),
+    "tower of doubles": (r"2^{2^{10}}", r"2^{10}"),
+    "python tower": ("9**9**9", "-15*x**5 + 3*x**3"),
+    "latex tower": (r"9^9^9", r"e^{i\pi}"),
+    "huge exponent": (r"2^{1000}", r"1000^{2}"),
+    "scientific exponent": ("1e9999999", "1.5e-3"),
+    "signed scientific exponent": ("1E+1000", r"10^{-12}"),
+    "deep fractions": ("\\frac{1}{" * 50 + "2" + "}" * 50, r"\frac{\sqrt{3}}{2}"),
+    "deep brackets": ("(" * 9 + "1" + ")" * 9, "(" * 8 + "1" + ")" * 8),
+    "factorial of a factorial": (r"(9!)!", "5!"),
+    "big factorial": ("1000!", "n!"),
+    "factorial of a product": (r"(9\cdot9\cdot9\cdot9)!", "(n+1)!"),
+    "long": ("1" * 501, r"\left[0, 1\right)"),
+}
+
+
+@pytest.mark.parametrize("costly, affordable", COSTLY_AND_AFFORDABLE.values(), ids=COSTLY_AND_AFFORDABLE)
+def test_numeric_answer_scores_an_answer_costly_to_compare_zero_before_any_number_or_symbolic_work(
+    costly, affordable, monkeypatch
+):
+    import rlpipe.rewards.math as math_reward
+
+    worked_on = []
+    monkeypatch.setattr(math_reward, "_as_number", lambda text: worked_on.append(text))  # None: on to math-verify
+    monkeypatch.setattr(math_reward, "_math_verify_equal", lambda predicted, gold: not worked_on.append(predicted))
+    assert numeric_answer(completions=[f"\\boxed{{{costly}}}"], answer=["1/2"]) == [0.0]
+    assert worked_on == []
+    assert numeric_answer(completions=[f"\\boxed{{{affordable}}}"], answer=["1/2"]) == [1.0]
+    assert affordable in worked_on
+
+
+def test_reasoning_gym_candidates_costly_to_compute_never_reach_the_scorer(monkeypatch):
+    import rlpipe.rewards.reasoning_gym as reasoning_gym_reward
+
+    seen = []
+    monkeypatch.setattr(reasoning_gym_reward, "_scorer", lambda name: lambda answer, entry: seen.append(answer) or 1.0)
+    entry = {"question": "q", "answer": "x**2", "metadata": {"source_dataset": "polynomial_multiplication"}}
+    completions = [f"<answer>{answer}</answer>" for answer in ("9**9**9", "1e9999999", "(9*9*9*9*9*9)!", "x**2")]
+    assert verifier(completions=completions, entry=[entry] * 4) == [0.0, 0.0, 0.0, 1.0]
+    assert seen == ["x**2"]
+
+
 # --------------------------------------------------------------------------- #
 # reasoning-gym verifier
 # --------------------------------------------------------------------------- #
@@ -843,14 +889,13 @@ def test_verl_adapter_defaults_to_verls_own_compute_score():
 
 @pytest.mark.heavy
 def test_a_function_stuck_in_c_is_killed_with_its_process_and_only_its_sample_is_unscored():
-    # math-verify hands 9^(9^(9^9)) to sympy, which computes the power in C and never returns to the interpreter.
-    runner = RewardRunner([{"name": "numeric_answer"}], timeout_s=1, sample_timeout_s=1)
-    completions = [r"so \boxed{\frac{1}{2}}", r"\boxed{9^{9^{9^{9}}}}", r"\boxed{0.5}"]
-    result = runner.score(["q"] * 3, completions, {"answer": ["1/2"] * 3})
+    runner = RewardRunner([spec("computes_in_c")], timeout_s=1, sample_timeout_s=1)
+    completions = ["one", "a tower", "three"]
+    result = runner.score(["q"] * 3, completions, {})
     assert result.totals == [1.0, None, 1.0]
-    assert result.first_errors == {"numeric_answer": "numeric_answer: timed out after 1s (sample 1)"}
+    assert result.first_errors == {"computes_in_c": "computes_in_c: timed out after 1s (sample 1)"}
     assert runner.child.starts == 3  # killed after the batch call and after sample 1: the next call starts anew
-    assert runner.score(["q"], completions[:1], {"answer": ["1/2"]}).totals == [1.0]
+    assert runner.score(["q"], completions[:1], {}).totals == [1.0]
 
 
 @pytest.mark.parametrize("how, error", [
