@@ -22,8 +22,8 @@ class RewardPool:
 
     def score(self, groups: list[Group], trainer_state: dict | None = None) -> StepScores:
         """Fill each group's rewards (and what the functions kept per sample); returns failures per reward function,
-        the first error of each, and the step's means of what they gave `log_metric`. `trainer_state`: what reward
-        functions get as `trainer_state` (default: a run's start)."""
+        the first error of each, the step's means of what they gave `log_metric`, and timeouts per function.
+        `trainer_state`: what reward functions get as `trainer_state` (default: a run's start)."""
         state = dict(trainer_state or start_state())
         shares = [s for s in split(groups, len(self.workers)) if s]
         futures = []
@@ -43,6 +43,7 @@ class RewardPool:
             ids, sizes = [c.token_ids for _, c in samples], [len(g.completions) for g in share]
             futures.append(worker.score.remote(prompts, texts, columns, sizes, ids, state))
         failures: dict[str, int] = {}
+        timeouts: dict[str, int] = {}
         errors: dict[str, str] = {}
         logged: dict[str, list[float]] = {}
         results = self._results(futures, [sum(len(g.completions) for g in share) for share in shares])
@@ -56,11 +57,14 @@ class RewardPool:
                 start = window.stop
             for name, count in result.failures.items():
                 failures[name] = failures.get(name, 0) + count
+            for name, count in result.timeouts.items():
+                timeouts[name] = timeouts.get(name, 0) + count
             for name, message in result.first_errors.items():
                 errors.setdefault(name, message)
             for name, values in result.metrics.items():
                 logged.setdefault(name, []).extend(values)
-        return StepScores(failures, errors, {name: sum(values) / len(values) for name, values in logged.items()})
+        means = {name: sum(values) / len(values) for name, values in logged.items()}
+        return StepScores(failures, errors, means, timeouts)
 
     def _results(self, futures: list, sizes: list[int]) -> list[RewardResult]:
         """Each worker's result; a worker that has not answered within deadline_s is restarted, and its share

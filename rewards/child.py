@@ -52,6 +52,11 @@ class CallFailed(Exception):
     """A call that did not come back: it overran its time limit, or the child died. The message says which."""
 
 
+class CallTimedOut(CallFailed):
+    """A call that overran its time limit (the child was killed): what it was given cost that much, where a CallFailed
+    of another kind is the function's or the process's own failure."""
+
+
 class ChildProcess:
     """The parent's side: start the child, call a function in it within a time limit, kill it when it overruns.
 
@@ -99,14 +104,10 @@ class ChildProcess:
 
     def call(self, name: str, kwargs: dict[str, Any], timeout_s: float, start_deadline: float) -> tuple[Any, Logged]:
         """`name(**kwargs)` in the child: its value and what it logged, or the exception it raised as
-        `CallFailed("Type: message")` with the traceback's text as `details`. Raises CallFailed after `timeout_s`
-        (the child is then killed) or when the child dies. A child still starting may take until `start_deadline`
-        (time.monotonic()) to load the functions before the call's own `timeout_s` begins."""
-        self.start()
-        if not self._ready:
-            self._await_ready(start_deadline)
-        if self._load_error is not None:
-            raise CallFailed(self._load_error)
+        `CallFailed("Type: message")` with the traceback's text as `details`. Raises CallTimedOut after `timeout_s`
+        (the child is then killed), CallFailed when the child dies. A child still starting may take until
+        `start_deadline` (time.monotonic()) to load the functions before the call's own `timeout_s` begins."""
+        self.ready(start_deadline)
         # A child that took long to start leaves the call only what remains of the caller's own deadline.
         deadline = min(time.monotonic() + timeout_s, start_deadline)
         try:
@@ -114,7 +115,7 @@ class ChildProcess:
             reply = pickle.loads(_read_message(self._replies, deadline))
         except TimeoutError:
             self.kill()
-            raise CallFailed(f"timed out after {timeout_s:g}s") from None
+            raise CallTimedOut(f"timed out after {timeout_s:.3g}s") from None
         except (OSError, EOFError) as err:
             raise self._died(err) from None
         if reply[0] == "value":
@@ -122,6 +123,15 @@ class ChildProcess:
         failure = CallFailed(reply[1])
         failure.details = reply[2]
         raise failure
+
+    def ready(self, start_deadline: float) -> None:
+        """Start the child if none runs and wait until it has loaded the functions, until `start_deadline`
+        (time.monotonic()); raises CallFailed when it cannot load them, or not in time."""
+        self.start()
+        if not self._ready:
+            self._await_ready(start_deadline)
+        if self._load_error is not None:
+            raise CallFailed(self._load_error)
 
     def kill(self) -> None:
         """End the child and everything in its process group now; the next call starts a new one."""

@@ -1,12 +1,17 @@
 """Run the configured reward functions over a batch with time limits and per-sample error accounting.
 
-A function that raises, hangs or returns garbage never takes the batch down: its affected samples score
-None, and the failure is counted and described in the result. Samples are never silently scored 0.
+A function that raises or returns garbage never takes the batch down: its affected samples score None, and the
+failure is counted and described in the result. Samples are never silently scored 0.
 
 The functions run in a child process of their own (rewards/child.py), which is killed when a call overruns, so
 even a function stuck in C ends at its time limit. Each function is called on the whole batch first, as TRL
 calls it; when that call raises or runs out of time it is called once per sample, so a bad sample costs only
-itself.
+itself. A sample whose own call runs out of time scores 0, counted apart from the failures: what the model wrote
+cost more than its share of the time, and leaving it unscored would leave it out of the update, so that the policy
+would never learn not to write it.
+
+Time is shared by the samples still to score: a call gets the part of the time left before the deadline that its
+samples are of them (its time limit, at most), so a few slow samples never leave the later ones without time.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlpipe.usercode.callables import RewardConfigError, display_name, load_reward, shown_name
-from rlpipe.rewards.child import CallFailed, ChildProcess, Logged
+from rlpipe.rewards.child import CallFailed, CallTimedOut, ChildProcess, Logged
 from rlpipe.rewards.contract import CALL_ARGUMENTS, EPISODE_COLUMNS, LOG_CALLBACKS, SAMPLE_COLUMNS, call_arguments
 from rlpipe.rewards.contract import trainer_state as start_state
 
@@ -48,6 +53,8 @@ class RewardResult:
     sample lacked the key."""
     metrics: dict[str, list[float]] = field(default_factory=dict)
     """The numbers given to `log_metric`, by name, one per call that logged it (TRL averages them per step)."""
+    timeouts: dict[str, int] = field(default_factory=dict)
+    """Samples each function scored 0 because their own call ran out of time (not counted in `failures`)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,9 @@ class _Outcome:
     details: str = ""
     """The traceback of the first error, where the function raised."""
     metrics: dict[str, list[float]] = field(default_factory=dict)
+    timeouts: int = 0
+    """Samples scored 0 because their own call ran out of time."""
+    first_timeout: str | None = None
 
 
 class RewardRunner:
@@ -108,6 +118,7 @@ class RewardRunner:
         self.columns = None if columns is None else sorted(set(columns))
         self._rewards = _parse_specs(specs, self.columns)
         self._warned: set[str] = set()
+        self._warned_timeouts: set[str] = set()
         self.child = ChildProcess(list(dict.fromkeys(reward.path for reward in self._rewards)))
         """Where the functions run; started at the first batch, or by `start`."""
 
@@ -140,7 +151,8 @@ class RewardRunner:
         TrainerState's fields (default: a run's start).
 
         Returns within `deadline_s`: a function's batch call has `timeout_s`, each per-sample call after it
-        `sample_timeout_s`, and what is left unscored at the deadline scores None."""
+        `sample_timeout_s`, each at most its samples' share of the time left (`_TimeShares`); a sample whose own
+        call runs out of time scores 0, and what is left unscored at the deadline scores None."""
         columns = dict(columns or {})
         num_samples = len(completions)
         _check_batch_lengths(prompts, completions, columns, completion_ids)
@@ -153,58 +165,71 @@ class RewardRunner:
         state = dict(trainer_state if trainer_state is not None else start_state())
         windows = _group_windows(group_sizes, num_samples)
         if num_samples == 0:
-            return RewardResult([], {r.name: [] for r in self._rewards}, {r.name: 0 for r in self._rewards})
+            nothing = {r.name: 0 for r in self._rewards}
+            return RewardResult([], {r.name: [] for r in self._rewards}, nothing, timeouts=dict(nothing))
 
-        deadline = time.monotonic() + self.deadline_s
+        shares = _TimeShares(time.monotonic() + self.deadline_s, num_samples * len(self._rewards))
         batch = _Batch(list(prompts), list(completions), completion_ids, columns, state)
         outcomes = {}
         for reward in self._rewards:
             if reward.group:
-                outcome = _merge([self._score_group(reward, batch, window, deadline) for window in windows])
+                outcome = _merge([self._score_group(reward, batch, window, shares) for window in windows])
             else:
-                outcome = self._score_batch(reward, batch, num_samples, deadline)
+                outcome = self._score_batch(reward, batch, num_samples, shares)
             if outcome.first_error is not None:
                 self._log_failure(reward.name, outcome)
+            if outcome.first_timeout is not None:
+                self._log_timeout(reward.name, outcome)
             outcomes[reward.name] = outcome
         return _combine(self._rewards, outcomes, num_samples)
 
-    def _call(self, reward: _Reward, arguments: dict[str, Any], limit_s: float, deadline: float) -> tuple[Any, Logged]:
-        left = deadline - time.monotonic()
-        if left <= 0:
+    def _call(
+        self, reward: _Reward, arguments: dict[str, Any], limit_s: float, samples: int, shares: _TimeShares
+    ) -> tuple[Any, Logged]:
+        """`reward` called on `samples` samples, within `limit_s` and their share of the time left."""
+        if shares.left() > 0:  # a new process loads the functions first: that is no call's time
+            self.child.ready(shares.deadline)
+        if shares.left() <= 0:
             raise CallFailed(f"not called: the batch's reward.deadline_s of {self.deadline_s:g}s had passed")
-        if limit_s > left:
-            limit_s = left
-        return self.child.call(reward.path, arguments, limit_s, start_deadline=deadline)
+        return self.child.call(reward.path, arguments, shares.limit(limit_s, samples), start_deadline=shares.deadline)
 
-    def _score_batch(self, reward: _Reward, batch: _Batch, num_samples: int, deadline: float) -> _Outcome:
+    def _score_batch(self, reward: _Reward, batch: _Batch, num_samples: int, shares: _TimeShares) -> _Outcome:
         try:
-            value, logged = self._call(reward, batch.arguments(reward.kwargs), self.timeout_s, deadline)
+            value, logged = self._call(reward, batch.arguments(reward.kwargs), self.timeout_s, num_samples, shares)
         except CallFailed as failure:
             logger.debug("reward function %s failed on the batch (%s); calling it per sample", reward.name, failure)
-            return self._score_each(reward, batch, num_samples, deadline)
+            return self._score_each(reward, batch, num_samples, shares)
+        shares.done(num_samples)
         return _with_logged(_validate(reward.name, value, num_samples), logged, reward.name)
 
-    def _score_each(self, reward: _Reward, batch: _Batch, num_samples: int, deadline: float) -> _Outcome:
+    def _score_each(self, reward: _Reward, batch: _Batch, num_samples: int, shares: _TimeShares) -> _Outcome:
         parts = []
         for index in range(num_samples):
+            arguments = batch.arguments(reward.kwargs, slice(index, index + 1))
             try:
-                value, logged = self._call(
-                    reward, batch.arguments(reward.kwargs, slice(index, index + 1)), self.sample_timeout_s, deadline
-                )
+                value, logged = self._call(reward, arguments, self.sample_timeout_s, 1, shares)
+            except CallTimedOut as timeout:
+                parts.append(_timed_out(f"{reward.name}: {timeout} (sample {index})"))
+                continue
             except CallFailed as failure:
                 parts.append(_failed_call(1, f"{reward.name}: {failure} (sample {index})", failure))
                 continue
+            finally:
+                shares.done(1)
             parts.append(_with_logged(_validate(reward.name, value, 1, first_index=index), logged, reward.name))
         return _merge(parts)
 
-    def _score_group(self, reward: _Reward, batch: _Batch, window: slice, deadline: float) -> _Outcome:
-        # A group function scores completions against each other, so a failing group is not split: it is unscored.
+    def _score_group(self, reward: _Reward, batch: _Batch, window: slice, shares: _TimeShares) -> _Outcome:
+        # A group function scores completions against each other, so a failing group is not split: it is unscored,
+        # whether it raised or ran out of time (no one answer of the group is known to have cost that time).
         size = window.stop - window.start
         try:
-            value, logged = self._call(reward, batch.arguments(reward.kwargs, window), self.timeout_s, deadline)
+            value, logged = self._call(reward, batch.arguments(reward.kwargs, window), self.timeout_s, size, shares)
         except CallFailed as failure:
             where = f"group of samples {window.start}-{window.stop - 1}"
             return _failed_call(size, f"{reward.name}: {failure} ({where})", failure)
+        finally:
+            shares.done(size)
         return _with_logged(_validate(reward.name, value, size, first_index=window.start), logged, reward.name)
 
     def _log_failure(self, name: str, outcome: _Outcome) -> None:
@@ -221,6 +246,40 @@ class RewardRunner:
             name,
             details,
         )
+
+    def _log_timeout(self, name: str, outcome: _Outcome) -> None:
+        if name in self._warned_timeouts:
+            logger.debug("reward function ran out of time: %s; scored 0", outcome.first_timeout)
+            return
+        self._warned_timeouts.add(name)
+        logger.warning(
+            "reward function ran out of time: %s; scored 0 (%d of %d samples; later ones of %s are logged at DEBUG)",
+            outcome.first_timeout,
+            outcome.timeouts,
+            len(outcome.scores),
+            name,
+        )
+
+
+class _TimeShares:
+    """The time left before `deadline`, shared among the samples still to score (each function's of each sample):
+    a call on some samples gets the part of it that they are of those samples, so that however long one call runs,
+    every later one still gets its part."""
+
+    def __init__(self, deadline: float, samples: int):
+        self.deadline = deadline
+        self.samples_left = samples
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def limit(self, limit_s: float, samples: int) -> float:
+        """The time limit of a call on `samples` of the samples still to score: `limit_s` or their share."""
+        return min(limit_s, self.left() * samples / max(samples, self.samples_left))
+
+    def done(self, samples: int) -> None:
+        """`samples` scored (or given up): the time left is theirs no more."""
+        self.samples_left -= samples
 
 
 @dataclass(frozen=True)
@@ -264,8 +323,10 @@ def _merge(parts: list[_Outcome]) -> _Outcome:
             values.extend(part.extras.get(key, [None] * len(part.scores)))
         merged.scores.extend(part.scores)
         merged.failures += part.failures
+        merged.timeouts += part.timeouts
         if merged.first_error is None and part.first_error is not None:
             merged.first_error, merged.details = part.first_error, part.details
+        merged.first_timeout = merged.first_timeout or part.first_timeout
     merged.metrics = _joined_metrics(part.metrics for part in parts)
     return merged
 
@@ -343,6 +404,11 @@ def _failed_call(num_samples: int, message: str, failure: CallFailed | None = No
     return _Outcome([None] * num_samples, {}, num_samples, message, getattr(failure, "details", ""))
 
 
+def _timed_out(message: str) -> _Outcome:
+    """A sample whose own call ran out of time: it scores 0, counted as a timeout, not as a failure."""
+    return _Outcome([0.0], {}, timeouts=1, first_timeout=message)
+
+
 def _combine(rewards: list[_Reward], outcomes: dict[str, _Outcome], num_samples: int) -> RewardResult:
     totals: list[float | None] = []
     for index in range(num_samples):
@@ -355,6 +421,7 @@ def _combine(rewards: list[_Reward], outcomes: dict[str, _Outcome], num_samples:
         totals=totals,
         per_function={name: outcome.scores for name, outcome in outcomes.items()},
         failures={name: outcome.failures for name, outcome in outcomes.items()},
+        timeouts={name: outcome.timeouts for name, outcome in outcomes.items()},
         first_errors={name: outcome.first_error for name, outcome in outcomes.items() if outcome.first_error},
         extras={
             f"{name}/{key}": values for name, outcome in outcomes.items() for key, values in outcome.extras.items()
@@ -516,21 +583,30 @@ class RewardFailure(RuntimeError):
 
 class FailureWatch:
     """Stops a run whose reward function keeps failing: more than `max_share` of a step's samples unscored by
-    one function, `max_steps` steps in a row. Occasional failures only leave samples out; a function that is
-    broken for good would otherwise train on whatever the others say, or on nothing."""
+    one function, or scored 0 because its calls ran out of time, `max_steps` steps in a row. Occasional failures
+    only leave samples out; a function that is broken (or too slow for its limits) for good would otherwise train on
+    whatever the others say, or on nothing."""
 
     def __init__(self, max_share: float, max_steps: int):
         self.max_share, self.max_steps = max_share, max_steps
         self.streaks: dict[str, int] = {}
 
-    def update(self, failures: Mapping[str, int], samples: int, first_errors: Mapping[str, str]) -> None:
-        for name, failed in failures.items():
-            share = failed / max(1, samples)
+    def update(
+        self,
+        failures: Mapping[str, int],
+        samples: int,
+        first_errors: Mapping[str, str],
+        timeouts: Mapping[str, int] | None = None,
+    ) -> None:
+        timeouts = timeouts or {}
+        for name in dict.fromkeys([*failures, *timeouts]):
+            share = (failures.get(name, 0) + timeouts.get(name, 0)) / max(1, samples)
             self.streaks[name] = self.streaks.get(name, 0) + 1 if share > self.max_share else 0
             if self.streaks[name] >= self.max_steps:
-                error = first_errors.get(name, "no error message")
+                fallback = "none, its calls ran out of time" if timeouts.get(name) else "no error message"
+                error = first_errors.get(name, fallback)
                 raise RewardFailure(
                     f"reward function {name} failed on more than {self.max_share:.0%} of the samples for "
-                    f"{self.max_steps} steps in a row (reward.max_failed_share, reward.max_failed_steps); "
-                    f"first error: {error}"
+                    f"{self.max_steps} steps in a row (raised, gave no score or ran out of time; "
+                    f"reward.max_failed_share, reward.max_failed_steps); first error: {error}"
                 )

@@ -71,11 +71,13 @@ class Group:
 @dataclass
 class StepScores:
     """What scoring a step's groups reports beside the rewards it fills in: samples each reward function failed to
-    score, the first error of each that failed, and the means of what functions gave `log_metric`, by name."""
+    score, the first error of each that failed, the means of what functions gave `log_metric`, by name, and the
+    samples each function scored 0 because their own call ran out of time."""
 
     failures: dict[str, int]
     errors: dict[str, str]
     logged: dict[str, float] = field(default_factory=dict)
+    timeouts: dict[str, int] = field(default_factory=dict)
 
 
 class LoopRoles(Protocol):

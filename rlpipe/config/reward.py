@@ -30,11 +30,12 @@ class RewardConfig:
         [RewardFunctionConfig()], "reward functions: list of {name, weight, kwargs, group}"
     )
     timeout_s: float = key(
-        30.0, "time limit of a function's call on a worker's whole share (or one group); past it, or when it raises, "
-        "the function is called once per sample"
+        30.0, "time limit of a function's call on a worker's whole share (or one group), at most its samples' part of "
+        "the time left; past it, or when it raises, the function is called once per sample"
     )
     sample_timeout_s: float = key(
-        20.0, "time limit of each of those per-sample calls (above the code reward's own wall_s 10 plus its start)"
+        20.0, "time limit of each of those per-sample calls (above the code reward's own wall_s 10 plus its start), at "
+        "most the sample's part of the time left; a sample whose call runs out of time scores 0"
     )
     deadline_s: float = key(
         300.0, "the longest the driver waits for a reward worker's share of a step; what is not scored by then is "

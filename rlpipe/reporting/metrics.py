@@ -20,9 +20,13 @@ from rlpipe.types import Group
 
 
 def rollout_metrics(
-    groups: list[Group], success_threshold: float, failures: dict[str, int] | None = None
+    groups: list[Group],
+    success_threshold: float,
+    failures: dict[str, int] | None = None,
+    timeouts: dict[str, int] | None = None,
 ) -> dict[str, float]:
-    """Reward, accuracy and length statistics of a step's scored groups, and reward failures per function."""
+    """Reward, accuracy and length statistics of a step's scored groups, and reward failures and timeouts per
+    function."""
     rewards = [r for g in groups for r in g.rewards]
     scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
     # The model's tokens: an episode's tool tokens were not generated.
@@ -47,6 +51,8 @@ def rollout_metrics(
         out["episodes_truncated"] = float(sum(c.finish_reason == "length" for c in episodes))
     for name, count in (failures or {}).items():
         out[f"reward/failures/{name}"] = float(count)
+    for name, count in (timeouts or {}).items():
+        out[f"reward/timeouts/{name}"] = float(count)
     for name in groups[0].reward_parts if groups else ():
         values = [v for g in groups for v in g.reward_parts[name] if v is not None]
         out[f"reward/{name}"] = float(np.mean(values)) if values else math.nan

@@ -112,7 +112,7 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
                 scores = roles.score(groups, reward_state(cfg, run, step - 1))
             log.reward_errors(scores.errors)
             # A function broken for good stops the run.
-            watch.update(scores.failures, len(groups) * cfg.rollout.group_size, scores.errors)
+            watch.update(scores.failures, len(groups) * cfg.rollout.group_size, scores.errors, scores.timeouts)
             batch, batch_metrics = make_train_batch(groups, cfg, run.pad_id)
             metrics.update(batch_metrics)
             if batch is not None:  # every sample unscored or filtered: nothing to learn from this step
@@ -120,7 +120,7 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
                     metrics.update(roles.train(batch))
                 with clock("sync"), log.activity(f"{doing} syncing weights"):
                     metrics.update(roles.sync_weights(probe=groups[0]))
-            metrics.update(rollout_metrics(groups, cfg.reward.success_threshold, scores.failures))
+            metrics.update(rollout_metrics(groups, cfg.reward.success_threshold, scores.failures, scores.timeouts))
             metrics.update({f"reward/logged/{name}": value for name, value in scores.logged.items()})
             metrics.update(clock.metrics(generated_tokens=metrics["completion_tokens"]))
             metrics["rollout/restarts"] = float(sum(roles.engine_restarts))  # engines started again so far

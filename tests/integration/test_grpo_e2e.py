@@ -373,16 +373,19 @@ def test_a_reward_worker_killed_mid_call_is_restarted_and_its_share_scored_once(
 def test_a_reward_function_that_never_returns_on_one_prompt_costs_that_prompts_samples_only(
         tmp_path, tiny_qwen3, ray_cluster):
     """A function blocked for good on one prompt's samples is killed with the reward worker's child process at its
-    time limits: the step finishes, those samples unscored, the other prompt's scored by every function."""
+    time limits: the step finishes, those samples scored 0 by it (counted as timeouts), the other prompt's scored
+    by every function."""
     rows = [{"question": "Calculate 1 + 2.", "answer": "3"}, {"question": "Calculate 2 + 2, then stall.", "answer": "4"}]
     record, groups = _one_step(tmp_path, tiny_qwen3, "stalled", rows, [
         "{name: 'tests.unit.reward_fixtures:stalls_on'}", "{name: 'tests.unit.reward_fixtures:length', weight: 0.01}",
     ], ["reward.timeout_s=2", "reward.sample_timeout_s=1"])
-    assert record["reward/failures/stalls_on"] == 4 and record["reward/failures/length"] == 0
-    assert record["reward/unscored"] == 4
+    assert record["reward/timeouts/stalls_on"] == 4 and record["reward/timeouts/length"] == 0
+    assert record["reward/failures/stalls_on"] == 0 and record["reward/failures/length"] == 0
+    assert record["reward/unscored"] == 0
     by_question = {rows[g["sample_id"]]["question"]: g for g in groups}
     stalled, scored = by_question[rows[1]["question"]], by_question[rows[0]["question"]]
-    assert stalled["reward_parts"]["stalls_on"] == [None] * 4 and stalled["rewards"] == [None] * 4
+    assert stalled["reward_parts"]["stalls_on"] == [0.0] * 4
+    assert stalled["rewards"] == pytest.approx([0.01 * len(text) for text in stalled["completions"]])
     assert scored["reward_parts"]["stalls_on"] == [1.0] * 4
     assert scored["rewards"] == pytest.approx([1.0 + 0.01 * len(text) for text in scored["completions"]])
 

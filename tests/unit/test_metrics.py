@@ -32,3 +32,14 @@ def test_a_restored_history_is_strict_and_keeps_its_counts(tmp_path):
         {"step": 1, "loss": None, "nonfinite_values": 1},
         {"step": 2, "loss": None, "nonfinite_values": 1},
     ]
+
+
+def test_a_sample_scored_0_for_running_out_of_time_counts_as_scored_and_as_a_timeout():
+    from rlpipe.reporting.metrics import rollout_metrics
+    from rlpipe.types import Completion, Group, Prompt
+
+    completions = [Completion([1], [0.0], str(n), "stop", 0) for n in range(3)]
+    group = Group(Prompt(0, "q", [0], {}), completions, rewards=[1.0, 0.0, None], reward_parts={"f": [1.0, 0.0, None]})
+    metrics = rollout_metrics([group], 1.0, failures={"f": 1}, timeouts={"f": 1})
+    assert metrics["reward/timeouts/f"] == 1.0 and metrics["reward/failures/f"] == 1.0
+    assert metrics["reward/unscored"] == 1.0 and metrics["reward/mean"] == 0.5

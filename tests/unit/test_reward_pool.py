@@ -61,3 +61,26 @@ def test_a_worker_that_does_not_answer_by_the_deadline_is_restarted_and_its_shar
         assert [g.rewards for g in groups] == [[1.0, 1.0]] * 4
     finally:
         ray.shutdown()
+
+
+class _Answered:
+    """A reward worker's handle whose calls have answered already: `score.remote` is the result itself."""
+
+    def __init__(self, scores: list[float], timeouts: int):
+        result = RewardResult(list(scores), {"answer": list(scores)}, {"answer": 0}, timeouts={"answer": timeouts})
+        self.score = type("Method", (), {"remote": staticmethod(lambda *args: result)})()
+
+
+def test_the_step_counts_each_workers_timeouts(monkeypatch):
+    from rlpipe.actors import reward_pool
+    from rlpipe.actors.reward_pool import RewardPool
+
+    # No cluster: the futures are the results, as they would be once every worker answered.
+    monkeypatch.setattr(reward_pool, "ray", type("Ray", (), {"wait": staticmethod(lambda f, **_: (f, [])),
+                                                             "get": staticmethod(lambda result: result)}))
+    workers = [_Answered([1.0, 0.0, 1.0, 0.0], timeouts=2), _Answered([0.0, 1.0, 1.0, 1.0], timeouts=1)]
+    pool = RewardPool(workers, max_tokens=8, max_restarts=0, deadline_s=1.0, names=["answer"])
+    groups = _groups(4)
+    scores = pool.score(groups)
+    assert scores.timeouts == {"answer": 3} and scores.failures == {"answer": 0}
+    assert [g.rewards for g in groups] == [[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]

@@ -342,13 +342,16 @@ def test_raising_function_unscores_its_samples_and_is_logged_once(caplog):
     assert "return [1.0 / 0 for _ in completions]" in failures[0].getMessage()  # the traceback, from the child
 
 
-def test_slow_function_times_out_and_its_process_is_killed():
+def test_slow_function_times_out_and_its_process_is_killed(caplog):
     runner = RewardRunner([spec("constant"), spec("slow")], timeout_s=0.3, sample_timeout_s=0.2)
-    result = runner.score(PROMPTS, COMPLETIONS, {})
-    assert result.totals == [None, None]
-    assert result.per_function["constant"] == [1.0, 1.0]
-    assert result.failures["slow"] == 2
-    assert result.first_errors == {"slow": "slow: timed out after 0.2s (sample 0)"}
+    with caplog.at_level(logging.WARNING, logger="rewards"):
+        result = runner.score(PROMPTS, COMPLETIONS, {})
+    # A sample whose own call ran out of time scores 0: counted apart, not left out of the update.
+    assert result.totals == [1.0, 1.0]
+    assert result.per_function == {"constant": [1.0, 1.0], "slow": [0.0, 0.0]}
+    assert result.failures == {"constant": 0, "slow": 0} and result.first_errors == {}
+    assert result.timeouts == {"constant": 0, "slow": 2}
+    assert "reward function ran out of time: slow: timed out after 0.2s (sample 0); scored 0" in caplog.text
     # The batch call overran, then each sample's: each time the process was killed, and a new one started for the
     # next call.
     assert runner.child.starts == 3 and runner.child.pid is None
@@ -357,8 +360,8 @@ def test_slow_function_times_out_and_its_process_is_killed():
 def test_async_functions_are_awaited_with_the_same_timeouts():
     runner = RewardRunner([spec("async_length"), spec("async_slow")], timeout_s=0.3, sample_timeout_s=0.2)
     result = runner.score(PROMPTS, COMPLETIONS, {})
-    assert result.per_function == {"async_length": [1.0, 3.0], "async_slow": [None, None]}
-    assert result.first_errors == {"async_slow": "async_slow: timed out after 0.2s (sample 0)"}
+    assert result.per_function == {"async_length": [1.0, 3.0], "async_slow": [0.0, 0.0]}
+    assert result.timeouts == {"async_length": 0, "async_slow": 2}
 
 
 @pytest.mark.parametrize(
@@ -467,6 +470,17 @@ def test_a_function_failing_on_most_samples_for_several_steps_stops_the_run():
     with pytest.raises(RewardFailure, match=r"^reward function broken failed on more than 50% .* 3 steps in a row .*"
                                             r"first error: broken: ZeroDivisionError"):
         watch.update({"broken": 7, "fine": 0}, 8, errors)
+
+
+def test_a_function_whose_calls_keep_running_out_of_time_stops_the_run():
+    from rlpipe.rewards import FailureWatch, RewardFailure
+
+    watch = FailureWatch(max_share=0.5, max_steps=2)
+    watch.update({"slow": 0}, 8, {}, timeouts={"slow": 3})
+    watch.update({"slow": 2}, 8, {}, timeouts={"slow": 3})  # unscored and scored 0 together: 5 of 8
+    with pytest.raises(RewardFailure, match=r"^reward function slow failed on more than 50% .* 2 steps in a row .*"
+                                            r"ran out of time.*first error: none, its calls ran out of time"):
+        watch.update({"slow": 0}, 8, {}, timeouts={"slow": 8})
 
 
 def test_format_rewards_check_tags_in_order_and_patterns():
@@ -888,34 +902,53 @@ def test_verl_adapter_defaults_to_verls_own_compute_score():
 
 
 @pytest.mark.heavy
-def test_a_function_stuck_in_c_is_killed_with_its_process_and_only_its_sample_is_unscored():
+def test_a_function_stuck_in_c_is_killed_with_its_process_and_only_its_sample_scores_0():
     runner = RewardRunner([spec("computes_in_c")], timeout_s=1, sample_timeout_s=1)
     completions = ["one", "a tower", "three"]
     result = runner.score(["q"] * 3, completions, {})
-    assert result.totals == [1.0, None, 1.0]
-    assert result.first_errors == {"computes_in_c": "computes_in_c: timed out after 1s (sample 1)"}
+    assert result.totals == [1.0, 0.0, 1.0]
+    assert result.timeouts == {"computes_in_c": 1} and result.failures == {"computes_in_c": 0}
     assert runner.child.starts == 3  # killed after the batch call and after sample 1: the next call starts anew
     assert runner.score(["q"], completions[:1], {}).totals == [1.0]
 
 
-@pytest.mark.parametrize("how, error", [
-    ("sleep", "timed out after 0.5s"),
-    ("spin", "timed out after 0.5s"),
-    ("exit", "the reward process exited with code 3 during the call"),
-])
-def test_a_function_that_never_returns_on_one_sample_leaves_its_neighbours_scored(how, error):
+@pytest.mark.parametrize("how", ["sleep", "spin"])
+def test_a_sample_whose_call_never_returns_scores_0_and_leaves_its_neighbours_scored(how):
     runner = RewardRunner([spec("stalls_on", how=how), spec("length")], timeout_s=0.5, sample_timeout_s=0.5)
+    result = runner.score(["p"] * 3, ["a", "a stall", "bc"], {})
+    assert result.per_function == {"stalls_on": [1.0, 0.0, 1.0], "length": [1.0, 7.0, 2.0]}
+    assert result.totals == [2.0, 7.0, 3.0]
+    assert result.timeouts == {"stalls_on": 1, "length": 0}
+    assert result.failures == {"stalls_on": 0, "length": 0} and result.first_errors == {}
+
+
+def test_a_sample_whose_call_ends_the_process_is_unscored_a_failure_of_the_function():
+    # Not the time the answer cost: the function's own failure, which leaves the sample out as a raise does.
+    runner = RewardRunner([spec("stalls_on", how="exit"), spec("length")], timeout_s=0.5, sample_timeout_s=0.5)
     result = runner.score(["p"] * 3, ["a", "a stall", "bc"], {})
     assert result.per_function == {"stalls_on": [1.0, None, 1.0], "length": [1.0, 7.0, 2.0]}
     assert result.totals == [2.0, None, 3.0]
-    assert result.failures == {"stalls_on": 1, "length": 0}
-    assert result.first_errors == {"stalls_on": f"stalls_on: {error} (sample 1)"}
+    assert result.failures == {"stalls_on": 1, "length": 0} and result.timeouts == {"stalls_on": 0, "length": 0}
+    assert result.first_errors == {
+        "stalls_on": "stalls_on: the reward process exited with code 3 during the call (sample 1)"}
+
+
+def test_a_slow_sample_leaves_the_later_samples_and_functions_their_share_of_the_time():
+    # A sample's call may take its share of the time left, not its whole limit of 4.9 s (which would have taken all
+    # of it): the samples after it, and the next function, are called in time and score.
+    runner = RewardRunner([spec("stalls_on"), spec("length")], timeout_s=0.3, sample_timeout_s=4.9, deadline_s=5.0)
+    completions = ["a", "stall", "b", "cd", "e", "f"]
+    result = runner.score(["p"] * 6, completions, {})
+    assert result.per_function == {"stalls_on": [1.0, 0.0, 1.0, 1.0, 1.0, 1.0], "length": [1, 5, 1, 2, 1, 1]}
+    assert result.timeouts == {"stalls_on": 1, "length": 0} and result.failures == {"stalls_on": 0, "length": 0}
 
 
 def test_the_deadline_bounds_a_whole_batch_of_stalling_samples():
     runner = RewardRunner([spec("stalls_on")], timeout_s=0.3, sample_timeout_s=0.3, deadline_s=1.0)
     result = runner.score(["p"] * 6, ["stall"] * 6, {})
-    assert result.totals == [None] * 6 and result.failures == {"stalls_on": 6}
+    # Each call within its share of the time: scored 0 when it ran out of time, unscored when the deadline had
+    # passed (a new process loads the functions after each, and that time is no sample's).
+    assert set(result.totals) <= {0.0, None} and result.failures["stalls_on"] + result.timeouts["stalls_on"] == 6
     # Without the deadline each of the 6 samples would have overrun its own limit, its process killed each time.
     assert runner.child.starts < 1 + 6
 
