@@ -25,8 +25,9 @@ _NUMBER = re.compile(
 _NUMERAL = re.compile(r"(?<![\w.])-?(?:0[xXbBoO][0-9a-fA-F]+|\d[\d,]*(?:\.\d+)?(?:[eE][+-]?\d+)?|\.\d+)")
 # An integer written plainly: digits, a sign, thousands separators, a full stop ending the sentence.
 _INTEGER_LITERAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d+)\.?")
-# An exponent of scientific notation (`1e9999999`: Fraction builds the ten-million-digit power of ten).
-_SCIENTIFIC_EXPONENT = re.compile(r"[\d.][eE][+-]?(\d+)")
+# An exponent of scientific notation (`1e9999999`: Fraction builds the ten-million-digit power of ten); a decimal
+# numeral's, not the digits of a hexadecimal one (`0x9e6436`).
+_SCIENTIFIC_EXPONENT = re.compile(r"(?<![\w.])(?:\d+(?:\.\d*)?|\.\d+)[eE][+-]?(\d+)")
 # A power (LaTeX's `^`, Python's `**`) or a factorial (not LaTeX's `\!`, nor `!=`): the operations whose value can
 # outgrow any time limit from a few characters.
 _GROWTH = re.compile(r"\^|\*\*|(?<!\\)!(?!=)")

@@ -135,6 +135,7 @@ COSTLY_AND_AFFORDABLE = {
     "huge exponent": (r"2^{1000}", r"1000^{2}"),
     "scientific exponent": ("1e9999999", "1.5e-3"),
     "signed scientific exponent": ("1E+1000", r"10^{-12}"),
+    "scientific, not hexadecimal": ("2.e10000", "0x176b9e643680"),  # bitwise_arithmetic's answers hold `9e6436`
     "deep fractions": ("\\frac{1}{" * 50 + "2" + "}" * 50, r"\frac{\sqrt{3}}{2}"),
     "deep brackets": ("(" * 9 + "1" + ")" * 9, "(" * 8 + "1" + ")" * 8),
     "factorial of a factorial": (r"(9!)!", "5!"),
@@ -1020,6 +1021,13 @@ def test_extraction_is_linear_in_the_text(text):
     runner = RewardRunner([{"name": "exact_match"}], timeout_s=60, sample_timeout_s=60)
     result = runner.score(["q"], [text], {"answer": ["42"]})
     assert result.first_errors == {} and result.totals == [1.0]
+
+
+def test_reasoning_gym_reads_a_long_number_in_linear_time(arithmetic_entries):
+    # Whether a candidate is a number costly to compute is decided in one pass: a million digits fit in the call.
+    runner = RewardRunner([{"name": "reasoning_gym"}], timeout_s=20, sample_timeout_s=20)
+    result = runner.score(["q"], ["<answer>" + "1" * ADVERSARIAL + "</answer>"], {"entry": arithmetic_entries[:1]})
+    assert result.totals == [0.0] and result.timeouts == {"reasoning_gym": 0}
 
 
 @pytest.mark.parametrize("answer, score, by_value", [
