@@ -160,6 +160,17 @@ def test_numeric_answer_scores_an_answer_costly_to_compare_zero_before_any_numbe
     assert affordable in worked_on
 
 
+def test_answers_costly_to_compare_score_0_in_the_batch_call_beside_correct_ones():
+    # Each once took a whole call's time limit, and then was left unscored.
+    costly = [r"9^{9^{9^{9}}}", "1e9999999", "\\frac{1}{" * 50 + "2" + "}" * 50]
+    completions = [text for answer in costly for text in (f"\\boxed{{{answer}}}", r"so \boxed{\frac{1}{2}}")]
+    runner = RewardRunner([{"name": "numeric_answer"}], timeout_s=2, sample_timeout_s=1)
+    result = runner.score(["q"] * 6, completions, {"answer": ["1/2"] * 6})
+    assert result.totals == [0.0, 1.0] * 3
+    assert result.timeouts == result.failures == {"numeric_answer": 0}
+    assert runner.child.starts == 1  # no call ran out of time
+
+
 def test_reasoning_gym_candidates_costly_to_compute_never_reach_the_scorer(monkeypatch):
     import rlpipe.rewards.reasoning_gym as reasoning_gym_reward
 
