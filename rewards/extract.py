@@ -2,6 +2,7 @@
 
 Plain regex/string code with no third-party imports, shared by the built-in rewards. Every extractor takes time
 linear in the text: a completion is model output, and a megabyte of unclosed `\\boxed{` must not stall a worker.
+So does the check of whether an answer is too costly to compare by value (`costly_answer`, `explosive_number`).
 """
 
 from __future__ import annotations
@@ -181,6 +182,8 @@ def _explosive(text: str, operation: re.Match, groups: dict[int, int]) -> bool:
     before = text[_operand_start(text, operation.start(), groups) : operation.start()]
     if operation.group() == "!":
         return _grows(before) or _bracketed_numbers(before)
+    if not before.strip():  # no base, no power: Markdown's bold (`**1234**`)
+        return False
     after_end = _operand_end(text, operation.end(), groups)
     exponent = text[operation.end() : after_end]
     tower = _GROWTH.match(text, _skip(text, after_end)) is not None  # `a^b^c`, `a**b**c`: raised to a power

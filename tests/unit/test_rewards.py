@@ -177,9 +177,10 @@ def test_reasoning_gym_candidates_costly_to_compute_never_reach_the_scorer(monke
     seen = []
     monkeypatch.setattr(reasoning_gym_reward, "_scorer", lambda name: lambda answer, entry: seen.append(answer) or 1.0)
     entry = {"question": "q", "answer": "x**2", "metadata": {"source_dataset": "polynomial_multiplication"}}
-    completions = [f"<answer>{answer}</answer>" for answer in ("9**9**9", "1e9999999", "(9*9*9*9*9*9)!", "x**2")]
-    assert verifier(completions=completions, entry=[entry] * 4) == [0.0, 0.0, 0.0, 1.0]
-    assert seen == ["x**2"]
+    answers = ("9**9**9", "1e9999999", "(9*9*9*9*9*9)!", "x**2", "**1234**")  # the last in Markdown's bold
+    completions = [f"<answer>{answer}</answer>" for answer in answers]
+    assert verifier(completions=completions, entry=[entry] * 5) == [0.0, 0.0, 0.0, 1.0, 1.0]
+    assert seen == ["x**2", "**1234**"]
 
 
 # --------------------------------------------------------------------------- #
