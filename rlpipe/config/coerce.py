@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from rlpipe.config.errors import ConfigError
+from rlpipe.config.yaml_bounds import YamlBoundError, safe_load
 
 
 @dataclass(frozen=True)
@@ -24,15 +25,19 @@ class OverrideText:
 
     text: str
 
-    def resolve(self, hint: Any) -> Any:
+    def resolve(self, hint: Any, key: str) -> Any:
         # Text keys take the text as typed: `data.system_prompt=Answer: 42` or `run.name=001` must not
         # become a mapping or an integer, and `#` must not start a YAML comment there.
         if _accepts_text(hint) and self.text not in ("null", "~"):
             return self.text
         try:
-            return yaml.safe_load(self.text) if self.text != "" else ""
+            return safe_load(self.text) if self.text != "" else ""
         except yaml.YAMLError:
             return self.text
+        except YamlBoundError as err:
+            raise ConfigError(f"{key}: {err}") from None
+        except RecursionError:  # the parser recurses once per level
+            raise ConfigError(f"{key}: nests deeper than YAML's reader can follow") from None
 
 
 def _accepts_text(hint: Any) -> bool:
@@ -48,7 +53,7 @@ def build(cls, data: Any, prefix: str = ""):
     if isinstance(data, cls):
         return data
     if isinstance(data, OverrideText):
-        data = data.resolve(cls)
+        data = data.resolve(cls, prefix or "config")
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -69,7 +74,7 @@ def build(cls, data: Any, prefix: str = ""):
 def coerce(value: Any, hint: Any, key: str) -> Any:
     """`value` as a field of type `hint` takes it, or a ConfigError naming `key`."""
     if isinstance(value, OverrideText):
-        value = value.resolve(hint)
+        value = value.resolve(hint, key)
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):

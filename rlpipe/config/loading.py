@@ -1,5 +1,6 @@
 """A config from a YAML recipe plus `a.b=value` overrides: the recipe's file (or the shipped recipe of that name),
-YAML that refuses a key given twice, the overrides set into it, typed sections built, every check run."""
+YAML that refuses a key given twice and bounds its aliases (yaml_bounds.py), the overrides set into it, typed
+sections built, every check run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import yaml
 from rlpipe.config.coerce import OverrideText, build
 from rlpipe.config.errors import ConfigError
 from rlpipe.config.tree import Config
+from rlpipe.config.yaml_bounds import BoundedSafeLoader, YamlBoundError
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -53,6 +55,10 @@ def load_yaml(path: str | Path) -> dict:
         data = yaml.load(path.read_text(), Loader=_RecipeLoader)
     except _DuplicateKey as err:
         raise ConfigError(f"{path}: {err}; give each key once") from None
+    except YamlBoundError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except RecursionError:  # the parser recurses once per level
+        raise ConfigError(f"{path}: nests deeper than YAML's reader can follow") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
@@ -69,9 +75,9 @@ class _DuplicateKey(yaml.YAMLError):
         super().__init__(f"duplicate key {key!r} (line {line})")
 
 
-class _RecipeLoader(yaml.SafeLoader):
-    """YAML's safe loader, except that a key given twice in one mapping is an error: the safe loader keeps the last
-    one silently, so a recipe could say two things and mean one."""
+class _RecipeLoader(BoundedSafeLoader):
+    """YAML's safe loader within bounds, and a key given twice in one mapping is an error: the safe loader keeps the
+    last one silently, so a recipe could say two things and mean one."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):

@@ -209,6 +209,15 @@ def recipe_with_a_duplicate_key(d):
 
 
 @case
+def recipe_whose_aliases_stand_for_a_billion_nodes(d):
+    # Read, they are a few shared objects; the run's config.yaml would write out every one.
+    from tests.unit.test_config import billion_laughs
+
+    recipe = d.write("recipe.yaml", billion_laughs())
+    return Case([], [str(recipe), "its aliases stand for", "more than the 10000 allowed"], recipe)
+
+
+@case
 def unknown_section(d):
     return Case(["trian.steps=3"], ["trian: unknown key"])
 

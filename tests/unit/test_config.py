@@ -125,6 +125,36 @@ def test_a_key_given_twice_is_refused_and_merges_still_override(tmp_path):
     assert load_config(recipe).rollout.max_tokens == 32  # a merge's keys are meant to be overridden
 
 
+def billion_laughs(levels: int = 9) -> str:
+    """Reward kwargs whose last anchor stands for 9**levels strings, in levels + 1 lines."""
+    lines = ['        l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"        l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 9)}]" for n in range(1, levels)]
+    return "reward:\n  functions:\n    - name: format_tags\n      kwargs:\n" + "\n".join(lines) + "\n"
+
+
+def test_aliases_that_stand_for_too_many_nodes_are_refused_as_the_recipe_is_read(tmp_path):
+    recipe = tmp_path / "laughs.yaml"
+    recipe.write_text(billion_laughs())
+    message = _error(recipe=recipe)
+    added = int(message.removeprefix(f"{recipe}: its aliases stand for ").split(" ", 1)[0])
+    assert message.endswith(" nodes, more than the 10000 allowed") and added > 9**8
+    reward = "[{name: format_tags, kwargs: {a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], b: &b [*a, *a, *a, *a, *a, *a, " \
+             "*a, *a, *a, *a], c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b], d: [*c, *c, *c, *c, *c, *c, *c, *c, " \
+             "*c, *c]}}]"
+    assert _error(f"reward.functions={reward}").startswith("reward.functions: its aliases stand for ")
+    recipe.write_text("reward:\n  functions:\n    - &me {name: format_tags, kwargs: {again: *me}}\n")
+    assert _error(recipe=recipe) == f"{recipe}: an alias refers to the node that holds it"
+    recipe.write_text("train: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert _error(recipe=recipe) == f"{recipe}: nests deeper than YAML's reader can follow"
+
+
+def test_aliases_that_share_a_few_sections_load(tmp_path):
+    recipe = tmp_path / "shared.yaml"
+    recipe.write_text(billion_laughs(levels=3) + "rollout: &sampling {temperature: 0.7}\neval:\n  <<: *sampling\n")
+    functions = load_config(recipe).reward.functions
+    assert functions[0].kwargs["l2"][8][8] == ["lol"] * 9  # 820 nodes once expanded
+
+
 # ---------------------------------------------------------------- errors name the key
 
 
