@@ -34,6 +34,13 @@ _SAVED_DATASET_MARKERS = ("dataset_dict.json", "state.json")
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 # Offset between the training and the held-out reasoning-gym seeds, so the two sets are drawn independently.
 _EVAL_SEED_OFFSET = 1_000_003
+# Deepest nesting of lists and objects a JSON data file may hold. pyarrow, which reads the rows for `datasets`, takes
+# fewer than 64 levels and says so, but its json reader recurses once per level and ends the process (a segfault)
+# some thousands of levels down, before it can. Chat messages are three levels deep.
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"')  # a JSON string, as its parser reads it, on one line
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_SCAN_BYTES = 1 << 20  # lines scanned at once
 
 
 def load_rows(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
@@ -123,18 +130,48 @@ def _humaneval_rows(prompt_field: str, eval_size: int) -> tuple[list[dict], list
     return rows[:cut], rows[cut:]
 
 
-def _check_utf8(file: Path) -> None:
+def _check_text_file(file: Path, json_text: bool) -> None:
     """Text data files must be UTF-8: the json reader keeps invalid bytes, and they fail far from the file when the
-    rows are read (a traceback without a line number)."""
-    with (gzip.open if file.suffix == ".gz" else open)(file, "rb") as lines:
-        for number, line in enumerate(lines, start=1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ConfigError(
-                    f"data.path: {file} line {number} is not valid UTF-8 (byte 0x{line[err.start]:02x} at column "
-                    f"{err.start + 1})"
-                ) from None
+    rows are read (a traceback without a line number). JSON ones must nest at most MAX_JSON_DEPTH levels, counted
+    here without recursing, before a reader that recurses sees them."""
+    depth, first = 0, 1
+    with (gzip.open if file.suffix == ".gz" else open)(file, "rb") as text:
+        while lines := text.readlines(_SCAN_BYTES):
+            for number, line in enumerate(lines, start=first):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ConfigError(
+                        f"data.path: {file} line {number} is not valid UTF-8 (byte 0x{line[err.start]:02x} at "
+                        f"column {err.start + 1})"
+                    ) from None
+            if json_text:
+                depth = _check_json_depth(file, lines, first, depth)
+            first += len(lines)
+
+
+def _check_json_depth(file: Path, lines: list[bytes], first: int, depth: int) -> int:
+    """The depth after `lines` (line `first` on, starting `depth` levels down): scanned together, and one by one
+    only to name the line that goes too deep."""
+    after, deepest = _json_nesting(b"".join(lines), depth)
+    if deepest <= MAX_JSON_DEPTH:
+        return after
+    for number, line in enumerate(lines, start=first):
+        depth, deepest = _json_nesting(line, depth)
+        if deepest > MAX_JSON_DEPTH:
+            raise ConfigError(f"data.path: {file} line {number} nests lists and objects deeper than {MAX_JSON_DEPTH} "
+                              "levels")
+    return depth
+
+
+def _json_nesting(text: bytes, depth: int) -> tuple[int, int]:
+    """(the depth after `text`, the deepest within it) for whole lines of JSON that start `depth` levels down. JSON
+    strings hold no line break, so the lines' strings are whole: their brackets are left out."""
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    if not len(brackets):
+        return depth, depth
+    levels = depth + np.cumsum(np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1))
+    return int(levels[-1]), int(levels.max())
 
 
 def _file_format(path: Path) -> str | None:
@@ -191,7 +228,7 @@ def _read_files(path: str, location: Path, split: str):
         raise ConfigError(f"data.path: {path} has no rows")
     if formats & _TEXT_FORMATS:
         for file in files:
-            _check_utf8(file)
+            _check_text_file(file, json_text="json" in formats)
     try:
         return datasets.load_dataset(formats.pop(), data_files={split: [str(f) for f in files]}, split=split)
     except Exception as err:  # datasets wraps parser errors in several exception types

@@ -536,6 +536,15 @@ def dataset_row_not_utf8(d):
 
 
 @case
+def dataset_row_nested_ten_thousand_deep(d):
+    # pyarrow's json reader recurses once per level: this row would end the process (a segfault).
+    path = d.root / "deep.jsonl"
+    path.write_text(json.dumps(GOOD_ROWS[0]) + '\n{"question": "Calculate 1 + 2.", "answer": "3", "x": '
+                    + "[" * 10_000 + "]" * 10_000 + "}\n")
+    return Case([f"data.path={path}"], [f"data.path: {path} line 2 nests lists and objects deeper than 64 levels"])
+
+
+@case
 def more_prompts_per_step_than_the_dataset_holds(d):
     return Case(["train.prompts_per_step=5"],
                 ["train.prompts_per_step: 5 is more than the training set's 4 prompts", str(d.root / "good.jsonl")])

@@ -5,7 +5,15 @@ import json
 import pytest
 
 from rlpipe.config import ConfigError, DataConfig, load_config
-from rlpipe.data.prompts import PromptSet, Sampler, drop_overlong_prompts, load_rows, render_prompt, reward_columns
+from rlpipe.data.prompts import (
+    MAX_JSON_DEPTH,
+    PromptSet,
+    Sampler,
+    drop_overlong_prompts,
+    load_rows,
+    render_prompt,
+    reward_columns,
+)
 from rlpipe.types import Prompt
 from tests.conftest import build_tokenizer
 
@@ -196,6 +204,34 @@ def test_a_line_that_is_not_utf8_is_named(tmp_path, name):
     column = lines[-1].index("\u00e9") + 1
     message = _config_error(lambda: load_rows(_file_cfg(path, eval_size=0), seed=0))
     assert message == f"data.path: {path} line {line} is not valid UTF-8 (byte 0xe9 at column {column})"
+
+
+def _nested(depth: int):
+    value = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.jsonl.gz", "rows.json"])
+def test_a_row_nested_deeper_than_the_readers_recurse_is_named_before_they_read_it(tmp_path, name):
+    """10,000 levels end the process in pyarrow's json reader (a segfault); the scan counts them without recursing."""
+    import gzip
+
+    # Brackets in strings do not count, nor do lists as deep as pyarrow reads them (an object and 62 lists).
+    tricky = {"question": "Calculate " + "[{" * 200 + '\\"]', "answer": "2", "deep": _nested(MAX_JSON_DEPTH - 2)}
+    good = [json.dumps(row) for row in [*ROWS[:2], tricky]]
+    deep = '{"question": "Calculate 1 + 1.", "answer": "2", "deep": '
+    if name.endswith(".json"):  # one document, a level a line: the depth is carried from line to line
+        lines = ["[", *(row + "," for row in good), deep, *["["] * 10_000, "0", *["]"] * 10_000, "}", "]"]
+        line = 5 + MAX_JSON_DEPTH - 1  # line 5 opens the row: 2 levels down (the list of rows, the row)
+    else:
+        lines, line = [*good, deep + "[" * 10_000 + "0" + "]" * 10_000 + "}"], 4
+    text = "\n".join(lines) + "\n"
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    message = _config_error(lambda: load_rows(_file_cfg(path, eval_size=0), seed=0))
+    assert message == f"data.path: {path} line {line} nests lists and objects deeper than 64 levels"
 
 
 def test_eval_size_must_leave_training_rows(tmp_path):
