@@ -20,6 +20,7 @@ from rlpipe.config import (
     VerifiersSource,
     one_line,
 )
+from rlpipe.data.chat_render import ChatTemplateError, render_chat
 from rlpipe.data.templating import kept_contents, templated_ids, valid_text
 from rlpipe.optional import optional_source
 from rlpipe.types import Prompt
@@ -383,10 +384,11 @@ def render_prompt(
 
     def render(keep) -> str:
         try:
-            return tokenizer.apply_chat_template(
-                kept_contents(messages, keep), tokenize=False, add_generation_prompt=True, **(template_kwargs or {}),
-            )
-        except Exception as err:  # jinja's TemplateError, or the template's own raise_exception
+            return render_chat(tokenizer, kept_contents(messages, keep), add_generation_prompt=True,
+                               **(template_kwargs or {}))
+        except ChatTemplateError as err:  # the template failed or ran too long
+            raise ConfigError(f"model.tokenizer: {err}") from None
+        except Exception as err:  # the tokenizer's choice of template
             raise ConfigError(f"model.tokenizer: the chat template fails on a prompt: {one_line(err)}") from None
 
     # The template already holds any BOS token; the ids are the text's own, without special tokens added.

@@ -475,6 +475,20 @@ def tokenizer_without_chat_template(d):
 
 
 @case
+def chat_template_that_renders_for_hours(d):
+    from rlpipe.data import chat_render
+
+    d.monkeypatch.setattr(chat_render, "RENDER_TIMEOUT_S", 2.0)
+    model = d.model_copy()
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    (model / "chat_template.jinja").write_text(
+        "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}")
+    return Case([f"model.path={model}"], ["model.tokenizer: the chat template did not render a prompt within 2 s"])
+
+
+@case
 def tokenizer_folder_missing(d):
     missing = d.root / "no-such-tokenizer"
     return Case([f"model.tokenizer={missing}"], [f"model.tokenizer: {missing} is not a folder"])

@@ -525,6 +525,53 @@ def test_a_failing_chat_template_is_one_line(tmp_path):
     assert message.startswith("model.tokenizer: the chat template fails") and "only user and assistant" in message
 
 
+def _returns_within(seconds: float, call):
+    """What `call()` returns or raises, from a thread given `seconds`: a call that hangs fails the test instead."""
+    import threading
+
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except BaseException as err:  # handed back to the test
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still rendering after {seconds} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def test_a_chat_template_renders_within_a_time_and_a_size_limit(tmp_path, monkeypatch):
+    """A template comes with the model's files: one that loops for hours, or builds a 10 GB string, or a prompt of
+    millions of characters, is stopped in one line; the next render, with a fresh renderer, is the template's own."""
+    from rlpipe.data import chat_render
+
+    monkeypatch.setattr(chat_render, "RENDER_TIMEOUT_S", 2.0)
+    tokenizer = build_tokenizer(tmp_path)
+    own = tokenizer.chat_template
+    hostile = {
+        "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}":
+            "model.tokenizer: the chat template did not render a prompt within 2 s",
+        "{{ 'x' * 10000000000 }}": "model.tokenizer: the chat template needs more than 1024 MiB to render a prompt",
+        "{{ 'x' * 5000000 }}":
+            "model.tokenizer: the chat template renders a prompt of 5000000 characters, more than 4194304",
+        "{% macro again() %}{{ again() }}{% endmacro %}{{ again() }}":
+            "model.tokenizer: the chat template fails on a prompt: it recurses without end",
+    }
+    for template, expected in hostile.items():
+        tokenizer.chat_template = template
+        assert _returns_within(60, lambda: _config_error(lambda: render_prompt(tokenizer, "hi", None))) == expected
+    tokenizer.chat_template = own
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert render_prompt(tokenizer, "hi", None) == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def test_folder_with_files_per_split(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
