@@ -94,7 +94,10 @@ _worker: _Worker | None = None
 def _render(request: bytes) -> str:
     global _worker
     for attempt in range(2):
-        if _worker is None or not _worker.alive():
+        if _worker is not None and not _worker.alive():  # ended itself while idle
+            _worker.close()
+            _worker = None
+        if _worker is None:
             _worker = _Worker()
         try:
             answer = _worker.ask(request)
