@@ -1,5 +1,5 @@
-"""Model files checked before anything is built or read from them: config.json's fields, the safetensors headers
-and the shard index, and the two against each other.
+"""Model files checked before anything is built or read from them: that each lies inside the folder, config.json's
+fields, the safetensors headers and the shard index, and the two against each other.
 
 Every problem raises a ModelFileError whose message is one line, `<file>: <what>`. Nothing here allocates a
 tensor or reads tensor data: config.json is checked field by field before a model (even on `meta`) is built from
@@ -20,6 +20,8 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 PICKLE_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+# Folders of a model folder whose files are read too: transformers reads the chat templates kept there.
+READ_SUBFOLDERS = ("additional_chat_templates",)
 
 # Far beyond any released model (the deepest Llama has 126 layers, the widest MoE a few hundred experts), and small
 # enough that building the module tree or walking the layers stays quick.
@@ -54,15 +56,48 @@ class StoredTensor:
     shape: tuple[int, ...]
 
 
+# ---------------------------------------------------------------- links
+
+
+def check_links(folder: str | os.PathLike) -> None:
+    """Every file of a model folder (and of its READ_SUBFOLDERS) lies inside it once links are followed: a file
+    linked to one outside (`chat_template.jinja` -> a host file) would put that file into every reader's hands, the
+    tokenizer's chat template into every prompt. The one exception is Hugging Face's cache, whose snapshot folders
+    link each file to its repository's blobs folder. Raises ModelFileError naming the file."""
+    folder = Path(folder)
+    real = Path(os.path.realpath(folder))
+    inside = [real, *([real.parent.parent / "blobs"] if real.parent.name == "snapshots" else [])]
+    for entry in _entries(folder):
+        target = Path(os.path.realpath(entry))
+        if not any(target == root or root in target.parents for root in inside):
+            raise ModelFileError(entry, f"links to {target}, outside the model folder; put the file itself there")
+
+
+def _entries(folder: Path) -> list[Path]:
+    """The folder's entries, then those of its READ_SUBFOLDERS (each listed after the subfolder itself)."""
+    try:
+        entries = sorted(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):  # the caller says what the folder is not
+        return []
+    except OSError as err:
+        raise ModelFileError(folder, f"unreadable ({err.strerror})") from None
+    for name in READ_SUBFOLDERS:
+        if (folder / name).is_dir():
+            entries += sorted((folder / name).iterdir())
+    return entries
+
+
 # ---------------------------------------------------------------- config.json
 
 
 def read_config(folder: str | os.PathLike) -> dict:
-    """The config.json of a Hugging Face model folder, its fields checked (`check_config`)."""
+    """The config.json of a Hugging Face model folder, its files first checked to lie inside it (`check_links`),
+    its fields checked (`check_config`)."""
     folder = Path(folder)
     config_file = folder / CONFIG_FILE
     if folder.is_file():
         raise ModelFileError(folder, "is a file, not a Hugging Face model folder")
+    check_links(folder)
     try:
         config = json.loads(config_file.read_text())
     except FileNotFoundError:

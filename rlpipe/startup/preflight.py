@@ -184,14 +184,21 @@ def check_model(path: str) -> dict[str, tuple[int, ...]]:
 
 def check_tokenizer(model: ModelConfig, model_path: str) -> tuple[str | None, Any]:
     """The folder model.tokenizer names (None: the tokenizer is the model's own, in `model_path`) and the tokenizer
-    loaded from it; a folder that is missing or holds no tokenizer raises a ConfigError naming the key."""
+    loaded from it; a folder that is missing, holds no tokenizer or links a file from outside itself (see
+    rlpipe/models/checks.py) raises a ConfigError naming the key."""
     from transformers import AutoTokenizer
+
+    from rlpipe.models.checks import ModelFileError, check_links
 
     key = "model.tokenizer" if model.tokenizer else "model.path"
     own_folder = resolve_model_path(model.tokenizer, key) if model.tokenizer else None
     path = own_folder or model_path
     if not Path(path).is_dir():
         raise ConfigError(f"{key}: {path} is not a folder")
+    try:
+        check_links(path)
+    except ModelFileError as err:
+        raise ConfigError(f"{key}: {err}") from None
     try:
         return own_folder, AutoTokenizer.from_pretrained(path)
     except Exception as err:  # transformers raises several types, with multi-line messages, for a folder it cannot use

@@ -501,6 +501,20 @@ def tokenizer_folder_without_a_tokenizer(d):
     return Case([f"model.tokenizer={empty}"], [f"model.tokenizer: cannot load a tokenizer from {empty}: Couldn't instantiate the backend tokenizer"])
 
 
+@case
+def tokenizer_folder_whose_chat_template_links_to_a_host_file(d):
+    # The link would put the host file into every prompt, where reward functions and the logs see it.
+    secret = d.write("host-secret.txt", "host-secret {{ messages[0]['content'] }}")
+    tokenizer = d.model_copy("tokenizer")
+    settings = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(settings))
+    (tokenizer / "chat_template.jinja").unlink()
+    (tokenizer / "chat_template.jinja").symlink_to(secret)
+    return Case([f"model.tokenizer={tokenizer}"], [
+        f"model.tokenizer: {tokenizer}/chat_template.jinja: links to {secret}, outside the model folder"])
+
+
 # The dataset.
 
 

@@ -124,6 +124,31 @@ def _index_naming_absent_tensor(model: Path) -> None:
     write_index(model, {**dict.fromkeys(stored_names(model), "model.safetensors"), "model.extra.weight": "model.safetensors"})
 
 
+def link_out(model: Path, name: str, target: Path | None = None) -> None:
+    """`name` in the model folder made a link to `target` outside it (a host file, another user's file); without
+    `target`, to the file itself moved out, whose content then passes every other check."""
+    if target is None:
+        target = model.parent / f"outside-{name.replace('/', '-')}"
+        (model / name).rename(target)
+    else:
+        (model / name).unlink(missing_ok=True)
+    (model / name).symlink_to(target)
+
+
+def _host_file(model: Path) -> Path:
+    secret = model.parent / "host-secret.txt"
+    secret.write_text("host-secret")
+    return secret
+
+
+def _templates_folder_outside(model: Path, file_linked: bool) -> None:
+    """additional_chat_templates/ with one template, linked out itself or holding a link out."""
+    folder = model / "additional_chat_templates"
+    folder.mkdir()
+    (folder / "tool_use.jinja").write_text("{{ messages[0]['content'] }}")
+    link_out(model, "additional_chat_templates/tool_use.jinja" if file_linked else "additional_chat_templates")
+
+
 def _set_dtype(header: dict, dtype: str) -> None:
     header["model.norm.weight"]["dtype"] = dtype
 
@@ -174,7 +199,23 @@ WEIGHT_CASES = {
         ["model.safetensors: model.norm.weight spans 256 bytes, its shape [32] in F32 needs 128"],
     ),
 }
-MODEL_CASES = {**CONFIG_CASES, **WEIGHT_CASES}
+# Files whose real path leaves the folder: whatever the link names would be read (a host file into every prompt).
+LINK_CASES = {
+    "chat_template_linked_to_a_host_file": (
+        lambda m: link_out(m, "chat_template.jinja", _host_file(m)),
+        ["chat_template.jinja: links to", "host-secret.txt, outside the model folder; put the file itself there"],
+    ),
+    "config_linked_outside": (lambda m: link_out(m, "config.json"), ["config.json: links to", "outside-config.json"]),
+    "weights_linked_outside": (lambda m: link_out(m, "model.safetensors"), ["model.safetensors: links to"]),
+    "folder_of_chat_templates_linked_outside": (
+        lambda m: _templates_folder_outside(m, file_linked=False), ["additional_chat_templates: links to"]
+    ),
+    "chat_template_in_its_folder_linked_outside": (
+        lambda m: _templates_folder_outside(m, file_linked=True),
+        ["additional_chat_templates/tool_use.jinja: links to"],
+    ),
+}
+MODEL_CASES = {**CONFIG_CASES, **WEIGHT_CASES, **LINK_CASES}
 
 
 # ---------------------------------------------------------------- running the CLI
@@ -256,7 +297,7 @@ def test_train_refuses_a_malformed_model_folder(case, tiny_qwen3, tmp_path, capf
 EXPORT_MODEL_CASES = ["heads_zero", "layers_a_million", "hidden_not_a_multiple_of_heads", "vocab_negative",
                       "size_as_a_string", "layers_more_than_the_weights_hold", "safetensors_truncated",
                       "safetensors_header_longer_than_the_file", "index_shard_missing", "tensor_with_the_wrong_shape",
-                      "tensor_with_an_integer_dtype"]
+                      "tensor_with_an_integer_dtype", "chat_template_linked_to_a_host_file"]
 
 
 @pytest.mark.parametrize("case", EXPORT_MODEL_CASES)

@@ -82,6 +82,23 @@ def test_a_hub_id_resolves_to_its_cached_snapshot(hub_cache, tiny_qwen3):
     )
 
 
+
+def test_a_snapshot_links_into_its_own_repositorys_blobs_only(hub_cache, tiny_qwen3):
+    """The cache's snapshot -> ../../blobs/<hash> links are the folder's own files; one into another repository's
+    blobs (or anywhere else outside the snapshot) is refused, naming the file."""
+    from rlpipe.models.checks import ModelFileError
+    from rlpipe.models.hf import check_weights
+
+    check_weights(hub_cache)  # every file a link into its blobs
+    other = lay_out_hub_cache(hub_cache.parents[2], "other-org/other-model", COMMIT, Path(tiny_qwen3))
+    template = hub_cache / "chat_template.jinja"
+    borrowed = (other / "chat_template.jinja").resolve()
+    template.unlink()
+    template.symlink_to(Path("..", "..", "..", "models--other-org--other-model", "blobs", borrowed.name))
+    with pytest.raises(ModelFileError) as err:
+        check_weights(hub_cache)
+    assert str(err.value) == f"{template}: links to {borrowed}, outside the model folder; put the file itself there"
+
 def _run_args(tmp_path: Path, model: str) -> list[str]:
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
