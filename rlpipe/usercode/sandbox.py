@@ -192,10 +192,7 @@ def _run(
     process = cgroup = None
     try:
         cgroup = _Cgroup.make(limits) if python is not None else None
-        os.chmod(workdir, 0o755)  # bwrap runs as SANDBOX_UID and must read it, whatever the umask
-        for name, text in {**files, "main.py": main}.items():
-            Path(workdir, name).write_text(text, encoding="utf-8")
-            Path(workdir, name).chmod(0o644)
+        _write_program(workdir, {**files, "main.py": main}, as_sandbox_user=python is not None and os.geteuid() == 0)
         # Input from unlinked files rather than pipes: nothing to block on, nothing of it in /sandbox.
         with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as private_file:
             for file, data in ((stdin_file, stdin), (private_file, private_input)):
@@ -214,6 +211,21 @@ def _run(
         shutil.rmtree(workdir, ignore_errors=True)
         if cgroup is not None:
             cgroup.remove()
+
+
+def _write_program(workdir: str, files: Mapping[str, str], as_sandbox_user: bool) -> None:
+    """The program's files, readable by the sandbox alone: the folder 0700, the files 0600, owned by whoever runs it
+    (`as_sandbox_user`: SANDBOX_UID, as which bwrap runs when this worker is root). Written while the folder is
+    still this process's alone, handed over last, so no other process can slip a file or a link in meanwhile."""
+    for name, text in files.items():
+        path = Path(workdir, name)
+        path.write_text(text, encoding="utf-8")
+        path.chmod(0o600)
+        if as_sandbox_user:
+            os.chown(path, SANDBOX_UID, SANDBOX_UID)
+    os.chmod(workdir, 0o700)
+    if as_sandbox_user:
+        os.chown(workdir, SANDBOX_UID, SANDBOX_UID)
 
 
 def missing_isolation() -> str | None:

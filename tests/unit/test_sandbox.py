@@ -343,3 +343,28 @@ def test_what_a_process_killed_mid_call_left_behind_is_removed_by_the_next(monke
     assert attack("print('ok')").stdout == "ok\n"
     assert [folder for folder in left if folder.exists()] == [] and mine.exists()
     mine.rmdir()
+
+
+def test_no_other_user_can_read_the_program_while_it_runs(monkeypatch):
+    """The program's folder is 0700 and its files 0600, owned by whoever runs it (bwrap as SANDBOX_UID when this
+    worker is root): another user on the host, here uid 12345, cannot list or read them while it runs."""
+    seen = {}
+    start = sandbox._start
+
+    def look_while_it_runs(python, workdir, *args):
+        process = start(python, workdir, *args)
+        folder = Path(workdir)
+        seen["modes"] = {path.name: (path.stat().st_mode & 0o7777, path.stat().st_uid)
+                         for path in [folder, *sorted(folder.iterdir())]}
+        other = subprocess.run(["cat", str(folder / "main.py"), str(folder / "data.txt")], capture_output=True,
+                               text=True, user=12345, group=12345, extra_groups=[])
+        seen["another user"] = other.returncode, other.stdout
+        return process
+
+    monkeypatch.setattr(sandbox, "_start", look_while_it_runs)
+    outcome = run("print(open('/sandbox/data.txt').read())", FAST, files={"data.txt": "the program's own data"})
+    assert outcome.passed and outcome.stdout == "the program's own data\n", outcome
+    owner = sandbox.SANDBOX_UID if os.geteuid() == 0 else os.getuid()
+    folder = next(name for name in seen["modes"] if name.startswith("rlpipe-sandbox-"))
+    assert seen["modes"] == {folder: (0o700, owner), "data.txt": (0o600, owner), "main.py": (0o600, owner)}
+    assert seen["another user"] == (1, "")
