@@ -8,8 +8,10 @@ that read. The hash is the one of codec.py (`word_sums`), which computes the sam
 loop is not available.
 
 The compiler is the one torch's inductor already needs on CPU; the library is built once per source and machine
-under `$RLPIPE_CACHE/native`. Without a compiler (or with `RLPIPE_NATIVE=0`) `copy_hash()` returns None and
-the codec uses numpy.
+under `$RLPIPE_CACHE/native`, and loaded from there only where no one else could have put it there (the file and the
+folders above it this user's, writable by no one else: rlpipe/models/builtin.py's `cache_problem`); elsewhere it
+is built again in a private folder for this process. Without a compiler (or with `RLPIPE_NATIVE=0`)
+`copy_hash()` returns None and the codec uses numpy.
 """
 
 from __future__ import annotations
@@ -174,24 +176,48 @@ CopyHash = Callable[[np.ndarray, "np.ndarray | None", int, int, int, int, int], 
 _MASK64 = (1 << 64) - 1
 
 
-def _cache_dir() -> Path:
+def _compiler() -> str | None:
+    return next(filter(None, map(shutil.which, [os.environ.get("CC", "cc"), "gcc", "clang", "g++"])), None)
+
+
+_FLAGS = ["-O3", "-shared", "-fPIC"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+
+
+def library_path(compiler: str) -> Path:
+    """Where the cache keeps the library this source, compiler and machine build."""
     from rlpipe.models.builtin import cache_dir
 
-    return cache_dir() / "native"
+    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, platform.machine(), platform.node()]).encode())
+    return cache_dir() / "native" / f"copy_hash-{key.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str) -> Path:
-    flags = ["-O3", "-shared", "-fPIC"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, platform.machine(), platform.node()]).encode())
-    library = _cache_dir() / f"copy_hash-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
+def _load(compiler: str) -> ctypes.CDLL:
+    """The library from the cache, built there first where missing; built in a private folder where the cache
+    cannot be taken as this user's own (cache_problem)."""
+    from rlpipe.models.builtin import cache_problem, make_cache_folder
+
+    library = library_path(compiler)
+    make_cache_folder(library.parent)
+    problem = cache_problem(library.parent)
+    if problem is None:
+        if library.exists() and cache_problem(library) is None:
+            return ctypes.CDLL(str(library))
+        _build(compiler, library)  # replaces a library this user cannot vouch for, in a folder that is its own
+        return ctypes.CDLL(str(library))
+    warnings.warn(f"weight sync: {problem}; the copy-and-hash loop is built in a private folder instead of the "
+                  "cache", stacklevel=3)
+    with tempfile.TemporaryDirectory(prefix="rlpipe-native-") as private:  # 0700; loaded, the file may go
+        return ctypes.CDLL(str(_build(compiler, Path(private) / library.name)))
+
+
+def _build(compiler: str, library: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         source = Path(scratch) / "copy_hash.c"
         source.write_text(_SOURCE)
         built = Path(scratch) / library.name
-        subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built)], check=True, capture_output=True,
+                       timeout=120)
+        built.chmod(0o755)  # whatever the umask: writable by this user alone
         os.replace(built, library)  # atomic: processes building at once each publish a whole library
     return library
 
@@ -204,11 +230,11 @@ def copy_hash() -> CopyHash | None:
     exponent bits are `mask`, is inf or NaN (width 0: no check); None where no C compiler is available."""
     if os.environ.get("RLPIPE_NATIVE", "1") == "0":
         return None
-    compiler = next(filter(None, map(shutil.which, [os.environ.get("CC", "cc"), "gcc", "clang", "g++"])), None)
+    compiler = _compiler()
     if compiler is None:
         return None
     try:
-        function = ctypes.CDLL(str(_build(compiler))).copy_hash
+        function = _load(compiler).copy_hash
     except (OSError, AttributeError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         warnings.warn(f"weight sync: building the copy-and-hash loop failed ({error}; "

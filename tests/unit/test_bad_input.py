@@ -464,6 +464,18 @@ def builtin_model_whose_package_is_not_installed(d):
 
 
 @case
+def builtin_model_in_a_cache_others_may_write(d):
+    # Served as soon as a config.json is there: anyone who can write the cache chooses the weights and the template.
+    cache = d.root / "shared-cache"
+    d.model_copy("shared-cache/models/smollm2-135m-instruct")
+    (cache / "models").chmod(0o777)
+    d.monkeypatch.setenv("RLPIPE_CACHE", str(cache))
+    return Case(["model.path=builtin:smollm2-135m-instruct"], [
+        f"model.path: {cache / 'models'} is writable by others (mode 777); the built-in models' cache must be this "
+        "user's alone (set RLPIPE_CACHE to a folder of your own)"])
+
+
+@case
 def tokenizer_without_chat_template(d):
     model = d.model_copy()
     settings = json.loads((model / "tokenizer_config.json").read_text())

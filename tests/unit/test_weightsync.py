@@ -568,6 +568,92 @@ def test_a_sender_and_an_engine_agree_whichever_has_the_native_loop(monkeypatch)
     _refused(plan, bucket, corrupt, numpy_digest)
 
 
+# ---------------------------------------------------------------- the compiled loop's cache
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """RLPIPE_CACHE in a fresh folder, and copy_hash() looked up anew (it is cached per process) before and after."""
+    monkeypatch.setenv("RLPIPE_CACHE", str(tmp_path / "cache"))
+    native.copy_hash.cache_clear()
+    yield tmp_path / "cache"
+    native.copy_hash.cache_clear()
+
+
+def _plant_library(path, marker) -> None:
+    """What another user could put at the library's path in a shared cache: loaded, it writes `marker` (it could
+    run anything as the run's user), and its copy_hash calls every value NaN."""
+    import subprocess
+
+    source = path.parent / "planted.c"
+    source.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void planted(void) {{\n'
+                      f'    FILE *file = fopen("{marker}", "w");\n    if (file) fclose(file);\n}}\n'
+                      "int copy_hash(void) { return 1; }\n")
+    subprocess.run([native._compiler(), "-shared", "-fPIC", str(source), "-o", str(path)], check=True)
+    source.unlink()
+
+
+def _hashes_as_numpy() -> None:
+    source = np.arange(4096, dtype=np.uint8)
+    sums, bad = native.copy_hash()(source, None, 0, 0, 7, 0)  # width 0: no check for NaN
+    assert (sums, bad) == (codec.word_sums(source, 7, 0), False)
+
+
+def test_the_cache_holds_the_library_for_this_user_alone_whatever_the_umask(private_cache):
+    assert native._compiler() is not None, "no C compiler for the native copy-and-hash loop"
+    old = os.umask(0o002)  # a group-writable default, as some systems set it
+    try:
+        _hashes_as_numpy()
+    finally:
+        os.umask(old)
+    library = native.library_path(native._compiler())
+    modes = {path: path.stat().st_mode & 0o777 for path in (private_cache, library.parent, library)}
+    assert modes == {private_cache: 0o700, library.parent: 0o700, library: 0o755}
+    built = library.stat().st_ino
+    native.copy_hash.cache_clear()
+    _hashes_as_numpy()
+    assert library.stat().st_ino == built  # taken from the cache, not built again
+
+
+@pytest.mark.parametrize("planted", ["another_users_library", "library_others_may_write",
+                                     "folder_others_may_write", "cache_of_another_user"])
+def test_a_library_another_user_could_have_put_in_the_cache_is_never_loaded(private_cache, planted):
+    """The library's path is computable, so in a shared cache another user can plant one first: it is loaded only
+    when it and the folders above it up to the cache's root are this user's and writable by no one else. Else the
+    loop is built anew: in place where the folders are this user's own, in a private folder where they are not."""
+    import warnings
+
+    assert native._compiler() is not None, "no C compiler for the native copy-and-hash loop"
+    library = native.library_path(native._compiler())
+    library.parent.mkdir(parents=True, mode=0o700)
+    private_cache.chmod(0o700)
+    marker = private_cache.parent / "planted-library-ran"
+    _plant_library(library, marker)
+    changed = {
+        "another_users_library": lambda: os.chown(library, 65534, 65534),
+        "library_others_may_write": lambda: library.chmod(0o666),
+        "folder_others_may_write": lambda: library.parent.chmod(0o777),
+        "cache_of_another_user": lambda: os.chown(private_cache, 65534, 65534),
+    }
+    changed[planted]()
+    planted_bytes = library.read_bytes()
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        _hashes_as_numpy()
+    assert not marker.exists(), "the planted library was loaded"
+    folders_trusted = planted in ("another_users_library", "library_others_may_write")
+    said = [str(w.message) for w in warned if "copy-and-hash" in str(w.message)]
+    if folders_trusted:  # rebuilt in place: the cache now holds this user's library
+        assert said == [] and library.read_bytes() != planted_bytes
+        assert (library.stat().st_uid, library.stat().st_mode & 0o777) == (os.geteuid(), 0o755)
+    else:  # left as it is; the loop built in a private folder, and said so
+        problem = (f"{library.parent} is writable by others (mode 777)" if planted == "folder_others_may_write" else
+                   f"{private_cache} belongs to uid 65534, not to this user (uid {os.geteuid()})")
+        assert said == [f"weight sync: {problem}; the copy-and-hash loop is built in a private folder instead of "
+                        "the cache"]
+        assert library.read_bytes() == planted_bytes
+
+
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "numpy"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
