@@ -25,6 +25,8 @@ import yaml
 
 from rlpipe.config import Config, load_config
 from rlpipe.config.reward import VERL_ADAPTER_NAMES
+from rlpipe.config.yaml_bounds import YamlBoundError
+from rlpipe.config.yaml_bounds import safe_load as bounded_safe_load
 from rlpipe.startup.preflight import check_cluster_resources
 
 # Never uploaded: the cluster has its own environment, and checkpoints or weights would dwarf the code.
@@ -135,10 +137,12 @@ def submit(
     cfg = load_config(recipe_path, overrides)  # a bad recipe fails here, before anything is uploaded
     base = None
     if runtime_env_file:
-        try:
-            base = yaml.safe_load(Path(runtime_env_file).read_text()) or {}
-        except (OSError, yaml.YAMLError) as err:
+        try:  # bounded: the runtime env is written out for the cluster, every alias expanded
+            base = bounded_safe_load(Path(runtime_env_file).read_text()) or {}
+        except (OSError, yaml.YAMLError, RecursionError) as err:
             raise SubmitError(f"--runtime-env: cannot read {runtime_env_file}: {type(err).__name__}") from None
+        except YamlBoundError as err:
+            raise SubmitError(f"--runtime-env: {runtime_env_file}: {err}") from None
         if not isinstance(base, dict):
             raise SubmitError(f"--runtime-env: {runtime_env_file} must hold a mapping")
     job_env = runtime_env(root, parse_env(list(env)), base)

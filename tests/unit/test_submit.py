@@ -40,3 +40,16 @@ def test_reward_files_that_would_not_reach_the_cluster_are_refused(tmp_path, lay
         excludes.append("score.py")
     with pytest.raises(SubmitError, match=cause):
         check_reward_files_uploaded(files, root, excludes)
+
+
+def test_a_runtime_env_file_whose_aliases_stand_for_a_billion_nodes_is_refused_before_any_cluster(tmp_path):
+    from rlpipe.run.submit import submit
+    from tests.unit.test_config import billion_laughs
+
+    root = project(tmp_path)
+    laughs = tmp_path / "runtime_env.yaml"
+    laughs.write_text("env_vars:\n  LAUGHS: x\n" + billion_laughs().replace("reward:", "pip:", 1))
+    with pytest.raises(SubmitError) as err:
+        submit("http://127.0.0.1:1", str(root / "recipe.yaml"), [], str(root), runtime_env_file=str(laughs))
+    assert str(err.value).startswith(f"--runtime-env: {laughs}: its aliases stand for ")
+    assert str(err.value).endswith(" nodes, more than the 10000 allowed")
