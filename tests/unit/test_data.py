@@ -546,10 +546,10 @@ def _returns_within(seconds: float, call):
     return outcome["value"]
 
 
-@pytest.mark.heavy  # the renderer's start, a render stopped at 2 s, a gigabyte refused
+@pytest.mark.heavy  # the renderer's start, a render cut off at 2 s, a gigabyte refused
 def test_a_chat_template_renders_within_a_time_and_a_size_limit(tmp_path, monkeypatch):
     """A template comes with the model's files: one that loops for hours, or builds a 10 GB string, or a prompt of
-    millions of characters, is stopped in one line; the next render, with a fresh renderer, is the template's own."""
+    millions of characters, is refused in one line; the next render, with a fresh renderer, is the template's own."""
     from rlpipe.data import chat_render
 
     monkeypatch.setattr(chat_render, "RENDER_TIMEOUT_S", 2.0)
