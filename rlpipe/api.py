@@ -21,11 +21,14 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from rlpipe.config import Config, ConfigError, first_line, load_yaml
 from rlpipe.config.coerce import OverrideText, build
 from rlpipe.config.loading import _set_path, find_recipe, recipes_dir
+
+if TYPE_CHECKING:
+    from rlpipe.run.progress import RunProgress
 
 RecipeLike = Union[str, os.PathLike, Mapping[str, Any], Config, None]
 RewardFunc = Union[Callable[..., Any], str]
@@ -94,10 +97,13 @@ def train(
     return after_run(cfg, train_with_restarts(cfg, resume, auto_resume))
 
 
-def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> dict:
+def train_with_restarts(
+    cfg: Config, resume: str | None, auto_resume: bool, progress: RunProgress | None = None
+) -> dict:
     """`rlpipe train` and `rlpipe.train`; with `auto_resume`, a run that loses a worker for good starts again from its
     latest checkpoint (from the beginning when it has none: the run directory then holds only what this run wrote).
-    Raises WorkerLost when it gives up."""
+    Raises WorkerLost when it gives up. `progress`, where given, holds the step reached and the newest checkpoint
+    when it returns or raises."""
     import ray
 
     from rlpipe.actors.calls import WorkerLost
@@ -105,11 +111,13 @@ def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> d
     from rlpipe.training import checkpoint
     from rlpipe.training.checkpoint import CheckpointError
     from rlpipe.run.controller import train
+    from rlpipe.run.progress import RunProgress, steps_in_words
 
+    progress = RunProgress() if progress is None else progress
     restarts = 0
     while True:
         try:
-            return train(cfg, resume)
+            return train(cfg, resume, progress)
         except (WorkerLost, ray.exceptions.RayActorError, PlacementTimeout) as err:
             if isinstance(err, PlacementTimeout) and not restarts:
                 raise  # at the run's start: the cluster never had the room this configuration asks for
@@ -122,8 +130,10 @@ def train_with_restarts(cfg: Config, resume: str | None, auto_resume: bool) -> d
             except CheckpointError:
                 resume, where = None, "the beginning (no checkpoint yet)"
                 cfg.run.overwrite = True
-            print(f"rlpipe: {first}; restarting from {where} (auto-resume {restarts} of {cfg.train.max_auto_resumes})",
-                  file=sys.stderr)
+            lost = progress.lost_steps()
+            again = f": {steps_in_words(*lost)} run again" if lost else ""
+            print(f"rlpipe: {first}; restarting from {where}{again} (auto-resume {restarts} of "
+                  f"{cfg.train.max_auto_resumes})", file=sys.stderr)
 
 
 def reward_specs(funcs: RewardFunc | Sequence[RewardFunc], weights: Sequence[float] | None = None) -> list[dict]:

@@ -26,6 +26,7 @@ from rlpipe.reporting.logs import LOG_FILE, LogSetup, driver_logging
 from rlpipe.reporting.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
 from rlpipe.reporting.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
+from rlpipe.run.progress import RunProgress, holds_steps
 from rlpipe.reporting.trackers import check_trackers_installed, open_trackers
 from rlpipe.types import Group, LoopRoles, TrainBatch
 from rlpipe.weightsync.form import Kind, weight_form
@@ -35,17 +36,24 @@ from rlpipe.rewards.contract import EPISODE_COLUMNS
 logger = logging.getLogger(__name__)
 
 
-def train(cfg: Config, resume: str | None = None) -> dict:
+def train(cfg: Config, resume: str | None = None, progress: RunProgress | None = None) -> dict:
     """Run GRPO as configured (from a checkpoint with `resume`: a path, or "latest" of this run); returns the
     summary also written to <run_dir>/summary.json. The terminal shows rlpipe's own lines and every process's
-    warnings; their INFO goes to <run_dir>/logs/run.log (rlpipe/reporting/logs.py)."""
+    warnings; their INFO goes to <run_dir>/logs/run.log (rlpipe/reporting/logs.py). `progress`, where given, is kept
+    up to date with the step reached and the newest checkpoint, for the caller to report a run that stops."""
+    progress = RunProgress() if progress is None else progress
     run = prepare(cfg, resume)
+    progress.begin(run.dir, cfg.train.steps, run.resumed_from, run.first_step - 1)
     logs = LogSetup(str(run.dir / LOG_FILE), verbose=cfg.run.verbose)
     with driver_logging(logs):
-        return _train(cfg, run, logs)
+        try:
+            return _train(cfg, run, logs, progress)
+        except BaseException:  # the terminal gets one line from the caller; the traceback is kept in run.log
+            logger.info("%s", progress.where(), exc_info=True)
+            raise
 
 
-def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
+def _train(cfg: Config, run: Run, logs: LogSetup, progress: RunProgress) -> dict:
     from rlpipe.actors.cluster import start_ray
     from rlpipe.actors.roles import Roles
 
@@ -128,10 +136,12 @@ def _train(cfg: Config, run: Run, logs: LogSetup) -> dict:
                 with log.activity(f"{doing} evaluating the held-out set"):
                     metrics.update(evaluate(roles, run, cfg, step, summary, note=False))
             log.log(step, {**metrics, "policy_version": float(roles.policy_version)})
+            progress.step = step
             log.log_samples(step, groups)
             if step == cfg.train.steps or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
                 with log.activity(f"{doing} saving a checkpoint"):
                     saved = save_checkpoint(run, roles, step, cfg, summary, ahead.sampler_state())
+                progress.saved(saved, step)
                 log.note(f"checkpoint saved: {saved}")
         if not any(point["step"] == cfg.train.steps for point in summary["eval"]):  # no step ran in this call
             with log.activity("held-out evaluation after training"):
@@ -166,6 +176,7 @@ class Run:
     reward_columns: list[str]  # the dataset's columns reward functions are called with
     first_step: int = 1
     resume: dict | None = None  # for Roles: the checkpoint's learner state and the ranks' RNG states
+    resumed_from: Path | None = None  # the checkpoint the run continues from
     summary: dict | None = None  # a resumed run's summary so far (its held-out evaluations)
     created_dir: bool = False  # the run directory did not exist before this run
 
@@ -263,6 +274,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
         checkpoint.set_rng_state(state["rng"])
         run.first_step, run.summary = state["step"] + 1, dict(state["summary"])
         run.resume = {"learner": str(source / checkpoint.LEARNER_STATE), "rng": state["learner_rng"]}
+        run.resumed_from = source
     return run
 
 
@@ -340,7 +352,7 @@ def summarize_evaluations(run: Run, summary: dict, last_step: int) -> None:
 
 def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
     run_dir = cfg.run_dir
-    if (run_dir / "metrics.jsonl").exists() and not resuming:
+    if holds_steps(run_dir) and not resuming:
         if not cfg.run.overwrite:
             raise ConfigError(f"run.name: {run_dir} already holds a run (choose another run.name or set run.overwrite=true)")
         shutil.rmtree(run_dir)

@@ -222,7 +222,7 @@ def test_an_auto_resumed_run_waits_for_a_lost_host_but_a_new_run_that_cannot_be_
     no_room = PlacementTimeout("placement.rollout: the cluster cannot place 1 bundle(s) within 1 s")
     outcomes = []
 
-    def train(cfg, resume):
+    def train(cfg, resume, progress):
         outcome = outcomes.pop(0)
         if isinstance(outcome, Exception):
             raise outcome
@@ -240,3 +240,36 @@ def test_an_auto_resumed_run_waits_for_a_lost_host_but_a_new_run_that_cannot_be_
     outcomes[:] = [WorkerLost("lost"), no_room, no_room, no_room]
     with pytest.raises(WorkerLost, match="cannot place"):  # given up after max_auto_resumes attempts
         train_with_restarts(cfg, None, auto_resume=True)
+
+
+def test_an_automatic_restart_says_which_steps_run_again(tmp_path, monkeypatch, capsys):
+    import rlpipe.run.controller
+    from rlpipe.actors.calls import WorkerLost
+    from rlpipe.api import train_with_restarts
+    from rlpipe.config import load_config
+    from rlpipe.run.progress import RunProgress
+
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=x", "train.steps=10"])
+    saved = cfg.run_dir / "checkpoints" / "step_000001"
+    (saved / "learner").mkdir(parents=True)
+    (saved / "learner" / ".metadata").write_bytes(b"")
+    (saved / "trainer.json").write_text('{"format": 1}')
+    (saved.parent / "latest").write_text("step_000001\n")
+    attempts = []
+
+    def train(cfg, resume, progress=None):  # the first attempt checkpoints step 1 and loses its learner at step 3
+        attempts.append(resume)
+        if len(attempts) > 1:
+            return {}
+        progress = RunProgress() if progress is None else progress
+        progress.begin(cfg.run_dir, cfg.train.steps)
+        progress.step = 3
+        progress.saved(saved, 1)
+        raise WorkerLost("learner rank 0 died")
+
+    monkeypatch.setattr(rlpipe.run.controller, "train", train)
+    assert train_with_restarts(cfg, None, auto_resume=True, progress=RunProgress()) == {}
+    assert attempts == [None, "latest"]
+    assert capsys.readouterr().err.splitlines() == [
+        "rlpipe: learner rank 0 died; restarting from step_000001: steps 2-3 run again (auto-resume 1 of 3)"
+    ]
