@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import ray
 from ray._private import ray_constants
@@ -51,6 +55,24 @@ def start_ray(cfg: Config) -> None:
     """Join `ray.address`, or start a private local cluster bound to loopback."""
     if ray.is_initialized():
         return
+    with keeping_sigterm_handler():
+        _init_ray(cfg)
+
+
+@contextmanager
+def keeping_sigterm_handler() -> Iterator[None]:
+    """Put back the SIGTERM handler the caller installed (`rlpipe train`'s, which ends the run as Ctrl-C does) once
+    `ray.init` is done: it installs handlers of its own, the last of them its core worker's, which aborts the
+    process where it stands. Without a handler of the caller's, Ray's stays."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init_ray(cfg: Config) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=True, runtime_env=job_runtime_env(cfg))
         return

@@ -32,3 +32,25 @@ def test_the_local_cluster_binds_loopback_and_leaves_token_authentication_to_ray
     assert kwargs["address"] == "local" and kwargs["_node_ip_address"] == kwargs["dashboard_host"] == "127.0.0.1"
     warned = [r.getMessage() for r in caplog.records if "RAY_AUTH_MODE" in r.getMessage()]
     assert warned == ([] if auth_mode is None else ["RAY_AUTH_MODE=disabled: the local Ray cluster runs without token authentication"])
+
+
+@pytest.mark.parametrize("callers", ["rlpipe train's", "none"])
+def test_a_sigterm_handler_the_caller_installed_outlives_ray_init(monkeypatch, callers):
+    # ray.init installs SIGTERM handlers of its own, the last its core worker's, which aborts the process: `rlpipe
+    # train`'s handler, which ends the run as Ctrl-C does, must be the one in force once the cluster is joined.
+    import signal
+
+    def rays(signum, frame):
+        pass
+
+    def rlpipe_trains(signum, frame):
+        pass
+
+    monkeypatch.setattr(rlpipe.actors.cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(rlpipe.actors.cluster.ray, "init", lambda **kwargs: signal.signal(signal.SIGTERM, rays))
+    before = signal.signal(signal.SIGTERM, rlpipe_trains if callers != "none" else signal.SIG_DFL)
+    try:
+        rlpipe.actors.cluster.start_ray(load_config(None, ["ray.address=127.0.0.1:6379"]))
+        assert signal.getsignal(signal.SIGTERM) is (rlpipe_trains if callers != "none" else rays)
+    finally:
+        signal.signal(signal.SIGTERM, before)
