@@ -6,14 +6,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import shlex
+import signal
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlpipe.rewards import RewardConfigError, RewardFailure
 from rlpipe.training.checkpoint import CheckpointError
 from rlpipe.api import add_reward_search_path, train_with_restarts
 from rlpipe.config import Config, ConfigError, help_text, load_config, recipes_dir
+
+if TYPE_CHECKING:
+    from rlpipe.run.progress import RunProgress
 
 DEFAULT_RECIPE = recipes_dir() / "default.yaml"
 
@@ -491,14 +497,12 @@ def _run_recipe(args, parser) -> int:
     except CheckpointError as err:
         print(f"rlpipe: {err}", file=sys.stderr)
         return 2
-    except RewardFailure as err:  # mid-run: the checkpoints written so far stay
-        print(f"rlpipe: {err}", file=sys.stderr)
-        return 1
 
 
 def _train(cfg: Config, args) -> int:
     from rlpipe.actors.calls import WorkerLost
     from rlpipe.run.hub_push import HubPushError, after_run, check_can_push
+    from rlpipe.run.progress import RunProgress
     from rlpipe.weightsync import NonFiniteWeights
 
     try:
@@ -507,14 +511,86 @@ def _train(cfg: Config, args) -> int:
     except HubPushError as err:
         print(f"rlpipe: config error: {err}", file=sys.stderr)
         return 2
+    progress = RunProgress()
+    # A run that stops mid-way says in one line where, what it lost since its last checkpoint (the checkpoints
+    # written stay) and the command that continues it; the traceback is in its run.log.
     try:
-        after_run(cfg, train_with_restarts(cfg, args.resume, args.auto_resume))
-    # mid-run: the checkpoints written so far stay. Diverged weights are not a lost worker: a restart from the
-    # last checkpoint would take the same steps again.
-    except (WorkerLost, NonFiniteWeights, HubPushError) as err:
+        with _sigterm_as_interrupt():
+            summary = train_with_restarts(cfg, args.resume, args.auto_resume, progress)
+            after_run(cfg, summary)
+    except KeyboardInterrupt as err:
+        reason, status = _interruption(err)
+        print(_stop_line(reason, progress, args), file=sys.stderr)
+        return status
+    except WorkerLost as err:
+        print(_stop_line(str(err), progress, args), file=sys.stderr)
+        return 1
+    except RewardFailure as err:
+        print(_stop_line(str(err), progress, args, when=" once the function is fixed"), file=sys.stderr)
+        return 1
+    except NonFiniteWeights as err:  # not a lost worker: a restart from the last checkpoint would diverge again
+        print(_stop_line(str(err), progress, args, when=" with a change that keeps it from diverging"),
+              file=sys.stderr)
+        return 1
+    except CheckpointError as err:
+        if progress.run_dir is None:  # the checkpoint to resume from, refused before the run started
+            raise
+        print(_stop_line(str(err), progress, args), file=sys.stderr)  # a save that failed: a full disk
+        return 2
+    except HubPushError as err:  # after the run: its checkpoints and export are complete
         print(f"rlpipe: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread where Ctrl-C raises KeyboardInterrupt: the run stops the same way."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (`kill`, a job scheduler, `ray job stop`) ends the run as Ctrl-C does: roles shut down, one line."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _interruption(err: KeyboardInterrupt) -> tuple[str, int]:
+    """What stopped the run, and the exit status shells give a process that signal ended (128 + its number)."""
+    if isinstance(err, Terminated):
+        return "terminated (SIGTERM)", 128 + signal.SIGTERM
+    return "interrupted (Ctrl-C)", 128 + signal.SIGINT
+
+
+def _stop_line(reason: str, progress: RunProgress, args, when: str = "") -> str:
+    """The one line of a run that stopped: why, the step it reached, its last checkpoint, the steps lost since, and
+    the command that continues it (`when`: what to do before)."""
+    if progress.run_dir is None:
+        return f"rlpipe: {reason}; {progress.where()}"
+    return f"rlpipe: {reason}; {progress.where()}; {_continue_command(progress, args, when)}"
+
+
+def _continue_command(progress: RunProgress, args, when: str) -> str:
+    """The command line that continues the run, as its own was typed (recipe, overrides, options): with `--resume`
+    (the run's latest checkpoint, or the path of another run's it branched off and has not saved past), or without a
+    checkpoint the same command again."""
+    words = ["rlpipe", "train", *([args.recipe] if args.recipe else []), *args.overrides]
+    if args.address:
+        words += ["--address", args.address]
+    words += [flag for flag, given in (("--verbose", args.verbose), ("--auto-resume", args.auto_resume)) if given]
+    if progress.own_checkpoint():
+        return f"resume{when}: {shlex.join([*words, '--resume'])}"
+    if progress.checkpoint is not None:
+        return f"resume{when}: {shlex.join([*words, '--resume', str(progress.checkpoint)])}"
+    if progress.must_overwrite() and "run.overwrite=true" not in words:  # its logged steps would refuse a new run
+        words.append("run.overwrite=true")
+    return f"start again{when}: {shlex.join(words)}"
 
 
 COMMANDS = {"submit": _submit, "plot": _plot, "export": lambda args, parser: _export(args), "eval": _eval,

@@ -216,7 +216,8 @@ def test_train_takes_overrides_before_and_after_resume(argv, tmp_path, monkeypat
     recipe = tmp_path / "r.yaml"
     recipe.write_text("run: {name: mine}\ntrain: {steps: 5}\n")
     calls = []
-    monkeypatch.setattr(rlpipe.cli, "train_with_restarts", lambda cfg, resume, auto: calls.append((cfg, resume)))
+    monkeypatch.setattr(rlpipe.cli, "train_with_restarts",
+                        lambda cfg, resume, auto, progress: calls.append((cfg, resume)))
     assert main(["train", *[str(recipe) if a == "RECIPE" else a for a in argv]]) == 0
     ((cfg, resume),) = calls
     assert (cfg.run.name, cfg.train.steps, cfg.rollout.group_size, resume) == ("mine", 3, 4, "latest")
@@ -240,3 +241,142 @@ def test_rehearse_refuses_a_recipe_that_trains_on_no_tpu(capsys, monkeypatch):
     monkeypatch.setattr(rehearse, "missing_tpu_packages", lambda: [])
     assert main(["rehearse"]) == 2
     _one_error_line(capsys, "placement.learner.tpu", "names no TPU slice")
+
+
+def _stopping_run(error: BaseException, steps: int, saved_at: int | None = None, resumed_from: str | None = None):
+    """Stands in for train_with_restarts: records `steps` steps (a checkpoint at `saved_at`) as the controller would,
+    then stops with `error`."""
+    from rlpipe.run.progress import RunProgress
+    from rlpipe.training.checkpoint import CHECKPOINTS, step_name
+
+    def run(cfg, resume, auto_resume, progress=None):
+        progress = RunProgress() if progress is None else progress
+        start = int(Path(resume).name.removeprefix("step_")) if resumed_from else 0
+        progress.begin(cfg.run_dir, cfg.train.steps, Path(resume) if resumed_from else None, start)
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / "metrics.jsonl").write_text("")
+        for step in range(start + 1, start + steps + 1):
+            progress.step = step
+            if step == saved_at:
+                progress.saved(cfg.run_dir / CHECKPOINTS / step_name(step), step)
+        raise error
+
+    return run
+
+
+def _train_until_it_stops(argv: list[str]) -> int:
+    """`main(argv)`; a KeyboardInterrupt that escapes it fails the test instead of ending pytest."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped `rlpipe train`")
+
+
+def _stop_cases():
+    from rlpipe.actors.calls import WorkerLost
+    from rlpipe.rewards import RewardFailure
+    from rlpipe.weightsync import NonFiniteWeights
+
+    return [
+        (KeyboardInterrupt(), 130, "interrupted (Ctrl-C)", "resume"),
+        (WorkerLost("learner rank 0 died"), 1, "learner rank 0 died", "resume"),
+        (RewardFailure("reward function f failed on more than 50% of the samples"), 1,
+         "reward function f failed on more than 50% of the samples", "resume once the function is fixed"),
+        (NonFiniteWeights("weights hold NaN"), 1, "weights hold NaN",
+         "resume with a change that keeps it from diverging"),
+    ]
+
+
+@pytest.mark.parametrize("error, status, reason, resume", _stop_cases(),
+                         ids=["ctrl-c", "worker-lost", "reward-failure", "diverged"])
+def test_a_run_that_stops_says_in_one_line_where_what_it_lost_and_the_command_that_resumes_it(
+    error, status, reason, resume, tmp_path, monkeypatch, capsys
+):
+    import rlpipe.cli
+
+    monkeypatch.setattr(rlpipe.cli, "train_with_restarts", _stopping_run(error, steps=7, saved_at=5))
+    overrides = [f"run.output_dir={tmp_path}", "run.name=x", "train.steps=20", "data.system_prompt=Be brief."]
+    assert _train_until_it_stops(["train", *overrides, "--auto-resume"]) == status
+    captured = capsys.readouterr()
+    checkpoint = tmp_path / "x" / "checkpoints" / "step_000005"
+    command = f"rlpipe train run.output_dir={tmp_path} run.name=x train.steps=20 'data.system_prompt=Be brief.'"
+    assert captured.err.splitlines() == [
+        f"rlpipe: {reason}; stopped after step 7 of 20; last checkpoint: step 5 ({checkpoint}): steps 6-7 are lost; "
+        f"{resume}: {command} --auto-resume --resume"
+    ]
+    assert captured.out == ""
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_with_exit_status_143(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+    import time
+
+    import rlpipe.cli
+
+    class NotHandledByRlpipe(Exception):
+        pass
+
+    def outside(signum, frame):  # this test's own handler: what SIGTERM meets where rlpipe installs none
+        raise NotHandledByRlpipe()
+
+    def signalled(cfg, resume, auto_resume, progress=None):
+        if progress is not None:
+            progress.begin(cfg.run_dir, cfg.train.steps)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises in the main thread before this ends
+
+    monkeypatch.setattr(rlpipe.cli, "train_with_restarts", signalled)
+    previous = signal.signal(signal.SIGTERM, outside)
+    try:
+        assert _train_until_it_stops(["train", f"run.output_dir={tmp_path}", "run.name=x"]) == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is outside  # the process's own handler is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert capsys.readouterr().err.splitlines() == [
+        f"rlpipe: terminated (SIGTERM); stopped before step 1; no checkpoint yet; start again: rlpipe train "
+        f"run.output_dir={tmp_path} run.name=x"
+    ]
+
+
+def test_a_stopped_run_without_a_checkpoint_starts_again_over_its_steps(tmp_path, monkeypatch, capsys):
+    import rlpipe.cli
+
+    monkeypatch.setattr(rlpipe.cli, "train_with_restarts", _stopping_run(KeyboardInterrupt(), steps=3))
+    assert _train_until_it_stops(["train", f"run.output_dir={tmp_path}", "run.name=x", "train.steps=20"]) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        f"rlpipe: interrupted (Ctrl-C); stopped after step 3 of 20; no checkpoint yet: steps 1-3 are lost; start "
+        f"again: rlpipe train run.output_dir={tmp_path} run.name=x train.steps=20 run.overwrite=true"
+    ]
+
+
+def test_a_branch_stopped_before_its_own_checkpoint_resumes_from_the_one_it_branched_off(
+    tmp_path, monkeypatch, capsys
+):
+    import rlpipe.cli
+
+    source = tmp_path / "x" / "checkpoints" / "step_000004"
+    argv = ["train", f"run.output_dir={tmp_path}", "run.name=y", "train.steps=20", "--resume", str(source)]
+    monkeypatch.setattr(rlpipe.cli, "train_with_restarts",
+                        _stopping_run(KeyboardInterrupt(), steps=1, resumed_from=str(source)))
+    assert _train_until_it_stops(argv) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        f"rlpipe: interrupted (Ctrl-C); stopped after step 5 of 20; last checkpoint: step 4 ({source}): step 5 is "
+        f"lost; resume: rlpipe train run.output_dir={tmp_path} run.name=y train.steps=20 --resume {source}"
+    ]
+    # Once it saved a checkpoint of its own, its latest is where it resumes.
+    monkeypatch.setattr(rlpipe.cli, "train_with_restarts",
+                        _stopping_run(KeyboardInterrupt(), steps=2, saved_at=6, resumed_from=str(source)))
+    assert _train_until_it_stops(argv) == 130
+    assert capsys.readouterr().err.endswith("run.name=y train.steps=20 --resume\n")
+
+
+def test_a_run_interrupted_before_it_started_says_so(monkeypatch, capsys):
+    import rlpipe.cli
+
+    def interrupted(cfg, resume, auto_resume, progress=None):  # while the inputs are checked: no run directory yet
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rlpipe.cli, "train_with_restarts", interrupted)
+    assert _train_until_it_stops(["train", "run.name=x"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["rlpipe: interrupted (Ctrl-C); stopped before the run started"]
