@@ -147,9 +147,7 @@ def test_every_episode_of_hostile_turns_ends_within_its_limits(tokenizer):
     episodes = [Episode([100 + number, 7, 8, 9], dict(TOOLS)) for number in range(60)]
     scripts = {episode.prompt_ids[0]: [_hostile_turn(rng) for _ in range(LIMITS.max_turns)] for episode in episodes}
     CALLS_RUN.clear()
-    started = time.monotonic()
     run_episodes(episodes, _scripted_engine(tokenizer, scripts, rng), tokenizer, LIMITS, threads=ToolThreads())
-    assert time.monotonic() - started < 20
 
     for episode in episodes:
         assert episode.finish_reason in ("stop", "length")

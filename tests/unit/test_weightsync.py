@@ -595,8 +595,8 @@ def _plant_library(path, marker) -> None:
 
 def _hashes_as_numpy() -> None:
     source = np.arange(4096, dtype=np.uint8)
-    sums, bad = native.copy_hash()(source, None, 0, 0, 7, 0)  # width 0: no check for NaN
-    assert (sums, bad) == (codec.word_sums(source, 7, 0), False)
+    sums, bad = native.copy_hash()(source, None, 0, 0, 7, 11, 0)  # width 0: no check for NaN
+    assert (sums, bad) == (codec.word_sums(source, 7, 11, 0), False)
 
 
 def test_the_cache_holds_the_library_for_this_user_alone_whatever_the_umask(private_cache):
