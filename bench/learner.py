@@ -298,7 +298,7 @@ def _time_xla(model_path: str, shape: LearnerBenchShape, devices: int):
 
     learner = Learner.from_config(model_path, _bench_config(model_path, shape, devices, True, "xla"))
     seconds, warmup = _timed_steps(learner, _batch(shape), shape.steps)
-    step = learner.graph_step
+    step = learner.engine.ready()
     from rlpipe.kernels._xla import xla_kernel_routes
 
     kernels = learner.engine.kernels

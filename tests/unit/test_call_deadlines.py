@@ -401,7 +401,7 @@ def test_a_sync_that_keeps_failing_ends_rlpipe_train_in_one_line_and_auto_resume
     hung = CallTimeout("a learner rank", "train_step", 3600, "learner.call_timeout_s")
     outcomes: list = []
 
-    def train(cfg, resume):
+    def train(cfg, resume, progress=None):
         outcome = outcomes.pop(0)
         if isinstance(outcome, BaseException):
             raise outcome
@@ -411,7 +411,8 @@ def test_a_sync_that_keeps_failing_ends_rlpipe_train_in_one_line_and_auto_resume
     args = ["train", f"run.output_dir={tmp_path}", "train.max_auto_resumes=2"]
     outcomes[:] = [failed]
     assert main(args) == 1
-    assert capsys.readouterr().err.splitlines() == [f"rlpipe: {failed}"]  # no traceback, nothing after it
+    # No traceback, nothing after the one line; the stand-in run stopped before preparing its directory.
+    assert capsys.readouterr().err.splitlines() == [f"rlpipe: {failed}; stopped before the run started"]
     outcomes[:] = [failed, hung, {"done": True}]
     assert main([*args, "--auto-resume"]) == 0
     lines = capsys.readouterr().err.splitlines()

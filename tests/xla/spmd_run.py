@@ -45,13 +45,13 @@ def compare(model_path: str, devices: int, extra: tuple[str, ...]) -> None:
     print(json.dumps({
         **losses,
         "lora": bool(extra),
-        "trained": len(sharded.graph_step.params),
-        "moments": len(sharded.graph_step.optimizer.exp_avg),
+        "trained": len(sharded.engine.ready().params),
+        "moments": len(sharded.engine.ready().optimizer.exp_avg),
         "max_weight_difference": max(float((got[k] - v).abs().max()) for k, v in expected.items()),
         "parameter_sharding": xla_sharding(param),
-        "moment_sharding": xla_sharding(sharded.graph_step.optimizer.exp_avg[0]),
+        "moment_sharding": xla_sharding(sharded.engine.ready().optimizer.exp_avg[0]),
         "executions": spent.executions,
-        "graph_breaks": sharded.graph_step.graph_breaks,
+        "graph_breaks": sharded.engine.ready().graph_breaks,
     }))
 
 

@@ -87,7 +87,7 @@ def test_one_program_per_bucket_and_no_host_sync_inside_the_step(tiny_qwen3):
     # seen in an earlier test would be found in the cache and compile nothing here.
     overrides = ["learner.length_buckets=[24,40]", "rollout.max_model_len=40", "rollout.max_tokens=24"]
     learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *overrides))
-    step = learner.graph_step
+    step = learner.engine.ready()
     before = xla_counters()
     for seed in range(STEPS):
         learner.train_step(_batch(seed))  # all in the 24 bucket
@@ -102,7 +102,7 @@ def test_one_program_per_bucket_and_no_host_sync_inside_the_step(tiny_qwen3):
 
 def test_a_host_sync_inside_the_step_is_counted(tiny_qwen3):
     learner = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true"))
-    step = learner.graph_step
+    step = learner.engine.ready()
     original = step.loss_fn
 
     def loss_with_a_sync(model, micro):
@@ -128,7 +128,7 @@ def test_pallas_kernel_choices_stay_inside_the_xla_program(tiny_qwen3):
     default = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true"))
     chosen = Learner.from_config(tiny_qwen3, _config(tiny_qwen3, "learner.device=xla", "learner.graph=true", *pallas))
     assert _losses(chosen, batches) == pytest.approx(_losses(default, batches), abs=1e-6)
-    assert chosen.graph_step.graph_breaks == 0 and chosen.graph_step.xla_fallbacks == {}
+    assert chosen.engine.ready().graph_breaks == 0 and chosen.engine.ready().xla_fallbacks == {}
 
 
 
@@ -142,7 +142,7 @@ def test_checkpoint_round_trip_on_xla(tiny_qwen3, tmp_path):
     assert resumed.engine.optimizer_steps_taken == 1 and resumed.policy_version == 1
     # Same weights and AdamW moments: the next step is the same step.
     assert _losses(resumed, [_batch(1)]) == _losses(saved, [_batch(1)])
-    assert resumed.graph_step.graph_breaks == 0
+    assert resumed.engine.ready().graph_breaks == 0
 
 
 LORA = ("learner.lora.rank=2", "learner.lora.alpha=4")
@@ -166,7 +166,7 @@ def test_lora_on_xla_trains_the_adapters_as_the_cpu_eager_learner_does(tiny_qwen
     assert xla.reference is None and xla.engine.frozen == []
     adapters = {name: param for name, param in xla.model.named_parameters() if is_adapter_key(name)}
     start = {name: param.detach().cpu() for name, param in adapters.items()}
-    step = xla.graph_step
+    step = xla.engine.ready()
     assert {id(p) for p in step.params} == {id(p) for p in adapters.values()}
     assert len(step.optimizer.exp_avg) == len(step.optimizer.exp_avg_sq) == len(adapters)
     assert all(moment.device.type == "xla" for moment in step.optimizer.exp_avg)
