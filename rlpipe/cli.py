@@ -253,6 +253,12 @@ def _add_bench_e2e(benches) -> argparse.ArgumentParser:
     return e2e
 
 
+def _refused(err: Exception, status: int, what: str = "") -> int:
+    """One line on stderr for the error that ends the command (`what` before it), and the command's exit status."""
+    print(f"rlpipe: {what}{err}", file=sys.stderr)
+    return status
+
+
 def _version() -> str:
     try:
         return metadata.version("rlpipe")
@@ -300,14 +306,12 @@ def _export(args) -> int:
         write_model_card(folder, config, summary)
         print(f"exported to {folder}")
     except (CheckpointError, HubPushError) as err:
-        print(f"rlpipe: {err}", file=sys.stderr)
-        return 2
+        return _refused(err, 2)
     if args.push_to_hub:
         try:
             print(f"pushed to {push_folder(folder, args.push_to_hub, args.private)}")
         except HubPushError as err:
-            print(f"rlpipe: {err}", file=sys.stderr)
-            return 1
+            return _refused(err, 1)
     return 0
 
 
@@ -436,11 +440,9 @@ def _submit(args, parser) -> int:
         return submit(args.address, args.recipe, list(args.overrides), args.working_dir, args.env,
                       args.runtime_env, follow=not args.no_wait)
     except ConfigError as err:
-        print(f"rlpipe: config error: {err}", file=sys.stderr)
-        return 2
+        return _refused(err, 2, "config error: ")
     except SubmitError as err:
-        print(f"rlpipe: {err}", file=sys.stderr)
-        return 2
+        return _refused(err, 2)
 
 
 def _plot(args, parser) -> int:
@@ -449,8 +451,7 @@ def _plot(args, parser) -> int:
     try:
         written = plot_runs(args.run_dirs, args.out, SMOOTHING if args.smooth is None else args.smooth)
     except PlotError as err:
-        print(f"rlpipe: plot: {err}", file=sys.stderr)
-        return 2
+        return _refused(err, 2, "plot: ")
     print(f"curves written to {written}")
     return 0
 
@@ -461,14 +462,11 @@ def _eval(args, parser) -> int:
     try:
         return evaluate_saved_weights(args)
     except (ConfigError, RewardConfigError) as err:
-        print(f"rlpipe: config error: {err}", file=sys.stderr)
-        return 2
+        return _refused(err, 2, "config error: ")
     except CheckpointError as err:
-        print(f"rlpipe: eval: {err}", file=sys.stderr)
-        return 2
+        return _refused(err, 2, "eval: ")
     except WorkerLost as err:
-        print(f"rlpipe: {err}", file=sys.stderr)
-        return 1
+        return _refused(err, 1)
 
 
 def _run_recipe(args, parser) -> int:
@@ -492,11 +490,9 @@ def _run_recipe(args, parser) -> int:
             return 0 if result.ok else 1
         return _train(cfg, args)
     except (ConfigError, RewardConfigError) as err:
-        print(f"rlpipe: config error: {err}", file=sys.stderr)
-        return 2
+        return _refused(err, 2, "config error: ")
     except CheckpointError as err:
-        print(f"rlpipe: {err}", file=sys.stderr)
-        return 2
+        return _refused(err, 2)
 
 
 def _train(cfg: Config, args) -> int:
@@ -509,8 +505,7 @@ def _train(cfg: Config, args) -> int:
         if cfg.metrics.push_to_hub:
             check_can_push(cfg.metrics.push_to_hub, "metrics.push_to_hub")
     except HubPushError as err:
-        print(f"rlpipe: config error: {err}", file=sys.stderr)
-        return 2
+        return _refused(err, 2, "config error: ")
     progress = RunProgress()
     # A run that stops mid-way says in one line where, what it lost since its last checkpoint (the checkpoints
     # written stay) and the command that continues it; the traceback is in its run.log.
@@ -538,8 +533,7 @@ def _train(cfg: Config, args) -> int:
         print(_stop_line(str(err), progress, args), file=sys.stderr)  # a save that failed: a full disk
         return 2
     except HubPushError as err:  # after the run: its checkpoints and export are complete
-        print(f"rlpipe: {err}", file=sys.stderr)
-        return 1
+        return _refused(err, 1)
     return 0
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from rlpipe.bench.tiny_model import build_tokenizer
 from rlpipe.tools import Episode, EpisodeLimits, ToolThreads, Turn, calculator, run_episodes
+from tests.unit.test_tools import Unprintable, UnprintableError
 
 LIMITS = EpisodeLimits(max_turns=4, max_tokens=40, max_model_len=4000, tool_timeout_s=2.0, max_tool_calls_per_turn=8,
                        max_tool_time_s=0.5)
@@ -49,16 +50,6 @@ def nap(seconds: float) -> str:
     return "rested"
 
 
-class _Unwritable:
-    def __str__(self) -> str:
-        raise RuntimeError("no text")
-
-
-class _UnwritableError(Exception):
-    def __str__(self) -> str:
-        raise RuntimeError("no text")
-
-
 def odd(kind: str):
     """Answer with what cannot be written as text, or fail so.
 
@@ -67,7 +58,7 @@ def odd(kind: str):
     """
     CALLS_RUN.append("odd")
     if kind == "error":
-        raise _UnwritableError()
+        raise UnprintableError()
     if kind == "exit":
         raise SystemExit(kind)
     if kind == "integer":
@@ -77,7 +68,7 @@ def odd(kind: str):
         for _ in range(50_000):
             nested = [nested]
         return nested
-    return _Unwritable()
+    return Unprintable()
 
 
 TOOLS = {tool.__name__: tool for tool in (echo, nap, odd, calculator)}
