@@ -125,6 +125,27 @@ class _NotProgress(logging.Filter):
         return not record.name.startswith(PROGRESS_LOGGER)
 
 
+# `extra` of a record that belongs in the log file alone: what the driver reports in a line of its own (an engine's
+# death: the engine pool's line says which engine, why, and what the run does next).
+FILE_ONLY = {"rlpipe_file_only": True}
+
+
+class _NotFileOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "rlpipe_file_only", False)
+
+
+class FirstLine(logging.Formatter):
+    """A record's first line, without its traceback: an actor's error reaches the terminal as one line (a dying
+    engine's vLLM processes log dozens of traceback lines); the log file keeps the whole record."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        shown = logging.makeLogRecord(record.__dict__)
+        shown.msg, shown.args = record.getMessage().split("\n", 1)[0], None
+        shown.exc_info = shown.exc_text = shown.stack_info = None
+        return super().format(shown)
+
+
 class CurrentStderr(logging.StreamHandler):
     """A console handler writing to whatever sys.stderr is when a record comes (the live status line of
     rlpipe.reporting.metrics stands in for it while it shows)."""
@@ -150,7 +171,7 @@ def logging_config(setup: LogSetup) -> dict:
         "stream": "ext://sys.stderr",  # Ray forwards an actor's stderr to the driver's terminal
         "level": "INFO" if setup.verbose else "WARNING",
         "formatter": "console",
-        "filters": [] if setup.verbose else ["known_harmless"],
+        "filters": ["not_file_only"] + ([] if setup.verbose else ["known_harmless"]),
     }
     log_file = {
         "class": "logging.FileHandler",
@@ -164,9 +185,12 @@ def logging_config(setup: LogSetup) -> dict:
         "disable_existing_loggers": False,
         "filters": {
             "known_harmless": {"()": f"{__name__}.KnownHarmless", "tied_output_layer": setup.tied_output_layer},
+            "not_file_only": {"()": f"{__name__}._NotFileOnly"},
         },
         "formatters": {
-            "console": {"format": CONSOLE_FORMAT},
+            # --verbose shows whole records, tracebacks included
+            "console": {"format": CONSOLE_FORMAT} if setup.verbose else {"()": f"{__name__}.FirstLine",
+                                                                         "format": CONSOLE_FORMAT},
             "file": {"format": FILE_FORMAT.format(who=who)},
         },
         "handlers": {"console": console, "file": log_file},

@@ -87,6 +87,11 @@ def _run_worker(tmp_path, verbose: bool) -> tuple[str, str]:
         engine = logging.getLogger("vllm.v1.engine.core")
         engine.info("INFO from the engine")
         engine.error("ERROR from the engine")
+        try:
+            raise RuntimeError("the engine core died")
+        except RuntimeError:
+            engine.exception("EngineCore failed\\nsecond line")
+        logging.getLogger("rlpipe.rollout.engine").error("FILE-ONLY line", extra={{"rlpipe_file_only": True}})
         logging.getLogger("vllm.config.vllm").warning("Enforce eager set, disabling torch.compile, CUDAGraphs")
         logging.getLogger("transformers.configuration_utils").info("INFO from transformers")
         warnings.warn("a Python warning")
@@ -105,6 +110,10 @@ def test_an_actor_logs_info_to_the_file_and_warnings_to_stderr(tmp_path):
     assert "ERROR vllm.v1.engine.core: ERROR from the engine" in terminal
     assert "a Python warning" in terminal
     assert "INFO" not in terminal and "Enforce eager" not in terminal
+    # An error with a traceback is one line on the terminal; the log file has all of it.
+    assert "ERROR vllm.v1.engine.core: EngineCore failed\n" in terminal
+    assert "Traceback" not in terminal and "second line" not in terminal and "FILE-ONLY" not in terminal
+    assert "RuntimeError: the engine core died" in log and "second line" in log and "FILE-ONLY line" in log
     for line in ("rollout-0 INFO vllm.v1.engine.core: INFO from the engine", "rollout-0 ERROR vllm.v1.engine.core: ERROR",
                  "rollout-0 WARNING vllm.config.vllm: Enforce eager", "rollout-0 INFO transformers.configuration_utils",
                  "a Python warning"):
