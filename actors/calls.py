@@ -64,6 +64,12 @@ def settle(refs: list, timeout_s: float) -> None:
             pass
 
 
+def backoff_s(retry: int, first_s: float, max_s: float) -> float:
+    """The wait before retry number `retry` (1 for the first): `first_s`, doubling with each retry, at most `max_s`.
+    A cause that clears within seconds (a busy host, a slow disk) gets them; one that does not is not hammered."""
+    return min(first_s * 2.0 ** (retry - 1), max_s)
+
+
 def reason(err: BaseException) -> str:
     """One line saying why a call failed: for an error raised inside an actor, that error's own first line rather
     than Ray's header naming the task."""

@@ -10,7 +10,9 @@ learner ranks release the version's buffers. See docs/architecture.md.
 Every call of a sync has a deadline derived from `sync.timeout_s`. An attempt that fails (an error, or a deadline
 passed) asks every engine whether it still serves (`alive`, answered apart from the sync): one that is dead, does
 not answer or cannot serve is replaced and brought to the version; otherwise the attempt is repeated up to
-`sync.retries` times, and then the run stops as a lost worker (`rlpipe train --auto-resume` restarts it).
+`sync.retries` times, after a wait that doubles each time (`sync.retry_backoff_s`, at most
+`sync.retry_backoff_max_s`), and then the run stops as a lost worker (`rlpipe train --auto-resume` restarts it).
+Every repeated attempt is counted (`retries`, the run's `retries/sync` metric).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 
 import ray
 
-from rlpipe.actors.calls import CallTimeout, WorkerLost, get_all, reason, settle
+from rlpipe.actors.calls import CallTimeout, WorkerLost, backoff_s, get_all, reason, settle
 from rlpipe.actors.engine_pool import EnginePool
 from rlpipe.config import ConfigError, SyncConfig
 from rlpipe.types import Group
@@ -61,6 +63,8 @@ class SyncChannel:
         self.probe_tokens: list[int] = []
         self.rehearsal: dict[str, float] = {}
         self.vocab_size = 0  # the engines' vocabulary, from their layout
+        self.retries = 0  # attempts repeated so far, over every version
+        self.sleep = time.sleep  # the wait between attempts (tests hand in one that only records it)
 
     def open(self, learners: list, version: int) -> dict[str, float]:
         """Set the channel up between `learners` (the ranks, in order) and the pool's engines, the learner holding
@@ -244,8 +248,11 @@ class SyncChannel:
                     if failures > self.cfg.retries:
                         raise WorkerLost(f"weight sync v{version} failed {failures} times (sync.retries="
                                          f"{self.cfg.retries}), the last time: {reason(err)}") from err
-                    self.note(f"weight sync v{version} failed ({reason(err)}); trying again "
+                    wait_s = backoff_s(failures, self.cfg.retry_backoff_s, self.cfg.retry_backoff_max_s)
+                    self.note(f"weight sync v{version} failed ({reason(err)}); trying again in {wait_s:g} s "
                               f"({failures} of {self.cfg.retries})")
+                    self.sleep(wait_s)
+                self.retries += 1
                 if not rehearsal:
                     held = self._wait([self.pool.engines[index].held_version.remote() for index in targets],
                                       "a rollout engine", "held_version")

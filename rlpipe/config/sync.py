@@ -50,6 +50,10 @@ class SyncConfig:
         "check of an engine): one passing it fails the attempt, and an engine that does not answer is replaced",
     )
     retries: int = key(2, "a failed sync is tried again this many times, then the run stops as a lost worker")
+    retry_backoff_s: float = key(
+        1.0, "wait before a failed sync's first retry; each later retry waits twice as long, up to retry_backoff_max_s"
+    )
+    retry_backoff_max_s: float = key(30.0, "the longest wait between two attempts of a sync")
     lora: Literal["auto", "adapters", "merged"] = key(
         "auto",
         "with learner.lora, what a sync sends: adapters (the adapters alone; the engines load the base once and "
@@ -75,3 +79,6 @@ class SyncConfig:
         require(self.probe_tolerance is None or self.probe_tolerance > 0, "sync.probe_tolerance: must be > 0 or null")
         require(self.timeout_s > 0, "sync.timeout_s: must be > 0")
         require(self.retries >= 0, "sync.retries: must be >= 0")
+        require(self.retry_backoff_s >= 0, "sync.retry_backoff_s: must be >= 0")
+        require(self.retry_backoff_max_s >= self.retry_backoff_s,
+                "sync.retry_backoff_max_s: must be >= sync.retry_backoff_s")

@@ -117,6 +117,8 @@ def _channel(retries: int, engines: int = 2) -> tuple[SyncChannel, list[str]]:
     sync._wait = lambda refs, role, call, timeout_s=None: list(refs)  # held_version answers
     sync._learners_alive = lambda: True
     sync._join = lambda index: None
+    sync.retries, sync.waits = 0, []
+    sync.sleep = sync.waits.append  # the back-off, recorded instead of waited
     return sync, notes
 
 
@@ -140,8 +142,40 @@ def test_a_failed_sync_is_tried_again_then_stops_the_run_as_a_lost_worker():
     assert str(raised.value) == ("weight sync v3 failed 3 times (sync.retries=2), the last time: weight sync v3: "
                                  "after writing, the engine's probe logprobs differ from the learner's by 0.3")
     assert notes == [f"weight sync v3 failed (weight sync v3: after writing, the engine's probe logprobs differ from "
-                     f"the learner's by 0.3); trying again ({n} of 2)" for n in (1, 2)]
+                     f"the learner's by 0.3); trying again in {wait:g} s ({n} of 2)" for n, wait in ((1, 1), (2, 2))]
     assert "\n" not in str(raised.value)
+    assert sync.retries == 2
+
+
+def test_a_failed_syncs_retries_back_off_exponentially_up_to_the_cap_and_are_counted():
+    sync, notes = _channel(retries=5)
+    sync.cfg = SyncConfig(retries=5, retry_backoff_s=0.5, retry_backoff_max_s=3.0)
+
+    def fail(version, tokens, expected, rehearsal, targets):
+        raise _refused(version)
+
+    sync._transfer_to, sync.lost_engines = fail, lambda indexes: []
+    with pytest.raises(WorkerLost):
+        sync._transfer(2, PROBE)
+    assert sync.waits == [0.5, 1.0, 2.0, 3.0, 3.0] and sync.retries == 5
+    assert calls.backoff_s(1, 0.0, 30.0) == 0.0  # sync.retry_backoff_s: 0 retries at once
+
+
+def test_a_replaced_engine_counts_as_a_retry_without_a_back_off():
+    sync, notes = _channel(retries=0)
+    replaced = []
+    sync.pool.replace = lambda index, engine, err: replaced.append(index) or True
+    attempts = []
+
+    def lose_engine_once(version, tokens, expected, rehearsal, targets):
+        attempts.append(list(targets))
+        if len(attempts) == 1:
+            raise ray.exceptions.RayActorError()
+        return {"sync/bytes": 1.0}, [{"probe": []}], expected
+
+    sync._transfer_to, sync.lost_engines = lose_engine_once, lambda indexes: [1] if len(attempts) == 1 else []
+    sync._transfer(1, PROBE, rehearsal=True)
+    assert replaced == [1] and sync.retries == 1 and sync.waits == []
 
 
 def test_a_retried_sync_succeeds_and_only_engines_without_the_version_are_sent_it_again():
