@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 
 import ray
 
-from rlpipe.actors.calls import WorkerLost, get_all
+from rlpipe.actors.calls import WorkerLost, get_all, settle
 from rlpipe.actors.cluster import compute_env
 from rlpipe.actors.engine_pool import EnginePool, Generation
 from rlpipe.actors.learner import LearnerActor
@@ -45,6 +45,7 @@ class EngineRoles:
         self.rewarders: list = []
         self.pool: EnginePool | None = None
         self.rewards: RewardPool | None = None
+        self.regenerated = 0  # prompts generated again so far (an engine's death lost them, a sync aborted them)
 
     def _place(
         self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0,
@@ -100,6 +101,7 @@ class EngineRoles:
             self._admit(index)
         retry = [index for index, group in enumerate(completions) if not group]
         if retry:
+            self.regenerated += len(retry)
             again = self.generate([generation.prompts[i] for i in retry], generation.n, **generation.sampling)
             for index, group in zip(retry, again):
                 completions[index] = group.completions
@@ -119,6 +121,10 @@ class EngineRoles:
         return [*(self.pool.engines if self.pool is not None else []), *self.rewarders]
 
     def shutdown(self) -> None:
+        """End every actor. Engines are closed first, within rollout.close_timeout_s (vLLM's processes stop and their
+        shared memory goes; an engine killed without it leaves that to the next engine on its host to sweep)."""
+        if self.pool is not None and self.pool.engines:
+            settle([engine.close.remote() for engine in self.pool.engines], self.cfg.rollout.close_timeout_s)
         for handle in self._actors():
             ray.kill(handle)
         for placed in self.placements:
@@ -224,6 +230,11 @@ class Roles(EngineRoles):
     @property
     def engine_restarts(self) -> list[int]:
         return self.pool.restarts
+
+    @property
+    def retries(self) -> dict[str, float]:
+        """Work done again so far, per kind: prompts generated again, weight-sync attempts repeated."""
+        return {"retries/generate": float(self.regenerated), "retries/sync": float(self.sync.retries)}
 
     @property
     def policy_version(self) -> int:

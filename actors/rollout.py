@@ -4,6 +4,11 @@ Generation and weight sync run in separate concurrency groups (one thread each),
 arrive while the engine generates, and a sync requested mid-generation is handled per `sync.on_generation`. A third
 group answers the driver's liveness check while both are busy.
 
+An engine ends by `close` (the run's shutdown asks before it kills the actor): vLLM's processes stop and every file
+it and the engine made in /dev/shm goes. The engine notes the names of vLLM's files in a record of its own there
+(`rlpipe-engine-<pid>`), so that those of an engine killed before its close (a killed driver takes its engines with
+it) are removed by the next engine started on the host (`sweep_engine_files`).
+
 An engine that can no longer serve — its vLLM process or a worker process died, or a write was cut short by a
 BaseException — ends this actor's process: the driver then finds the actor dead and replaces it as any lost engine
 (actors/engine_pool.py), instead of waiting on a call vLLM will never answer.
@@ -11,6 +16,7 @@ BaseException — ends this actor's process: the driver then finds the actor dea
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -21,13 +27,16 @@ from dataclasses import replace
 import ray
 
 from rlpipe.config import KernelsConfig, RolloutConfig, SyncConfig
-from rlpipe.reporting.logs import LogSetup, configure_worker
+from rlpipe.reporting.logs import FILE_ONLY, LogSetup, configure_worker
 from rlpipe.hardware.tpu_env import keep_only_given_tpu_env
 from rlpipe.models.hf import read_hf_config
+from rlpipe.orphans import remove_orphans
 from rlpipe.rollout.engine import RolloutEngine, workers_in_process
 from rlpipe.types import Completion, Prompt
 from rlpipe.weightsync.form import FULL, WeightForm
 from rlpipe.weightsync import SyncPlan
+from rlpipe.weightsync.errors import SyncError
+from rlpipe.weightsync.ownership import SHM_DIR, check_own_file
 from rlpipe.weightsync.receiver import CommitResult
 
 logger = logging.getLogger("rlpipe.rollout.engine")
@@ -50,9 +59,73 @@ def engine_failure(llm) -> str | None:
     return None
 
 
+# vLLM's shared memory: its message queues' segments (Python's SharedMemory names them psm_<hex>) and the named
+# semaphores of its processes (multiprocessing's sem.mp-<random>). Neither name says which process made it.
+VLLM_FILE_PREFIXES = ("psm_", "sem.mp-")
+# The record of one engine's vLLM files, then the engine's process id.
+ENGINE_RECORD_PREFIX = "rlpipe-engine-"
+
+
+def shm_names(directory: str = SHM_DIR) -> set[str]:
+    try:
+        return set(os.listdir(directory))
+    except OSError:
+        return set()
+
+
+def _own(path: str) -> bool:
+    """Whether `path` is a file of the run's own kind (this user's, 0600), which the engine may remove."""
+    try:
+        check_own_file(os.lstat(path), path)
+    except (OSError, SyncError):
+        return False
+    return True
+
+
+def record_engine_files(before: set[str], directory: str = SHM_DIR) -> list[str]:
+    """Record the vLLM files that appeared in `directory` since `before` (listed just before the engine started) and
+    are this user's, as this process's (`rlpipe-engine-<pid>`, mode 0600); returns their names. A file another engine
+    of this user started at the same moment may be among them: removing its name leaves its users' mappings intact."""
+    names = sorted(name for name in shm_names(directory) - before
+                   if name.startswith(VLLM_FILE_PREFIXES) and _own(os.path.join(directory, name)))
+    path = os.path.join(directory, f"{ENGINE_RECORD_PREFIX}{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):  # a dead process's of the same id: its files were swept already
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as record:
+        record.write("".join(f"{name}\n" for name in names))
+    return names
+
+
+def remove_engine_files(record: str) -> None:
+    """Remove the files `record` (an engine's, see `record_engine_files`) names, then the record. Only the run's own
+    are touched: a record, or a file it names, that is not this user's 0600 file is left (OSError)."""
+    fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as file:
+        try:
+            check_own_file(os.fstat(file.fileno()), record)
+        except SyncError as err:
+            raise PermissionError(str(err)) from None
+        names = file.read(1 << 20).split()
+    directory = os.path.dirname(record)
+    for name in names:
+        path = os.path.join(directory, name)
+        if name.startswith(VLLM_FILE_PREFIXES) and "/" not in name and _own(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    os.unlink(record)
+
+
+def sweep_engine_files(directory: str = SHM_DIR) -> list[str]:
+    """Remove the vLLM files of this host's engines whose process is gone (killed before their close: with their
+    driver, by the OOM killer); returns the records swept."""
+    return remove_orphans(directory, ENGINE_RECORD_PREFIX, remove_engine_files)
+
+
 def end_process(why: str) -> None:
     """End this actor's process at once (no cleanup that could wait on the dead engine): the driver replaces it."""
-    logger.error("rollout engine: %s; this engine's actor exits so that it is replaced", why)
+    # The driver's line says it on the terminal (actors/engine_pool.py); this one is for the log file.
+    logger.error("rollout engine: %s; this engine's actor exits so that it is replaced", why, extra=FILE_ONLY)
     logging.shutdown()
     os._exit(1)
 
@@ -75,16 +148,32 @@ class RolloutActor:
             tied = bool(read_hf_config(model_path).get("tie_word_embeddings", False))
             configure_worker(replace(log, tied_output_layer=tied), vllm=True)
         progress_bars = log is None or log.verbose  # vLLM's bar for loading the weights
+        sweep_engine_files()  # what engines killed before their close left on this host
+        before = shm_names()
+        self._closing = False
         self.engine = RolloutEngine(
             model_path, cfg, seed, tokenizer_path, sync, kernels=kernels, progress_bars=progress_bars, form=form
         )
+        record_engine_files(before)
         if not workers_in_process(cfg):  # vLLM's processes may die under a live actor
             threading.Thread(target=self._watch, daemon=True, name="rlpipe-engine-watch").start()
 
     def _watch(self) -> None:
-        while (why := engine_failure(self.engine.llm)) is None:
+        while not self._closing:  # once closing, vLLM's processes end on purpose
+            if (why := engine_failure(self.engine.llm)) is not None:
+                end_process(why)
             time.sleep(_WATCH_INTERVAL_S)
-        end_process(why)
+
+    @ray.method(concurrency_group="watch")
+    def close(self) -> None:
+        """Stop the engine (vLLM's processes end) and remove every file it and vLLM made in /dev/shm, the record of
+        them included; answered even while a generation or a sync is busy (they fail: the run is ending)."""
+        self._closing = True
+        try:
+            self.engine.close()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                remove_engine_files(os.path.join(SHM_DIR, f"{ENGINE_RECORD_PREFIX}{os.getpid()}"))
 
     @ray.method(concurrency_group="watch")
     def alive(self) -> bool:

@@ -68,6 +68,9 @@ class RolloutConfig:
     generate_timeout_s: float = key(
         3600.0, "an engine that has not returned a step's completions within this is replaced like a dead one"
     )
+    close_timeout_s: float = key(
+        60.0, "at the run's end, how long each engine may take to stop and free its shared memory before it is killed"
+    )
     max_restarts: int = key(
         3, "an engine that dies is started again (current weights pushed, its prompts regenerated), this many times"
     )
@@ -136,6 +139,7 @@ class RolloutConfig:
         )
         require(self.max_restarts >= 0, "rollout.max_restarts: must be >= 0")
         require(self.generate_timeout_s > 0, "rollout.generate_timeout_s: must be > 0")
+        require(self.close_timeout_s >= 0, "rollout.close_timeout_s: must be >= 0")
         require(self.tensor_parallel >= 1, "rollout.tensor_parallel: must be >= 1")
         require(self.max_turns >= 1, "rollout.max_turns: must be >= 1")
         require(self.tool_timeout_s > 0, "rollout.tool_timeout_s: must be > 0")

@@ -132,6 +132,7 @@ def _train(cfg: Config, run: Run, logs: LogSetup, progress: RunProgress) -> dict
             metrics.update({f"reward/logged/{name}": value for name, value in scores.logged.items()})
             metrics.update(clock.metrics(generated_tokens=metrics["completion_tokens"]))
             metrics["rollout/restarts"] = float(sum(roles.engine_restarts))  # engines started again so far
+            metrics.update(roles.retries)  # work done again so far
             if evaluation.due(step, cfg):
                 with log.activity(f"{doing} evaluating the held-out set"):
                     metrics.update(evaluate(roles, run, cfg, step, summary, note=False))
