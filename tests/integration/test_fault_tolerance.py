@@ -165,6 +165,31 @@ def _vllm_process(actor_pid: int) -> int:
     raise AssertionError(f"no vLLM engine-core process under the engine actor {actor_pid}")
 
 
+def _shm_files_of(pid: int) -> set[str]:
+    """The /dev/shm files (not unlinked yet) that process `pid` and its descendants map, and the weight-sync and
+    engine files named after it (rlpipe-<pid>-..., rlpipe-engine-<pid>)."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            table[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
+            continue
+    tree, todo = set(), [pid]
+    while todo:
+        tree.add(current := todo.pop())
+        todo += [child for child, parent in table.items() if parent == current]
+    files = set()
+    for process in tree:
+        try:
+            maps = Path(f"/proc/{process}/maps").read_text()
+        except OSError:
+            continue
+        files |= {line.split(None, 5)[5] for line in maps.splitlines()
+                  if "/dev/shm/" in line and not line.endswith("(deleted)")}
+    return files | {str(path) for path in Path("/dev/shm").glob(f"rlpipe-*{pid}*")
+                    if path.name.startswith((f"rlpipe-{pid}-", f"rlpipe-engine-{pid}"))}
+
+
 def _kill_when_committing(actor_pid: int, victim: int, killed: list[bool]) -> None:
     """SIGKILL `victim` once the engine actor runs its commit (the write, then the probe)."""
     deadline = time.monotonic() + 120
@@ -198,6 +223,8 @@ def test_an_engine_whose_vllm_process_dies_mid_write_is_replaced_and_the_sync_co
         prompts = _prompts(500, count=2)
         groups = roles.generate(prompts, GROUP_SIZE)
         actor_pid = _pid(roles.pool.engines[0])
+        shared = set().union(*(_shm_files_of(_pid(engine)) for engine in roles.pool.engines))
+        assert any("/psm_" in path for path in shared), f"the engine maps no vLLM segment: {sorted(shared)}"
         killed: list[bool] = []
         killer = threading.Thread(target=_kill_when_committing,
                                   args=(actor_pid, _vllm_process(actor_pid), killed), daemon=True)
@@ -212,8 +239,12 @@ def test_an_engine_whose_vllm_process_dies_mid_write_is_replaced_and_the_sync_co
         _engine_matches_learner(roles, 0)
         prompts = _prompts(600, count=2)
         _check_groups(roles.generate(prompts, GROUP_SIZE), prompts, version=1)
+        shared |= _shm_files_of(_pid(roles.pool.engines[0]))  # the engine started in the dead one's place
     finally:
         roles.shutdown()
+    # The dead engine's vLLM files went when its replacement started (its record names them); the others', and the
+    # replacement's, when the roles shut down: /dev/shm holds none of them.
+    assert not [path for path in shared if Path(path).exists()]
 
 
 def _latest_step(run_dir) -> int:
