@@ -29,8 +29,8 @@ class SyncConfig:
     probe_tolerance: float | None = key(
         None,
         "allowed |engine - learner| logprob on the probe after a sync, else it is rolled back: the max over tokens "
-        "for a float32 rollout, the mean for bf16 (its kernels differ from the float32 learner on every token); "
-        "null: 1e-4 (float32) or 0.15 (bf16)",
+        "for a float32 rollout, the mean for bf16 (its kernels differ from the float32 learner on every token; "
+        "there no one token may be off by more than 10x it either); null: 1e-4 (float32) or 0.15 (bf16)",
     )
     probe: Literal["auto", "replay", "decode"] = key(
         "auto",

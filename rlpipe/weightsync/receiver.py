@@ -16,7 +16,7 @@ import torch
 from rlpipe.config import first_line
 from rlpipe.weightsync.errors import SyncError
 from rlpipe.weightsync.layout import SyncPlan
-from rlpipe.weightsync.probe import DecodedProbe, probe_gaps
+from rlpipe.weightsync.probe import MEAN_PROBE_MAX_FACTOR, DecodedProbe, probe_gaps
 from rlpipe.weightsync.staging import Staging
 from rlpipe.weightsync.transport import Transport
 
@@ -60,14 +60,18 @@ class WeightReceiver:
     engine cannot replay a sequence. `initial_weights()` loads version 0, what the engine started with, for rolling
     the first version back. `paused()` is a context during which the engine generates nothing: the write, the
     probe and a rollback run inside it. The probe passes when the gap to the learner's, its maximum over tokens
-    (`exact`) or its mean, is at most `tolerance`. Without `keep_previous` no copy is kept to roll back to, and a
+    (`exact`) or its mean, is at most `tolerance`; with the mean, no one token's gap may exceed
+    `MEAN_PROBE_MAX_FACTOR` times `tolerance` either. Without `keep_previous` no copy is kept to roll back to, and a
     version that fails its check leaves the engine refusing to generate (`unusable`).
 
     Every part is copied out of the transport's buffer into the engine's own staging copy and checked there as it is
     copied (`Staging`): the engine writes from the very bytes that were checked. `host_memory()`, where given and not
     None (the engine's workers read a shared host copy), is where staging assembles every version, so the write
-    hands the workers the staged tensors where they lie, copying nothing. The version kept for rolling back is
-    checked again before it is written back."""
+    hands the workers the staged tensors where they lie, copying nothing. Such a staging copy is a file other
+    processes of the run's user can open, so once the write has read it (and the workers compared what they hold with
+    it) it is checked against its checksums again, before the probe: a change made there after the part's check,
+    before or during the write, fails the version and the previous one is written back. The version kept for rolling
+    back is checked again before it is written back."""
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class WeightReceiver:
         self.transport = transport
         self._write, self._probe, self._initial_weights, self._paused = write, probe, initial_weights, paused
         self.tolerance, self.exact, self.keep_previous = tolerance, exact, keep_previous
+        self.max_gap = MEAN_PROBE_MAX_FACTOR * tolerance  # where the mean is checked: no one token beyond this
         self.policy_version = 0
         self.unusable: str | None = None  # why the engine must not generate: a failed version and nothing to go back to
         self._host_memory = host_memory
@@ -150,8 +155,12 @@ class WeightReceiver:
             try:
                 self._write(weights)
                 write_s = time.perf_counter() - started
-                measured = self._probe(probe_tokens)
-                probe_s = time.perf_counter() - started - write_s
+                changed = staging.verify() if self._shared(staging) else None
+                if changed is None:
+                    measured = self._probe(probe_tokens)
+                    probe_s = time.perf_counter() - started - write_s
+                else:
+                    failure = f"the staged copy another process can map changed since it was checked ({changed})"
             except Exception as err:  # a write that broke off may have left some layers new and some old
                 failure = f"writing the weights failed ({type(err).__name__}: {err})"
             except BaseException as err:  # no rollback runs now: the engine may hold layers of two versions
@@ -167,7 +176,13 @@ class WeightReceiver:
                     gaps = gaps or [0.0]
                     gap_max, gap_mean = max(gaps), sum(gaps) / len(gaps)
             gap, statistic = (gap_max, "max") if self.exact else (gap_mean, "mean")
-            if failure or not gap <= self.tolerance:  # `not <=` also catches NaN
+            bound, named = self.tolerance, f"sync.probe_tolerance {self.tolerance:g}"
+            if not self.exact and gap_mean <= self.tolerance and not gap_max <= self.max_gap:
+                # One token far off, which a long sequence's mean hides: a gross corruption (a weight blown up to
+                # 1e36) that only a few of the probe's tokens see.
+                gap, statistic, bound = gap_max, "max", self.max_gap
+                named = f"{MEAN_PROBE_MAX_FACTOR:g} x sync.probe_tolerance {self.tolerance:g}"
+            if failure or not gap <= bound:  # `not <=` also catches NaN
                 self._spare_owned = staging.owned
                 if failure is None and not math.isfinite(gap):
                     failure = ("after writing, the engine's probe logprobs are not finite (NaN or inf): the weights "
@@ -176,7 +191,7 @@ class WeightReceiver:
                     failure
                     if failure
                     else f"after writing, the engine's probe logprobs differ from the learner's by {gap:.3g} "
-                    f"({statistic} over tokens) > sync.probe_tolerance {self.tolerance:g}"
+                    f"({statistic} over tokens) > {named}"
                 )
                 if not self.keep_previous:
                     self.unusable = message + "; no previous weights were kept (sync.keep_previous: false)"
@@ -192,6 +207,13 @@ class WeightReceiver:
                 probe_max_abs=gap_max, probe_mean_abs=gap_mean, write_s=write_s, probe_s=probe_s,
                 bytes=staging.bytes_received, probe=probe,
             )
+
+    def _shared(self, staging: Staging) -> bool:
+        """Whether `staging` lies in memory other processes can map (the engine's host copy in /dev/shm, which its
+        workers read): then it is checked again once the write has read it. Memory of the engine's own (an
+        in-process engine, workers that get bytes) no other process maps, so what was checked is what is written."""
+        memory = self._host_memory() if self._host_memory is not None else None
+        return memory is not None and any(memory.holds(tensor) for tensor in staging.owned.values())
 
     def _keep(self, weights: Weights, staging: Staging) -> None:
         """Keep what a rollback needs of the version now served (staging's own memory: the engine's copy, never a

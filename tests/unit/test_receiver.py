@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import time
 
 import pytest
 import torch
 
 from rlpipe.weightsync import TRANSPORTS, SyncError, WeightReceiver, make_transport, plan_sync, stream_parts
+from rlpipe.weightsync.hostcopy import HostCopy
 from tests.unit.test_weightsync import KEY, _full_tensors, _hf_shapes, _layout, _local_shards
 
 PROBE = [3, 1, 4, 1, 5]
@@ -216,4 +218,79 @@ def test_a_probe_that_comes_back_nan_says_so(channel):
     with pytest.raises(SyncError, match=r"v1: after writing, the engine's probe logprobs are not finite \(NaN or inf\)"
                                         r".* rolled back to version 0"):
         receiving.commit(1, PROBE, expected_for(weights))
+    receiving.close()
+
+
+def _shared_receiver(engine, host):
+    return WeightReceiver(make_transport("shm"), write=lambda w: engine.write(w), probe=lambda t: engine.probe(t),
+                          initial_weights=lambda: engine.initial, paused=engine.pause, tolerance=1e-9, exact=True,
+                          host_memory=lambda: host)
+
+
+def test_a_staged_copy_changed_in_its_file_after_the_check_is_never_served(channel, tmp_path):
+    """Staged where the engine's workers read it (a file of the engine's in shared memory), a version can be changed
+    through that file after its parts were checked and before the workers read it. The probe sees only what its
+    tokens touch (here nothing of the change); the receiver checks the staged copy again once the write has read it,
+    and writes the previous version back."""
+    shapes, engine, _, send = channel
+    host = HostCopy(directory=str(tmp_path))
+    receiving = _shared_receiver(engine, host)
+    first = _full_tensors(shapes, seed=1)
+    send(receiving, 1, first)
+    staged = receiving._staging.tensors
+    name = "model.layers.0.self_attn.q_proj.weight"
+    path, offset = host._in_staging(staged[name])
+    assert path.startswith(str(tmp_path))
+    write = engine.write
+
+    def changed_before_the_workers_read(weights):
+        # What another process of the run's user can do: open the file by its name and rewrite one byte.
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, offset + 3)[0] ^ 0x40]), offset + 3)
+        finally:
+            os.close(fd)
+        write(weights)
+
+    engine.write = changed_before_the_workers_read
+    engine.probe = lambda tokens: expected_for(first)  # blind to the change, as a sequence that never uses it
+    with pytest.raises(SyncError, match=r"v1: the staged copy another process can map changed since it was checked "
+                                        r"\(bucket \d+ .*q_proj.*\).* rolled back to version 0"):
+        receiving.commit(1, PROBE, expected_for(first))
+    assert receiving.policy_version == 0
+    for tensor_name, tensor in engine.initial.items():
+        assert torch.equal(engine.held[tensor_name], tensor), tensor_name
+    # Left alone, the same kind of version is served: the check passes on an intact copy.
+    engine.write = write
+    second = _full_tensors(shapes, seed=2)
+    engine.probe = lambda tokens: expected_for(second)
+    send(receiving, 2, second)
+    receiving.commit(2, PROBE, expected_for(second))
+    assert receiving.policy_version == 2
+    receiving.close()
+    host.close()
+
+
+def test_a_mean_checked_probe_refuses_one_token_far_off(channel):
+    """A bf16 engine's probe is checked on its mean gap. A gross corruption that only a few of a long sequence's
+    tokens see (a weight blown up to 1e36) moves those by nats and the mean hardly at all: the largest gap has a
+    bound of its own, MEAN_PROBE_MAX_FACTOR times the tolerance."""
+    shapes, engine, _, send = channel
+    tokens = list(range(200))
+    reference = [0.0] + [-1.0] * (len(tokens) - 1)
+    receiving = WeightReceiver(make_transport("shm"), write=engine.write, probe=lambda t: engine.probe(t),
+                               initial_weights=lambda: engine.initial, paused=engine.pause, tolerance=0.15,
+                               exact=False)
+    clean = [0.0] + [-1.0 + (0.3 if i % 7 == 0 else 0.01) for i in range(1, len(tokens))]  # a clean bf16 sync
+    engine.probe = lambda _: clean
+    send(receiving, 1, _full_tensors(shapes, seed=1))
+    assert receiving.commit(1, tokens, reference).probe_max_abs == pytest.approx(0.3)
+    far_off = list(clean)
+    far_off[150] = -9.0  # one token 8 nats off: the mean moves by 0.04
+    engine.probe = lambda _: far_off
+    send(receiving, 2, _full_tensors(shapes, seed=2))
+    with pytest.raises(SyncError, match=r"v2: .*differ from the learner's by 8 \(max over tokens\) > "
+                                        r"10 x sync.probe_tolerance 0.15.* rolled back to version 1"):
+        receiving.commit(2, tokens, reference)
+    assert receiving.policy_version == 1
     receiving.close()
