@@ -50,3 +50,38 @@ def test_a_runs_probe_times_are_kept_where_its_steps_have_them():
                                            "probe_s": 0.3, "reference_s": 0.4, "sync_s": 1.1})
     run.update(transport="shm", round=1)
     assert "engine's probe 0.300 s, learner's probe 0.400 s" in format_in_run(run)
+
+
+def test_the_benchs_first_sync_is_committed_as_a_runs_rehearsal_so_the_next_version_finds_its_memory_ready():
+    """A run's first sync is the start-up rehearsal, after which the engine holds memory for the next version, laid
+    out and written once; the bench's first sync does the same, so its steady state is a training step's (version 2
+    does not fault in a fresh copy of the weights)."""
+    from rlpipe.bench.sync import commit_as_a_run_does
+    from rlpipe.weightsync import WeightReceiver, make_transport, plan_sync, stream_parts
+    from tests.unit.test_weightsync import KEY, _full_tensors, _hf_shapes, _layout, _local_shards
+
+    shapes = _hf_shapes(kv_heads=2)
+    plan = plan_sync(shapes, 1, _layout(1, 2), 30_000)
+    sender = make_transport("shm")
+    receiver = WeightReceiver(make_transport("shm"), write=lambda weights: None,
+                              probe=lambda tokens: [0.0] * len(tokens), initial_weights=dict, tolerance=0.0,
+                              exact=True)
+    try:
+        for version in (1, 2):
+            receiver.begin(plan, version, KEY)
+            for part in stream_parts(plan, 0, _local_shards(_full_tensors(shapes, seed=version), 0, 1), sender,
+                                     version, KEY):
+                receiver.receive(version, part.bucket, part.rank, part.handle, part.nbytes, part.checksum)
+                part.deliver()
+            sender.release()
+            if version == 1:
+                commit_as_a_run_does(receiver, version)
+                ready = {name: tensor.data_ptr() for name, tensor in receiver._spare_owned.items()}
+                assert set(ready) == set(shapes)
+        staged_into = {name: tensor.data_ptr() for name, tensor in receiver._staging.owned.items()}
+        assert staged_into == ready  # version 2 is staged into the memory the rehearsal made ready
+        commit_as_a_run_does(receiver, 2)
+        assert receiver.policy_version == 2
+    finally:
+        receiver.close()
+        sender.close()
