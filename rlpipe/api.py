@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from rlpipe.config import Config, ConfigError, first_line, load_yaml
 from rlpipe.config.coerce import OverrideText, build
-from rlpipe.config.loading import _set_path, find_recipe, recipes_dir
+from rlpipe.config.loading import _set_path, default_recipe, find_recipe
 
 if TYPE_CHECKING:
     from rlpipe.run.progress import RunProgress
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 RecipeLike = Union[str, os.PathLike, Mapping[str, Any], Config, None]
 RewardFunc = Union[Callable[..., Any], str]
 
-DEFAULT_RECIPE = "default.yaml"
 
 
 def load_config(config: RecipeLike = None, **overrides: Any) -> Config:
@@ -219,7 +218,7 @@ def _recipe_tree(config: RecipeLike) -> dict:
     import copy
 
     if config is None:
-        return load_yaml(recipes_dir() / DEFAULT_RECIPE)
+        return load_yaml(default_recipe())
     if isinstance(config, Config):
         return config.to_dict()
     if isinstance(config, Mapping):

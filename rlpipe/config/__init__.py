@@ -20,7 +20,7 @@ from rlpipe.config.eval import EvalConfig
 from rlpipe.config.errors import ConfigError, first_line, one_line
 from rlpipe.config.help import describe, help_text
 from rlpipe.config.learner import LearnerConfig
-from rlpipe.config.loading import find_recipe, load_config, load_yaml, recipes_dir
+from rlpipe.config.loading import default_recipe, find_recipe, load_config, load_yaml, recipes_dir
 from rlpipe.config.metrics import TRACKERS, MetricsConfig
 from rlpipe.config.model import KernelsConfig, ModelConfig
 from rlpipe.config.placement import PlacementConfig, RolePlacement
@@ -39,6 +39,6 @@ __all__ = [
     "LearnerConfig", "MetricsConfig", "ModelConfig", "PromptSource", "ReasoningGymSource", "VerifiersSource",
     "PlacementConfig", "RayConfig", "RewardConfig", "RewardFunctionConfig", "RolePlacement", "RolloutConfig",
     "RunConfig", "SyncConfig", "TrainConfig",
-    "describe", "find_recipe", "first_line", "help_text", "load_config", "load_yaml", "one_line", "recipes_dir",
+    "default_recipe", "describe", "find_recipe", "first_line", "help_text", "load_config", "load_yaml", "one_line", "recipes_dir",
     "torchtpu_refusal",
 ]

@@ -34,6 +34,11 @@ def recipes_dir() -> Path:
     return (Path(__file__).resolve().parents[1] / "configs").resolve()
 
 
+def default_recipe() -> Path:
+    """The recipe a run takes when none is named: the shipped default.yaml."""
+    return recipes_dir() / "default.yaml"
+
+
 def find_recipe(recipe: str | Path) -> Path:
     """The recipe file `recipe` names; where no such file exists, the shipped recipe of that name (`default.yaml`,
     `configs/qwen3-8b-v6e.yaml`), so that an installed rlpipe runs the recipes it carries from any directory."""

@@ -186,7 +186,7 @@ def test_rlpipe_eval_of_an_export_evaluates_that_folder_with_the_recipe_as_befor
                                                                                           monkeypatch, capsys):
     """An HF folder (an export) is evaluated as it is, with the recipe's data and rewards, as step 0 (an export does
     not record its step); the engines' part is rlpipe.run.evaluation.evaluate, which the integration run drives."""
-    from rlpipe import cli
+    from rlpipe.run import saved_weights
 
     started = {}
 
@@ -194,7 +194,7 @@ def test_rlpipe_eval_of_an_export_evaluates_that_folder_with_the_recipe_as_befor
         started.update(cfg=cfg, model_path=model_path, prompts=len(eval_set), step=step)
         return {"step": step, "accuracy": 0.25, "mean@4": 0.5, "pass@2": 0.625, "pass@4": 0.75}
 
-    monkeypatch.setattr(cli, "_evaluate_on_engines", on_engines)
+    monkeypatch.setattr(saved_weights, "evaluate_on_engines", on_engines)
     out = tmp_path / "figures.json"
     assert main(["eval", tiny_qwen3, "data.size=16", "data.eval_size=4", "eval.samples_per_prompt=4",
                  "--out", str(out)]) == 0
