@@ -10,7 +10,7 @@ import time
 
 import ray
 
-from rlpipe.config import first_line
+from rlpipe.config import error_line
 
 
 class WorkerLost(RuntimeError):
@@ -71,9 +71,9 @@ def backoff_s(retry: int, first_s: float, max_s: float) -> float:
 
 
 def reason(err: BaseException) -> str:
-    """One line saying why a call failed: for an error raised inside an actor, that error's own first line rather
+    """One line saying why a call failed (`error_line`): for an error raised inside an actor, that error's own rather
     than Ray's header naming the task."""
     cause = getattr(err, "cause", None)
     if isinstance(err, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
-        return first_line(cause)
-    return first_line(err)
+        return error_line(cause)
+    return error_line(err)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from rlpipe.config import Config, ConfigError, first_line, load_yaml
+from rlpipe.config import Config, ConfigError, error_line, load_yaml
 from rlpipe.config.coerce import OverrideText, build
 from rlpipe.config.loading import _set_path, default_recipe, find_recipe
 
@@ -120,7 +120,7 @@ def train_with_restarts(
         except (WorkerLost, ray.exceptions.RayActorError, PlacementTimeout) as err:
             if isinstance(err, PlacementTimeout) and not restarts:
                 raise  # at the run's start: the cluster never had the room this configuration asks for
-            first = first_line(err)
+            first = error_line(err)
             if not auto_resume or restarts == cfg.train.max_auto_resumes:
                 raise WorkerLost(first) from err
             restarts += 1

@@ -17,7 +17,7 @@ from rlpipe.config.data import (
     VerifiersSource,
 )
 from rlpipe.config.eval import EvalConfig
-from rlpipe.config.errors import ConfigError, first_line, one_line
+from rlpipe.config.errors import ConfigError, error_line, first_line, one_line, report_line
 from rlpipe.config.help import describe, help_text
 from rlpipe.config.learner import LearnerConfig
 from rlpipe.config.loading import default_recipe, find_recipe, load_config, load_yaml, recipes_dir
@@ -39,6 +39,7 @@ __all__ = [
     "LearnerConfig", "MetricsConfig", "ModelConfig", "PromptSource", "ReasoningGymSource", "VerifiersSource",
     "PlacementConfig", "RayConfig", "RewardConfig", "RewardFunctionConfig", "RolePlacement", "RolloutConfig",
     "RunConfig", "SyncConfig", "TrainConfig",
-    "default_recipe", "describe", "find_recipe", "first_line", "help_text", "load_config", "load_yaml", "one_line", "recipes_dir",
+    "default_recipe", "describe", "error_line", "find_recipe", "first_line", "help_text", "load_config", "load_yaml",
+    "one_line", "recipes_dir", "report_line",
     "torchtpu_refusal",
 ]

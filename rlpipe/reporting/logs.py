@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlpipe.config.errors import report_line
+
 LOG_FILE = "logs/run.log"  # under the run directory
 PROGRESS_LOGGER = "rlpipe.progress"  # rlpipe's own terminal lines, copied to the log file (rlpipe.reporting.metrics)
 FILE_FORMAT = "%(asctime)s {who} %(levelname)s %(name)s: %(message)s"
@@ -135,13 +137,17 @@ class _NotFileOnly(logging.Filter):
         return not getattr(record, "rlpipe_file_only", False)
 
 
-class FirstLine(logging.Formatter):
-    """A record's first line, without its traceback: an actor's error reaches the terminal as one line (a dying
-    engine's vLLM processes log dozens of traceback lines); the log file keeps the whole record."""
+class OneLine(logging.Formatter):
+    """A record as one line, its traceback reduced to the exception it ends with (`report_line`): an actor's error
+    reaches the terminal as one line that says what went wrong (a dying engine's vLLM processes log dozens of
+    traceback lines); the log file keeps the whole record."""
 
     def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
         shown = logging.makeLogRecord(record.__dict__)
-        shown.msg, shown.args = record.getMessage().split("\n", 1)[0], None
+        shown.msg, shown.args = report_line(text), None
         shown.exc_info = shown.exc_text = shown.stack_info = None
         return super().format(shown)
 
@@ -189,7 +195,7 @@ def logging_config(setup: LogSetup) -> dict:
         },
         "formatters": {
             # --verbose shows whole records, tracebacks included
-            "console": {"format": CONSOLE_FORMAT} if setup.verbose else {"()": f"{__name__}.FirstLine",
+            "console": {"format": CONSOLE_FORMAT} if setup.verbose else {"()": f"{__name__}.OneLine",
                                                                          "format": CONSOLE_FORMAT},
             "file": {"format": FILE_FORMAT.format(who=who)},
         },

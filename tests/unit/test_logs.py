@@ -110,8 +110,8 @@ def test_an_actor_logs_info_to_the_file_and_warnings_to_stderr(tmp_path):
     assert "ERROR vllm.v1.engine.core: ERROR from the engine" in terminal
     assert "a Python warning" in terminal
     assert "INFO" not in terminal and "Enforce eager" not in terminal
-    # An error with a traceback is one line on the terminal; the log file has all of it.
-    assert "ERROR vllm.v1.engine.core: EngineCore failed\n" in terminal
+    # An error with a traceback is one line on the terminal, naming the exception; the log file has all of it.
+    assert "ERROR vllm.v1.engine.core: EngineCore failed: RuntimeError: the engine core died\n" in terminal
     assert "Traceback" not in terminal and "second line" not in terminal and "FILE-ONLY" not in terminal
     assert "RuntimeError: the engine core died" in log and "second line" in log and "FILE-ONLY line" in log
     for line in ("rollout-0 INFO vllm.v1.engine.core: INFO from the engine", "rollout-0 ERROR vllm.v1.engine.core: ERROR",
@@ -223,3 +223,35 @@ def test_the_start_up_line_says_what_runs_where():
     assert "; on 2 nodes (learner: 11111111; rollout: 11111111, 22222222; reward: 11111111)." in roles_summary(
         cfg, two, "/r/logs/run.log"
     )
+
+
+# Ray's report of an actor whose start raised an error Ray could not pickle: a header naming the actor (coloured, with
+# its process's ids), the traceback, and pydantic's message, which names the error on its second line.
+ACTOR_START_REPORT = """The actor died because of an error raised in its creation task, \x1b[36mray::RolloutActor.__init__()\x1b[39m \
+(pid=24525, ip=127.0.0.1, actor_id=1419a4, repr=<rlpipe.actors.rollout.RolloutActor object at 0x7f9e40b455d0>)
+  File "/work/rlpipe/actors/rollout.py", line 154, in __init__
+    self.engine = RolloutEngine(
+                  ^^^^^^^^^^^^^^
+  File "/site-packages/vllm/engine/arg_utils.py", line 1813, in create_model_config
+    return ModelConfig(
+           ^^^^^^^^^^^^
+pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+  Value error, User-specified max_model_len (1024) is greater than the derived max_model_len. [type=value_error, \
+input_value=ArgsKwargs((), {'model': '/tmp/m'}), input_type=ArgsKwargs]
+    For further information visit https://errors.pydantic.dev/2.14/v/value_error"""
+
+
+def test_a_report_with_a_traceback_is_one_line_naming_the_exception_it_ends_with():
+    from rlpipe.config import report_line
+
+    assert report_line(ACTOR_START_REPORT) == (
+        "The actor died because of an error raised in its creation task, ray::RolloutActor.__init__(): "
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig: Value error, "
+        "User-specified max_model_len (1024) is greater than the derived max_model_len."
+    )
+    chained = ('Traceback (most recent call last):\n  File "a.py", line 1, in f\n    g()\nKeyError: 0\n\nDuring '
+               'handling of the above exception, another exception occurred:\n\nTraceback (most recent call last):\n'
+               '  File "a.py", line 3, in f\n    raise ValueError("no row 0")\nValueError: no row 0')
+    assert report_line(chained) == "ValueError: no row 0"
+    assert report_line("a sync failed\nits second line") == "a sync failed"
+    assert report_line("") == ""
