@@ -320,12 +320,14 @@ def test_a_killed_learner_rank_is_auto_resumed_and_a_killed_driver_is_resumed(tm
 
 
 def _orphaned_segments() -> list[str]:
-    """Shared-memory weight-sync segments whose creating process is gone (named rlpipe-<pid>-...)."""
+    """rlpipe's shared-memory files whose creating process is gone: weight-sync segments (rlpipe-<pid>-...) and
+    engines' records of vLLM's files (rlpipe-engine-<pid>)."""
     orphans = []
     for name in os.listdir("/dev/shm"):
-        if name.startswith("rlpipe-"):
+        pid = name.removeprefix("rlpipe-").removeprefix("engine-").split("-")[0]
+        if name.startswith("rlpipe-") and pid.isdigit():
             try:
-                os.kill(int(name.split("-")[1]), 0)
+                os.kill(int(pid), 0)
             except ProcessLookupError:
                 orphans.append(name)
     return orphans
