@@ -184,8 +184,7 @@ def _bench_learner(args, parser) -> int:
 
 
 _BENCHES = {"sync": _bench_sync, "agreement": _bench_agreement, "e2e": _bench_e2e, "kernels": _bench_kernels,
-           "learner": _bench_learner}
-
+            "learner": _bench_learner}
 
 
 def run_bench(args, parser) -> int:

@@ -56,7 +56,7 @@ def _dead_pid() -> int:
 def test_an_engines_vllm_files_are_recorded_and_a_dead_engines_are_swept_when_they_are_the_runs_own(tmp_path):
     """actors/rollout.py: vLLM's files (psm_*, sem.mp-*) that appear while an engine starts are named in its record;
     the files a dead engine's record names go with the record, unless another user owns the file or the record."""
-    from rlpipe.actors.rollout import ENGINE_RECORD_PREFIX, record_engine_files, sweep_engine_files
+    from rlpipe.rollout.vllm_files import ENGINE_RECORD_PREFIX, record_engine_files, sweep_engine_files
 
     def make(name: str, uid: int | None = None) -> str:
         path = tmp_path / name
