@@ -14,7 +14,7 @@ class RewardPool:
     """`workers`: the reward actors; `max_tokens` and `max_restarts` are rollout.max_tokens and
     reward.max_restarts (a worker that dies is restarted by Ray and its call run again, at most that often);
     `deadline_s` is reward.deadline_s, how long a step waits for the workers' results; `names` the reward
-    functions' names (rewards.runner.reward_names), by which an unanswered share's failures are counted."""
+    functions' names (rewards.specs.reward_names), by which an unanswered share's failures are counted."""
 
     def __init__(self, workers: list, max_tokens: int, max_restarts: int, deadline_s: float, names: list[str]):
         self.workers, self.max_tokens, self.max_restarts = workers, max_tokens, max_restarts

@@ -26,7 +26,7 @@ from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import Config, first_line
 from rlpipe.hardware.device import learner_variables, learner_processes
 from rlpipe.startup.preflight import check_cluster_resources
-from rlpipe.rewards.runner import reward_names
+from rlpipe.rewards.specs import reward_names
 from rlpipe.training.learner import combine_rank_metrics
 from rlpipe.reporting.logs import LogSetup
 from rlpipe.hardware.tpu_layout import SliceShare, slice_shares

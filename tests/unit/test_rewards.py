@@ -730,7 +730,7 @@ def test_an_accuracy_style_function_taking_a_column_by_name_scores():
 @pytest.mark.parametrize("columns", [["answer"], ["answer", "solution"]])
 def test_the_startup_check_predicts_the_call(function, kwargs, columns, monkeypatch):
     """A function the check accepts takes every call; one it refuses would fail on every call with a TypeError."""
-    import rlpipe.rewards.runner
+    import rlpipe.rewards.specs
 
     try:
         RewardRunner([spec(function, **kwargs)], columns=columns)
@@ -738,7 +738,7 @@ def test_the_startup_check_predicts_the_call(function, kwargs, columns, monkeypa
     except RewardConfigError as err:
         accepted = False
         assert f"'{FIXTURES}:{function}' cannot take the call" in str(err)
-    monkeypatch.setattr(rlpipe.rewards.runner, "_check_signature", lambda *args: None)
+    monkeypatch.setattr(rlpipe.rewards.specs, "_check_signature", lambda *args: None)
     unchecked = RewardRunner([spec(function, **kwargs)], columns=columns)
     dataset = {column: ["1", "2"] for column in columns}
     result = unchecked.score(PROMPTS, COMPLETIONS, pool_columns(COMPLETIONS, **dataset), completion_ids=[[1], [2]])
