@@ -174,6 +174,7 @@ class RolloutEngine:
         self.writer = engine_writer(form, self, platform)
         self.llm = _start_vllm(model_path, tokenizer_path, cfg, seed, platform=platform, kernels=kernels,
                                progress_bars=progress_bars, extra=self.writer.vllm_options())
+        self.llm.collective_rpc("rlpipe_count_ranks_eagerly")
         # Generation and weight writes exclude each other; a waiting sync blocks new generation.
         self._state = threading.Condition()
         self._generating = False

@@ -26,6 +26,12 @@ def decode_weights(payload: bytes) -> dict[str, torch.Tensor]:
     return load_safetensors_bytes(payload)
 
 
+def count_greater_than(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """How many of each row of `x` are at least that row's value in `values` ([rows, 1]): vLLM's
+    `batched_count_greater_than`, eagerly."""
+    return (x >= values).sum(-1)
+
+
 class WeightWriter:
     """vLLM's worker extension: mixed into every vLLM worker of an engine and reached through `collective_rpc`, it
     writes a version of the weights into the worker's model."""
@@ -172,6 +178,16 @@ class WeightWriter:
     def rlpipe_sees_file(self, path: str, device: int, inode: int) -> bool:
         """Whether this worker shares the engine's shared-memory directory, and so can read its host copy."""
         return sees_file(path, device, inode)
+
+    def rlpipe_count_ranks_eagerly(self) -> None:
+        """On CPU, count each token's rank among the vocabulary eagerly instead of through vLLM's torch.compile'd
+        count: compiling it with inductor is ~3 s of the first request with log-probs (the start-up sync's probe) in
+        every engine process, and the count is one comparison and a sum. rlpipe never reads the ranks."""
+        from vllm.platforms import current_platform
+        from vllm.v1.sample import sampler
+
+        if current_platform.is_cpu():
+            sampler.batched_count_greater_than = count_greater_than
 
     def rlpipe_seed(self, seed: int) -> None:
         """Seed the worker's sampling: vLLM draws requests without their own seed from torch's global generator."""

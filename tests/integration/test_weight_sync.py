@@ -57,6 +57,22 @@ def setup(request):
     engine.close()
 
 
+def test_a_cpu_engine_counts_token_ranks_eagerly_as_vllms_compiled_count_does(setup):
+    """The engine replaced vLLM's torch.compile'd rank count (seconds of inductor at its first request with
+    log-probs) by an eager one that gives the same counts, ties included."""
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    from rlpipe.rollout.vllm_worker import count_greater_than
+
+    assert sampler.batched_count_greater_than is count_greater_than
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 5):
+        logprobs = torch.randint(-4, 0, (rows, 64), generator=generator).float()  # few values: many ties
+        values = logprobs.gather(-1, torch.randint(0, 64, (rows, 1), generator=generator))
+        assert torch.equal(count_greater_than(logprobs, values), batched_count_greater_than(logprobs, values))
+
+
 def _perturb(learner: Learner, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
