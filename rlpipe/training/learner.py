@@ -58,6 +58,8 @@ class Learner:
         self.skip_zero_advantage = (
             learner.skip_zero_advantage and not self.engine.static_shapes and not self.objective.every_row_counts
         )
+        if world_size == 1 and not self.engine.strategy.needs_process_group:
+            self.engine.ready()  # nothing to wait for: the step and its optimizer memory now, while engines start
 
     @classmethod
     def from_config(
