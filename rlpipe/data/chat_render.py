@@ -91,6 +91,15 @@ _lock = threading.Lock()
 _worker: _Worker | None = None
 
 
+def start_renderer() -> None:
+    """Start the worker without waiting for it: its import of transformers then overlaps the caller's own start-up
+    (a run's checks before its first render)."""
+    global _worker
+    with _lock:
+        if _worker is None:
+            _worker = _Worker()
+
+
 def _render(request: bytes) -> str:
     global _worker
     for attempt in range(2):
@@ -139,6 +148,12 @@ class _Worker:
             os.close(answer_write)
         self.requests = Connection(request_write, readable=False)
         self.answers = Connection(answer_read, writable=False)
+        self.started = False
+
+    def wait_started(self) -> None:
+        """Wait for the worker's word that it is ready; raises ChatTemplateError when it could not start."""
+        if self.started:
+            return
         try:
             started = self._answer(START_TIMEOUT_S)
         except TimeoutError:
@@ -146,12 +161,14 @@ class _Worker:
         if started is None or "error" in started:
             self.close()
             raise ChatTemplateError((started or {}).get("error") or "the chat template's renderer ended as it started")
+        self.started = True
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def ask(self, request: bytes) -> dict | None:
         """The worker's answer; None when it had ended (its pipes closed)."""
+        self.wait_started()
         try:
             self.requests.send_bytes(request)
         except OSError:  # BrokenPipeError: it ended

@@ -21,6 +21,7 @@ from rlpipe.run import evaluation
 from rlpipe.startup import preflight
 from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError
+from rlpipe.data import chat_render
 from rlpipe.data.prompts import PromptSet, Sampler, drop_overlong_prompts, load_rows, reward_columns
 from rlpipe.reporting.logs import LOG_FILE, LogSetup, driver_logging
 from rlpipe.reporting.metrics import MetricsLogger, roles_summary, rollout_metrics, staleness_metrics
@@ -237,6 +238,8 @@ def save_checkpoint(run: Run, roles, step: int, cfg: Config, summary: dict, samp
 def prepare(cfg: Config, resume: str | None = None) -> Run:
     """Check every input (model, tokenizer, rewards, data, the checkpoint to resume) before a run directory or a
     cluster exists: the start-up checks of rlpipe/startup/preflight.py in order, with the trackers' and the data's own."""
+    if cfg.data.chat_template != "none":  # the prompts' renderer starts beside the checks before its first prompt
+        chat_render.start_renderer()
     check_trackers_installed(cfg.metrics)
     preflight.check_tpu_slices(cfg)
     interpreters = preflight.check_role_environments(cfg)

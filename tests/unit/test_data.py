@@ -573,6 +573,30 @@ def test_a_chat_template_renders_within_a_time_and_a_size_limit(tmp_path, monkey
     assert render_prompt(tokenizer, "hi", None) == tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def test_a_renderer_started_ahead_serves_the_first_render_and_one_that_cannot_start_says_why(tmp_path, monkeypatch):
+    """A run starts the prompts' renderer before its other checks (its import overlaps them): the first render is
+    served by that very process; a renderer that fails to start still fails that render in one line."""
+    from rlpipe.data import chat_render
+
+    tokenizer = build_tokenizer(tmp_path)
+    monkeypatch.setattr(chat_render, "_worker", None)
+    chat_render.start_renderer()
+    started = chat_render._worker
+    assert started is not None and not started.started  # not waited for
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert render_prompt(tokenizer, "hi", None) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert chat_render._worker is started and started.started
+    started.close()
+
+    monkeypatch.setattr(chat_render, "_worker", None)
+    monkeypatch.setattr(chat_render, "_WORKER", "raise SystemExit(3)")
+    chat_render.start_renderer()
+    assert _config_error(lambda: render_prompt(tokenizer, "hi", None)) == (
+        "model.tokenizer: the chat template's renderer ended as it started")
+    assert chat_render._worker is None
+
+
 def test_folder_with_files_per_split(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
