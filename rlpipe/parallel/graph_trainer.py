@@ -60,6 +60,7 @@ from typing import Any, Protocol, Self
 
 import torch
 from torch import Tensor, nn
+from torch._functorch import config as functorch_config
 
 # A micro-batch is whatever the loss function takes (a dict of tensors, a dataclass of them).
 Batch = Any
@@ -338,7 +339,13 @@ class GraphTrainStep:
                 recompile_limit=len(self.buckets) + 2,
                 fail_on_recompile_limit_hit=True,
             )
-            with settings:
+            # AOTAutograd's cache (its traced forward and backward, on disk beside inductor's) passes over any graph
+            # holding a custom autograd.Function unless told otherwise; the step's own (the chunked log-prob) is pure
+            # tensor code that Dynamo traces whole into the graph the cache is keyed by. Cached, a process compiling
+            # a step another one compiled (a restarted rank, the next run) skips most of the compile.
+            caching = contextlib.nullcontext() if self._counter is None else functorch_config.patch(
+                autograd_cache_allow_custom_autograd_functions=True)
+            with settings, caching:
                 loss, grad_norm, stats = self._step_fn(micro_batches, lr_tensor)
             self.graph_breaks += _graph_break_count() - breaks_before
             values_tensor = self._reported(loss, grad_norm, stats)

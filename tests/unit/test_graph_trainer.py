@@ -154,6 +154,38 @@ def test_compiled_step_is_one_graph_and_matches_eager():
     assert not torch.equal(graph_model.lm_head.weight, tiny_model().lm_head.weight)
 
 
+def chunked_logprob_loss(model, batch):
+    """next_token_loss through rlpipe's chunked log-prob (a custom autograd.Function), as the learner's step runs."""
+    from rlpipe.kernels.logprob import linear_logprob
+
+    input_ids, mask = batch["input_ids"], batch["loss_mask"][:, 1:]
+    hidden = model.hidden_states(input_ids, None)[:, :-1]
+    picked, _ = linear_logprob(hidden.reshape(-1, hidden.shape[-1]), model.output_embedding(),
+                               input_ids[:, 1:].reshape(-1), impl="chunked", chunk=16)
+    loss = -(picked.view(mask.shape) * mask).sum() * batch["token_scale"]
+    return loss, {"tokens": mask.sum()}
+
+
+@pytest.mark.heavy
+def test_a_step_compiled_again_comes_from_aotautograds_cache_custom_autograd_function_and_all():
+    """A second trainer of the same step (a restarted rank, the next run) takes the traced forward and backward from
+    AOTAutograd's cache, which would pass over a graph holding the chunked log-prob's autograd.Function."""
+    from torch._dynamo.utils import counters
+
+    batch = make_batch(seed=0, lengths=[8, 5], bucket=8)
+    first = GraphTrainStep(tiny_model(), chunked_logprob_loss, **HYPERPARAMETERS, buckets=BUCKETS)
+    first.step(batch)
+    before = dict(counters["aot_autograd"])
+    second_model = tiny_model()
+    second = GraphTrainStep(second_model, chunked_logprob_loss, **HYPERPARAMETERS, buckets=BUCKETS)
+    second.step(batch)
+    assert second.compiles == 1
+    spent = {key: value - before.get(key, 0) for key, value in counters["aot_autograd"].items()}
+    assert spent.get("autograd_cache_hit") == 1 and not spent.get("autograd_cache_bypass"), spent
+    # The cached step trains as the first did.
+    assert_same_parameters(second_model, first.model)
+
+
 @pytest.mark.heavy
 def test_recompiles_are_bounded_by_buckets():
     trainer = make_trainer(tiny_model(), compile=True)
