@@ -129,6 +129,32 @@ def _splash_block(length: int) -> int:
     return next(block for block in (512, 256, 128) if length % block == 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _causal_mask_type():
+    """JAX's causal mask, with the blocks wholly on one side of the diagonal answered from their corners. Making a
+    splash kernel reads its whole [T, T] mask block by block on the host (its block map), and evaluating every
+    element of every block costs seconds at tens of thousands of tokens (30 s for both maps at 80k); only the
+    diagonal's blocks need it. One class per process: JAX keeps the maps it built by the mask's type and shape."""
+    import numpy as np
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    class CornerCausalMask(masks.CausalMask):
+        def __getitem__(self, idx):
+            if isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(part, slice) and part.step in (None, 1)
+                                                                for part in idx):
+                rows = self.q_sequence[idx[0]]
+                start = 0 if idx[1].start is None else idx[1].start
+                stop = self.shape[1] if idx[1].stop is None else idx[1].stop
+                if len(rows) and 0 <= start < stop <= self.shape[1]:
+                    if rows.min() + self.offset >= stop - 1:  # every query at or after every key
+                        return np.ones((len(rows), stop - start), dtype=np.bool_)
+                    if rows.max() + self.offset < start:  # every query before every key
+                        return np.zeros((len(rows), stop - start), dtype=np.bool_)
+            return super().__getitem__(idx)
+
+    return CornerCausalMask
+
+
 def _splash_kernel(heads: int, length: int, window: int, interpret_mode: bool):
     """JAX's splash kernel for one row of `heads` query heads and `length` tokens: causal, and within `window` when
     one is given (query i sees key j iff i - j < window)."""
@@ -136,7 +162,7 @@ def _splash_kernel(heads: int, length: int, window: int, interpret_mode: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     shape = (length, length)
-    mask = masks.LocalMask(shape, (window - 1, 0), offset=0) if window else masks.CausalMask(shape)
+    mask = masks.LocalMask(shape, (window - 1, 0), offset=0) if window else _causal_mask_type()(shape)
     block = _splash_block(length)
     blocks = splash.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block,

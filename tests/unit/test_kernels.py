@@ -132,6 +132,33 @@ def test_document_attention_pallas_keeps_packed_documents_apart_like_the_mask(wi
     torch.testing.assert_close(results[1][0][:, :, 101:251], alone.detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("length, block, offset", [(1280, 256, 0), (2048, 128, 0), (1024, 128, 100), (1024, 128, -130)])
+def test_the_splash_kernels_causal_mask_gives_jaxs_own_block_maps(length, block, offset):
+    """The mask the kernel is made with answers whole blocks off the diagonal from their corners: every block map
+    JAX builds from it (forward and dq, dkv) and every slice of it equal those of JAX's own causal mask."""
+    import numpy as np
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info
+
+    ours, theirs = attention_module._causal_mask_type()((length, length), offset), masks.CausalMask((length, length),
+                                                                                                     offset)
+    for process in (mask_info.process_mask, mask_info.process_mask_dkv):
+        (got, got_function), (want, want_function) = (
+            process(masks.MultiHeadMask([mask] * 3), (block, block)) for mask in (ours, theirs))
+        assert (got_function is None) == (want_function is None)
+        for name in want._fields:
+            have, expected = getattr(got, name), getattr(want, name)
+            assert (have is None) == (expected is None), name
+            if expected is not None:
+                assert have.dtype == expected.dtype and np.array_equal(have, expected), name
+    edges = [0, 1, block - 1, block, block + 1, length // 2, length - block, length - 1, length]
+    spans = [slice(start, stop) for start, stop in zip(edges, edges[1:])] + [slice(None)]
+    for rows in spans:
+        for cols in spans:
+            have, expected = ours[rows, cols], theirs[rows, cols]
+            assert have.dtype == expected.dtype and np.array_equal(have, expected), (rows, cols)
+
+
 @pytest.mark.heavy
 def test_attention_pallas_in_bf16_stays_close_to_the_fp32_reference():
     q, k, v, upstream = _attention_case(torch.bfloat16, length=200)
