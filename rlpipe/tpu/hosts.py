@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -301,30 +302,35 @@ def check_engine_variables(cfg) -> tuple[bool, str]:
 # ------------------------------------------------------------------ learner ranks
 
 # Runs torch_tpu's launch helper once per host in a process forked after the imports: the helper memoizes what it
-# reads and resolves (torch_tpu's GetEnvOnce, env_utils), so every host needs a process of its own.
+# reads and resolves (torch_tpu's GetEnvOnce, env_utils), so every host needs a process of its own. Each line on stdin
+# is one question (the PCI root standing for `/`, the hosts' chip coordinates, ranks per host); its answer ends with
+# a line of its own.
 _LAUNCH_HELPER = textwrap.dedent("""
     import json, os, pathlib, sys, types
     import torch, torch_tpu
     from torch_tpu._internal.utils import hardware
     from torch_tpu._internal.distributed import distributed
     from torch.tpu import distributed as tpu_distributed
-    root, hosts, nproc = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
-    hardware.pathlib = types.SimpleNamespace(Path=lambda p, *r: root / pathlib.Path(p, *r).relative_to("/"))
-    for index, coords in enumerate(hosts):
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid:
-            os.waitpid(pid, 0)
-            continue
-        try:
-            distributed._query_local_device_coords = lambda: coords  # what the host's chips report
-            before = dict(os.environ)
-            tpu_distributed.set_tpu_launch_env(nproc_per_node=nproc)
-            out = {"env": {k: v for k, v in os.environ.items() if before.get(k) != v}}
-        except Exception as error:
-            out = {"error": f"{type(error).__name__}: {error}"}
-        print("HOST", index, json.dumps(out), flush=True)
-        os._exit(0)
+    for question in sys.stdin:
+        root, hosts, nproc = json.loads(question)
+        root = pathlib.Path(root)
+        hardware.pathlib = types.SimpleNamespace(Path=lambda p, *r: root / pathlib.Path(p, *r).relative_to("/"))
+        for index, coords in enumerate(hosts):
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid:
+                os.waitpid(pid, 0)
+                continue
+            try:
+                distributed._query_local_device_coords = lambda: coords  # what the host's chips report
+                before = dict(os.environ)
+                tpu_distributed.set_tpu_launch_env(nproc_per_node=nproc)
+                out = {"env": {k: v for k, v in os.environ.items() if before.get(k) != v}}
+            except Exception as error:
+                out = {"error": f"{type(error).__name__}: {error}"}
+            print("HOST", index, json.dumps(out), flush=True)
+            os._exit(0)
+        print("ANSWERED", flush=True)
 """)
 
 
@@ -346,24 +352,70 @@ _LAUNCHED: dict[tuple, list[dict[str, str]]] = {}
 
 def _run_launch_helper(generation: str, chips_per_host: int, hosts: list[list[int] | None], env: dict[str, str],
                        ranks_per_host: int | None) -> list[dict[str, str]]:
-    with _pci_root(generation, chips_per_host) as root:
-        done = subprocess.run(
-            [sys.executable, "-c", _LAUNCH_HELPER, str(root), json.dumps(hosts), json.dumps(ranks_per_host)],
+    with LaunchHelper(env) as helper:
+        return helper.ask(generation, chips_per_host, hosts, ranks_per_host)
+
+
+class LaunchHelper:
+    """torch_tpu's launch helper in a process of its own, started with a job's environment `env` (what the helper
+    reads of it is read once per process), which answers questions about hosts until closed."""
+
+    def __init__(self, env: dict[str, str]):
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # the imports' warnings, unread unless the process ends
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCH_HELPER],
             env={"PATH": os.environ.get("PATH", "/usr/bin"), "TPU_SKIP_MDS_QUERY": "1", **env},
-            capture_output=True, text=True, timeout=600,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
         )
-    found = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("HOST "):
-            _, index, out = line.split(" ", 2)
-            found[int(index)] = json.loads(out)
-    if len(found) != len(hosts):
-        tail = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["no output"]
-        raise RuntimeError(f"torch_tpu's launch helper ended (exit {done.returncode}): {tail[0]}")
-    for index in range(len(hosts)):
-        if "error" in found[index]:
-            raise ValueError(f"torch_tpu's set_tpu_launch_env on host {index}: {found[index]['error']}")
-    return [found[index]["env"] for index in range(len(hosts))]
+
+    def ask(self, generation: str, chips_per_host: int, hosts: list[list[int] | None],
+            ranks_per_host: int | None, timeout_s: float = 600) -> list[dict[str, str]]:
+        """What the helper sets on each of `hosts` (see `launch_envs`). Raises ValueError with the helper's refusal,
+        RuntimeError when its process ended (or was ended after `timeout_s`) before answering."""
+        found = {}
+        with _pci_root(generation, chips_per_host) as root:
+            watchdog = threading.Timer(timeout_s, self.process.kill)
+            watchdog.start()
+            try:
+                self.process.stdin.write(json.dumps([str(root), hosts, ranks_per_host]) + "\n")
+                self.process.stdin.flush()
+                for line in self.process.stdout:
+                    if line.startswith("HOST "):
+                        _, index, out = line.split(" ", 2)
+                        found[int(index)] = json.loads(out)
+                    elif line.startswith("ANSWERED"):
+                        break
+            except OSError:  # its stdin closed: the process has ended
+                pass
+            finally:
+                watchdog.cancel()
+        if len(found) != len(hosts):
+            with contextlib.suppress(subprocess.TimeoutExpired):  # its output ended: so has the process, or nearly
+                self.process.wait(timeout=10)
+            self._stderr.seek(0)
+            tail = [line for line in self._stderr.read().splitlines() if line.strip()][-1:] or ["no output"]
+            raise RuntimeError(f"torch_tpu's launch helper ended (exit {self.process.returncode}): {tail[0]}")
+        for index in range(len(hosts)):
+            if "error" in found[index]:
+                raise ValueError(f"torch_tpu's set_tpu_launch_env on host {index}: {found[index]['error']}")
+        return [found[index]["env"] for index in range(len(hosts))]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()  # the end of its questions
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
+        self._stderr.close()
+
+    def __enter__(self) -> LaunchHelper:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def slice_host_coords(topology: str) -> list[list[int]]:

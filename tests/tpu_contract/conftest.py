@@ -18,3 +18,12 @@ def tpu_device_name():
 
     if torch._C._get_privateuse1_backend_name() != "tpu":
         torch.utils.rename_privateuse1_backend("tpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_launch_helper_per_environment():
+    """torch_tpu's launch helper started once for each job environment the lane's checks ask it about."""
+    from tests.tpu_contract.launch_helpers import one_helper_per_environment
+
+    with one_helper_per_environment():
+        yield
