@@ -1,9 +1,10 @@
 """The learner's whole train step captured for TorchTPU's `tpu` compile backend on a host without a TPU.
 
-Run as a script (`python -m tests.tpu_contract.step_capture FAMILY=MODEL_PATH ...`) it prints one JSON line per
-model: what Dynamo and TorchTPU's backend did with one GRPO optimizer step of rlpipe's learner. torch_tpu reads
-TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS once per process (`env.get_bool_env_once`), so each value of the
-flag needs a process of its own; tests/tpu_contract/test_step_capture.py starts one per value.
+Run as a script (`python -m tests.tpu_contract.step_capture VALUE[,VALUE] FAMILY=MODEL_PATH ...`) it prints one JSON
+line per value and model: what Dynamo and TorchTPU's backend did with one GRPO optimizer step of rlpipe's learner
+with TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS at that value. torch_tpu reads the flag once per process
+(`env.get_bool_env_once`), so each value runs in a process of its own, forked after the imports (which read no
+such flag): the step's first compile reads it there.
 
 How the step gets there without a chip:
 - The learner is rlpipe's own (`rlpipe.training.learner.Learner`, `learner.graph: true`, 2 ranks, this process rank 0). Its
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import json
 import operator
+import os
 import sys
+import traceback
 from collections import Counter
 
 
@@ -185,13 +188,44 @@ def capture(model_path: str, overrides: list[str]) -> dict:
     return record
 
 
-def main(argv: list[str]) -> None:
-    for item in argv:
+FLAG = "TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS"
+
+
+def capture_all(flag: str, models: list[str]) -> None:
+    os.environ[FLAG] = flag
+    for item in models:
         family, model_path = item.split("=", 1)
         variant = next(suffix for suffix in sorted(VARIANTS, key=len, reverse=True) if family.endswith(suffix))
         result = capture(model_path, VARIANTS[variant])
-        print("CAPTURE " + json.dumps({"family": family, **result}), flush=True)
+        print("CAPTURE " + json.dumps({"flag": flag, "family": family, **result}), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    flags, models = argv[0].split(","), argv[1:]
+    # What capture() imports, paid once for every value's process.
+    import torch_tpu._internal.compile.split_compiler  # noqa: F401
+    import rlpipe.training.learner  # noqa: F401
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401
+
+    failed = 0
+    for flag in flags:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                capture_all(flag, models)
+            except BaseException:  # noqa: BLE001 (reported, then this fork ends)
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        failed += status != 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

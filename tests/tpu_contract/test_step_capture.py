@@ -5,8 +5,9 @@ run through TorchTPU's own backend up to the chip: its aot_autograd, its split c
 
 TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS decides whether TorchTPU's split compiler cuts the compiled step at
 every collective (torch_tpu/_internal/compile/split_compiler.py, `SplitCompiler.__call__`, default true). torch_tpu
-reads it once per process, so each value runs in a child process that sets it explicitly (the lane's environment
-otherwise gets "false" from vllm-torchtpu's sitecustomize.py)."""
+reads it once per process, so each value runs in a process of its own that sets it explicitly (the lane's environment
+otherwise gets "false" from vllm-torchtpu's sitecustomize.py): one child process, forked once per value after its
+imports."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # A family's "+splash" variant runs attention through the Pallas kernel (model.kernels.attention=pallas).
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3+splash", "qwen3_moe+splash")
-FLAG = "TORCH_TPU_INTERNAL_MATERIALIZE_COLLECTIVE_TENSORS"
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +36,18 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def captures(tiny_models) -> dict[str, dict[str, dict]]:
     """flag value ("true" | "false") -> model family -> what the capture recorded."""
-    out: dict[str, dict[str, dict]] = {}
-    for value in ("true", "false"):
-        env = {**os.environ, FLAG: value, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        args = [f"{family}={path}" for family, path in tiny_models.items()]
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.tpu_contract.step_capture", *args],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-        )
-        lines = [line[len("CAPTURE "):] for line in done.stdout.splitlines() if line.startswith("CAPTURE ")]
-        assert done.returncode == 0 and len(lines) == len(FAMILIES), done.stdout[-2000:] + done.stderr[-6000:]
-        out[value] = {record["family"]: record for record in map(json.loads, lines)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    args = [f"{family}={path}" for family, path in tiny_models.items()]
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.tpu_contract.step_capture", "true,false", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
+    )
+    lines = [line[len("CAPTURE "):] for line in done.stdout.splitlines() if line.startswith("CAPTURE ")]
+    assert done.returncode == 0 and len(lines) == 2 * len(FAMILIES), done.stdout[-2000:] + done.stderr[-6000:]
+    out: dict[str, dict[str, dict]] = {"true": {}, "false": {}}
+    for record in map(json.loads, lines):
+        out[record["flag"]][record["family"]] = record
+    assert all(set(by_family) == set(FAMILIES) for by_family in out.values()), lines
     return out
 
 
