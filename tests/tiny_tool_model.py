@@ -1,5 +1,6 @@
 """A tiny Qwen3 trained in seconds to call the calculator tool, for the multi-turn tests: its episodes call the real
-tool. Only the tests use it, so it lives here rather than in the package."""
+tool, in Qwen's Hermes format or in Llama 3's JSON format. Only the tests use it, so it lives here rather than in the
+package."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ TOOL_CHATML = (
     "{% if loop.first and tools %}\nTools: {{ tools | map(attribute='function.name') | join(', ') }}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The same, teaching Llama 3's JSON calls as Llama 3.1's template does: after its <|python_tag|> special token.
+LLAMA_TOOL_CHATML = TOOL_CHATML.replace("| join(', ') }}", "| join(', ') }} <|python_tag|>")
+PYTHON_TAG = "<|python_tag|>"
+
+
+def call_text(expression: str, call_format: str) -> str:
+    """The model's call of the calculator on `expression` in `call_format` (hermes | llama3_json)."""
+    if call_format == "llama3_json":
+        return PYTHON_TAG + json.dumps({"name": "calculator", "parameters": {"expression": expression}})
+    return f"<tool_call>{json.dumps({'name': 'calculator', 'arguments': {'expression': expression}})}</tool_call>"
 
 
 def arithmetic_question(rng) -> tuple[str, str]:
@@ -25,7 +36,8 @@ def arithmetic_question(rng) -> tuple[str, str]:
     return f"Calculate {expression}.", expression
 
 
-def tool_conversation(tokenizer, system_prompt: str, question: str, expression: str) -> tuple[list[int], list[int]]:
+def tool_conversation(tokenizer, system_prompt: str, question: str, expression: str,
+                      call_format: str = "hermes") -> tuple[list[int], list[int]]:
     """One episode as the engine would run it when the model calls the calculator on the question's expression and
     then answers with its result: the ids (prompt, first turn, the tool message as rlpipe.tools appends it, second
     turn) and which of them the model writes (1)."""
@@ -33,19 +45,19 @@ def tool_conversation(tokenizer, system_prompt: str, question: str, expression: 
 
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
     prompt = render_conversation(tokenizer, messages, tool_schemas([calculator]))
-    call = {"name": "calculator", "arguments": {"expression": expression}}
     end = [tokenizer.eos_token_id]
-    first = tokenizer(f"<tool_call>{json.dumps(call)}</tool_call>", add_special_tokens=False)["input_ids"] + end
+    first = tokenizer(call_text(expression, call_format), add_special_tokens=False)["input_ids"] + end
     suffix = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "calculator", "content": calculator(expression)}])
     second = tokenizer(calculator(expression), add_special_tokens=False)["input_ids"] + end
     ids = prompt + first + suffix + second
     return ids, [0] * len(prompt) + [1] * len(first) + [0] * len(suffix) + [1] * len(second)
 
 
-def build_tool_tokenizer(folder, system_prompt: str, prompt_suffix: str = "", questions=None):
-    """The tiny tool model's tokenizer (TOOL_CHATML, the chat specials), trained on calculator episodes' text of
-    `questions` (arithmetic_question's; 256 of seed 0's when None), saved to `folder`: digits one by one, the call's
-    JSON as few tokens."""
+def build_tool_tokenizer(folder, system_prompt: str, prompt_suffix: str = "", questions=None,
+                         call_format: str = "hermes"):
+    """The tiny tool model's tokenizer (TOOL_CHATML, the chat specials; for `llama3_json` LLAMA_TOOL_CHATML and the
+    <|python_tag|> special token), trained on calculator episodes' text of `questions` (arithmetic_question's; 256
+    of seed 0's when None), saved to `folder`: digits one by one, the call's JSON as few tokens."""
     import random
 
     from tokenizers import pre_tokenizers
@@ -53,20 +65,26 @@ def build_tool_tokenizer(folder, system_prompt: str, prompt_suffix: str = "", qu
     if questions is None:
         rng = random.Random(0)
         questions = [arithmetic_question(rng) for _ in range(256)]
-    call = json.dumps({"name": "calculator", "arguments": {"expression": "1 + 2"}})
+    call = call_text("1 + 2", call_format).removeprefix(PYTHON_TAG)
     corpus = [f"system\n{system_prompt}\nTools: calculator\nuser\n{q}{prompt_suffix}\nassistant\n"
-              f"<tool_call>{call}</tool_call>\ntool\n" for q, _ in questions]
+              f"{call}\ntool\n" for q, _ in questions]
     digits_apart = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
-    return train_tokenizer(folder, digits_apart, corpus, 448, TOOL_CHATML)
+    if call_format == "hermes":
+        return train_tokenizer(folder, digits_apart, corpus, 448, TOOL_CHATML)
+    tokenizer = train_tokenizer(folder, digits_apart, corpus, 448, LLAMA_TOOL_CHATML)
+    tokenizer.add_special_tokens({"additional_special_tokens": [PYTHON_TAG]})
+    tokenizer.save_pretrained(folder)
+    return tokenizer
 
 
 def build_tiny_tool_model(folder, system_prompt: str, prompt_suffix: str = "", seed: int = 0, steps: int = 400,
-                          lr: float = 5e-3) -> str:
+                          lr: float = 5e-3, call_format: str = "hermes") -> str:
     """A tiny Qwen3 that calls the calculator tool (rlpipe.tools:calculator): trained briefly (supervised, on the
-    model's tokens) on episodes of the calculator recipe's kind, whose first turn is a Qwen-style <tool_call> of the
-    question's expression and whose second turn is the tool's result. Sampled at temperature 1, most episodes call
+    model's tokens) on episodes of the calculator recipe's kind, whose first turn is a call of the question's
+    expression in `call_format` (hermes: Qwen's <tool_call>; llama3_json: Llama 3's <|python_tag|>{...}) and whose
+    second turn is the tool's result. Sampled at temperature 1, most episodes call
     the tool and some answer right. Its tokenizer splits digits one by one and learns the call's JSON as few tokens."""
     import random
 
@@ -75,9 +93,9 @@ def build_tiny_tool_model(folder, system_prompt: str, prompt_suffix: str = "", s
 
     rng = random.Random(seed)
     questions = [arithmetic_question(rng) for _ in range(2048)]
-    tokenizer = build_tool_tokenizer(folder, system_prompt, prompt_suffix, questions[:256])
+    tokenizer = build_tool_tokenizer(folder, system_prompt, prompt_suffix, questions[:256], call_format)
 
-    rows = [tool_conversation(tokenizer, system_prompt, q + prompt_suffix, e) for q, e in questions]
+    rows = [tool_conversation(tokenizer, system_prompt, q + prompt_suffix, e, call_format) for q, e in questions]
     config = transformers.Qwen3Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,

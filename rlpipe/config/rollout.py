@@ -89,6 +89,11 @@ class RolloutConfig:
         "a verifiers task set (named as data.verifiers_taskset names one) whose shared tool servers' tools "
         "(Taskset.toolsets) join the episode's tools (docs/tools.md)",
     )
+    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic"] = key(
+        "auto",
+        "the format the model writes tool calls in (vLLM's tool parser of that name; hermes: <tool_call>{json}"
+        "</tool_call>, read as TRL reads it); auto: the format the chat template teaches (docs/tools.md)",
+    )
     max_turns: int = key(8, "model turns per multi-turn episode (an episode still calling tools after it is cut)")
     tool_timeout_s: float = key(30.0, "a tool call not done within this answers the model with an error message")
     max_tool_calls_per_turn: int = key(

@@ -253,7 +253,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     if cfg.rollout.environment_factory:  # reward functions also get each episode's environment (TRL's)
         columns = [*columns, *EPISODE_COLUMNS]
     preflight.check_reward_functions(cfg.reward, columns)
-    preflight.check_rollout_tools(cfg.rollout)
+    preflight.check_rollout_tools(cfg.rollout, tokenizer, cfg.data.chat_template_kwargs)
     limit = cfg.max_prompt_tokens
     train_set = PromptSet(train_rows, tokenizer, cfg.data, max_prompt_tokens=limit)
     eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows), max_prompt_tokens=limit)

@@ -70,7 +70,7 @@ def evaluate_saved_weights(path: str, recipe: str | None, overrides: list[str], 
         if cfg.rollout.environment_factory:  # as in training: reward functions also get the episodes' environments
             columns = [*columns, *EPISODE_COLUMNS]
         preflight.check_reward_functions(cfg.reward, columns)
-        preflight.check_rollout_tools(cfg.rollout)
+        preflight.check_rollout_tools(cfg.rollout, tokenizer, cfg.data.chat_template_kwargs)
         eval_set = PromptSet(eval_rows, tokenizer, cfg.data, id_offset=len(train_rows),
                              max_prompt_tokens=cfg.max_prompt_tokens)
         if cfg.data.overlong == "drop":  # the prompts the run itself evaluated

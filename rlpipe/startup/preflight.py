@@ -211,10 +211,18 @@ def check_reward_functions(reward: RewardConfig, columns: list[str]) -> None:
     RewardRunner([asdict(f) for f in reward.functions], timeout_s=reward.timeout_s, columns=columns)
 
 
-def check_rollout_tools(rollout) -> None:
+def check_rollout_tools(rollout, tokenizer, template_kwargs: dict) -> None:
     """The recipe's tools (`rollout`: a RolloutConfig), before any cluster starts: a tool that cannot load, or that
-    runs model-written code where the sandbox cannot isolate it, and a verifiers task set whose tool servers do not
-    start, are refused in one line here rather than as an engine's error."""
+    runs model-written code where the sandbox cannot isolate it, a verifiers task set whose tool servers do not
+    start, and a model whose tool-call format rollout.tool_parser cannot tell, are refused in one line here rather
+    than as an engine's error."""
+    if rollout.multi_turn:
+        from rlpipe.tools.formats import tool_parser_for
+
+        try:
+            tool_parser_for(tokenizer, rollout.tool_parser, template_kwargs)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if rollout.tools:
         from rlpipe.tools import check_tools
 

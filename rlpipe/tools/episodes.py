@@ -15,6 +15,7 @@ from typing import Any
 
 from rlpipe.config.rollout import MAX_TOOL_CALLS_PER_TURN, MAX_TOOL_TIME_PER_EPISODE_S
 from rlpipe.tools.calls import ToolCall, ToolThreads, error_text, run_tool_calls
+from rlpipe.tools.formats import TurnReader
 from rlpipe.tools.render import parse_tool_calls, tool_suffix_ids
 
 logger = logging.getLogger("rlpipe")
@@ -97,16 +98,20 @@ def run_episodes(
     limits: EpisodeLimits,
     template_kwargs: dict | None = None,
     threads: ToolThreads | None = None,
+    read_turn: TurnReader | None = None,
 ) -> list[Episode]:
     """Play `episodes` to their end. `sample_turn(requests)` samples one turn per (context ids, max tokens) request,
     all of them submitted together. An episode ends when the model's turn calls no tool, is cut at max_tokens,
     reaches max_turns, or when the context would not fit its next turn or the chat template cannot render its tool
     messages (those ending with finish_reason "length": the episode was cut, not finished). Tool calls run on
     `threads`, the caller's (an engine's runner passes its own, so calls stuck in one step count in the next); None:
-    threads of this call alone. Only `sample_turn` (the engine) may raise out of here: a turn that cannot be read is
-    plain text, a call that cannot run or whose result cannot be written is an error message the model reads."""
+    threads of this call alone. `read_turn(text, token_ids)` reads a turn's tool calls in the model's format
+    (rlpipe/tools/formats.py `turn_reader`; None: Hermes, `parse_tool_calls`). Only `sample_turn` (the engine) may
+    raise out of here: a turn that cannot be read is plain text, a call that cannot run or whose result cannot be
+    written is an error message the model reads."""
     template_kwargs = template_kwargs or {}
     threads = threads if threads is not None else ToolThreads()
+    read_turn = read_turn or _hermes
     live = list(episodes)
     while live:
         for episode in live:
@@ -122,7 +127,7 @@ def run_episodes(
         turns = sample_turn(requests)
         calling = [
             (episode, message) for episode, turn in zip(live, turns)
-            if (message := _take_turn(episode, turn, limits)) is not None
+            if (message := _take_turn(episode, turn, limits, read_turn)) is not None
         ]
         replies = _answer_calls(calling, limits, threads)
         live = [
@@ -132,11 +137,11 @@ def run_episodes(
     return episodes
 
 
-def _take_turn(episode: Episode, turn: Turn, limits: EpisodeLimits) -> dict | None:
+def _take_turn(episode: Episode, turn: Turn, limits: EpisodeLimits, read_turn: TurnReader) -> dict | None:
     """Add the model's turn to its episode: the turn's message when its tool calls are to be answered, else None
     (the episode ends there)."""
     episode.add_model_turn(turn)
-    message = _read_turn(turn.text)
+    message = _read_turn(turn, read_turn)
     episode.messages.append(message)
     if turn.finish_reason != "stop" or "tool_calls" not in message:
         return None
@@ -146,12 +151,16 @@ def _take_turn(episode: Episode, turn: Turn, limits: EpisodeLimits) -> dict | No
     return message
 
 
-def _read_turn(text: str) -> dict:
-    """The turn's message (parse_tool_calls); a turn it fails on is plain text, as a malformed call makes it."""
+def _hermes(text: str, token_ids: list[int]) -> dict:
+    return parse_tool_calls(text)
+
+
+def _read_turn(turn: Turn, read_turn: TurnReader) -> dict:
+    """The turn's message as `read_turn` reads it; a turn it fails on is plain text, as a malformed call makes it."""
     try:
-        return parse_tool_calls(text)
+        return read_turn(turn.text, turn.token_ids)
     except Exception:  # noqa: BLE001 - whatever the model wrote is its sample's outcome, never the step's
-        return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": turn.text}
 
 
 def _answer_calls(calling: list[tuple[Episode, dict]], limits: EpisodeLimits, threads: ToolThreads) -> list[list[dict]]:

@@ -119,7 +119,7 @@ def _read_call(body: str) -> dict | None:
         call = json.loads(valid_text(body))
     except (ValueError, RecursionError):  # JSONDecodeError is a ValueError, as is the integer digit limit
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or _depth(call) > MAX_CALL_DEPTH:
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call_depth(call) > MAX_CALL_DEPTH:
         return None
     if _SURROGATE_ESCAPE.search(body):
         call = json.loads(valid_text(json.dumps(call, ensure_ascii=False)))
@@ -127,7 +127,7 @@ def _read_call(body: str) -> dict | None:
     return {"type": "function", "function": {"name": call["name"], "arguments": {} if arguments is None else arguments}}
 
 
-def _depth(value) -> int:
+def call_depth(value) -> int:
     """How deep lists and mappings nest in `value`, counted without recursion (stopping past MAX_CALL_DEPTH)."""
     deepest, pending = 0, [(value, 1)]
     while pending and deepest <= MAX_CALL_DEPTH:

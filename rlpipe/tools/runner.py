@@ -3,7 +3,8 @@ request per prompt for its completions, or `MultiTurn`, the recipe's tools and e
 process, each episode's prompt rendered with its tools, every live episode's next turn requested together, and tool
 calls on threads the runner holds for the engine's life. A runner samples through the engine's `sample(prompts,
 params)` (vLLM's requests, which a weight sync may abort) and answers with `Completion`s. It imports this package,
-rlpipe.types and rlpipe's config, and vLLM's input type when it samples; never the engine, which imports it."""
+rlpipe.types and rlpipe's config, vLLM's input type when it samples and vLLM's tool parser where the model writes
+calls in a format other than Hermes (formats.py); never the engine, which imports it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from rlpipe.config import RolloutConfig
 from rlpipe.tools.calls import ToolThreads
 from rlpipe.tools.episodes import Episode, EpisodeLimits, Turn, run_episodes
+from rlpipe.tools.formats import TurnReader, tool_parser_for, turn_reader
 from rlpipe.tools.loading import ToolSet
 from rlpipe.tools.render import render_conversation
 from rlpipe.types import Completion, Prompt
@@ -62,9 +64,17 @@ class MultiTurn:
     """Episodes with the recipe's tools (rlpipe/tools/episodes.py). The tool calls of every episode this engine
     plays run on `threads`, so calls stuck past their time limit in one step still count in the next."""
 
-    def __init__(self, toolset: ToolSet, cfg: RolloutConfig):
+    def __init__(self, toolset: ToolSet, cfg: RolloutConfig, read_turn: TurnReader | None = None):
         self.toolset, self.cfg = toolset, cfg
         self.threads = ToolThreads()
+        # How a turn's tool calls are read (formats.py): made with the engine's tokenizer at the first episodes,
+        # in the format rollout.tool_parser names or the chat template teaches.
+        self._reader = read_turn
+
+    def _read_turn(self, tokenizer, template_kwargs: dict) -> TurnReader:
+        if self._reader is None:
+            self._reader = turn_reader(tokenizer, tool_parser_for(tokenizer, self.cfg.tool_parser, template_kwargs))
+        return self._reader
 
     def run(self, prompts: list[Prompt], n: int, params, version: int, *, sample: Sample,
             tokenizer) -> list[list[Completion]]:
@@ -110,8 +120,9 @@ class MultiTurn:
                                self.cfg.max_tool_calls_per_turn, self.cfg.max_tool_time_per_episode_s)
         try:
             # One recipe's prompts share data.chat_template_kwargs: the tool messages render as its prompts did.
-            run_episodes(episodes, sample_turn, tokenizer, limits, prompts[0].template_kwargs if prompts else None,
-                         self.threads)
+            template_kwargs = prompts[0].template_kwargs if prompts else {}
+            run_episodes(episodes, sample_turn, tokenizer, limits, template_kwargs, self.threads,
+                         self._read_turn(tokenizer, template_kwargs))
         except _Aborted:
             return [[] for _ in prompts]
         completions = [

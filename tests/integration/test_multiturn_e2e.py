@@ -46,6 +46,7 @@ def _overrides(run_dir, model_path, name: str) -> list[str]:
         "rollout.group_size=4",
         "rollout.max_tokens=40",  # a turn: the tool call is about 30 of the tiny tokenizer's tokens
         "rollout.max_model_len=192",  # the episode: prompt (about 55), the call, the tool message, the answer
+        "rollout.tool_parser=hermes",  # the tiny template lists the tools' names and teaches no format itself
         "train.steps=2",
         "train.prompts_per_step=2",
         "train.micro_batch_size=4",

@@ -670,7 +670,6 @@ def test_a_multi_turn_episode_keeps_the_engines_ids_and_the_learner_agrees_on_th
     tool message's rendered ids follow the first turn's as sampled, and the learner's log-probs of the model's
     tokens across both turns are the engine's. The tiny random model neither ends a turn nor writes a tool call by
     itself, so the test decides both for each episode's first turn; every id and log-prob is the engine's."""
-    import rlpipe.tools.episodes
     from rlpipe.bench.tiny_model import CHATML
     from rlpipe.tools import ToolSet, calculator, tool_suffix_ids
     from rlpipe.tools.runner import MultiTurn
@@ -686,16 +685,15 @@ def test_a_multi_turn_episode_keeps_the_engines_ids_and_the_learner_agrees_on_th
         "<|im_end|>\n{% endif %}" + CHATML
     )
     monkeypatch.setattr(engine.llm, "get_tokenizer", lambda: tokenizer)
-    monkeypatch.setattr(engine, "episode_runner", MultiTurn(ToolSet([calculator]), engine.cfg))
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
     parsed = []
 
-    def first_turn_calls(text):  # the four episodes' first turns are parsed first
+    def first_turn_calls(text, token_ids):  # the four episodes' first turns are read first
         parsed.append(text)
         return {"role": "assistant", "content": "", "tool_calls": [call]} if len(parsed) <= 4 else \
             {"role": "assistant", "content": text}
 
-    monkeypatch.setattr(rlpipe.tools.episodes, "parse_tool_calls", first_turn_calls)
+    monkeypatch.setattr(engine, "episode_runner", MultiTurn(ToolSet([calculator]), engine.cfg, first_turn_calls))
     requests, run = [], engine._run
 
     def run_counting(prompts, params):
