@@ -45,7 +45,8 @@ def train_tokenizer(folder, pre_tokenizer, corpus: list[str], vocab_size: int, c
 
 
 def build_tiny_model(folder, family: str, seed: int = 0) -> str:
-    """A random 2-layer model of `family` (qwen3 | qwen3_moe | llama) saved as an HF folder with the tiny tokenizer."""
+    """A random 2-layer model of `family` (qwen3 | qwen3_moe | llama, or any other model_type transformers runs as a
+    causal LM, e.g. gemma3_text, olmo2) saved as an HF folder with the tiny tokenizer."""
     import torch
     import transformers
 
@@ -76,8 +77,9 @@ def build_tiny_model(folder, family: str, seed: int = 0) -> str:
     elif family == "llama":
         config = transformers.LlamaConfig(**common, tie_word_embeddings=False)
         model_cls = transformers.LlamaForCausalLM
-    else:
-        raise ValueError(family)
+    else:  # a family rlpipe's decoder does not implement: transformers' own causal LM of that model_type
+        config = transformers.AutoConfig.for_model(family, **common)
+        model_cls = transformers.AutoModelForCausalLM.from_config
     torch.manual_seed(seed)
     model = model_cls(config)
     # Larger-than-default weights make the random policy's distribution peaked enough that a few

@@ -64,6 +64,12 @@ def tiny_qwen3_moe(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_olmo2(tmp_path_factory) -> str:
+    """A family rlpipe's decoder does not implement: it trains on transformers' code (model.impl auto)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-olmo2"), "olmo2")
+
+
+@pytest.fixture(scope="session")
 def tiny_tool_model(tmp_path_factory) -> str:
     """A tiny Qwen3 trained to call the calculator on the calculator recipe's questions (configs/calculator.yaml's
     system prompt and prompt suffix): its episodes call the real tool."""

@@ -53,6 +53,12 @@ class ModelConfig:
     )
     tokenizer: str | None = key(None, "tokenizer folder when it is not inside model.path")
     dtype: Literal["float32", "bfloat16"] = key("float32", "learner parameter and compute dtype")
+    impl: Literal["auto", "rlpipe", "transformers"] = key(
+        "auto",
+        "the learner's model code: rlpipe's decoder (llama, mistral, qwen2, qwen3, qwen3_moe: SimpleFSDP, the captured "
+        "step, the Pallas kernels), transformers' AutoModelForCausalLM (any decoder-only text family it knows; eager "
+        "steps, torch kernels), or auto: rlpipe's where it has the family, else transformers' (docs/models.md)",
+    )
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
     def check(self) -> None:

@@ -64,6 +64,9 @@ class ModelArchitecture:
     router_aux_loss_coef: float = field(default=0.0, compare=False)
     # Only shapes fresh (untrained) weights, so two configs describing the same architecture compare equal.
     initializer_range: float = field(default=0.02, compare=False)
+    # Whose code the model runs: rlpipe's decoder (rlpipe/models/llama.py), or transformers' for a family rlpipe does
+    # not implement (`from_transformers`: only the shapes the run's plumbing reads are kept).
+    implementation: str = "rlpipe"
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -75,6 +78,8 @@ class ModelArchitecture:
         self.layer_types = tuple(self.layer_types)
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "default":
             self.rope_scaling = None
+        if self.implementation == "transformers":  # transformers' code checks its own settings
+            return
 
         if self.hidden_act not in _SILU_NAMES:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}: only 'silu' is implemented")
@@ -161,6 +166,54 @@ class ModelArchitecture:
             initializer_range=hf_config.get("initializer_range", 0.02),
             **moe,
         )
+
+
+# A family's logits transformed after the output projection, which rlpipe's log-prob kernels (a plain projection
+# divided by the temperature) do not apply: config key -> the value that leaves the logits alone.
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logits_scaling": 1.0, "logit_scale": 1.0}
+
+
+def transformers_architecture(hf_config: dict) -> ModelArchitecture:
+    """The shapes of a decoder-only text model that transformers implements and rlpipe's decoder does not, read
+    through transformers' config class for its model_type (whose defaults fill what config.json omits). Raises
+    ValueError in one line for a model transformers cannot run as a causal LM or that rlpipe's learner cannot train
+    through it (mixture of experts; logits transformed after the projection)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = hf_config.get("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in hf_config.items() if k != "model_type"})
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"unsupported model_type {model_type!r}: neither rlpipe's model code ({', '.join(MODEL_TYPES)})"
+                         f" nor transformers knows it ({' '.join(str(err).split())[:160]})") from None
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or config.get_text_config() is not config:
+        raise ValueError(f"model_type {model_type!r} is not a decoder-only text model transformers runs as a causal "
+                         "LM (AutoModelForCausalLM)")
+    experts = next((getattr(config, name) for name in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if getattr(config, name, None)), None)
+    if experts:
+        raise ValueError(f"model_type {model_type!r}: a mixture of experts ({experts} experts) runs only on rlpipe's "
+                         "own model code (qwen3_moe)")
+    for name, neutral in _LOGIT_TRANSFORMS.items():
+        if getattr(config, name, neutral) not in (neutral, None):
+            raise ValueError(f"model_type {model_type!r}: its {name} ({getattr(config, name)}) changes the logits "
+                             "after the output projection, which rlpipe's log-prob kernels do not apply")
+    heads = config.num_attention_heads
+    return ModelArchitecture(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, "intermediate_size", None) or 0,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2048,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        hidden_act=str(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or ""),
+        initializer_range=getattr(config, "initializer_range", 0.02),
+        implementation="transformers",
+    )
 
 
 def _moe_settings(hf_config: dict) -> dict:

@@ -83,7 +83,7 @@ def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = None) -
 def load_model_weights(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The folder's weights under the model's own names: as stored, except that per-expert tensors of a
     mixture-of-experts model are stacked (rlpipe/models/moe.py)."""
-    num_experts = meta_model(path).config.num_experts
+    num_experts = meta_model(path).architecture.num_experts
     state = load_state_dict(path, dtype)
     return stack_expert_weights(state, num_experts) if num_experts else state
 
@@ -107,12 +107,12 @@ class CheckpointWeights:
 
     def __init__(self, path: str | os.PathLike, model: CausalLM, dtype: torch.dtype | None = torch.float32):
         self.dtype = dtype
-        self.num_experts = model.config.num_experts
+        self.num_experts = model.architecture.num_experts
         # stored name -> (file, where its bytes start, dtype, shape), from the checked headers. Read with plain file
         # reads, not through safetensors' memory map: every mapped page a read touches counts as this process's
         # memory while the mapping lives, so rows would cost their bytes twice and a whole load the whole file.
         tensors = stored_tensors(path)
-        check_stored_against_config(model.config, tensors, Path(path))
+        check_stored_against_config(model.architecture, tensors, Path(path))
         self._entries = {
             name: (tensor.file, tensor.start, _SAFETENSORS_DTYPES[tensor.dtype], tensor.shape)
             for name, tensor in tensors.items()
@@ -161,13 +161,17 @@ class CheckpointWeights:
     def load_into(self, model: CausalLM, device: str | torch.device, placed=None) -> None:
         """Give every parameter of `model` (on `meta`) its whole weight on `device`, one tensor at a time, each
         handed to `placed` (if given) as soon as it is there (e.g. to lay it out over devices before the next)."""
+        loaded: dict[int, torch.nn.Parameter] = {}  # a parameter two modules share (tied) is read once, under its first name
         for module_name, module in model.named_modules():
             for name, param in list(module._parameters.items()):
-                if param is not None:
+                if param is None:
+                    continue
+                if id(param) not in loaded:
                     weight = self.read(f"{module_name}.{name}" if module_name else name).to(device)
-                    module._parameters[name] = torch.nn.Parameter(weight, requires_grad=param.requires_grad)
+                    loaded[id(param)] = torch.nn.Parameter(weight, requires_grad=param.requires_grad)
                     if placed is not None:
-                        placed(module._parameters[name])
+                        placed(loaded[id(param)])
+                module._parameters[name] = loaded[id(param)]
 
 
 def check_weights(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
@@ -185,18 +189,19 @@ def check_weights(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
-def meta_model(path: str | os.PathLike) -> CausalLM:
-    """The module tree config.json describes, on the meta device: shapes without memory."""
+def meta_model(path: str | os.PathLike, impl: str = "auto") -> CausalLM:
+    """The module tree config.json describes, in the code `impl` (model.impl) chooses, on the meta device: shapes
+    without memory."""
     with torch.device("meta"):
-        return build_model(read_hf_config(path))
+        return build_model(read_hf_config(path), impl)
 
 
 def _as_model_state(model: CausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A folder's tensors under the names `model` loads: experts stacked, RoPE tables and a tied lm_head dropped."""
-    if model.config.num_experts:
-        state = stack_expert_weights(state, model.config.num_experts)
+    if model.architecture.num_experts:
+        state = stack_expert_weights(state, model.architecture.num_experts)
     state = {name: tensor for name, tensor in state.items() if not name.endswith(_IGNORED_CHECKPOINT_SUFFIXES)}
-    if model.config.tie_word_embeddings:
+    if model.architecture.tie_word_embeddings:
         # Some tied checkpoints still carry a copy of the embedding as lm_head; the embedding is authoritative.
         state.pop("lm_head.weight", None)
     return state

@@ -122,7 +122,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.impl = "torch"  # see rlpipe/kernels/rmsnorm.py; CausalLM.use_kernels sets it
+        self.impl = "torch"  # see rlpipe/kernels/rmsnorm.py; CausalLM.set_kernels sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.impl)
@@ -156,7 +156,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.sliding_window = sliding_window
-        self.impl = "torch"  # see rlpipe/kernels/attention.py; CausalLM.use_kernels sets it
+        self.impl = "torch"  # see rlpipe/kernels/attention.py; CausalLM.set_kernels sets it
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
@@ -342,7 +342,16 @@ class CausalLM(nn.Module):
                 for param in module.parameters(recurse=False):
                     param.normal_(0.0, std)
 
-    def use_kernels(self, rmsnorm: str = "torch", attention: str = "torch", experts: str = "torch") -> CausalLM:
+    @property
+    def architecture(self) -> ModelArchitecture:
+        """What the run's plumbing reads of any model it trains (rlpipe/models/transformers_lm.py has the same)."""
+        return self.config
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """learner.activation_checkpointing (see DecoderStack)."""
+        self.model.activation_checkpointing = enabled
+
+    def set_kernels(self, rmsnorm: str = "torch", attention: str = "torch", experts: str = "torch") -> CausalLM:
         """Choose the implementation of the ops that have several (rlpipe/kernels; config `model.kernels`)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):

@@ -55,7 +55,7 @@ class Experts(nn.Module):
         # Kept apart because under SimpleFSDP every read of a weight attribute is an all-gather, so each forward
         # reads each weight exactly once, never just for its shape.
         self.num_experts = num_experts
-        self.impl = "torch"  # see EXPERT_IMPLEMENTATIONS; CausalLM.use_kernels sets it
+        self.impl = "torch"  # see EXPERT_IMPLEMENTATIONS; CausalLM.set_kernels sets it
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen experts of routing weight x expert(token), for x [N, H], chosen and

@@ -51,7 +51,7 @@ class RlpipeForCausalLM(CausalLM):
 
         hf_config = vllm_config.model_config.hf_config.to_dict()
         super().__init__(ModelArchitecture.from_hf({**hf_config, "model_type": model_type_of(hf_config)}))
-        self.use_kernels(**hf_config.get(KERNELS_KEY, {}))  # attention stays vLLM's (the paged KV cache)
+        self.set_kernels(**hf_config.get(KERNELS_KEY, {}))  # attention stays vLLM's (the paged KV cache)
         if vllm_platform() == "torchtpu":  # vLLM compiles the model there, and cannot trace a kernel's registration
             register_torchtpu_ops()
         for index, layer in enumerate(self.model.layers):

@@ -182,6 +182,37 @@ def check_model(path: str) -> dict[str, tuple[int, ...]]:
         raise ConfigError(f"model.path: {err}") from None
 
 
+def check_model_impl(cfg: Config, model_path: str) -> None:
+    """model.impl against the model and the run: rlpipe's code asked for a family it does not have, and, for a model
+    transformers runs, what only rlpipe's decoder offers (the captured step, the Pallas kernels, the XLA and TPU
+    learners, rlpipe's model inside vLLM, mixtures of experts) are refused in one line naming the key."""
+    from rlpipe.models import read_hf_config
+    from rlpipe.models.registry import implementation, model_architecture, model_type_of
+
+    hf_config = read_hf_config(model_path)
+    try:
+        impl = implementation(hf_config, cfg.model.impl)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if impl == "rlpipe":
+        return
+    family = f"model_type {model_type_of(hf_config)!r} runs on transformers' code (model.impl {cfg.model.impl})"
+    kernels = cfg.model.kernels
+    refusals = [
+        (model_architecture(hf_config).num_experts > 0, "model.impl", "a mixture of experts runs on rlpipe's code only"),
+        (cfg.learner.graph, "learner.graph", "the captured step is rlpipe's decoder's; set learner.graph=false"),
+        (cfg.learner.device in ("xla", "tpu"), "learner.device",
+         f"the {cfg.learner.device} learner runs rlpipe's decoder only; use cpu or cuda"),
+        (kernels.rmsnorm != "torch", "model.kernels.rmsnorm", "the Pallas kernels run in rlpipe's decoder only"),
+        (kernels.attention != "torch", "model.kernels.attention", "the Pallas kernels run in rlpipe's decoder only"),
+        (cfg.rollout.model_impl == "rlpipe", "rollout.model_impl",
+         "rlpipe's model inside vLLM is its decoder; use vllm"),
+    ]
+    for refused, key, why in refusals:
+        if refused:
+            raise ConfigError(f"{key}: {family}: {why}")
+
+
 def check_tokenizer(model: ModelConfig, model_path: str) -> tuple[str | None, Any]:
     """The folder model.tokenizer names (None: the tokenizer is the model's own, in `model_path`) and the tokenizer
     loaded from it; a folder that is missing, holds no tokenizer or links a file from outside itself (see

@@ -203,17 +203,19 @@ class StaticPackedForward:
 
 
 def choose_forward(
-    learner, kernels: KernelsConfig, *, temperature: float, moe: bool, lazy: bool, micro_batch_size: int, passes: int
+    learner, kernels: KernelsConfig, *, temperature: float, moe: bool, lazy: bool, micro_batch_size: int, passes: int,
+    own_model: bool = True,
 ) -> tuple[Forward, PaddedForward | PackedForward]:
     """The train step's forward variant for a `learner` config section, the model's `kernels` and whether it is a
     mixture of experts, on a device that records ops (`lazy`) or not; and the variant of the forward-only passes,
     which compile nothing and so keep eager shapes, except on a lazy device. `passes`: micro-batches of a static
-    step (its largest mini-batch's)."""
+    step (its largest mini-batch's). `own_model`: rlpipe's decoder, not a model transformers runs."""
     # On a lazy device every new packed width would compile a program of its own.
     packs = learner.packing and not lazy
     # MoE: router statistics and the balance loss count tokens as run, which must not depend on sharing; the Pallas
-    # attention kernel takes segment ids, one sequence per document, not a shared prompt's mask.
-    share_prompts = learner.share_prompts and not moe and kernels.attention == "torch"
+    # attention kernel takes segment ids, one sequence per document, not a shared prompt's mask; transformers' masks
+    # come from position ids, which cannot say that several sequences read one prompt.
+    share_prompts = learner.share_prompts and not moe and kernels.attention == "torch" and own_model
     eager = PackedForward(temperature, kernels, share_prompts) if packs else PaddedForward(temperature, kernels)
     if not (learner.graph or lazy):
         return eager, eager

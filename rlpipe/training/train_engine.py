@@ -85,7 +85,7 @@ class TrainEngine:
         self.form = form
         self.weights = weights_view(form, self.strategy, rank, world_size, model_path)
         self.model = self._load(self.weights.weights_to_load)
-        self.model.model.activation_checkpointing = learner.activation_checkpointing
+        self.model.set_activation_checkpointing(learner.activation_checkpointing)
         self.step_fn: GraphTrainStep | None = None
         self.optimizer_steps_taken = 0
         self.policy_version = 0
@@ -97,7 +97,8 @@ class TrainEngine:
         # compiling a graph of its own.
         passes = math.ceil(math.ceil(step_rows / world_size) / train.micro_batch_size) if step_rows else 0
         self.forward, self.forward_only = choose_forward(
-            learner, self.kernels, temperature=temperature, moe=bool(self.model.config.moe_layers),
+            learner, self.kernels, temperature=temperature, moe=bool(self.model.architecture.moe_layers),
+            own_model=self.model.architecture.implementation == "rlpipe",
             lazy=self.backend.lazy, micro_batch_size=train.micro_batch_size, passes=passes,
         )
 
@@ -106,8 +107,8 @@ class TrainEngine:
         keeps (the strategy's `load`): now where no group is needed, else when the group forms. `weights_to_load`
         (the weights view's) adds adapters on a frozen base to the model and its weights."""
         kernels = self.kernels
-        model = meta_model(self.model_path)
-        model.use_kernels(rmsnorm=kernels.rmsnorm, attention=kernels.attention, experts=kernels.experts)
+        model = meta_model(self.model_path, self.model_section.impl)
+        model.set_kernels(rmsnorm=kernels.rmsnorm, attention=kernels.attention, experts=kernels.experts)
         weights = self.weights_from(self.model_path, model, self.dtype)
         if weights_to_load is not None:
             weights = weights_to_load(model, weights)

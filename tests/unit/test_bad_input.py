@@ -394,8 +394,9 @@ def model_config_malformed(d):
 def model_type_unsupported(d):
     model = d.model_copy()
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    return Case([f"model.path={model}"], ["model.path:", "unsupported model_type 'gpt2'"])
+    # Neither rlpipe's model code nor transformers knows it (a family transformers knows trains on its code).
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "no_such_family"}))
+    return Case([f"model.path={model}"], ["model.path:", "unsupported model_type 'no_such_family': neither rlpipe"])
 
 
 @case

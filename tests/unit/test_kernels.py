@@ -339,12 +339,12 @@ def test_token_logprobs_agree_across_kernel_choices_on_a_model(tiny_qwen3, small
             got = token_logprobs(model, ids, kernels=kernels)
             assert got[:, 0].eq(0).all()
             torch.testing.assert_close(got[:, 1:], plain, rtol=1e-5, atol=1e-5, msg=logprob)
-        model.use_kernels(rmsnorm="pallas", attention="pallas")
+        model.set_kernels(rmsnorm="pallas", attention="pallas")
         torch.testing.assert_close(token_logprobs(model, ids)[:, 1:], plain, rtol=1e-5, atol=1e-5)
     # The same in training: one update through the Pallas kernels equals one through torch's.
     grads = {}
     for impl in ("torch", "pallas"):
-        model.use_kernels(rmsnorm=impl, attention=impl)
+        model.set_kernels(rmsnorm=impl, attention=impl)
         model.zero_grad()
         token_logprobs(model, ids).sum().backward()
         grads[impl] = [p.grad.clone() for p in model.parameters()]

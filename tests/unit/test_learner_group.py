@@ -74,14 +74,15 @@ def _rank(rank, world_size, model_path, port, graph, results, extra=(), zero_adv
 # samples with advantage 0 are skipped: the ranks split what is left, and a step with none left steps AdamW on
 # zero gradients (sharded ones here).
 @pytest.mark.parametrize(
-    ("family", "graph"), [("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True)],
-    ids=["eager-qwen3-skipping", "eager-qwen3_moe", "graph-qwen3_moe"],
+    ("family", "graph"), [("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True), ("olmo2", False)],
+    ids=["eager-qwen3-skipping", "eager-qwen3_moe", "graph-qwen3_moe", "eager-olmo2-transformers"],
 )
 @pytest.mark.heavy
 def test_two_ranks_equal_one(request, family, graph):
     """Two sharded ranks (eager, or each step as one captured graph) against one eager unsharded rank. The
     mixture-of-experts model's stacked expert weights are sharded on the expert dimension (2 of its 4 experts a
-    rank), and its router metrics, summed over ranks, equal the single rank's."""
+    rank), and its router metrics, summed over ranks, equal the single rank's. OLMo 2 runs on transformers' code:
+    SimpleFSDP shards its modules as it does rlpipe's, each rank reading only its rows."""
     tiny_qwen3 = request.getfixturevalue(f"tiny_{family}")
     skipping = family == "qwen3" and not graph
     extra = ("algo.kl_beta=0",) if skipping else ()

@@ -169,7 +169,7 @@ def test_static_packed_rows_through_the_pallas_kernel_by_document_ids_equal_the_
     weights = torch.linspace(0.5, 1.5, ids.numel()).view(ids.shape)
     results = {}
     for impl in ("torch", "pallas"):
-        model = model_factory().use_kernels(attention=impl)
+        model = model_factory().set_kernels(attention=impl)
         if impl == "torch":
             logprobs, _ = _padded_token_logprobs(model, ids)
         else:
