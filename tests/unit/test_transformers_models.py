@@ -200,3 +200,15 @@ def test_lora_on_a_new_family_trains_the_adapters_alone_and_exports_what_peft_lo
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         theirs = peft.PeftModel.from_pretrained(base, str(folder)).eval()(ids).logits
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+
+
+def test_the_kl_reference_of_a_new_family_is_a_frozen_copy_of_its_start(folders):
+    path = folders["olmo2"]
+    cfg = load_config(None, [f"model.path={path}", "train.micro_batch_size=2", "train.lr=1e-2", "rollout.group_size=2",
+                             "train.prompts_per_step=2", "algo.kl_beta=0.1"])
+    learner = Learner.from_config(path, cfg)
+    assert learner.reference is not learner.model and type(learner.reference) is type(learner.model)
+    kl = [combine_rank_metrics([learner.train_step(_batch(seed))])["kl"] for seed in range(3)]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 0 and kl[2] > 0  # the policy moves away from it
+    start = _loaded(path).state_dict()
+    assert all(torch.equal(value, start[name]) for name, value in learner.reference.state_dict().items())
