@@ -173,17 +173,24 @@ class ModelArchitecture:
 _LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logits_scaling": 1.0, "logit_scale": 1.0}
 
 
+def transformers_config(hf_config: dict):
+    """transformers' config object of a config.json dict: its model_type's config class, whose defaults fill what
+    the file omits."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
+
+
 def transformers_architecture(hf_config: dict) -> ModelArchitecture:
     """The shapes of a decoder-only text model that transformers implements and rlpipe's decoder does not, read
     through transformers' config class for its model_type (whose defaults fill what config.json omits). Raises
     ValueError in one line for a model transformers cannot run as a causal LM or that rlpipe's learner cannot train
     through it (mixture of experts; logits transformed after the projection)."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = hf_config.get("model_type")
     try:
-        config = AutoConfig.for_model(model_type, **{k: v for k, v in hf_config.items() if k != "model_type"})
+        config = transformers_config(hf_config)
     except (ValueError, KeyError) as err:
         raise ValueError(f"unsupported model_type {model_type!r}: neither rlpipe's model code ({', '.join(MODEL_TYPES)})"
                          f" nor transformers knows it ({' '.join(str(err).split())[:160]})") from None

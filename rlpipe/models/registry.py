@@ -59,12 +59,12 @@ def implementation(hf_config: dict, impl: str = "auto") -> str:
     """Whose code runs the model (model.impl): rlpipe's for its own families under `auto`, transformers' for every
     other family and wherever `impl` asks for it. Raises ValueError in one line where `impl` asks for rlpipe's code
     for a family it does not have."""
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"model.impl: {impl!r} is not one of {', '.join(MODEL_IMPLS)}")
     own = model_type_of(hf_config) in MODEL_BUILDERS
     if impl == "rlpipe" and not own:
         raise ValueError(f"model.impl: rlpipe has no model code for model_type {model_type_of(hf_config)!r} (it has "
                          f"{', '.join(sorted(MODEL_BUILDERS))}); use auto or transformers")
-    if impl not in MODEL_IMPLS:
-        raise ValueError(f"model.impl: {impl!r} is not one of {', '.join(MODEL_IMPLS)}")
     return "rlpipe" if own and impl != "transformers" else "transformers"
 
 

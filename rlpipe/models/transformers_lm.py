@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import nn
 
-from rlpipe.models.architecture import ModelArchitecture
+from rlpipe.models.architecture import ModelArchitecture, transformers_config
 
 
 class TransformersLM:
@@ -82,16 +82,6 @@ def _with_interface(model_class: type) -> type:
     return type(model_class.__name__, (TransformersLM, model_class), {"__module__": model_class.__module__})
 
 
-def transformers_config(hf_config: dict):
-    """transformers' config object for a config.json dict, attention through torch's SDPA (which builds the packed
-    rows' masks from position ids, as eager attention does, and is the path vLLM's numbers are compared against)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
-    config._attn_implementation = "sdpa"
-    return config
-
-
 def build_transformers_model(hf_config: dict, architecture: ModelArchitecture) -> nn.Module:
     """transformers' causal LM for `hf_config`, with rlpipe's interface, in float32 (the learner casts as its dtype
     says): parameters on `meta` (the caller loads them, as rlpipe's models are loaded), buffers computed on the
@@ -100,6 +90,8 @@ def build_transformers_model(hf_config: dict, architecture: ModelArchitecture) -
     from transformers import AutoModelForCausalLM
 
     config = transformers_config(hf_config)
+    # Attention through torch's SDPA, for which transformers builds a packed row's masks from its position ids.
+    config._attn_implementation = "sdpa"
     with torch.device("cpu"), init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()  # again: the empty-weights context gave each name a parameter of its own
