@@ -1,6 +1,6 @@
 """GRPO algorithm pieces: advantages, loss functions as pure tensor code, and the objectives built from them."""
 
-from rlpipe.algo.advantages import group_advantages, uniform_groups
+from rlpipe.algo.advantages import estimate_advantages, group_advantages, uniform_groups
 from rlpipe.algo.losses import (
     aggregate,
     kl_penalty,
@@ -26,6 +26,7 @@ from rlpipe.algo.objective import (
 from rlpipe.types import LossInputs, LossStats, ModelOutputs
 
 __all__ = [
+    "estimate_advantages",
     "group_advantages",
     "uniform_groups",
     "policy_loss",

@@ -20,10 +20,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["group_advantages", "uniform_groups"]
+__all__ = ["ESTIMATORS", "estimate_advantages", "group_advantages", "leave_one_out_advantages", "token_whitened", "uniform_groups"]
 
 _SCALES = ("group", "batch", "none")
 _STDS = ("population", "unbiased")
+# algo.advantage_estimator: GRPO's group mean (scaled as algo.advantage_scale says), RLOO's leave-one-out mean (TRL's
+# RLOOTrainer), REINFORCE++ with the batch as baseline and with the group mean as baseline (verl's
+# reinforce_plus_plus and reinforce_plus_plus_baseline for outcome rewards): both whitened over the batch's tokens.
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
 def _grouped(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
@@ -133,3 +137,73 @@ def group_advantages(
         # value in its scope is already 0; divide by 1 there instead of 0 -> NaN.
         adv = centred / torch.where(denom > 0, denom, torch.ones_like(denom))
     return adv.reshape(-1)
+
+
+def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO: each reward minus the mean of the other valid rewards of its group, as TRL's RLOOTrainer computes it;
+    ``(n / (n - 1))`` times the group-centred reward, ``n`` the group's valid rewards. Exactly 0 for NaN (unscored)
+    samples and for every sample of a group with fewer than 2 valid rewards or all of them equal."""
+    grouped, valid = _grouped(rewards, group_size)
+    zeros = torch.zeros_like(grouped)
+    count = valid.sum(dim=-1, keepdim=True)
+    total = torch.where(valid, grouped, zeros).sum(dim=-1, keepdim=True)
+    others = (total - torch.where(valid, grouped, zeros)) / (count - 1).clamp_min(1)
+    advantage = torch.where(valid, grouped - others, zeros)
+    return torch.where(_uniform(grouped, valid).unsqueeze(-1), zeros, advantage).reshape(-1)
+
+
+def token_whitened(values: Tensor, tokens: Tensor, eps: float = 1e-8) -> Tensor:
+    """Per-sample values whitened over the batch's tokens, as verl's ``masked_whiten`` whitens a [B, T] tensor in which
+    each sample's value fills its ``tokens`` trained tokens: minus the token mean, divided by the square root of the
+    tokens' unbiased variance plus ``eps``. NaN values (unscored samples) take no part and come back 0."""
+    valid = ~torch.isnan(values)
+    weights = torch.where(valid, tokens.to(values.dtype), torch.zeros_like(values))
+    count = weights.sum()
+    if count < 2:
+        return torch.zeros_like(values)
+    filled = torch.where(valid, values, torch.zeros_like(values))
+    mean = (weights * filled).sum() / count
+    variance = (weights * (filled - mean).square()).sum() / count * count / (count - 1)
+    return torch.where(valid, (filled - mean) * torch.rsqrt(variance + eps), torch.zeros_like(values))
+
+
+def estimate_advantages(
+    rewards: Tensor, group_size: int, estimator: str = "grpo", scale: str = "group", std: str = "population",
+    tokens: Tensor | None = None,
+) -> Tensor:
+    """``[N]`` advantages of group-contiguous ``rewards`` (NaN: unscored, advantage 0) by ``estimator``:
+
+    - ``"grpo"``: `group_advantages` with ``scale`` and ``std``;
+    - ``"rloo"``: `leave_one_out_advantages`, with ``scale`` ``"none"``, or ``"batch"``: then minus their batch mean
+      and divided by their batch std (unbiased) + 1e-4, over the samples that have a baseline (TRL's
+      ``normalize_advantages``);
+    - ``"reinforce_pp"``: the rewards themselves `token_whitened` over the batch (``tokens``: each sample's trained
+      tokens), the batch as their baseline;
+    - ``"reinforce_pp_baseline"``: the group-centred rewards `token_whitened` over the batch.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
+    if estimator == "grpo":
+        return group_advantages(rewards, group_size, scale, std=std)
+    if estimator == "rloo":
+        if scale not in ("none", "batch"):
+            raise ValueError(f"rloo takes advantage scale none or batch, not {scale!r}")
+        advantage = leave_one_out_advantages(rewards, group_size)
+        if scale == "none":
+            return advantage
+        # As TRL: the samples of a group with fewer than 2 scored ones have no leave-one-out baseline, and take no
+        # part in the batch's statistics either.
+        grouped, valid = _grouped(rewards, group_size)
+        scored = (valid & (valid.sum(dim=-1, keepdim=True) >= 2)).reshape(-1)
+        if scored.sum() < 2:
+            return torch.zeros_like(advantage)
+        kept = advantage[scored]
+        return torch.where(scored, (advantage - kept.mean()) / (kept.std() + 1e-4), torch.zeros_like(advantage))
+    if tokens is None:
+        raise ValueError(f"{estimator} whitens over tokens: give each sample's token count")
+    grouped, valid = _grouped(rewards, group_size)
+    values = grouped
+    if estimator == "reinforce_pp_baseline":
+        centred = group_advantages(rewards, group_size, "none").view_as(grouped)
+        values = torch.where(valid, centred, torch.full_like(grouped, float("nan")))
+    return token_whitened(values.reshape(-1), tokens)

@@ -275,7 +275,9 @@ def old_logprobs(outputs: ModelOutputs, inputs: LossInputs) -> Tensor:
 def loss_defaults(algo) -> tuple[str, bool]:
     """(advantage_scale, drop_uniform_groups) of an `algo` config section: its own values, or its loss's."""
     policy = POLICY_LOSSES[algo.loss]
-    scale = algo.advantage_scale if algo.advantage_scale is not None else policy.advantage_scale
+    # RLOO's advantages are not scaled unless asked (TRL's RLOOTrainer); REINFORCE++ whitens its own.
+    own_scale = "none" if algo.advantage_estimator != "grpo" else policy.advantage_scale
+    scale = algo.advantage_scale if algo.advantage_scale is not None else own_scale
     drop = algo.drop_uniform_groups if algo.drop_uniform_groups is not None else policy.drop_uniform_groups
     return scale, drop
 

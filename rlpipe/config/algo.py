@@ -17,6 +17,13 @@ class AlgoConfig:
         "policy loss: grpo (token-level clipped surrogate), dr_grpo (no std scaling, token sums over a constant), "
         "dapo (clip-higher, token mean, uniform groups dropped), gspo (sequence-level ratio and clipping)",
     )
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = key(
+        "grpo",
+        "the baseline a reward is compared with: grpo (its group's mean, scaled by algo.advantage_scale), rloo (the "
+        "mean of its group's other samples, TRL's RLOO; scale none or batch), reinforce_pp (the batch, whitened over "
+        "its tokens: verl's REINFORCE++), reinforce_pp_baseline (its group's mean, then whitened over the batch's "
+        "tokens: verl's REINFORCE++-baseline) (docs/algorithms.md)",
+    )
     advantage_scale: Literal["group", "batch", "none"] | None = key(
         None, "divide advantages by the group's std, the batch's std, or nothing (null: the loss's own: none for "
         "dr_grpo, group for the others)"
@@ -66,6 +73,16 @@ class AlgoConfig:
     )
 
     def check(self) -> None:
+        require(
+            self.advantage_estimator != "rloo" or self.advantage_scale in (None, "none", "batch"),
+            "algo.advantage_scale: rloo's advantages are scaled none (TRL's default) or batch (TRL's "
+            f"normalize_advantages), not {self.advantage_scale}",
+        )
+        require(
+            not self.advantage_estimator.startswith("reinforce_pp") or self.advantage_scale is None,
+            f"algo.advantage_scale: {self.advantage_estimator} whitens its advantages over the batch's tokens itself; "
+            "leave advantage_scale null",
+        )
         require(self.clip_low is None or 0 <= self.clip_low <= 1, "algo.clip_low: must be in [0, 1] or null")
         require(self.clip_high is None or self.clip_high >= 0, "algo.clip_high: must be >= 0 or null")
         require(

@@ -19,7 +19,7 @@ import yaml
 from rlpipe.training import checkpoint
 from rlpipe.run import evaluation
 from rlpipe.startup import preflight
-from rlpipe.algo import group_advantages, loss_defaults, uniform_groups
+from rlpipe.algo import estimate_advantages, loss_defaults, uniform_groups
 from rlpipe.config import Config, ConfigError
 from rlpipe.data import chat_render
 from rlpipe.data.prompts import PromptSet, Sampler, drop_overlong_prompts, load_rows, reward_columns
@@ -284,14 +284,17 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
 
 
 def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[TrainBatch | None, dict]:
-    """Group-relative advantages; unscored samples and (optionally) signal-free groups are left out."""
+    """Advantages by algo.advantage_estimator; unscored samples and (optionally) signal-free groups are left out."""
     rewards = torch.tensor([math.nan if r is None else r for g in groups for r in g.rewards], dtype=torch.float32)
     advantage_scale, drop_uniform_groups = loss_defaults(cfg.algo)
-    advantages = group_advantages(rewards, cfg.rollout.group_size, advantage_scale, std=cfg.algo.advantage_std)
+    samples = [(g.prompt, c) for g in groups for c in g.completions]
+    # The tokens each sample trains (a multi-turn episode's own), over which REINFORCE++ whitens.
+    tokens = torch.tensor([c.model_tokens for _, c in samples], dtype=torch.float32)
+    advantages = estimate_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage_estimator, advantage_scale,
+                                     std=cfg.algo.advantage_std, tokens=tokens)
     keep = ~rewards.isnan()
     if drop_uniform_groups:
         keep &= ~uniform_groups(rewards, cfg.rollout.group_size).repeat_interleave(cfg.rollout.group_size)
-    samples = [(g.prompt, c) for g in groups for c in g.completions]
     chosen = [i for i in range(len(samples)) if keep[i]]
     stats = {
         "samples_trained": float(len(chosen)),
