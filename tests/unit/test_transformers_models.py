@@ -16,7 +16,7 @@ from rlpipe.models.registry import implementation, model_architecture
 from rlpipe.startup.preflight import check_model_impl
 from rlpipe.training.forward import padded_token_logprobs
 from rlpipe.training.learner import Learner, combine_rank_metrics
-from rlpipe.types import TrainBatch
+from tests.unit.test_packing import _batch
 
 TOLERANCE = 1e-5  # float32: the two codes differ in the order of a few sums
 NEW_FAMILIES = ["gemma3_text", "olmo2", "phi3", "glm4", "granite", "smollm3"]
@@ -52,20 +52,13 @@ def test_an_own_family_through_transformers_gives_rlpipes_log_probs(folders, fam
                                atol=TOLERANCE, rtol=0)
 
 
-def _batch(seed: int = 0, rows: int = 4) -> TrainBatch:
-    generator = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(2, 9, (2, rows), generator=generator).tolist()
-    prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in sizes[0]]
-    completions = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in sizes[1]]
-    logprobs = [(-torch.rand(len(c), generator=generator) - 0.5).tolist() for c in completions]
-    advantages = torch.randn(rows, generator=generator).tolist()
-    return TrainBatch.from_sequences(prompts, completions, logprobs, advantages, pad_id=0)
+def _cfg(path: str, *extra: str):
+    return load_config(None, [f"model.path={path}", "train.micro_batch_size=2", "train.lr=1e-2", "rollout.group_size=2",
+                              "train.prompts_per_step=2", *extra])
 
 
 def _trained(path: str, impl: str, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
-    cfg = load_config(None, [f"model.path={path}", f"model.impl={impl}", "train.micro_batch_size=2", "train.lr=1e-2",
-                             "rollout.group_size=2", "train.prompts_per_step=2"])
-    learner = Learner.from_config(path, cfg)
+    learner = Learner.from_config(path, _cfg(path, f"model.impl={impl}"))
     losses = [combine_rank_metrics([learner.train_step(_batch(seed))])["loss"] for seed in range(steps)]
     return losses, {name: value.detach().clone() for name, value in learner.model.state_dict().items()}
 
@@ -114,11 +107,8 @@ def test_a_family_rlpipe_does_not_implement_runs_on_transformers_code(folders, f
 
 def test_a_new_family_trains_and_activation_checkpointing_changes_no_number(folders):
     losses, weights = _trained(folders["olmo2"], "auto")
-    cfg = ["learner.activation_checkpointing=true"]
     path = folders["olmo2"]
-    learner = Learner.from_config(path, load_config(None, [f"model.path={path}", "train.micro_batch_size=2",
-                                                           "train.lr=1e-2", "rollout.group_size=2",
-                                                           "train.prompts_per_step=2", *cfg]))
+    learner = Learner.from_config(path, _cfg(path, "learner.activation_checkpointing=true"))
     assert learner.model.is_gradient_checkpointing
     checkpointed = [combine_rank_metrics([learner.train_step(_batch(seed))])["loss"] for seed in range(3)]
     assert checkpointed == pytest.approx(losses, abs=TOLERANCE)
@@ -178,8 +168,7 @@ def test_lora_on_a_new_family_trains_the_adapters_alone_and_exports_what_peft_lo
     from rlpipe.weightsync.form import weight_form
 
     path = folders["olmo2"]
-    cfg = load_config(None, [f"model.path={path}", "train.micro_batch_size=2", "train.lr=1e-2", "rollout.group_size=2",
-                             "train.prompts_per_step=2", "learner.lora.rank=2", "learner.lora.alpha=4"])
+    cfg = _cfg(path, "learner.lora.rank=2", "learner.lora.alpha=4")
     learner = Learner.from_config(path, cfg, form=weight_form(cfg, path))
     adapters = {name: p for name, p in learner.model.named_parameters() if is_adapter_key(name)}
     modules = {name.rpartition(".lora_")[0].split(".")[-1] for name in adapters}
@@ -204,9 +193,7 @@ def test_lora_on_a_new_family_trains_the_adapters_alone_and_exports_what_peft_lo
 
 def test_the_kl_reference_of_a_new_family_is_a_frozen_copy_of_its_start(folders):
     path = folders["olmo2"]
-    cfg = load_config(None, [f"model.path={path}", "train.micro_batch_size=2", "train.lr=1e-2", "rollout.group_size=2",
-                             "train.prompts_per_step=2", "algo.kl_beta=0.1"])
-    learner = Learner.from_config(path, cfg)
+    learner = Learner.from_config(path, _cfg(path, "algo.kl_beta=0.1"))
     assert learner.reference is not learner.model and type(learner.reference) is type(learner.model)
     kl = [combine_rank_metrics([learner.train_step(_batch(seed))])["kl"] for seed in range(3)]
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 0 and kl[2] > 0  # the policy moves away from it
