@@ -62,6 +62,15 @@ class AlgoConfig:
     mis_level: Literal["token", "sequence"] = key(
         "token", "what MIS drops: single tokens, or whole sequences by their geometric-mean ratio"
     )
+    dynamic_sampling: bool = key(
+        False, "DAPO's dynamic sampling: while fewer than train.prompts_per_step of a step's groups have signal "
+        "(rewards not all equal), draw that many more prompts and generate again, up to algo.max_generation_rounds "
+        "rounds; the step trains on prompts_per_step groups with signal (synchronous mode only)"
+    )
+    max_generation_rounds: int = key(
+        10, "with algo.dynamic_sampling, a step's generation rounds at most (verl's max_num_gen_batches); once spent, "
+        "the step trains on the groups with signal it has"
+    )
     drop_uniform_groups: bool | None = key(
         None, "skip groups whose rewards are all equal (no signal) (null: the loss's own: true for dapo)"
     )
@@ -83,6 +92,7 @@ class AlgoConfig:
             f"algo.advantage_scale: {self.advantage_estimator} whitens its advantages over the batch's tokens itself; "
             "leave advantage_scale null",
         )
+        require(self.max_generation_rounds >= 1, "algo.max_generation_rounds: must be >= 1")
         require(self.clip_low is None or 0 <= self.clip_low <= 1, "algo.clip_low: must be in [0, 1] or null")
         require(self.clip_high is None or self.clip_high >= 0, "algo.clip_high: must be >= 0 or null")
         require(

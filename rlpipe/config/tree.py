@@ -95,6 +95,11 @@ class Config:
 
     def _check_asynchronous_mode(self) -> None:
         require(
+            self.train.max_staleness == 0 or not self.algo.dynamic_sampling,
+            "algo.dynamic_sampling: a step that draws more prompts would change the prompts of the steps already "
+            "generating ahead of it (train.max_staleness > 0); use one or the other",
+        )
+        require(
             self.train.max_staleness == 0 or self.algo.tis_cap is not None or self.algo.mis_threshold is not None,
             "algo.tis_cap: asynchronous mode (train.max_staleness > 0) trains on samples of older policies and needs "
             "an importance correction against their log-probs: set algo.tis_cap or algo.mis_threshold",

@@ -29,7 +29,7 @@ from rlpipe.reporting.plots import plot_history
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.run.progress import RunProgress, holds_steps
 from rlpipe.reporting.trackers import check_trackers_installed, open_trackers
-from rlpipe.types import Group, LoopRoles, TrainBatch
+from rlpipe.types import Group, LoopRoles, StepScores, TrainBatch
 from rlpipe.weightsync.form import Kind, weight_form
 from rlpipe.rewards import FailureWatch, TrainerState, trainer_state
 from rlpipe.rewards.contract import EPISODE_COLUMNS
@@ -119,10 +119,15 @@ def _train(cfg: Config, run: Run, logs: LogSetup, progress: RunProgress) -> dict
             metrics = staleness_metrics(groups, roles.policy_version)
             with clock("reward"), log.activity(f"{doing} scoring"):
                 scores = roles.score(groups, reward_state(cfg, run, step - 1))
+            trained = groups
+            if cfg.algo.dynamic_sampling:  # DAPO's: generate (and score) again until enough groups have signal
+                with clock("generate"), log.activity(f"{doing} generating more groups with signal"):
+                    groups, scores, trained, sampling = with_enough_signal(groups, scores, step, run, roles, cfg)
+                metrics.update(sampling)
             log.reward_errors(scores.errors)
             # A function broken for good stops the run.
             watch.update(scores.failures, len(groups) * cfg.rollout.group_size, scores.errors, scores.timeouts)
-            batch, batch_metrics = make_train_batch(groups, cfg, run.pad_id)
+            batch, batch_metrics = make_train_batch(trained, cfg, run.pad_id)
             metrics.update(batch_metrics)
             if batch is not None:  # every sample unscored or filtered: nothing to learn from this step
                 with clock("train"), log.activity(f"{doing} training"):
@@ -281,6 +286,48 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
         run.resume = {"learner": str(source / checkpoint.LEARNER_STATE), "rng": state["learner_rng"]}
         run.resumed_from = source
     return run
+
+
+def with_enough_signal(
+    groups: list[Group], scores: StepScores, step: int, run: Run, roles: LoopRoles, cfg: Config
+) -> tuple[list[Group], StepScores, list[Group], dict[str, float]]:
+    """DAPO's dynamic sampling (algo.dynamic_sampling): while fewer than train.prompts_per_step of the step's scored
+    groups have signal (rewards not all equal, `uniform_groups`), draw that many more prompts, generate and score
+    them, up to algo.max_generation_rounds rounds in all. Returns every group generated and their scores (for the
+    step's metrics and logs), the groups to train on (the first prompts_per_step with signal), and how many rounds
+    and groups it took. Each extra round's engines are seeded from the step and the round, so a resumed run draws
+    and samples the same."""
+    wanted, size = cfg.train.prompts_per_step, cfg.rollout.group_size
+
+    def with_signal(some: list[Group]) -> list[Group]:
+        rewards = torch.tensor([math.nan if r is None else r for g in some for r in g.rewards], dtype=torch.float32)
+        flags = ~uniform_groups(rewards, size) if some else torch.zeros(0, dtype=torch.bool)
+        return [group for group, signal in zip(some, flags.tolist()) if signal]
+
+    rounds, kept = 1, with_signal(groups)
+    while len(kept) < wanted and rounds < cfg.algo.max_generation_rounds:
+        roles.seed(cfg.train.steps + (step - 1) * cfg.algo.max_generation_rounds + rounds)
+        prompts = run.train_set.prompts(run.sampler.next(wanted))
+        extra = roles.finish_generation(roles.start_generation(prompts, size))
+        more = roles.score(extra, reward_state(cfg, run, step - 1))
+        groups, scores, rounds = groups + extra, merged_scores(scores, more, len(groups), len(extra)), rounds + 1
+        kept += with_signal(extra)
+    return groups, scores, kept[:wanted], {
+        "sampling/rounds": float(rounds), "sampling/groups_generated": float(len(groups)),
+        "sampling/groups_with_signal": float(len(kept)),
+    }
+
+
+def merged_scores(first: StepScores, second: StepScores, first_groups: int, second_groups: int) -> StepScores:
+    """Two rounds' scores as one step's: counts added, each function's first error, logged means weighed by groups."""
+    def added(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+        return {name: a.get(name, 0) + b.get(name, 0) for name in {**a, **b}}
+
+    total = first_groups + second_groups
+    logged = {name: (first.logged.get(name, 0.0) * first_groups + second.logged.get(name, 0.0) * second_groups) / total
+              for name in {**first.logged, **second.logged}}
+    return StepScores(added(first.failures, second.failures), {**second.errors, **first.errors}, logged,
+                      added(first.timeouts, second.timeouts))
 
 
 def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[TrainBatch | None, dict]:

@@ -2,8 +2,8 @@
 with TRL's own `nanstd`), REINFORCE++ and REINFORCE++-baseline against verl's token-level formulas (verl is not
 installed here: its `compute_reinforce_plus_plus_outcome_advantage`,
 `compute_reinforce_plus_plus_baseline_outcome_advantage` and `masked_whiten`, verl/trainer/ppo/core_algos.py and
-verl/utils/torch_functional.py, written out below on [B, T] tensors), what a step's batch gets, and the keys'
-one-line refusals."""
+verl/utils/torch_functional.py, written out below on [B, T] tensors), what a step's batch gets, the keys'
+one-line refusals; and DAPO's dynamic sampling (algo.dynamic_sampling) against scripted roles."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from rlpipe.algo import estimate_advantages, loss_defaults
 from rlpipe.algo.advantages import leave_one_out_advantages
 from rlpipe.config import ConfigError, load_config
 from rlpipe.run.controller import make_train_batch
-from rlpipe.types import Completion, Group, Prompt
+from rlpipe.types import Completion, Group, Prompt, StepScores
 
 GROUP = 4
 
@@ -158,3 +158,84 @@ def test_estimator_settings_that_do_not_go_together_are_refused_in_one_line(over
 
 def test_leave_one_out_needs_two_scored_samples_a_group():
     assert leave_one_out_advantages(torch.tensor([1.0, float("nan"), 3.0, 5.0]), 2).tolist() == [0.0, 0.0, -2.0, 2.0]
+
+
+class _ScriptedRoles:
+    """Roles whose engines give each prompt a group and whose reward functions score a group as `signal` says: a
+    prompt index in it gets rewards 1, 0, 0, else 1, 1, 1 (no signal)."""
+
+    def __init__(self, signal: set[int]):
+        self.signal, self.seeds, self.generated = signal, [], []
+
+    def seed(self, value: int) -> None:
+        self.seeds.append(value)
+
+    def start_generation(self, prompts, n):
+        self.generated.append([p.sample_id for p in prompts])
+        return [Group(p, [Completion([4, 5], [-0.5, -0.5], "x", "stop", 0) for _ in range(n)]) for p in prompts]
+
+    def finish_generation(self, generation):
+        return generation
+
+    def score(self, groups, trainer_state=None):
+        for group in groups:
+            group.rewards = [1.0, 0.0, 0.0] if group.prompt.sample_id in self.signal else [1.0, 1.0, 1.0]
+        return StepScores({"f": 1}, {"f": "first error"}, {"m": 1.0}, {})
+
+
+class _Prompts:
+    def __len__(self):
+        return 100
+
+    def prompts(self, indices):
+        return [Prompt(int(i), "q", [1, 2, 3]) for i in indices]
+
+
+class _Sampler:
+    def __init__(self):
+        self.drawn = 0
+
+    def next(self, count):
+        self.drawn += count
+        return list(range(self.drawn - count, self.drawn))
+
+
+def _dynamic(signal: set[int], rounds: int = 10):
+    from types import SimpleNamespace
+
+    from rlpipe.run.controller import with_enough_signal
+
+    cfg = load_config(None, ["rollout.group_size=3", "train.prompts_per_step=4", "train.micro_batch_size=3",
+                             "train.steps=5", "algo.dynamic_sampling=true", f"algo.max_generation_rounds={rounds}"])
+    roles, sampler = _ScriptedRoles(signal), _Sampler()
+    run = SimpleNamespace(train_set=_Prompts(), sampler=sampler)
+    first = roles.start_generation(_Prompts().prompts(sampler.next(4)), 3)
+    scores = roles.score(first)
+    return roles, sampler, with_enough_signal(first, scores, 2, run, roles, cfg)
+
+
+def test_dynamic_sampling_generates_again_until_enough_groups_have_signal():
+    # Prompts 0-3: two with signal; 4-7: one more; 8-11: two more, of which the first completes the four.
+    roles, sampler, (groups, scores, trained, metrics) = _dynamic({1, 3, 6, 8, 9})
+    assert [g.prompt.sample_id for g in trained] == [1, 3, 6, 8]
+    assert [g.prompt.sample_id for g in groups] == list(range(12))  # all it generated, for the step's metrics
+    assert metrics == {"sampling/rounds": 3.0, "sampling/groups_generated": 12.0, "sampling/groups_with_signal": 5.0}
+    assert roles.generated == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] and sampler.drawn == 12
+    # Each extra round seeded apart from every step and from each other: steps 1-5 use seeds 1-5.
+    assert roles.seeds == [5 + 10 + 1, 5 + 10 + 2]
+    assert scores.failures == {"f": 3} and scores.errors == {"f": "first error"} and scores.logged == {"m": 1.0}
+
+
+def test_dynamic_sampling_stops_at_its_cap_and_trains_on_what_has_signal():
+    roles, sampler, (groups, _, trained, metrics) = _dynamic({2}, rounds=2)
+    assert [g.prompt.sample_id for g in trained] == [2] and len(groups) == 8
+    assert metrics["sampling/rounds"] == 2.0 and sampler.drawn == 8
+    roles, sampler, (groups, _, trained, metrics) = _dynamic({0, 1, 2, 3})
+    assert len(trained) == 4 and metrics["sampling/rounds"] == 1.0 and roles.seeds == []  # enough at once
+
+
+def test_dynamic_sampling_is_refused_in_asynchronous_mode_in_one_line():
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["algo.dynamic_sampling=true", "train.max_staleness=1", "algo.tis_cap=2"])
+    assert str(refused.value).startswith("algo.dynamic_sampling: a step that draws more prompts")
+    assert "\n" not in str(refused.value)
