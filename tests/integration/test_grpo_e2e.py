@@ -508,3 +508,28 @@ def _maybe_trl():
     except ImportError:
         return None
     return trl.rewards
+
+
+def test_dynamic_sampling_draws_prompts_until_the_batch_has_signal_and_resumes_exactly(tmp_path, tiny_qwen3,
+                                                                                        ray_cluster):
+    """A reward that leaves about half of the prompts' groups without signal: each step generates again until its
+    two groups with signal, trains on those, and a run resumed after step 1 repeats the uninterrupted one (the extra
+    rounds draw and sample the same)."""
+    base = _overrides(tmp_path / "runs", tiny_qwen3) + [
+        "algo.dynamic_sampling=true", "algo.max_generation_rounds=6", "data.size=64", "data.eval_size=0",
+        "reward.functions=[{name: 'tests.unit.reward_fixtures:length_on_some_prompts'}]",
+        "metrics.export=false", "metrics.plot=false", "metrics.tensorboard=false",
+    ]
+    train(load_config(None, base + ["run.name=whole"]))
+    train(load_config(None, base + ["run.name=split", "train.steps=1"]))
+    train(load_config(None, base + ["run.name=split"]), resume="latest")
+    whole, split = _read_metrics(tmp_path / "runs" / "whole"), _read_metrics(tmp_path / "runs" / "split")
+    assert any(r["sampling/rounds"] > 1 for r in whole), whole  # some step had to draw more
+    for record in whole:
+        assert record["sampling/groups_generated"] == 2 * record["sampling/rounds"]  # prompts_per_step a round
+        assert record["samples_trained"] == 4 * min(2, record["sampling/groups_with_signal"])
+        assert record["sync/probe_max_abs"] < 1e-5
+    timing = ("time/", "tokens_per_s/", "sync/transfer_s", "sync/write_s", "sync/probe_s", "sync/reference_s")
+    resumed = split[1]
+    for key in [key for key in whole[1] if not key.startswith(timing)]:
+        assert resumed[key] == pytest.approx(whole[1][key], rel=1e-6, abs=1e-7), key

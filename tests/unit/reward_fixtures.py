@@ -15,6 +15,12 @@ def length(completions, **_):
     return [float(len(completion)) for completion in completions]
 
 
+def length_on_some_prompts(prompts, completions, **_):
+    """The completion's length for about half of the prompts (by their text), 0 for the others: their groups have no
+    signal, so dynamic sampling has to draw more."""
+    return [float(len(completion)) if len(str(prompt)) % 2 else 0.0 for prompt, completion in zip(prompts, completions)]
+
+
 def slow_length(completions, pid_file, seconds, **_):
     """`length`, slowly, after leaving the reward worker's process id in `pid_file` (a test kills the worker
     mid-call): the parent of the process functions run in."""
