@@ -288,6 +288,10 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     return run
 
 
+# Extra generation rounds are seeded as step + round x this: no run has this many steps.
+_EXTRA_ROUND_SEEDS = 1_000_000
+
+
 def with_enough_signal(
     groups: list[Group], scores: StepScores, step: int, run: Run, roles: LoopRoles, cfg: Config
 ) -> tuple[list[Group], StepScores, list[Group], dict[str, float]]:
@@ -306,7 +310,7 @@ def with_enough_signal(
 
     rounds, kept = 1, with_signal(groups)
     while len(kept) < wanted and rounds < cfg.algo.max_generation_rounds:
-        roles.seed(cfg.train.steps + (step - 1) * cfg.algo.max_generation_rounds + rounds)
+        roles.seed(step + rounds * _EXTRA_ROUND_SEEDS)  # apart from every step's own, whatever train.steps
         prompts = run.train_set.prompts(run.sampler.next(wanted))
         extra = roles.finish_generation(roles.start_generation(prompts, size))
         more = roles.score(extra, reward_state(cfg, run, step - 1))

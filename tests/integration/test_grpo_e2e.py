@@ -530,6 +530,6 @@ def test_dynamic_sampling_draws_prompts_until_the_batch_has_signal_and_resumes_e
         assert record["samples_trained"] == 4 * min(2, record["sampling/groups_with_signal"])
         assert record["sync/probe_max_abs"] < 1e-5
     timing = ("time/", "tokens_per_s/", "sync/transfer_s", "sync/write_s", "sync/probe_s", "sync/reference_s")
-    resumed = split[1]
-    for key in [key for key in whole[1] if not key.startswith(timing)]:
-        assert resumed[key] == pytest.approx(whole[1][key], rel=1e-6, abs=1e-7), key
+    for uninterrupted, resumed in zip(whole, split, strict=True):  # step 1 too: the split run's has train.steps 1
+        for key in [key for key in uninterrupted if not key.startswith(timing)]:
+            assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-6, abs=1e-7), (resumed["step"], key)

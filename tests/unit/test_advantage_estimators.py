@@ -221,8 +221,9 @@ def test_dynamic_sampling_generates_again_until_enough_groups_have_signal():
     assert [g.prompt.sample_id for g in groups] == list(range(12))  # all it generated, for the step's metrics
     assert metrics == {"sampling/rounds": 3.0, "sampling/groups_generated": 12.0, "sampling/groups_with_signal": 5.0}
     assert roles.generated == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]] and sampler.drawn == 12
-    # Each extra round seeded apart from every step and from each other: steps 1-5 use seeds 1-5.
-    assert roles.seeds == [5 + 10 + 1, 5 + 10 + 2]
+    # Each extra round seeded apart from every step's own and from each other, whatever train.steps (which a run
+    # resumed with more steps changes).
+    assert roles.seeds == [2 + 1_000_000, 2 + 2_000_000]
     assert scores.failures == {"f": 3} and scores.errors == {"f": "first error"} and scores.logged == {"m": 1.0}
 
 
