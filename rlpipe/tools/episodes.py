@@ -68,7 +68,8 @@ class Episode:
 
     @property
     def text(self) -> str:
-        """The model's and the tools' messages as one text (for logs), the model's tool calls as it wrote them."""
+        """The model's and the tools' messages as one text (for logs), the model's tool calls as Hermes blocks (the
+        format the model wrote them in is in its token ids)."""
 
         def shown(message: dict) -> str:
             calls = "".join(
