@@ -76,3 +76,16 @@ def test_a_run_of_a_new_family_resumed_from_its_checkpoint_repeats_the_uninterru
         assert "loss" in compared and "sync/policy_shift" in compared
         for key in compared:
             assert again[key] == pytest.approx(uninterrupted[key], rel=1e-6, abs=1e-7), (again["step"], key)
+
+
+def test_lora_on_a_new_family_syncs_the_adapters_alone_and_vllm_serves_them(tmp_path, ray_cluster):
+    model = build_tiny_model(tmp_path / "model", "olmo2")
+    overrides = _overrides(tmp_path / "runs", model, "lora") + ["train.steps=2", "learner.lora.rank=2", "train.lr=1e-2",
+                                                                "metrics.export=false"]
+    summary = train(load_config(None, overrides))
+    records = _metrics(tmp_path / "runs" / "lora")
+    assert summary["sync_check"]["sync/probe_max_abs"] < 1e-5
+    for record in records:
+        # The adapters alone travel (a few KB, not the model's weights) and the engine's answers are the learner's.
+        assert 0 < record["sync/bytes"] < 100_000 and record["sync/probe_max_abs"] < 1e-5, record
+    assert max(r["sync/policy_shift"] for r in records) > 1e-3
