@@ -20,7 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ESTIMATORS", "estimate_advantages", "group_advantages", "leave_one_out_advantages", "token_whitened", "uniform_groups"]
+__all__ = [
+    "ESTIMATORS", "estimate_advantages", "group_advantages", "leave_one_out_advantages", "token_whitened",
+    "uniform_groups",
+]
 
 _SCALES = ("group", "batch", "none")
 _STDS = ("population", "unbiased")
@@ -193,7 +196,7 @@ def estimate_advantages(
             return advantage
         # As TRL: the samples of a group with fewer than 2 scored ones have no leave-one-out baseline, and take no
         # part in the batch's statistics either.
-        grouped, valid = _grouped(rewards, group_size)
+        _, valid = _grouped(rewards, group_size)
         scored = (valid & (valid.sum(dim=-1, keepdim=True) >= 2)).reshape(-1)
         if scored.sum() < 2:
             return torch.zeros_like(advantage)

@@ -192,8 +192,9 @@ def transformers_architecture(hf_config: dict) -> ModelArchitecture:
     try:
         config = transformers_config(hf_config)
     except (ValueError, KeyError) as err:
-        raise ValueError(f"unsupported model_type {model_type!r}: neither rlpipe's model code ({', '.join(MODEL_TYPES)})"
-                         f" nor transformers knows it ({' '.join(str(err).split())[:160]})") from None
+        raise ValueError(f"unsupported model_type {model_type!r}: neither rlpipe's model code "
+                         f"({', '.join(MODEL_TYPES)}) nor transformers knows it ({' '.join(str(err).split())[:160]})"
+                         ) from None
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or config.get_text_config() is not config:
         raise ValueError(f"model_type {model_type!r} is not a decoder-only text model transformers runs as a causal "
                          "LM (AutoModelForCausalLM)")

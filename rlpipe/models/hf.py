@@ -161,7 +161,8 @@ class CheckpointWeights:
     def load_into(self, model: CausalLM, device: str | torch.device, placed=None) -> None:
         """Give every parameter of `model` (on `meta`) its whole weight on `device`, one tensor at a time, each
         handed to `placed` (if given) as soon as it is there (e.g. to lay it out over devices before the next)."""
-        loaded: dict[int, torch.nn.Parameter] = {}  # a parameter two modules share (tied) is read once, under its first name
+        # A parameter two modules share (tied) is read once, under its first name.
+        loaded: dict[int, torch.nn.Parameter] = {}
         for module_name, module in model.named_modules():
             for name, param in list(module._parameters.items()):
                 if param is None:

@@ -199,7 +199,8 @@ def check_model_impl(cfg: Config, model_path: str) -> None:
     family = f"model_type {model_type_of(hf_config)!r} runs on transformers' code (model.impl {cfg.model.impl})"
     kernels = cfg.model.kernels
     refusals = [
-        (model_architecture(hf_config).num_experts > 0, "model.impl", "a mixture of experts runs on rlpipe's code only"),
+        (model_architecture(hf_config).num_experts > 0, "model.impl",
+         "a mixture of experts runs on rlpipe's code only"),
         (cfg.learner.graph, "learner.graph", "the captured step is rlpipe's decoder's; set learner.graph=false"),
         (cfg.learner.device in ("xla", "tpu"), "learner.device",
          f"the {cfg.learner.device} learner runs rlpipe's decoder only; use cpu or cuda"),
