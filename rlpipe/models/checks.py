@@ -169,18 +169,23 @@ def _check_fields(config: dict, file) -> None:
                 "output_router_logits"):
         typed(key, bool, "true or false")
 
-    integer("vocab_size")
-    hidden = integer("hidden_size")
-    integer("intermediate_size")
-    layers = integer("num_hidden_layers", high=MAX_LAYERS)
-    heads = integer("num_attention_heads")
+    # rlpipe's own families name their sizes as Llama does; another family may name them its own way (GPT-2's n_embd,
+    # XGLM's d_model), which its transformers config class reads: checked here where present.
+    from rlpipe.models.registry import MODEL_BUILDERS
+
+    model_type = model_type_of(config)
+    own = model_type in MODEL_BUILDERS
+    integer("vocab_size", required=own)
+    hidden = integer("hidden_size", required=own)
+    integer("intermediate_size", required=own)
+    layers = integer("num_hidden_layers", high=MAX_LAYERS, required=own)
+    heads = integer("num_attention_heads", required=own)
     head_dim = integer("head_dim", required=False)
     # head_dim defaults to hidden_size / heads (Qwen3: to 128), and transformers' Llama requires the division always.
-    model_type = model_type_of(config)
-    if hidden % heads and ((head_dim is None and model_type != "qwen3") or model_type == "llama"):
+    if hidden and heads and hidden % heads and ((head_dim is None and model_type != "qwen3") or model_type == "llama"):
         raise problem(f"hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads})")
-    kv_heads = integer("num_key_value_heads", required=False, high=heads)
-    if kv_heads and heads % kv_heads:
+    kv_heads = integer("num_key_value_heads", required=False, high=heads or MAX_SIZE)
+    if kv_heads and heads and heads % kv_heads:
         raise problem(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
     integer("max_position_embeddings", required=False)
     integer("sliding_window", low=0, required=False)  # 0 and null both mean no window
@@ -192,7 +197,7 @@ def _check_fields(config: dict, file) -> None:
     if layer_types is not None:
         if not isinstance(layer_types, list) or not all(isinstance(kind, str) for kind in layer_types):
             raise problem(f"layer_types must be a list of strings, found {_json_value(layer_types)}")
-        if len(layer_types) != layers:
+        if layers is not None and len(layer_types) != layers:
             raise problem(f"layer_types has {len(layer_types)} entries for num_hidden_layers {layers}")
     _check_rope(config, problem, number)
 
@@ -398,7 +403,9 @@ def check_stored_against_config(architecture, tensors: dict[str, StoredTensor], 
     config_file = folder / CONFIG_FILE
     layers = {int(match.group(1)) for name in tensors if (match := _LAYER_NAME.match(name))}
     held = max(layers) + 1 if layers else 0
-    if held != architecture.num_layers:
+    # A family on transformers' code may name its layers its own way; its weights are compared name by name with
+    # the model built on `meta` instead.
+    if architecture.implementation == "rlpipe" and held != architecture.num_layers:
         raise ModelFileError(config_file, f"num_hidden_layers is {architecture.num_layers}, the weights hold "
                                           f"{held} layer(s)")
     experts = {int(match.group(1)) for name in tensors if (match := _EXPERT_NAME.match(name))}

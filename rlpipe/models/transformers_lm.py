@@ -92,8 +92,13 @@ def build_transformers_model(hf_config: dict, architecture: ModelArchitecture) -
     config = transformers_config(hf_config)
     # Attention through torch's SDPA, for which transformers builds a packed row's masks from its position ids.
     config._attn_implementation = "sdpa"
-    with torch.device("cpu"), init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        with torch.device("cpu"), init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ValueError, TypeError, ImportError, NotImplementedError) as err:
+        first = " ".join(str(err).split()).split(". ")[0]
+        raise ValueError(f"transformers cannot build model_type {hf_config['model_type']!r} for the learner ({first})"
+                         ) from None
     model.tie_weights()  # again: the empty-weights context gave each name a parameter of its own
     model.__class__ = _with_interface(type(model))
     model.architecture = architecture

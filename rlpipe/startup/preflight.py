@@ -212,6 +212,14 @@ def check_model_impl(cfg: Config, model_path: str) -> None:
     for refused, key, why in refusals:
         if refused:
             raise ConfigError(f"{key}: {family}: {why}")
+    from rlpipe.models.hf import stored_tensors
+
+    # The weight sync sends the learner's names, which vLLM's model of the family loads as they are when they follow
+    # the Llama layout (`model.` and `lm_head.`); under another prefix vLLM's names differ from the checkpoint's.
+    other = sorted({name.split(".")[0] for name in stored_tensors(model_path)} - {"model", "lm_head"})
+    if other:
+        raise ConfigError(f"model.path: {family}: its weights lie under {other[0]}., which vLLM's engine holds under "
+                          "other names; the weight sync maps only model. and lm_head.")
 
 
 def check_tokenizer(model: ModelConfig, model_path: str) -> tuple[str | None, Any]:

@@ -199,3 +199,20 @@ def test_the_kl_reference_of_a_new_family_is_a_frozen_copy_of_its_start(folders)
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 0 and kl[2] > 0  # the policy moves away from it
     start = _loaded(path).state_dict()
     assert all(torch.equal(value, start[name]) for name, value in learner.reference.state_dict().items())
+
+
+def test_a_family_either_side_cannot_take_is_refused_naming_that_side(tmp_path):
+    # XGLM names its width d_model (read through transformers' config), but transformers runs it without SDPA.
+    xglm = build_tiny_model(tmp_path / "xglm", "xglm")
+    with pytest.raises(ValueError) as refused:
+        check_weights(xglm)
+    assert str(refused.value).startswith("transformers cannot build model_type 'xglm' for the learner "
+                                         "(XGLMForCausalLM does not support an attention")
+    # BioGPT's learner runs, but its weights lie under biogpt., which vLLM's model holds under other names.
+    biogpt = build_tiny_model(tmp_path / "biogpt", "biogpt")
+    assert check_weights(biogpt)
+    with pytest.raises(ConfigError) as refused:
+        check_model_impl(load_config(None, [f"model.path={biogpt}"]), biogpt)
+    assert str(refused.value) == ("model.path: model_type 'biogpt' runs on transformers' code (model.impl auto): its "
+                                  "weights lie under biogpt., which vLLM's engine holds under other names; the weight "
+                                  "sync maps only model. and lm_head.")
