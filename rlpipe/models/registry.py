@@ -71,10 +71,10 @@ def implementation(hf_config: dict, impl: str = "auto") -> str:
 def build_model(hf_config: dict, impl: str = "auto") -> nn.Module:
     """A freshly initialised model for a Hugging Face config.json dict, in the code `impl` chooses
     (`implementation`). Build it under `torch.device("meta")` to get the module tree without allocating weights."""
-    architecture = model_architecture(hf_config)
     if implementation(hf_config, impl) == "transformers":
         from rlpipe.models.transformers_lm import build_transformers_model
 
+        architecture = model_architecture(hf_config)
         if architecture.num_experts:
             raise ValueError("model.impl: transformers: a mixture of experts runs on rlpipe's own model code only")
         return build_transformers_model(hf_config, replace(architecture, implementation="transformers"))

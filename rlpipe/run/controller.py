@@ -252,7 +252,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
         preflight.check_learner_device(cfg, interpreters.get("learner"))
     model_path = resolve_model_path(cfg.model.path)
     weight_shapes = preflight.check_model(model_path)
-    preflight.check_model_impl(cfg, model_path)
+    preflight.check_model_impl(cfg, model_path, weight_shapes)
     tokenizer_path, tokenizer = preflight.check_tokenizer(cfg.model, model_path)
     train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
     columns = reward_columns(train_rows, cfg.data.prompt_field)
@@ -304,8 +304,7 @@ def with_enough_signal(
     wanted, size = cfg.train.prompts_per_step, cfg.rollout.group_size
 
     def with_signal(some: list[Group]) -> list[Group]:
-        rewards = torch.tensor([math.nan if r is None else r for g in some for r in g.rewards], dtype=torch.float32)
-        flags = ~uniform_groups(rewards, size) if some else torch.zeros(0, dtype=torch.bool)
+        flags = ~uniform_groups(group_rewards(some), size) if some else torch.zeros(0, dtype=torch.bool)
         return [group for group, signal in zip(some, flags.tolist()) if signal]
 
     rounds, kept = 1, with_signal(groups)
@@ -334,9 +333,14 @@ def merged_scores(first: StepScores, second: StepScores, first_groups: int, seco
                       added(first.timeouts, second.timeouts))
 
 
+def group_rewards(groups: list[Group]) -> torch.Tensor:
+    """The groups' rewards end to end, NaN where a sample is unscored (`group_advantages`' layout)."""
+    return torch.tensor([math.nan if r is None else r for g in groups for r in g.rewards], dtype=torch.float32)
+
+
 def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[TrainBatch | None, dict]:
     """Advantages by algo.advantage_estimator; unscored samples and (optionally) signal-free groups are left out."""
-    rewards = torch.tensor([math.nan if r is None else r for g in groups for r in g.rewards], dtype=torch.float32)
+    rewards = group_rewards(groups)
     advantage_scale, drop_uniform_groups = loss_defaults(cfg.algo)
     samples = [(g.prompt, c) for g in groups for c in g.completions]
     # The tokens each sample trains (a multi-turn episode's own), over which REINFORCE++ whitens.

@@ -182,10 +182,11 @@ def check_model(path: str) -> dict[str, tuple[int, ...]]:
         raise ConfigError(f"model.path: {err}") from None
 
 
-def check_model_impl(cfg: Config, model_path: str) -> None:
+def check_model_impl(cfg: Config, model_path: str, weight_shapes: dict[str, tuple[int, ...]]) -> None:
     """model.impl against the model and the run: rlpipe's code asked for a family it does not have, and, for a model
     transformers runs, what only rlpipe's decoder offers (the captured step, the Pallas kernels, the XLA and TPU
-    learners, rlpipe's model inside vLLM, mixtures of experts) are refused in one line naming the key."""
+    learners, rlpipe's model inside vLLM, mixtures of experts) and weights the sync cannot name are refused in one
+    line naming the key. `weight_shapes`: the model's weights, as `check_model` read them."""
     from rlpipe.models import read_hf_config
     from rlpipe.models.registry import implementation, model_architecture, model_type_of
 
@@ -212,11 +213,9 @@ def check_model_impl(cfg: Config, model_path: str) -> None:
     for refused, key, why in refusals:
         if refused:
             raise ConfigError(f"{key}: {family}: {why}")
-    from rlpipe.models.hf import stored_tensors
-
     # The weight sync sends the learner's names, which vLLM's model of the family loads as they are when they follow
     # the Llama layout (`model.` and `lm_head.`); under another prefix vLLM's names differ from the checkpoint's.
-    other = sorted({name.split(".")[0] for name in stored_tensors(model_path)} - {"model", "lm_head"})
+    other = sorted({name.split(".")[0] for name in weight_shapes} - {"model", "lm_head"})
     if other:
         raise ConfigError(f"model.path: {family}: its weights lie under {other[0]}., which vLLM's engine holds under "
                           "other names; the weight sync maps only model. and lm_head.")

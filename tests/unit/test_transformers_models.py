@@ -127,9 +127,10 @@ def test_a_new_family_trains_and_activation_checkpointing_changes_no_number(fold
 def test_what_only_rlpipes_decoder_offers_is_refused_in_one_line(folders, overrides, refusal):
     cfg = load_config(None, [f"model.path={folders['olmo2']}", *overrides])
     with pytest.raises(ConfigError) as refused:
-        check_model_impl(cfg, folders["olmo2"])
+        check_model_impl(cfg, folders["olmo2"], check_weights(folders["olmo2"]))
     assert str(refused.value).startswith(refusal) and "\n" not in str(refused.value)
-    check_model_impl(load_config(None, [f"model.path={folders['olmo2']}"]), folders["olmo2"])
+    check_model_impl(load_config(None, [f"model.path={folders['olmo2']}"]), folders["olmo2"],
+                     check_weights(folders["olmo2"]))
 
 
 @pytest.mark.parametrize("config, refusal", [
@@ -210,9 +211,10 @@ def test_a_family_either_side_cannot_take_is_refused_naming_that_side(tmp_path):
                                          "(XGLMForCausalLM does not support an attention")
     # BioGPT's learner runs, but its weights lie under biogpt., which vLLM's model holds under other names.
     biogpt = build_tiny_model(tmp_path / "biogpt", "biogpt")
-    assert check_weights(biogpt)
+    weights = check_weights(biogpt)
+    assert weights
     with pytest.raises(ConfigError) as refused:
-        check_model_impl(load_config(None, [f"model.path={biogpt}"]), biogpt)
+        check_model_impl(load_config(None, [f"model.path={biogpt}"]), biogpt, weights)
     assert str(refused.value) == ("model.path: model_type 'biogpt' runs on transformers' code (model.impl auto): its "
                                   "weights lie under biogpt., which vLLM's engine holds under other names; the weight "
                                   "sync maps only model. and lm_head.")
