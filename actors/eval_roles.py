@@ -44,5 +44,5 @@ class EvalRoles(EngineRoles):
         self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log)
         self.pool.start()
         self._start_rewards(rewarders, columns)
-        get_all([e.policy_version.remote() for e in self.pool.engines] + [r.names.remote() for r in self.rewarders],
-                cfg.ray.start_timeout_s, "the roles", "their start (model load)", "ray.start_timeout_s")
+        get_all(sum(self.ready_calls().values(), []), cfg.ray.start_timeout_s, "the roles",
+                "their start (model load)", "ray.start_timeout_s")

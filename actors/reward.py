@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ray
 
+from rlpipe.actors.scorer import scorer_call
 from rlpipe.config import RewardConfig
 from rlpipe.rewards import RewardResult, RewardRunner
 from rlpipe.reporting.logs import LogSetup, configure_worker
@@ -15,14 +16,18 @@ which waits the whole of it, in time."""
 
 @ray.remote
 class RewardActor:
+    """`scorer`: the scorer actor that runs the reward models among `specs` for this worker (None: there are none)."""
+
     def __init__(
-        self, specs: list[dict], reward: RewardConfig, columns: list[str] | None = None, log: LogSetup | None = None
+        self, specs: list[dict], reward: RewardConfig, columns: list[str] | None = None, log: LogSetup | None = None,
+        scorer=None,
     ):
         if log is not None:
             configure_worker(log)
         self.runner = RewardRunner(
             specs, timeout_s=reward.timeout_s, columns=columns, sample_timeout_s=reward.sample_timeout_s,
             deadline_s=reward.deadline_s * WORKER_SHARE_OF_DEADLINE,
+            score_with_model=None if scorer is None else scorer_call(scorer),
         )
         self.runner.start()  # the functions' process loads them while the first step generates
 

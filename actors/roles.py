@@ -22,10 +22,12 @@ from rlpipe.actors.learner import LearnerActor
 from rlpipe.actors.placement import PlacedRole, place_role
 from rlpipe.actors.reward import RewardActor
 from rlpipe.actors.reward_pool import RewardPool
+from rlpipe.actors.scorer import ScorerActor
 from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import Config, first_line
 from rlpipe.hardware.device import learner_variables, learner_processes
 from rlpipe.startup.preflight import check_cluster_resources
+from rlpipe.scoring.reward_model import reward_model_folders
 from rlpipe.rewards.specs import reward_names
 from rlpipe.training.learner import combine_rank_metrics
 from rlpipe.reporting.logs import LogSetup
@@ -43,6 +45,7 @@ class EngineRoles:
         self.cfg, self.note, self.log = cfg, note, log
         self.placements: list[PlacedRole] = []
         self.rewarders: list = []
+        self.scorers: list = []
         self.pool: EnginePool | None = None
         self.rewards: RewardPool | None = None
         self.regenerated = 0  # prompts generated again so far (an engine's death lost them, a sync aborted them)
@@ -59,21 +62,46 @@ class EngineRoles:
         return placed
 
     def _start_rewards(self, placed: PlacedRole, columns: list[str] | None) -> None:
-        """The reward workers on `placed`, and the pool that shares samples out to them."""
+        """The reward workers on `placed`, the scorer role where reward.functions names reward models, and the pool
+        that shares samples out to the workers."""
         cfg = self.cfg
         specs = [asdict(spec) for spec in cfg.reward.functions]
+        self._start_scorers(reward_model_folders(specs))
         # Reward actors hold no state a step needs, so Ray restarts a dead one and re-runs its call there: the share
         # it was scoring is scored once, by the new process (tests/integration/test_grpo_e2e.py kills one).
         restarts = cfg.reward.max_restarts
         self.rewarders = [
             RewardActor.options(**placed.options(index), max_restarts=restarts, max_task_retries=restarts).remote(
-                specs, cfg.reward, columns, self._log_setup("reward", index)
+                specs, cfg.reward, columns, self._log_setup("reward", index),
+                self.scorers[index % len(self.scorers)] if self.scorers else None,
             )
             for index in range(cfg.reward.num_workers)
         ]
         self.rewards = RewardPool(
             self.rewarders, cfg.rollout.max_tokens, restarts, cfg.reward.deadline_s, reward_names(specs)
         )
+
+    def _start_scorers(self, folders: dict[str, str]) -> None:
+        """`scorer.num_workers` scorer actors, each loading the reward models of `folders`; none without them. A dead
+        one is started again (its call is not run again: the reward worker that made it has moved on)."""
+        if not folders:
+            return
+        scorer = self.cfg.scorer
+        placed = self._place("scorer", scorer.num_workers)
+        self.scorers = [
+            ScorerActor.options(**placed.options(index), max_restarts=scorer.max_restarts).remote(
+                folders, scorer, self._log_setup("scorer", index)
+            )
+            for index in range(scorer.num_workers)
+        ]
+
+    def ready_calls(self) -> dict[str, list]:
+        """A call per engine, reward worker and scorer that answers once the actor has started and loaded."""
+        calls = {"rollout": [engine.policy_version.remote() for engine in self.pool.engines],
+                 "reward": [rewarder.names.remote() for rewarder in self.rewarders]}
+        if self.scorers:
+            calls["scorer"] = [scorer.names.remote() for scorer in self.scorers]
+        return calls
 
     def _log_setup(self, role: str, index: int) -> LogSetup | None:
         return None if self.log is None else replace(self.log, who=f"{role}-{index}")
@@ -118,7 +146,7 @@ class EngineRoles:
         return self.rewards.score(groups, trainer_state)
 
     def _actors(self) -> list:
-        return [*(self.pool.engines if self.pool is not None else []), *self.rewarders]
+        return [*(self.pool.engines if self.pool is not None else []), *self.rewarders, *self.scorers]
 
     def shutdown(self) -> None:
         """End every actor. Engines are closed first, within rollout.close_timeout_s (vLLM's processes stop and their
@@ -195,9 +223,7 @@ class Roles(EngineRoles):
         # Surface a bad model folder or reward path now rather than at the first step; note when each role was
         # ready (its processes started, imported and loaded), counted from here.
         began, arrivals = time.monotonic(), {}
-        ready = {"learner": [learner.policy_version.remote() for learner in self.learners],
-                 "rollout": [e.policy_version.remote() for e in self.pool.engines],
-                 "reward": [r.names.remote() for r in self.rewarders]}
+        ready = {"learner": [learner.policy_version.remote() for learner in self.learners], **self.ready_calls()}
         get_all(sum(ready.values(), []), self.cfg.ray.start_timeout_s, "the roles", "their start (model load)",
                 "ray.start_timeout_s", arrivals)
         self.startup = {f"startup/{role}_ready_s": max(arrivals[ref] for ref in refs) - began
@@ -272,7 +298,8 @@ class Roles(EngineRoles):
         return self._ask_every_actor(executable)
 
     def _ask_every_actor(self, question) -> dict[str, list]:
-        roles = {"learner": self.learners, "rollout": self.pool.engines, "reward": self.rewarders}
+        roles = {"learner": self.learners, "rollout": self.pool.engines, "reward": self.rewarders,
+                 **({"scorer": self.scorers} if self.scorers else {})}
         return {
             role: self._starting([h.__ray_call__.remote(question) for h in handles], f"the {role} role", "a question")
             for role, handles in roles.items()

@@ -90,3 +90,20 @@ def build_tiny_model(folder, family: str, seed: int = 0) -> str:
     model.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
     return str(folder)
+
+
+def build_tiny_reward_model(folder, seed: int = 0, num_labels: int = 1) -> str:
+    """A random 2-layer Qwen2 sequence classifier of `num_labels` labels (a reward model where that is 1), saved as
+    an HF folder with the tiny tokenizer, whose pad token is not its end-of-sequence token."""
+    import torch
+    import transformers
+
+    tokenizer = build_tokenizer(folder)
+    config = transformers.Qwen2Config(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, num_labels=num_labels,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen2ForSequenceClassification(config).save_pretrained(folder)
+    return str(folder)

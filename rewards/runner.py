@@ -22,17 +22,21 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlpipe.usercode.callables import RewardConfigError
 from rlpipe.rewards.child import CallFailed, CallTimedOut, ChildProcess, Logged
-from rlpipe.rewards.contract import CALL_ARGUMENTS, EPISODE_COLUMNS, SAMPLE_COLUMNS, call_arguments
+from rlpipe.rewards.contract import CALL_ARGUMENTS, EPISODE_COLUMNS, SAMPLE_COLUMNS, as_completions, call_arguments
 from rlpipe.rewards.contract import trainer_state as start_state
 from rlpipe.rewards.specs import LoadedReward, parse_specs
 
 logger = logging.getLogger("rewards")
+
+ModelScoring = Callable[[str, list, list, float], list]
+"""How a runner has a reward model score: (its name in config, prompts, completions as functions get them, time limit
+in seconds) -> one score per sample; raises CallFailed (rewards/child.py) when the call fails or runs out of time."""
 
 
 @dataclass
@@ -91,6 +95,7 @@ class RewardRunner:
         *,
         sample_timeout_s: float = 20.0,
         deadline_s: float = 300.0,
+        score_with_model: ModelScoring | None = None,
     ):
         limits = {"timeout_s": timeout_s, "sample_timeout_s": sample_timeout_s, "deadline_s": deadline_s}
         for key, value in limits.items():
@@ -103,9 +108,10 @@ class RewardRunner:
         self.deadline_s = float(deadline_s)
         self.columns = None if columns is None else sorted(set(columns))
         self._rewards = parse_specs(specs, self.columns)
+        self.score_with_model = score_with_model
         self._warned: set[str] = set()
         self._warned_timeouts: set[str] = set()
-        self.child = ChildProcess(list(dict.fromkeys(reward.path for reward in self._rewards)))
+        self.child = ChildProcess(list(dict.fromkeys(reward.path for reward in self._rewards if not reward.model)))
         """Where the functions run; started at the first batch, or by `start`."""
 
     @property
@@ -158,7 +164,9 @@ class RewardRunner:
         batch = _Batch(list(prompts), list(completions), completion_ids, columns, state)
         outcomes = {}
         for reward in self._rewards:
-            if reward.group:
+            if reward.model:
+                outcome = self._score_with_model(reward, batch, num_samples, shares)
+            elif reward.group:
                 outcome = _merge([self._score_group(reward, batch, window, shares) for window in windows])
             else:
                 outcome = self._score_batch(reward, batch, num_samples, shares)
@@ -187,6 +195,26 @@ class RewardRunner:
             return self._score_each(reward, batch, num_samples, shares)
         shares.done(num_samples)
         return _with_logged(_validate(reward.name, value, num_samples), logged, reward.name)
+
+    def _score_with_model(
+        self, reward: LoadedReward, batch: _Batch, num_samples: int, shares: _TimeShares
+    ) -> _Outcome:
+        """A reward model's scores of the whole batch, in one call to the scorer role within the batch call's time
+        limit; a call that fails or runs out of time leaves the batch unscored (a forward pass does not fail for one
+        sample: calling again per sample would only spend the time of the functions after it)."""
+        if self.score_with_model is None:
+            raise RuntimeError(f"reward model {reward.name}: this reward runner has no scorer to call")
+        if shares.left() <= 0:
+            return _failed_call(num_samples, f"{reward.name}: not called: the batch's reward.deadline_s of "
+                                             f"{self.deadline_s:g}s had passed")
+        completions = as_completions(batch.prompts, batch.texts)
+        limit_s = shares.limit(self.timeout_s, num_samples)
+        shares.done(num_samples)
+        try:
+            values = self.score_with_model(reward.path, batch.prompts, completions, limit_s)
+        except CallFailed as failure:
+            return _failed_call(num_samples, f"{reward.name}: {failure}", failure)
+        return _validate(reward.name, values, num_samples)
 
     def _score_each(self, reward: LoadedReward, batch: _Batch, num_samples: int, shares: _TimeShares) -> _Outcome:
         parts = []

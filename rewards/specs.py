@@ -1,6 +1,11 @@
 """The reward functions a run is configured with: each spec read and checked (its keys, weight and kwargs), its
 function loaded and held against the call the reward pool makes (rewards/contract.py) before anything starts, and
-the names its scores and failures go by."""
+the names its scores and failures go by.
+
+An entry may name a reward model instead (TRL's contract; rlpipe/scoring/ runs it): which entries do is read from the
+name alone, so that every process decides alike. A name with a `/` and no `:` names a folder (`./rm`, `/models/rm`)
+or a Hugging Face Hub id (`org/name`, `org/name@revision`); function references always have a `:` and built-in
+names no `/`."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlpipe.usercode.callables import RewardConfigError, display_name, load_reward, shown_name
+from rlpipe.usercode.callables import BY_VALUE_PREFIX, RewardConfigError, display_name, load_reward, shown_name
 from rlpipe.rewards.contract import CALL_ARGUMENTS, LOG_CALLBACKS, SAMPLE_COLUMNS
 
 _SPEC_KEYS = ("name", "weight", "kwargs", "group")
@@ -23,12 +28,17 @@ class LoadedReward:
 
     name: str
     path: str
-    """The name given in config, by which the child process loads the function."""
-    fn: Callable
+    """The name given in config, by which the child process loads the function (the scorer role, a model)."""
+    fn: Callable | None
+    """None for a reward model (rlpipe/scoring/reward_model.py), which the scorer role runs."""
     weight: float
     kwargs: dict[str, Any]
     group: bool = False
     """Called once per group (the group's completions of one prompt) instead of once per batch."""
+
+    @property
+    def model(self) -> bool:
+        return self.fn is None
 
 
 def parse_specs(specs: list[dict], columns: list[str] | None) -> list[LoadedReward]:
@@ -62,11 +72,16 @@ def parse_specs(specs: list[dict], columns: list[str] | None) -> list[LoadedRewa
         if not isinstance(group, bool):
             raise RewardConfigError(f"{where}: 'group' must be true or false, got {group!r}")
 
-        fn = load_reward(spec["name"])
-        _check_signature(shown_name(spec["name"]), fn, kwargs, columns)
-        _check_startup(shown_name(spec["name"]), fn, kwargs)
-        _check_columns_read(shown_name(spec["name"]), fn, kwargs, columns)
-        name = _unique(display_name(spec["name"]), taken)
+        if is_model_reward(spec["name"]):  # scored by the scorer role; its folder is checked in the driver
+            if kwargs or group:
+                raise RewardConfigError(f"{where}: a reward model takes neither kwargs nor group")
+            fn = None
+        else:
+            fn = load_reward(spec["name"])
+            _check_signature(shown_name(spec["name"]), fn, kwargs, columns)
+            _check_startup(shown_name(spec["name"]), fn, kwargs)
+            _check_columns_read(shown_name(spec["name"]), fn, kwargs, columns)
+        name = _unique(reward_display_name(spec["name"]), taken)
         taken.add(name)
         rewards.append(
             LoadedReward(name=name, path=spec["name"], fn=fn, weight=float(weight), kwargs=dict(kwargs), group=group)
@@ -78,8 +93,13 @@ def reward_names(specs: list[dict]) -> list[str]:
     """The names results and failures go by, one per spec, as a RewardRunner of these specs names them."""
     taken: list[str] = []
     for spec in specs:
-        taken.append(_unique(display_name(spec["name"]), set(taken)))
+        taken.append(_unique(reward_display_name(spec["name"]), set(taken)))
     return taken
+
+
+def reward_display_name(path: str) -> str:
+    """The name a reward's scores go by before duplicates are told apart: a function's name, a model's folder."""
+    return model_reward_name(path) if is_model_reward(path) else display_name(path)
 
 
 def call_keywords(columns: list[str] | None, kwargs: Mapping[str, Any]) -> list[str]:
@@ -87,6 +107,18 @@ def call_keywords(columns: list[str] | None, kwargs: Mapping[str, Any]) -> list[
     when they are known)."""
     names = [*CALL_ARGUMENTS, *(columns or []), *SAMPLE_COLUMNS]
     return list(dict.fromkeys([*names, *kwargs]))
+
+
+def is_model_reward(name: object) -> bool:
+    """Whether a reward.functions name names a reward model (a folder or Hub id) rather than a function."""
+    return (
+        isinstance(name, str) and "/" in name and ":" not in name and not name.strip().startswith(BY_VALUE_PREFIX)
+    )
+
+
+def model_reward_name(name: str) -> str:
+    """The name a reward model's scores go by: its folder's or repository's last part, as TRL names it."""
+    return name.strip().rstrip("/").partition("@")[0].rpartition("/")[2] or name
 
 
 def _check_signature(path: str, fn: Callable, kwargs: Mapping[str, Any], columns: list[str] | None) -> None:

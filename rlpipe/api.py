@@ -64,7 +64,8 @@ def train(
     metrics.push_to_hub is set.
 
     `reward_funcs` replaces reward.functions: each a callable or a name (an import path "module:function", a
-    built-in name), with `reward_weights` (default 1.0 each). A callable from an installed package travels as its
+    built-in name, or a reward model's folder or Hub id, scored as TRL scores it), with `reward_weights` (default 1.0
+    each). A callable from an installed package travels as its
     import path; one defined in your script, notebook or a module beside it travels by value (cloudpickle), so the
     reward workers need neither your files nor PYTHONPATH. A reward module named by import path in a recipe is also
     found in the recipe's folder and in the current directory. `tools` and `environment_factory` replace

@@ -28,6 +28,7 @@ from rlpipe.config.ray import RayConfig
 from rlpipe.config.reward import RewardConfig, RewardFunctionConfig
 from rlpipe.config.rollout import ENGINE_PLATFORMS, MAX_TEMPERATURE, EnginePlatform, RolloutConfig, torchtpu_refusal
 from rlpipe.config.run import RunConfig
+from rlpipe.config.scorer import ScorerConfig
 from rlpipe.config.sync import SyncConfig
 from rlpipe.config.train import TrainConfig
 from rlpipe.config.tree import Config
@@ -38,7 +39,7 @@ __all__ = [
     "HumanEvalSource", "KernelsConfig",
     "LearnerConfig", "MetricsConfig", "ModelConfig", "PromptSource", "ReasoningGymSource", "VerifiersSource",
     "PlacementConfig", "RayConfig", "RewardConfig", "RewardFunctionConfig", "RolePlacement", "RolloutConfig",
-    "RunConfig", "SyncConfig", "TrainConfig",
+    "RunConfig", "ScorerConfig", "SyncConfig", "TrainConfig",
     "default_recipe", "describe", "error_line", "find_recipe", "first_line", "help_text", "load_config", "load_yaml",
     "one_line", "recipes_dir", "report_line",
     "torchtpu_refusal",

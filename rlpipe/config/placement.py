@@ -50,8 +50,10 @@ class PlacementConfig:
     learner: RolePlacement = field(default_factory=RolePlacement)
     rollout: RolePlacement = field(default_factory=RolePlacement)
     reward: RolePlacement = field(default_factory=lambda: RolePlacement(strategy="SPREAD"))
+    scorer: RolePlacement = field(default_factory=RolePlacement)
 
     def check(self) -> None:
         require(self.reward.tpu is None, "placement.reward.tpu: reward workers run on CPUs; set it to null")
-        for role in ("learner", "rollout", "reward"):
+        require(self.scorer.tpu is None, "placement.scorer.tpu: the scorer's reward models run on CPUs; set it to null")
+        for role in ("learner", "rollout", "reward", "scorer"):
             getattr(self, role).check(f"placement.{role}")

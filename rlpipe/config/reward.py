@@ -17,7 +17,7 @@ class RewardFunctionConfig:
     name: str = key(
         "rlpipe.rewards.reasoning_gym:verifier",
         "import path pkg.mod:fn, file path path/to/file.py:fn (from the recipe's folder, else the working directory), "
-        "or a built-in name",
+        "a built-in name, or a reward model: a folder (./rm) or Hub id (org/name) of a sequence-classification model",
     )
     weight: float = key(1.0, "weight of this function in the total reward")
     kwargs: dict = key({}, "keyword arguments passed on every call")
@@ -64,11 +64,17 @@ class RewardConfig:
     def resolve_files(self, recipe_dir: Path | None) -> None:
         """Make every `path/to/file.py:fn` absolute, so that reward workers (whatever their working directory) load
         the file this config means: a relative path is looked up in the recipe's folder first, then in the working
-        directory. Also the verl adapter's `kwargs.function`."""
+        directory. Also the verl adapter's `kwargs.function`, and a reward model's folder (a name with a `/` and no
+        `:`, rlpipe/rewards/specs.py) where one is found there; otherwise it is a Hub id."""
         for index, function in enumerate(self.functions):
             where = f"reward.functions[{index}]"
             if _file_and_function(function.name):
                 function.name = _absolute_file_reference(function.name, recipe_dir, f"{where}.name")
+            elif isinstance(function.name, str) and "/" in function.name and ":" not in function.name:
+                folder = Path(function.name).expanduser()
+                found = [c for c in [*([recipe_dir / folder] if recipe_dir else []), Path.cwd() / folder] if c.is_dir()]
+                if found and not folder.is_absolute():
+                    function.name = str(found[0].resolve())
             scorer = function.kwargs.get("function") if isinstance(function.kwargs, dict) else None
             if function.name in VERL_ADAPTER_NAMES and _file_and_function(scorer):
                 function.kwargs = {

@@ -19,6 +19,7 @@ from rlpipe.config.ray import RayConfig
 from rlpipe.config.reward import RewardConfig
 from rlpipe.config.rollout import EnginePlatform, RolloutConfig, torchtpu_refusal
 from rlpipe.config.run import RunConfig
+from rlpipe.config.scorer import ScorerConfig
 from rlpipe.config.sync import VLLM_LORA_RANKS, SyncConfig, vllm_lora_rank
 from rlpipe.config.train import TrainConfig
 
@@ -30,6 +31,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -29,6 +29,7 @@ from rlpipe.plan.learner import learner_peaks, learner_side
 from rlpipe.plan.model_size import ModelSize, load_architecture
 from rlpipe.plan.parts import DTYPE_BYTES, GIB, Peak, SidePlan, _keyed
 from rlpipe.plan.report import LimitCheck, limit_checks
+from rlpipe.plan.scorer import scorer_peak
 from rlpipe.plan.shm import shm_peaks
 from rlpipe.plan.synced import synced_params
 from rlpipe.hardware.tpu_layout import slice_problems, slice_shares
@@ -103,7 +104,9 @@ def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = No
     load_peak, host_peak = learner_peaks(cfg, arch, learner_share, usable, usable_label, manifests)
     adapters_only = synced_params(cfg, arch) != P
     shm = shm_peaks(cfg, synced_params(cfg, arch) * rb, adapters_only, shares, manifests)
+    scorer = scorer_peak(cfg)
     peaks = (load_peak, host_peak, rollout_peak(cfg, arch, rollout_share, manifests), *shm)
+    peaks += (scorer,) if scorer else ()
     for peak in peaks:
         if peak.fits is None and peak.missing and peak.key != "learner_load":
             notes.append(f"{peak.name}: {peak.missing}")

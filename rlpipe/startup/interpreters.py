@@ -49,6 +49,7 @@ def role_modules(cfg: Config) -> dict[str, list[str]]:
         "learner": ["ray", "rlpipe.actors.learner", _DEVICE_STACK[cfg.learner.device]],
         "rollout": ["ray", "rlpipe.actors.rollout", "vllm"],
         "reward": ["ray", "rlpipe.actors.reward"],
+        "scorer": ["ray", "rlpipe.actors.scorer", "transformers"],
     }
 
 

@@ -27,6 +27,8 @@ from rlpipe.hardware.device import learner_processes
 from rlpipe.startup.interpreters import NoAnswer, interpreter, ask_device, ask_imports, role_modules
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.rewards import RewardRunner
+from rlpipe.rewards.specs import is_model_reward
+from rlpipe.scoring.reward_model import reward_model_folders
 from rlpipe.hardware.tpu_layout import slice_problems
 
 # ---------------------------------------------------------------- the TPU slices
@@ -46,7 +48,7 @@ def check_role_environments(cfg: Config) -> dict[str, str]:
     """Check every role that names its own environment; returns role -> interpreter for those roles."""
     chosen = {}
     modules = role_modules(cfg)
-    for role in ("learner", "rollout", "reward"):
+    for role in ("learner", "rollout", "reward", "scorer"):
         path = getattr(cfg.placement, role).python
         if path is None:
             continue
@@ -105,8 +107,11 @@ def check_learner_device(cfg: Config, python: str | None, timeout_s: float = 180
 
 
 def actors_needed(cfg: Config) -> int:
-    """The CPU bundles the roles reserve off TPU slices: one per learner process, rollout engine and reward worker."""
-    return learner_processes(cfg.learner.device, cfg.learner.ranks) + cfg.rollout.num_engines + cfg.reward.num_workers
+    """The CPU bundles the roles reserve off TPU slices: one per learner process, rollout engine, reward worker and,
+    where reward.functions names a reward model, scorer."""
+    scorers = cfg.scorer.num_workers if any(is_model_reward(f.name) for f in cfg.reward.functions) else 0
+    return (learner_processes(cfg.learner.device, cfg.learner.ranks) + cfg.rollout.num_engines
+            + cfg.reward.num_workers + scorers)
 
 
 def check_cluster_resources(cfg: Config, resources: dict[str, float], address: str | None = None) -> None:
@@ -125,7 +130,7 @@ def check_cluster_resources(cfg: Config, resources: dict[str, float], address: s
         key = "ray.num_cpus" if own else "learner.ranks / rollout.num_engines / reward.num_workers"
         raise ConfigError(
             f"{key}: {where} has {resources.get('CPU', 0):g} CPUs but the roles need {needed} "
-            f"(one each per learner process, rollout engine and reward worker)"
+            f"(one each per learner process, rollout engine, reward worker and scorer)"
         )
     if cfg.learner.device == "cuda" and resources.get("GPU", 0) < cfg.learner.ranks:
         raise ConfigError(
@@ -245,9 +250,11 @@ def check_tokenizer(model: ModelConfig, model_path: str) -> tuple[str | None, An
 
 
 def check_reward_functions(reward: RewardConfig, columns: list[str]) -> None:
-    """Every reward function imports and can take the call it will get, the dataset's `columns` included; raises
-    the reward registry's RewardConfigError (reported as a config error) naming the function and the argument."""
+    """Every reward function imports and can take the call it will get, the dataset's `columns` included, and every
+    reward model is a one-label sequence-classifier the scorer can load; raises the reward registry's
+    RewardConfigError (reported as a config error) naming the function and the argument, or the model."""
     RewardRunner([asdict(f) for f in reward.functions], timeout_s=reward.timeout_s, columns=columns)
+    reward_model_folders(reward.functions, check=True)
 
 
 def check_rollout_tools(rollout, tokenizer, template_kwargs: dict) -> None:

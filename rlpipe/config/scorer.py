@@ -1,0 +1,28 @@
+"""The `scorer` section: the actors that run the reward models named in reward.functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlpipe.config.errors import require
+from rlpipe.config.keys import key
+
+
+@dataclass
+class ScorerConfig:
+    num_workers: int = key(
+        1, "scorer actors, each holding every reward model of reward.functions (started only where one is named); "
+        "reward worker i calls scorer i modulo their number"
+    )
+    batch_size: int = key(8, "samples per forward pass of a reward model")
+    dtype: Literal["float32", "bfloat16"] = key("float32", "the reward models' weights and activations")
+    max_restarts: int = key(
+        3, "a scorer actor that dies (killed, out of memory) is started again this many times; the call it was "
+        "answering leaves its samples unscored"
+    )
+
+    def check(self) -> None:
+        require(self.num_workers >= 1, "scorer.num_workers: must be >= 1")
+        require(self.batch_size >= 1, "scorer.batch_size: must be >= 1")
+        require(self.max_restarts >= 0, "scorer.max_restarts: must be >= 0")
