@@ -83,7 +83,7 @@ class EngineRoles:
 
     def _start_scorers(self, folders: dict[str, str]) -> None:
         """`scorer.num_workers` scorer actors, each loading the reward models of `folders`; none without them. A dead
-        one is started again (its call is not run again: the reward worker that made it has moved on)."""
+        one is started again, and the call it was answering is sent again (actors/scorer.py's `scorer_call`)."""
         if not folders:
             return
         scorer = self.cfg.scorer

@@ -19,7 +19,7 @@ class ScorerConfig:
     dtype: Literal["float32", "bfloat16"] = key("float32", "the reward models' weights and activations")
     max_restarts: int = key(
         3, "a scorer actor that dies (killed, out of memory) is started again this many times; the call it was "
-        "answering leaves its samples unscored"
+        "answering waits for the new process within its time limit"
     )
 
     def check(self) -> None:

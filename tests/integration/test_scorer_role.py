@@ -31,3 +31,35 @@ def test_a_reward_model_scores_a_runs_samples_beside_a_function(tmp_path, tiny_q
         scores += expected
     assert len(set(scores)) > 1
     assert record["reward/tiny-rm"] == pytest.approx(sum(scores) / len(scores), abs=1e-5)
+
+
+def test_a_scorer_that_dies_mid_call_is_started_again_and_answers_the_call(tmp_path, ray_cluster):
+    import threading
+    import time
+
+    import ray
+
+    from rlpipe.actors.scorer import ScorerActor, scorer_call
+    from rlpipe.config import ScorerConfig
+    from rlpipe.rewards.child import CallFailed
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    reward_model = build_tiny_reward_model(tmp_path / "tiny-rm")
+    scorer = ScorerActor.options(num_cpus=0, max_restarts=1).remote({"rm": reward_model}, ScorerConfig())
+    call = scorer_call(scorer)
+    prompts, completions = ["Calculate 1 + 2."] * 4, [" 3", " The answer is 3.", "", " 4"]
+    expected = RewardModel(reward_model).score(prompts, completions)
+    assert call("rm", prompts, completions, 120.0) == pytest.approx(expected, abs=1e-6)
+    long_call = []
+    busy = threading.Thread(target=lambda: long_call.append(call("rm", ["x" * 200] * 3000, [" 3"] * 3000, 300.0)))
+    busy.start()
+    time.sleep(1.0)  # the long call is under way
+    ray.kill(scorer, no_restart=False)
+    busy.join(timeout=300)
+    # The call waited for the new process, which scored it (scoring is pure, so sending it again is safe).
+    assert len(long_call) == 1 and len(long_call[0]) == 3000 and all(isinstance(v, float) for v in long_call[0])
+    assert call("rm", prompts, completions, 120.0) == pytest.approx(expected, abs=1e-6)
+    ray.kill(scorer, no_restart=True)  # its restarts spent: the call fails in one line, costing its samples only
+    with pytest.raises(CallFailed, match="^the scorer stopped"):
+        call("rm", prompts, completions, 120.0)
