@@ -27,7 +27,7 @@ from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import Config, first_line
 from rlpipe.hardware.device import learner_variables, learner_processes
 from rlpipe.startup.preflight import check_cluster_resources
-from rlpipe.scoring.reward_model import reward_model_folders
+from rlpipe.scoring.served import ServedModel, served_models
 from rlpipe.rewards.specs import reward_names
 from rlpipe.training.learner import combine_rank_metrics
 from rlpipe.reporting.logs import LogSetup
@@ -62,11 +62,11 @@ class EngineRoles:
         return placed
 
     def _start_rewards(self, placed: PlacedRole, columns: list[str] | None) -> None:
-        """The reward workers on `placed`, the scorer role where reward.functions names reward models, and the pool
-        that shares samples out to the workers."""
+        """The reward workers on `placed`, the scorer role where a model scores entries of reward.functions, and the
+        pool that shares samples out to the workers."""
         cfg = self.cfg
         specs = [asdict(spec) for spec in cfg.reward.functions]
-        self._start_scorers(reward_model_folders(specs))
+        self._start_scorers(served_models(specs))
         # Reward actors hold no state a step needs, so Ray restarts a dead one and re-runs its call there: the share
         # it was scoring is scored once, by the new process (tests/integration/test_grpo_e2e.py kills one).
         restarts = cfg.reward.max_restarts
@@ -81,16 +81,17 @@ class EngineRoles:
             self.rewarders, cfg.rollout.max_tokens, restarts, cfg.reward.deadline_s, reward_names(specs)
         )
 
-    def _start_scorers(self, folders: dict[str, str]) -> None:
-        """`scorer.num_workers` scorer actors, each loading the reward models of `folders`; none without them. A dead
-        one is started again, and the call it was answering is sent again (actors/scorer.py's `scorer_call`)."""
-        if not folders:
+    def _start_scorers(self, served: dict[str, ServedModel]) -> None:
+        """`scorer.num_workers` scorer actors, each loading the models of `served`; none without them. A dead one is
+        started again, and the call it was answering is sent again (actors/scorer.py's `scorer_call`)."""
+        if not served:
             return
         scorer = self.cfg.scorer
         placed = self._place("scorer", scorer.num_workers)
+        options = {"max_restarts": scorer.max_restarts}
         self.scorers = [
-            ScorerActor.options(**placed.options(index), max_restarts=scorer.max_restarts).remote(
-                folders, scorer, self._log_setup("scorer", index)
+            ScorerActor.options(**placed.options(index, compute_env(self.cfg)), **options).remote(
+                served, scorer, self._log_setup("scorer", index)
             )
             for index in range(scorer.num_workers)
         ]

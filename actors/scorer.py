@@ -1,6 +1,6 @@
-"""Ray actor of the scorer role: the reward models named in reward.functions (rlpipe/scoring/reward_model.py), loaded
-once and called by the reward workers with their whole share of a step, batched `scorer.batch_size` samples at a
-time."""
+"""Ray actor of the scorer role: the models that score entries of reward.functions (rlpipe/scoring/), loaded once —
+reward models with transformers, judges on a vLLM engine per judge model — and called by the reward workers with
+their whole share of a step."""
 
 from __future__ import annotations
 
@@ -11,24 +11,32 @@ import ray
 from rlpipe.config import ScorerConfig
 from rlpipe.reporting.logs import LogSetup, configure_worker
 from rlpipe.rewards.child import CallFailed
+from rlpipe.scoring.judge import Judge, start_judge_engine
 from rlpipe.scoring.reward_model import RewardModel
+from rlpipe.scoring.served import ServedModel
 
 RESTART_POLL_S = 0.5
 
 
 @ray.remote
 class ScorerActor:
-    """`folders`: each reward model's name in reward.functions -> its local folder (checked by the driver)."""
+    """`served`: what it scores, by the name the scores go by (rlpipe/scoring/served.py, checked by the driver)."""
 
-    def __init__(self, folders: dict[str, str], scorer: ScorerConfig, log: LogSetup | None = None):
+    def __init__(self, served: dict[str, ServedModel], scorer: ScorerConfig, log: LogSetup | None = None):
         if log is not None:
             configure_worker(log)
-        self.models = {
-            name: RewardModel(folder, scorer.dtype, scorer.batch_size) for name, folder in folders.items()
-        }
+        engines = {}  # judge model folder -> its engine, shared by the judges of that model
+        self.models = {}
+        for name, model in served.items():
+            if model.judge is None:
+                self.models[name] = RewardModel(model.folder, scorer.dtype, scorer.batch_size)
+                continue
+            if model.folder not in engines:
+                engines[model.folder] = start_judge_engine(model.folder, scorer)
+            self.models[name] = Judge(engines[model.folder], model.judge, scorer.max_model_len)
 
-    def score(self, name: str, prompts: list, completions: list) -> list[float | None]:
-        return self.models[name].score(prompts, completions)
+    def score(self, name: str, prompts: list, completions: list, columns: dict[str, list]) -> list:
+        return self.models[name].score(prompts, completions, columns)
 
     def names(self) -> list[str]:
         return list(self.models)
@@ -39,10 +47,10 @@ def scorer_call(scorer):
     limit, every way it can fail as a CallFailed naming it. While the actor is being started again the call waits for
     it, within the same limit (scoring is pure: a call sent twice scores the same)."""
 
-    def call(name: str, prompts: list, completions: list, limit_s: float) -> list:
+    def call(name: str, prompts: list, completions: list, columns: dict[str, list], limit_s: float) -> list:
         deadline = time.monotonic() + max(limit_s, 0.0)
         while True:
-            ref = scorer.score.remote(name, prompts, completions)
+            ref = scorer.score.remote(name, prompts, completions, columns)
             try:
                 return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
             except ray.exceptions.GetTimeoutError:

@@ -34,9 +34,10 @@ from rlpipe.rewards.specs import LoadedReward, parse_specs
 
 logger = logging.getLogger("rewards")
 
-ModelScoring = Callable[[str, list, list, float], list]
-"""How a runner has a reward model score: (its name in config, prompts, completions as functions get them, time limit
-in seconds) -> one score per sample; raises CallFailed (rewards/child.py) when the call fails or runs out of time."""
+ModelScoring = Callable[[str, list, list, dict, float], list]
+"""How a runner has a model of the scorer role score (a reward model, the judge): (the entry's name, as its scores go
+by; prompts; completions as functions get them; the batch's columns; time limit in seconds) -> one score per sample,
+as a function returns them; raises CallFailed (rewards/child.py) when the call fails or runs out of time."""
 
 
 @dataclass
@@ -199,11 +200,12 @@ class RewardRunner:
     def _score_with_model(
         self, reward: LoadedReward, batch: _Batch, num_samples: int, shares: _TimeShares
     ) -> _Outcome:
-        """A reward model's scores of the whole batch, in one call to the scorer role within the batch call's time
-        limit; a call that fails or runs out of time leaves the batch unscored (a forward pass does not fail for one
-        sample: calling again per sample would only spend the time of the functions after it)."""
+        """A model's scores of the whole batch (a reward model's, the judge's), in one call to the scorer role within
+        the batch call's time limit; a call that fails or runs out of time leaves the batch unscored (a forward pass
+        does not fail for one sample: calling again per sample would only spend the time of the functions after
+        it)."""
         if self.score_with_model is None:
-            raise RuntimeError(f"reward model {reward.name}: this reward runner has no scorer to call")
+            raise RuntimeError(f"{reward.name}: this reward runner has no scorer to call")
         if shares.left() <= 0:
             return _failed_call(num_samples, f"{reward.name}: not called: the batch's reward.deadline_s of "
                                              f"{self.deadline_s:g}s had passed")
@@ -211,7 +213,7 @@ class RewardRunner:
         limit_s = shares.limit(self.timeout_s, num_samples)
         shares.done(num_samples)
         try:
-            values = self.score_with_model(reward.path, batch.prompts, completions, limit_s)
+            values = self.score_with_model(reward.name, batch.prompts, completions, batch.columns, limit_s)
         except CallFailed as failure:
             return _failed_call(num_samples, f"{reward.name}: {failure}", failure)
         return _validate(reward.name, values, num_samples)

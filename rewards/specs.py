@@ -30,7 +30,7 @@ class LoadedReward:
     path: str
     """The name given in config, by which the child process loads the function (the scorer role, a model)."""
     fn: Callable | None
-    """None for a reward model (rlpipe/scoring/reward_model.py), which the scorer role runs."""
+    """None where a model scores (a reward model or the judge, rlpipe/scoring/), in the scorer role."""
     weight: float
     kwargs: dict[str, Any]
     group: bool = False
@@ -76,6 +76,10 @@ def parse_specs(specs: list[dict], columns: list[str] | None) -> list[LoadedRewa
             if kwargs or group:
                 raise RewardConfigError(f"{where}: a reward model takes neither kwargs nor group")
             fn = None
+        elif spec["name"] == JUDGE:  # the scorer role's judge; its kwargs are checked in the driver
+            if group:
+                raise RewardConfigError(f"{where}: the judge scores each sample alone; it takes no group")
+            fn = None
         else:
             fn = load_reward(spec["name"])
             _check_signature(shown_name(spec["name"]), fn, kwargs, columns)
@@ -107,6 +111,15 @@ def call_keywords(columns: list[str] | None, kwargs: Mapping[str, Any]) -> list[
     when they are known)."""
     names = [*CALL_ARGUMENTS, *(columns or []), *SAMPLE_COLUMNS]
     return list(dict.fromkeys([*names, *kwargs]))
+
+
+JUDGE = "judge"
+"""The built-in LLM judge's name (rlpipe/scoring/judge.py): a model served by the scorer role rates each sample."""
+
+
+def scored_by_a_model(name: object) -> bool:
+    """Whether the scorer role scores the entry of this name: a reward model or the judge."""
+    return name == JUDGE or is_model_reward(name)
 
 
 def is_model_reward(name: object) -> bool:

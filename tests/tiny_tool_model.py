@@ -103,16 +103,26 @@ def build_tiny_tool_model(folder, system_prompt: str, prompt_suffix: str = "", s
     )
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(config)
+    train_on_rows(model, rows, tokenizer.pad_token_id, steps, lr)
+    model.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    return str(folder)
+
+
+def train_on_rows(model, rows: list[tuple[list[int], list[int]]], pad_id: int, steps: int, lr: float,
+                  batch_size: int = 16) -> None:
+    """Supervised steps on `rows` (token ids, and 1 where the model writes the token), cycling through them."""
+    import torch
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / steps)
-    batch_size = 16
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small trains faster on one thread than on two that other work shares
     try:
         for step in range(steps):
             chosen = [rows[(step * batch_size + i) % len(rows)] for i in range(batch_size)]
             width = max(len(ids) for ids, _ in chosen)
-            ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in chosen])
+            ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in chosen])
             labels = torch.tensor([[t if m else -100 for t, m in zip(i, mask)] + [-100] * (width - len(i))
                                    for i, mask in chosen])
             loss = model(input_ids=ids, labels=labels).loss
@@ -122,6 +132,3 @@ def build_tiny_tool_model(folder, system_prompt: str, prompt_suffix: str = "", s
             schedule.step()
     finally:
         torch.set_num_threads(threads)
-    model.save_pretrained(folder)
-    model.generation_config.save_pretrained(folder)
-    return str(folder)

@@ -64,23 +64,33 @@ class RewardConfig:
     def resolve_files(self, recipe_dir: Path | None) -> None:
         """Make every `path/to/file.py:fn` absolute, so that reward workers (whatever their working directory) load
         the file this config means: a relative path is looked up in the recipe's folder first, then in the working
-        directory. Also the verl adapter's `kwargs.function`, and a reward model's folder (a name with a `/` and no
-        `:`, rlpipe/rewards/specs.py) where one is found there; otherwise it is a Hub id."""
+        directory. Also the verl adapter's `kwargs.function`, and a model's folder where one is found there (a reward
+        model's: a name with a `/` and no `:`, rlpipe/rewards/specs.py; the judge's kwargs.model); otherwise that
+        name is a Hub id."""
         for index, function in enumerate(self.functions):
             where = f"reward.functions[{index}]"
             if _file_and_function(function.name):
                 function.name = _absolute_file_reference(function.name, recipe_dir, f"{where}.name")
             elif isinstance(function.name, str) and "/" in function.name and ":" not in function.name:
-                folder = Path(function.name).expanduser()
-                found = [c for c in [*([recipe_dir / folder] if recipe_dir else []), Path.cwd() / folder] if c.is_dir()]
-                if found and not folder.is_absolute():
-                    function.name = str(found[0].resolve())
+                function.name = _local_folder(function.name, recipe_dir)
+            judge = function.kwargs.get("model") if function.name == "judge" else None
+            if isinstance(judge, str) and "/" in judge:
+                function.kwargs = {**function.kwargs, "model": _local_folder(judge, recipe_dir)}
             scorer = function.kwargs.get("function") if isinstance(function.kwargs, dict) else None
             if function.name in VERL_ADAPTER_NAMES and _file_and_function(scorer):
                 function.kwargs = {
                     **function.kwargs,
                     "function": _absolute_file_reference(scorer, recipe_dir, f"{where}.kwargs.function"),
                 }
+
+
+def _local_folder(name: str, recipe_dir: Path | None) -> str:
+    """`name` made absolute where it is a folder relative to the recipe's folder or the working directory."""
+    folder = Path(name).expanduser()
+    if folder.is_absolute():
+        return name
+    found = [c for c in [*([recipe_dir / folder] if recipe_dir else []), Path.cwd() / folder] if c.is_dir()]
+    return str(found[0].resolve()) if found else name
 
 
 def _file_and_function(reference: object) -> tuple[str, str] | None:

@@ -1,46 +1,58 @@
-"""The scorer role's memory (a host's RAM): each reward model's weights in scorer.dtype, and one forward pass of
-scorer.batch_size samples of the run's longest sequence — the hidden states of a layer and, as eager attention holds
-them, its attention scores. Read from the reward models' config.json and safetensors headers, where their folders
-are here (a Hub id only where it is already in the Hugging Face cache)."""
+"""The scorer role's memory (a host's RAM): each model's weights in scorer.dtype — reward models and judges — and
+what it holds to score: one forward pass of scorer.batch_size samples of the run's longest sequence for a reward
+model (the hidden states of a layer and, as eager attention holds them, its attention scores), a judge engine's KV
+cache (scorer.kv_cache_gib). Read from the models' config.json and safetensors headers, where their folders are here
+(a Hub id only where it is already in the Hugging Face cache)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from rlpipe.config import Config
-from rlpipe.plan.parts import DTYPE_BYTES, MemoryItem, Peak
-from rlpipe.rewards.specs import is_model_reward, model_reward_name
+from rlpipe.plan.parts import DTYPE_BYTES, GIB, MemoryItem, Peak
+from rlpipe.rewards.specs import JUDGE, is_model_reward, model_reward_name
 
 
 def scorer_peak(cfg: Config) -> Peak | None:
-    """The scorer actor's peak, or None where reward.functions names no reward model."""
-    names = [f.name for f in cfg.reward.functions if is_model_reward(f.name)]
-    if not names:
+    """The scorer actor's peak, or None where no entry of reward.functions is scored by a model."""
+    models = {}  # folder or Hub id -> whether a judge serves it
+    for function in cfg.reward.functions:
+        if is_model_reward(function.name):
+            models.setdefault(function.name, False)
+        elif function.name == JUDGE and isinstance(function.kwargs.get("model"), str):
+            models[function.kwargs["model"]] = True
+    if not models:
         return None
     dtype_bytes = DTYPE_BYTES[cfg.scorer.dtype]
     batch, tokens = cfg.scorer.batch_size, cfg.longest_sequence
     parts, unread, activations = [], [], 0.0
-    for name in names:
+    for name, judged in models.items():
         folder = _local_folder(name)
         if folder is None:
             unread.append(name)
             continue
         from rlpipe.models.checks import stored_tensors
 
-        params = sum(_elements(tensor.shape) for tensor in stored_tensors(folder).values())
+        params = sum(math.prod(tensor.shape) for tensor in stored_tensors(folder).values())
         parts.append(MemoryItem(f"weights:{name}", f"{model_reward_name(name)} weights", params * dtype_bytes))
+        if judged:
+            parts.append(MemoryItem(f"kv_cache:{name}", f"{model_reward_name(name)} KV cache (judge)",
+                                    cfg.scorer.kv_cache_gib * GIB))
+            continue
         config = json.loads((Path(folder) / "config.json").read_text())
         text = config.get("text_config", config)
         hidden = text.get("hidden_size", 0)
         width = 2 * hidden + text.get("intermediate_size", 4 * hidden)
         scores = text.get("num_attention_heads", 0) * tokens * tokens
         activations = max(activations, batch * (tokens * width + scores) * dtype_bytes)
-    parts.append(MemoryItem("activations", f"one forward of {batch} x {tokens} tokens (at most)", activations))
+    if activations:
+        parts.append(MemoryItem("activations", f"one forward of {batch} x {tokens} tokens (at most)", activations))
     missing = "a CPU host's RAM; nothing here states its limit"
     if unread:
         missing += f"; not counted: {', '.join(unread)} (no folder here, not in the Hugging Face cache)"
-    return Peak("scorer_host", "the scorer's host RAM", "scorer host RAM (reward models, one batch)", tuple(parts),
+    return Peak("scorer_host", "the scorer's host RAM", "scorer host RAM (models that score, one batch)", tuple(parts),
                 None, missing=missing)
 
 
@@ -51,9 +63,3 @@ def _local_folder(name: str) -> str | None:
 
     return resolve_hub_model(name, key="reward.functions", cached_only=True)
 
-
-def _elements(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

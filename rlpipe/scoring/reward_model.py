@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 
 from rlpipe.config import ConfigError, one_line
-from rlpipe.rewards.specs import is_model_reward
 from rlpipe.usercode.callables import RewardConfigError
 
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
@@ -27,21 +26,18 @@ SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
 HEAD_WEIGHTS = ("score.weight", "classifier.weight", "classifier.out_proj.weight")
 
 
-def reward_model_folder(name: str, where: str) -> str:
-    """The local folder of reward model `name` (a Hub id is fetched into the Hugging Face cache, as model.path is);
-    raises a one-line RewardConfigError naming `where`."""
-    from rlpipe.models.hub import resolve_hub_model
+def model_folder(name: str, where: str) -> str:
+    """The local folder of model `name`, named as model.path names one (a folder, `builtin:NAME`, a Hub id fetched
+    into the Hugging Face cache); raises a one-line RewardConfigError naming `where`."""
+    from rlpipe.models.builtin import resolve_model_path
 
-    local = Path(name).expanduser()
-    if local.is_dir():
-        return str(local.resolve())
     try:
-        folder = resolve_hub_model(name, key=where)
+        folder = Path(resolve_model_path(str(Path(name).expanduser()) if "/" in name else name, key=where))
     except ConfigError as err:
         raise RewardConfigError(str(err)) from None
-    if folder is None:
+    if not folder.is_dir():
         raise RewardConfigError(f"{where}: {name} is neither a folder nor a Hugging Face Hub id (org/name)")
-    return folder
+    return str(folder.resolve())
 
 
 def check_reward_model(folder: str, where: str) -> None:
@@ -82,21 +78,6 @@ def check_reward_model(folder: str, where: str) -> None:
         raise RewardConfigError(f"{where}: cannot load a tokenizer from {folder}: {one_line(err)}") from None
 
 
-def reward_model_folders(functions: list, key: str = "reward.functions", check: bool = False) -> dict[str, str]:
-    """Every reward model among `functions` (RewardFunctionConfig or spec dicts): its name -> its local folder;
-    with `check`, each folder checked as `check_reward_model` does."""
-    folders = {}
-    for index, function in enumerate(functions):
-        name = function.get("name") if isinstance(function, dict) else function.name
-        if not is_model_reward(name):
-            continue
-        where = f"{key}[{index}] {name}"
-        folders[name] = reward_model_folder(name, where)
-        if check:
-            check_reward_model(folders[name], where)
-    return folders
-
-
 class RewardModel:
     """One reward model, loaded for scoring (`score`): `batch_size` samples per forward pass, in `dtype`."""
 
@@ -126,8 +107,9 @@ class RewardModel:
             ]
         return [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
 
-    def score(self, prompts: list, completions: list) -> list[float | None]:
-        """One score per sample; None for a sample longer than the model's positions (left unscored)."""
+    def score(self, prompts: list, completions: list, columns: dict | None = None) -> list[float | None]:
+        """One score per sample; None for a sample longer than the model's positions (left unscored). A reward model
+        reads no column."""
         import torch
 
         texts = self.texts(prompts, completions)

@@ -27,8 +27,8 @@ from rlpipe.hardware.device import learner_processes
 from rlpipe.startup.interpreters import NoAnswer, interpreter, ask_device, ask_imports, role_modules
 from rlpipe.models.builtin import resolve_model_path
 from rlpipe.rewards import RewardRunner
-from rlpipe.rewards.specs import is_model_reward
-from rlpipe.scoring.reward_model import reward_model_folders
+from rlpipe.rewards.specs import scored_by_a_model
+from rlpipe.scoring.served import served_models
 from rlpipe.hardware.tpu_layout import slice_problems
 
 # ---------------------------------------------------------------- the TPU slices
@@ -109,7 +109,7 @@ def check_learner_device(cfg: Config, python: str | None, timeout_s: float = 180
 def actors_needed(cfg: Config) -> int:
     """The CPU bundles the roles reserve off TPU slices: one per learner process, rollout engine, reward worker and,
     where reward.functions names a reward model, scorer."""
-    scorers = cfg.scorer.num_workers if any(is_model_reward(f.name) for f in cfg.reward.functions) else 0
+    scorers = cfg.scorer.num_workers if any(scored_by_a_model(f.name) for f in cfg.reward.functions) else 0
     return (learner_processes(cfg.learner.device, cfg.learner.ranks) + cfg.rollout.num_engines
             + cfg.reward.num_workers + scorers)
 
@@ -250,11 +250,11 @@ def check_tokenizer(model: ModelConfig, model_path: str) -> tuple[str | None, An
 
 
 def check_reward_functions(reward: RewardConfig, columns: list[str]) -> None:
-    """Every reward function imports and can take the call it will get, the dataset's `columns` included, and every
-    reward model is a one-label sequence-classifier the scorer can load; raises the reward registry's
-    RewardConfigError (reported as a config error) naming the function and the argument, or the model."""
+    """Every reward function imports and can take the call it will get, the dataset's `columns` included, every
+    reward model is a one-label sequence-classifier the scorer can load, and every judge's settings and model are
+    usable; raises the reward registry's RewardConfigError (reported as a config error) naming the entry."""
     RewardRunner([asdict(f) for f in reward.functions], timeout_s=reward.timeout_s, columns=columns)
-    reward_model_folders(reward.functions, check=True)
+    served_models(reward.functions, columns, check=True)
 
 
 def check_rollout_tools(rollout, tokenizer, template_kwargs: dict) -> None:

@@ -14,7 +14,8 @@ from rlpipe.bench.tiny_model import build_tiny_model, build_tiny_reward_model
 from rlpipe.rewards import RewardRunner
 from rlpipe.rewards.child import CallFailed
 from rlpipe.rewards.specs import is_model_reward, model_reward_name, reward_names
-from rlpipe.scoring.reward_model import RewardModel, reward_model_folders
+from rlpipe.scoring.reward_model import RewardModel
+from rlpipe.scoring.served import ServedModel, served_models
 from rlpipe.usercode.callables import RewardConfigError
 
 QUESTIONS = ["Calculate 3 + 4.", "Calculate 12 + 30. Think first.", "Calculate 1 + 1."]
@@ -88,7 +89,7 @@ def test_the_runner_weighs_a_reward_model_with_the_functions_and_a_failed_call_c
     specs = [{"name": reward_model, "weight": 0.5}, {"name": f"{__name__}:_length", "weight": 2.0}]
     calls = []
 
-    def score_with_model(name, prompts, completions, limit_s):
+    def score_with_model(name, prompts, completions, columns, limit_s):
         calls.append((name, len(prompts), limit_s))
         return model.score(prompts, completions)
 
@@ -99,7 +100,7 @@ def test_the_runner_weighs_a_reward_model_with_the_functions_and_a_failed_call_c
         result = runner.score(prompts, texts, group_sizes=[5, 5, 5])
         name = model_reward_name(reward_model)
         assert runner.names == [name, "_length"] == reward_names(specs)
-        assert calls == [(reward_model, 15, pytest.approx(9.0, abs=0.5))]  # one call: the whole batch
+        assert calls == [(name, 15, pytest.approx(9.0, abs=0.5))]  # one call: the whole batch
         expected = model.score(prompts, completions)
         assert result.per_function[name] == pytest.approx(expected)
         assert result.totals == pytest.approx([0.5 * m + 2.0 * len(t) for m, t in zip(expected, texts)])
@@ -127,7 +128,7 @@ def test_names_with_a_slash_and_no_colon_are_reward_models():
 
 def _refusal(folder, **spec) -> str:
     with pytest.raises(RewardConfigError) as caught:
-        reward_model_folders([{"name": str(folder), **spec}], check=True)
+        served_models([{"name": str(folder), **spec}], check=True)
     message = str(caught.value)
     assert "\n" not in message and message.startswith(f"reward.functions[0] {folder}")
     return message
@@ -146,7 +147,7 @@ def test_folders_that_are_no_reward_model_are_refused_in_one_line(tmp_path, rewa
     assert "not a folder here, nor in the Hugging Face cache" in _refusal("nobody/no-such-reward-model")
     with pytest.raises(RewardConfigError, match="a reward model takes neither kwargs nor group"):
         RewardRunner([{"name": reward_model, "kwargs": {"scale": 2}}])
-    assert reward_model_folders([{"name": reward_model}], check=True) == {reward_model: reward_model}
+    assert served_models([{"name": reward_model}], check=True) == {"tiny-rm": ServedModel(reward_model)}
 
 
 def test_rlpipe_plan_counts_the_scorers_reward_models(reward_model):
