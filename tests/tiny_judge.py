@@ -10,11 +10,8 @@ SCORED, UNSCORED = "Score: 7", "I cannot rate this."
 def build_tiny_judge(folder, seed: int = 0, steps: int = 300, lr: float = 5e-3) -> str:
     import random
 
-    import torch
-    import transformers
-
     from rlpipe.bench.tiny_model import build_tokenizer
-    from tests.tiny_tool_model import train_on_rows
+    from tests.tiny_tool_model import train_tiny_qwen3
 
     tokenizer = build_tokenizer(folder)
     rng = random.Random(seed)
@@ -30,14 +27,4 @@ def build_tiny_judge(folder, seed: int = 0, steps: int = 300, lr: float = 5e-3) 
         reply = tokenizer(SCORED if response.strip() else UNSCORED, add_special_tokens=False)["input_ids"]
         reply += [tokenizer.eos_token_id]
         rows.append((list(prompt) + reply, [0] * len(prompt) + [1] * len(reply)))
-    config = transformers.Qwen3Config(
-        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(config)
-    train_on_rows(model, rows, tokenizer.pad_token_id, steps, lr)
-    model.save_pretrained(folder)
-    model.generation_config.save_pretrained(folder)
-    return str(folder)
+    return train_tiny_qwen3(folder, tokenizer, rows, 384, seed, steps, lr)

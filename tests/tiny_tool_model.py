@@ -88,16 +88,23 @@ def build_tiny_tool_model(folder, system_prompt: str, prompt_suffix: str = "", s
     the tool and some answer right. Its tokenizer splits digits one by one and learns the call's JSON as few tokens."""
     import random
 
-    import torch
-    import transformers
-
     rng = random.Random(seed)
     questions = [arithmetic_question(rng) for _ in range(2048)]
     tokenizer = build_tool_tokenizer(folder, system_prompt, prompt_suffix, questions[:256], call_format)
 
     rows = [tool_conversation(tokenizer, system_prompt, q + prompt_suffix, e, call_format) for q, e in questions]
+    return train_tiny_qwen3(folder, tokenizer, rows, 512, seed, steps, lr)
+
+
+def train_tiny_qwen3(folder, tokenizer, rows: list[tuple[list[int], list[int]]], vocab_size: int, seed: int,
+                     steps: int, lr: float) -> str:
+    """A random 2-layer Qwen3 of `vocab_size` for `tokenizer`, trained on `rows` (`train_on_rows`), saved to `folder`
+    (the tokenizer is there already)."""
+    import torch
+    import transformers
+
     config = transformers.Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )
