@@ -16,11 +16,13 @@ served by a vLLM engine in the scorer role, rate each completion.
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from rlpipe.data.templating import templated_ids
 from rlpipe.usercode.callables import RewardConfigError
 
 JUDGE = "judge"
@@ -177,14 +179,18 @@ class Judge:
             return [answers[r] if r in answers else self.cache[r] for r in requests]
         return [answers[r] for r in requests]
 
+    def _render(self, request: str, keep) -> str:
+        """The judge's prompt: the request as the user's message, the reply begun with reply_prefix. The request holds
+        the dataset's and the policy's texts, so it stays text (`rlpipe.data.templating`): a completion that writes a
+        special token's text cannot close the user's turn and write the judge's reply for it."""
+        conversation = [{"role": "user", "content": keep(request)}]
+        return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False) + (
+            self.spec.reply_prefix
+        )
+
     def _ask(self, requests: list[str]) -> list[dict]:
         """The judge's score and reply for each request (score None: too long, or no score in its reply)."""
-        texts = [
-            self.tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True,
-                                               tokenize=False) + self.spec.reply_prefix
-            for r in requests
-        ]
-        ids = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        ids = [templated_ids(self.tokenizer, functools.partial(self._render, request)) for request in requests]
         fits = [i for i, tokens in enumerate(ids) if len(tokens) + self.spec.max_tokens <= self.context]
         outputs = self.llm.generate([{"prompt_token_ids": list(ids[i])} for i in fits], self.params,
                                     use_tqdm=False) if fits else []

@@ -7,7 +7,10 @@ TRL's GRPOTrainer scores a model given in `reward_funcs`:
   their completions as they are;
 - the texts are tokenized by the reward model's tokenizer without special tokens, padded on the right with its pad
   token (its end-of-sequence token where it has none), and the score is the model's single logit at the last token
-  that is not padding.
+  that is not padding;
+- one difference, on purpose: a special token's text inside a message (a completion that writes `<|im_end|>`) is
+  tokenized as text, not as the marker, so the policy cannot end its turn and write another for the reward model
+  to read. Samples without such text get TRL's ids exactly.
 
 The model runs in the scorer role's actors (actors/scorer.py), never in the reward functions' process; its weights
 are read from safetensors only, and no code from its folder runs.
@@ -19,6 +22,7 @@ import json
 from pathlib import Path
 
 from rlpipe.config import ConfigError, one_line
+from rlpipe.data.templating import kept_contents, templated_ids
 from rlpipe.usercode.callables import RewardConfigError
 
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
@@ -96,35 +100,35 @@ class RewardModel:
         self.model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
         self.max_length = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
-    def texts(self, prompts: list, completions: list) -> list[str]:
-        """Each sample as the model reads it (TRL's rendering, see the module's docstring)."""
-        if prompts and isinstance(prompts[0], list):
+    def ids(self, prompt, completion) -> list[int]:
+        """One sample's token ids as the model reads it (TRL's rendering, see the module's docstring); the texts of
+        the messages (the dataset's, the policy's) stay text, so that a special token's text the policy writes cannot
+        end a turn or forge one (`rlpipe.data.templating`). Where no text touches a special token, these are the ids
+        TRL gives."""
+        if isinstance(prompt, list):
             if not self.tokenizer.chat_template:
                 raise ValueError("the reward model's tokenizer has no chat template to render the conversations with")
-            return [
-                self.tokenizer.apply_chat_template(prompt + completion, tokenize=False)
-                for prompt, completion in zip(prompts, completions, strict=True)
-            ]
-        return [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
+            return templated_ids(self.tokenizer, lambda keep: self.tokenizer.apply_chat_template(
+                kept_contents(prompt + completion, keep), tokenize=False))
+        return templated_ids(self.tokenizer, lambda keep: keep(prompt) + keep(completion))
 
     def score(self, prompts: list, completions: list, columns: dict | None = None) -> list[float | None]:
         """One score per sample; None for a sample longer than the model's positions (left unscored). A reward model
         reads no column."""
         import torch
 
-        texts = self.texts(prompts, completions)
-        lengths = [len(ids) for ids in self.tokenizer(text=texts, add_special_tokens=False)["input_ids"]]
-        fits = [i for i, length in enumerate(lengths) if self.max_length is None or length <= self.max_length]
-        fits.sort(key=lambda i: lengths[i])  # neighbours of similar length: less padding per batch
-        scores: list[float | None] = [None] * len(texts)
+        ids = [self.ids(prompt, completion) for prompt, completion in zip(prompts, completions, strict=True)]
+        fits = [i for i, row in enumerate(ids) if self.max_length is None or len(row) <= self.max_length]
+        fits.sort(key=lambda i: len(ids[i]))  # neighbours of similar length: less padding per batch
+        scores: list[float | None] = [None] * len(ids)
+        pad = self.tokenizer.pad_token_id
         for start in range(0, len(fits), self.batch_size):
             chunk = fits[start:start + self.batch_size]
-            inputs = self.tokenizer(
-                text=[texts[i] for i in chunk], return_tensors="pt", padding=True, padding_side="right",
-                add_special_tokens=False,
-            )
+            width = max(len(ids[i]) for i in chunk)
+            input_ids = torch.tensor([ids[i] + [pad] * (width - len(ids[i])) for i in chunk])
+            mask = torch.tensor([[1] * len(ids[i]) + [0] * (width - len(ids[i])) for i in chunk])
             with torch.inference_mode():
-                logits = self.model(**inputs).logits[:, 0].float()
+                logits = self.model(input_ids=input_ids, attention_mask=mask).logits[:, 0].float()
             for index, value in zip(chunk, logits.tolist()):
                 scores[index] = value
         return scores
