@@ -15,15 +15,13 @@ AGREEMENT_QUESTIONS = [
 ]
 
 
-def _agreement_run(model_path: str, impl: str, dtype: str, prompts: int, samples: int, max_tokens: int, results) -> None:
-    """One engine (vLLM's model or rlpipe's inside vLLM) samples completions; the fp32 learner model scores the
-    same tokens. In a fresh process, so engines never share one."""
+def _sampled(model_path: str, impl: str, dtype: str, prompts: int, samples: int, max_tokens: int, results) -> None:
+    """One engine (vLLM's model or rlpipe's inside vLLM) samples completions: each sample's prompt ids, completion
+    ids and the engine's log-probs of them."""
     from transformers import AutoTokenizer
 
     from rlpipe.config import RolloutConfig
     from rlpipe.data.prompts import render_prompt
-    from rlpipe.training.train_engine import token_logprobs
-    from rlpipe.models import load_model
     from rlpipe.rollout.engine import RolloutEngine
     from rlpipe.types import Prompt
 
@@ -33,14 +31,23 @@ def _agreement_run(model_path: str, impl: str, dtype: str, prompts: int, samples
     engine = RolloutEngine(model_path, RolloutConfig(dtype=dtype, model_impl=impl, max_tokens=max_tokens), seed=0)
     groups = engine.generate(batch, samples, temperature=1.0)
     engine.close()
+    results.put([(prompt.token_ids, c.token_ids, c.logprobs) for prompt, group in zip(batch, groups) for c in group])
+
+
+def _agreement(model_path: str, sampled: list, results) -> None:
+    """The fp32 learner model's log-probs of the sampled tokens against the engine's. In a process of its own: where
+    vLLM serves a family through its Transformers backend, it rewrites that family's transformers classes in the
+    engine's process, and the learner's model cannot be built (nor run) there."""
+    from rlpipe.models import load_model
+    from rlpipe.training.train_engine import token_logprobs
+
     model = load_model(model_path).eval()
     gaps = []
     with torch.no_grad():
-        for prompt, completions in zip(batch, groups):
-            for completion in completions:
-                ids = torch.tensor([prompt.token_ids + completion.token_ids])
-                learner = token_logprobs(model, ids)[0, len(prompt.token_ids) :]
-                gaps.append(learner - torch.tensor(completion.logprobs))
+        for prompt_ids, completion_ids, logprobs in sampled:
+            ids = torch.tensor([prompt_ids + completion_ids])
+            learner = token_logprobs(model, ids)[0, len(prompt_ids) :]
+            gaps.append(learner - torch.tensor(logprobs))
     gap = torch.cat(gaps).double()
     results.put({
         "tokens": gap.numel(),
@@ -61,7 +68,8 @@ def bench_agreement(model: str, impls: list[str], dtypes: list[str], prompts: in
     print(f"{model_path}: {prompts} prompts x {samples} samples x up to {max_tokens} tokens, learner fp32", flush=True)
     for dtype in dtypes:
         for impl in impls:
-            measured = in_fresh_process(_agreement_run, model_path, impl, dtype, prompts, samples, max_tokens)
+            sampled = in_fresh_process(_sampled, model_path, impl, dtype, prompts, samples, max_tokens)
+            measured = in_fresh_process(_agreement, model_path, sampled)
             row = {"model_impl": impl, "dtype": dtype, **measured}
             rows.append(row)
             print(f"  engine {impl:>6} {dtype:>8}: mean |d logprob| {row['mean_abs']:.3g}, max {row['max_abs']:.3g}, "

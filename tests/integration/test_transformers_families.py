@@ -89,3 +89,12 @@ def test_lora_on_a_new_family_syncs_the_adapters_alone_and_vllm_serves_them(tmp_
         # The adapters alone travel (a few KB, not the model's weights) and the engine's answers are the learner's.
         assert 0 < record["sync/bytes"] < 100_000 and record["sync/probe_max_abs"] < 1e-5, record
     assert max(r["sync/policy_shift"] for r in records) > 1e-3
+
+
+def test_rlpipe_bench_agreement_compares_a_new_familys_engine_with_its_learner(tmp_path):
+    """vLLM rewrites a family's transformers classes in the process whose engine serves them through its Transformers
+    backend: the learner's model is built and run in a process of its own."""
+    from bench.agreement import bench_agreement
+
+    (row,) = bench_agreement(build_tiny_model(tmp_path / "model", "olmo2"), ["vllm"], ["float32"], 2, 2, 8)
+    assert row["tokens"] > 0 and row["max_abs"] < 1e-4, row
