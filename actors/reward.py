@@ -16,7 +16,8 @@ which waits the whole of it, in time."""
 
 @ray.remote
 class RewardActor:
-    """`scorer`: the scorer actor that runs the reward models among `specs` for this worker (None: there are none)."""
+    """`scorer`: the scorer actor that runs this worker's entries of `specs` that a model scores (reward models, the
+    judge); None where there are none."""
 
     def __init__(
         self, specs: list[dict], reward: RewardConfig, columns: list[str] | None = None, log: LogSetup | None = None,

@@ -213,7 +213,8 @@ class RewardRunner:
         limit_s = shares.limit(self.timeout_s, num_samples)
         shares.done(num_samples)
         try:
-            values = self.score_with_model(reward.name, batch.prompts, completions, batch.columns, limit_s)
+            columns = {key: values for key, values in batch.columns.items() if key not in EPISODE_COLUMNS}
+            values = self.score_with_model(reward.name, batch.prompts, completions, columns, limit_s)
         except CallFailed as failure:
             return _failed_call(num_samples, f"{reward.name}: {failure}", failure)
         return _validate(reward.name, values, num_samples)

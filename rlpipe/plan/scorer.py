@@ -2,7 +2,7 @@
 what it holds to score: one forward pass of scorer.batch_size samples of the run's longest sequence for a reward
 model (the hidden states of a layer and, as eager attention holds them, its attention scores), a judge engine's KV
 cache (scorer.kv_cache_gib). Read from the models' config.json and safetensors headers, where their folders are here
-(a Hub id only where it is already in the Hugging Face cache)."""
+(a built-in model once converted, a Hub id once in the Hugging Face cache)."""
 
 from __future__ import annotations
 
@@ -51,15 +51,21 @@ def scorer_peak(cfg: Config) -> Peak | None:
         parts.append(MemoryItem("activations", f"one forward of {batch} x {tokens} tokens (at most)", activations))
     missing = "a CPU host's RAM; nothing here states its limit"
     if unread:
-        missing += f"; not counted: {', '.join(unread)} (no folder here, not in the Hugging Face cache)"
+        missing += f"; not counted: {', '.join(unread)} (not here yet: no folder, converted model or cached snapshot)"
     return Peak("scorer_host", "the scorer's host RAM", "scorer host RAM (models that score, one batch)", tuple(parts),
                 None, missing=missing)
 
 
 def _local_folder(name: str) -> str | None:
+    """The model's folder where it is here: a folder, a built-in model already converted into the cache, a Hub id's
+    cached snapshot; None otherwise (nothing is fetched or converted)."""
+    if name.startswith("builtin:"):
+        from rlpipe.models.builtin import cache_dir
+
+        folder = cache_dir() / "models" / name.removeprefix("builtin:")
+        return str(folder) if (folder / "config.json").is_file() else None
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
     from rlpipe.models.hub import resolve_hub_model
 
     return resolve_hub_model(name, key="reward.functions", cached_only=True)
-

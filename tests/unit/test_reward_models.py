@@ -163,6 +163,11 @@ def test_rlpipe_plan_counts_the_scorers_reward_models(reward_model):
     assert peak.part(f"weights:{reward_model}").bytes == params * 2
     assert peak.part("activations").bytes > 0 and peak.total_bytes > params * 2
     assert "scorer_host" not in [p.key for p in plan(load_config(None)).peaks]  # no reward model, no scorer
+    judged = load_config(None, [f"reward.functions=[{{name: judge, kwargs: {{model: '{reward_model}'}}}}]",
+                                "scorer.kv_cache_gib=2"])
+    peak = plan(judged).peak("scorer_host")
+    assert peak.part(f"weights:{reward_model}").bytes == params * 4
+    assert peak.part(f"kv_cache:{reward_model}").bytes == 2 * 2**30
 
 
 def test_a_special_tokens_text_the_policy_writes_stays_text_for_the_reward_model(reward_model):
