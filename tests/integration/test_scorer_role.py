@@ -47,10 +47,14 @@ def test_a_reward_model_and_a_judge_score_a_runs_samples_beside_a_function(tmp_p
     assert record["reward/tiny-rm"] == pytest.approx(sum(scores) / len(scores), abs=1e-5)
 
 
-def test_a_judge_on_its_vllm_engine_answers_repeats_from_its_cache_and_leaves_unrated_samples_unscored(tiny_judge):
+def test_a_judge_on_its_vllm_engine_answers_repeats_from_its_cache_and_leaves_unrated_samples_unscored(
+        tiny_judge, monkeypatch):
     from rlpipe.config import ScorerConfig
     from rlpipe.scoring.judge import Judge, judge_spec, start_judge_engine
 
+    # The engine's variables, set in this process as in a scorer actor's, are this test's alone.
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.setenv(name, "0")
     llm = start_judge_engine(tiny_judge, ScorerConfig(max_model_len=128))
     asked = []
     generate = llm.generate
