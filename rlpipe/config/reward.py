@@ -84,12 +84,18 @@ class RewardConfig:
                 }
 
 
+def _candidates(path: Path, recipe_dir: Path | None) -> list[Path]:
+    """Where a path named in a recipe may be: itself when absolute, else in the recipe's folder, then the working
+    directory."""
+    return [path] if path.is_absolute() else [*([recipe_dir / path] if recipe_dir else []), Path.cwd() / path]
+
+
 def _local_folder(name: str, recipe_dir: Path | None) -> str:
     """`name` made absolute where it is a folder relative to the recipe's folder or the working directory."""
     folder = Path(name).expanduser()
     if folder.is_absolute():
         return name
-    found = [c for c in [*([recipe_dir / folder] if recipe_dir else []), Path.cwd() / folder] if c.is_dir()]
+    found = [candidate for candidate in _candidates(folder, recipe_dir) if candidate.is_dir()]
     return str(found[0].resolve()) if found else name
 
 
@@ -105,7 +111,7 @@ def _file_and_function(reference: object) -> tuple[str, str] | None:
 def _absolute_file_reference(reference: str, recipe_dir: Path | None, where: str) -> str:
     file_name, attribute = _file_and_function(reference)
     file = Path(file_name).expanduser()
-    candidates = [file] if file.is_absolute() else [*([recipe_dir / file] if recipe_dir else []), Path.cwd() / file]
+    candidates = _candidates(file, recipe_dir)
     for candidate in candidates:
         if candidate.is_file():
             return f"{candidate.resolve()}:{attribute}"

@@ -194,20 +194,26 @@ class ModelSize(ModelArchitecture):
         )
 
 
+def local_model_folder(model_path: str) -> Path:
+    """Where the folder `model_path` names is, or would be, here: a built-in model's in the cache (converted there by
+    the first run), a Hub id's snapshot where the Hugging Face cache holds one (nothing is fetched), else the path."""
+    if model_path.startswith("builtin:"):
+        from rlpipe.models.builtin import cache_dir
+
+        return cache_dir() / "models" / model_path.removeprefix("builtin:")
+    local = Path(model_path).expanduser()
+    if not (local / "config.json").is_file():
+        from rlpipe.models.hub import resolve_hub_model
+
+        cached = resolve_hub_model(model_path, cached_only=True)
+        local = Path(cached) if cached else local
+    return local
+
+
 def architecture_source(model_path: str) -> Path:
     """The config.json the plan reads for `model.path`."""
     name = model_path.rstrip("/").rsplit("/", 1)[-1].removeprefix("builtin:").partition("@")[0]
-    if model_path.startswith("builtin:"):  # converted once into the cache by the first run
-        from rlpipe.models.builtin import cache_dir
-
-        local = cache_dir() / "models" / name / "config.json"
-    else:
-        local = Path(model_path) / "config.json"
-        if not local.is_file():  # a Hub id: its snapshot when the Hugging Face cache holds one (nothing is fetched)
-            from rlpipe.models.hub import resolve_hub_model
-
-            cached = resolve_hub_model(model_path, cached_only=True)
-            local = Path(cached) / "config.json" if cached else local
+    local = local_model_folder(model_path) / "config.json"
     if local.is_file():
         return local
     shipped = MODELS_DIR / f"{name}.json"

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 from rlpipe.config import Config
+from rlpipe.plan.model_size import local_model_folder
 from rlpipe.plan.parts import DTYPE_BYTES, GIB, MemoryItem, Peak
 from rlpipe.rewards.specs import JUDGE, is_model_reward, model_reward_name
 
@@ -29,8 +29,8 @@ def scorer_peak(cfg: Config) -> Peak | None:
     batch, tokens = cfg.scorer.batch_size, cfg.longest_sequence
     parts, unread, activations = [], [], 0.0
     for name, judged in models.items():
-        folder = _local_folder(name)
-        if folder is None:
+        folder = local_model_folder(name)
+        if not (folder / "config.json").is_file():
             unread.append(name)
             continue
         from rlpipe.models.checks import stored_tensors
@@ -41,7 +41,7 @@ def scorer_peak(cfg: Config) -> Peak | None:
             parts.append(MemoryItem(f"kv_cache:{name}", f"{model_reward_name(name)} KV cache (judge)",
                                     cfg.scorer.kv_cache_gib * GIB))
             continue
-        config = json.loads((Path(folder) / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
         text = config.get("text_config", config)
         hidden = text.get("hidden_size", 0)
         width = 2 * hidden + text.get("intermediate_size", 4 * hidden)
@@ -54,18 +54,3 @@ def scorer_peak(cfg: Config) -> Peak | None:
         missing += f"; not counted: {', '.join(unread)} (not here yet: no folder, converted model or cached snapshot)"
     return Peak("scorer_host", "the scorer's host RAM", "scorer host RAM (models that score, one batch)", tuple(parts),
                 None, missing=missing)
-
-
-def _local_folder(name: str) -> str | None:
-    """The model's folder where it is here: a folder, a built-in model already converted into the cache, a Hub id's
-    cached snapshot; None otherwise (nothing is fetched or converted)."""
-    if name.startswith("builtin:"):
-        from rlpipe.models.builtin import cache_dir
-
-        folder = cache_dir() / "models" / name.removeprefix("builtin:")
-        return str(folder) if (folder / "config.json").is_file() else None
-    if Path(name).expanduser().is_dir():
-        return str(Path(name).expanduser())
-    from rlpipe.models.hub import resolve_hub_model
-
-    return resolve_hub_model(name, key="reward.functions", cached_only=True)

@@ -45,12 +45,14 @@ def workers_in_process(cfg: RolloutConfig) -> bool:
     return cfg.in_process and cfg.tensor_parallel == 1
 
 
-def _engine_variables(cfg: RolloutConfig) -> None:
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+def engine_variables(kv_cache_gib: int, in_process: bool) -> None:
+    """vLLM's settings of an engine in this process's environment, before anything of vLLM reads them: its KV cache
+    on CPU, and whether its engine core runs in this process."""
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     # vLLM reserves one core for itself by default, a large share of generation's speed on a host of few cores
     # (docs/benchmarks.md).
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    if cfg.in_process:
+    if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
@@ -100,7 +102,7 @@ class WriteTimedOut(BaseException):
 
 def _start_vllm(model_path: str, tokenizer_path: str | None, cfg: RolloutConfig, seed: int, *, platform: str,
                 kernels: KernelsConfig | None, progress_bars: bool, extra: dict):
-    """vLLM's engine for `rollout` (its environment variables set already, `_engine_variables`), with rlpipe's weight writer
+    """vLLM's engine for `rollout` (its environment variables set already, `engine_variables`), with rlpipe's weight writer
     in its workers; `extra`: more of LLM's arguments."""
     from vllm import LLM
     from vllm.platforms import current_platform
@@ -155,7 +157,7 @@ class RolloutEngine:
         """`kernels`: `model.kernels`, which rlpipe's model runs in the engine (`rollout.model_impl: rlpipe`);
         `progress_bars`: vLLM's progress bar while it loads the weights; `form`: the run's weight form, whose writer
         (`engine_writer`) writes each version."""
-        _engine_variables(cfg)  # before anything of vLLM reads its settings
+        engine_variables(cfg.kv_cache_gib, cfg.in_process)  # before anything of vLLM reads its settings
         platform = vllm_platform()
         if platform == "tpu-inference":
             raise RuntimeError(

@@ -205,15 +205,11 @@ class Judge:
 def start_judge_engine(folder: str, scorer) -> object:
     """vLLM's engine for a judge model in this process (`scorer`: the scorer section): on CPU, its KV cache of
     scorer.kv_cache_gib and prefix blocks of 32 tokens, as the rollout engines'."""
-    import os
+    from rlpipe.rollout.engine import CPU_KV_BLOCK_SIZE, engine_variables
 
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(scorer.kv_cache_gib)
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    engine_variables(scorer.kv_cache_gib, in_process=True)
     from vllm import LLM
     from vllm.platforms import current_platform
-
-    from rlpipe.rollout.engine import CPU_KV_BLOCK_SIZE
 
     extra = {"block_size": CPU_KV_BLOCK_SIZE} if current_platform.is_cpu() else {}
     return LLM(

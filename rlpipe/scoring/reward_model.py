@@ -74,10 +74,15 @@ def check_reward_model(folder: str, where: str) -> None:
         raise RewardConfigError(
             f"{where}: {folder} is a classifier of {count} labels; a reward model gives one score (num_labels 1)"
         )
+    checked_tokenizer(folder, where)
+
+
+def checked_tokenizer(folder: str, where: str):
+    """The tokenizer of a scorer's model folder; one that does not load is refused in one line naming `where`."""
     try:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder)
     except Exception as err:  # transformers raises several types, with multi-line messages
         raise RewardConfigError(f"{where}: cannot load a tokenizer from {folder}: {one_line(err)}") from None
 

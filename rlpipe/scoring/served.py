@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 
 from rlpipe.rewards.specs import JUDGE, is_model_reward, reward_names
 from rlpipe.scoring.judge import JudgeSpec, judge_spec
-from rlpipe.scoring.reward_model import check_reward_model, model_folder
+from rlpipe.scoring.reward_model import check_reward_model, checked_tokenizer, model_folder
 
 
 @dataclass(frozen=True)
@@ -39,19 +39,13 @@ def served_models(functions: list, columns: list[str] | None = None, check: bool
 
 def check_judge_model(folder: str, where: str) -> None:
     """A judge's model: a folder vLLM can start from, whose tokenizer has a chat template to render the request."""
-    from rlpipe.config import one_line
     from rlpipe.models.checks import ModelFileError, check_links, safetensors_files
     from rlpipe.usercode.callables import RewardConfigError
 
     try:
         check_links(folder)
         safetensors_files(folder)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(folder)
     except ModelFileError as err:
         raise RewardConfigError(f"{where}: {err}") from None
-    except Exception as err:  # transformers raises several types, with multi-line messages
-        raise RewardConfigError(f"{where}: cannot load a tokenizer from {folder}: {one_line(err)}") from None
-    if not tokenizer.chat_template:
+    if not checked_tokenizer(folder, where).chat_template:
         raise RewardConfigError(f"{where}: {folder}'s tokenizer has no chat template to put the judge's request in")
