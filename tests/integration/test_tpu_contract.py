@@ -1,7 +1,8 @@
-"""The TPU contract lane, from the main suite: the tpu extra resolves with pip's resolver for Python 3.12, and
-tests/tpu_contract (rlpipe's TPU code against the installed torch-tpu and vllm-torchtpu) passes in .venv-tpu
-(Python 3.12, the `tpu` extra; bash scripts/setup-tpu.sh builds it, and so does scripts/test.sh). Without that
-environment these tests are skipped, unless RLPIPE_REQUIRE_TPU_ENV=1 (set by scripts/test.sh) makes that a failure."""
+"""The TPU contract lane, from the main suite: the tpu extra resolves with pip's resolver for Python 3.12 (the cuda
+extra, which no CPU machine installs, for this Python), and tests/tpu_contract (rlpipe's TPU code against the
+installed torch-tpu and vllm-torchtpu) passes in .venv-tpu (Python 3.12, the `tpu` extra; bash scripts/setup-tpu.sh
+builds it, and so does scripts/test.sh). Without that environment these tests are skipped, unless
+RLPIPE_REQUIRE_TPU_ENV=1 (set by scripts/test.sh) makes that a failure."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def tpu_python() -> str:
 
 # The set-up installs the other extras itself (scripts/setup.sh: cpu, bench, reasoning-gym, humaneval together;
 # setup-xla.sh: xla), and an install of several extras resolving means each of them resolves alone; tpu's wheels
-# are for Python 3.12, which setup-tpu.sh may not find.
-@pytest.mark.parametrize("extra", ["tpu"])
+# are for Python 3.12, which setup-tpu.sh may not find; cuda is what setup.sh installs on a GPU machine only.
+@pytest.mark.parametrize("extra", ["tpu", "cuda"])
 def test_every_extra_resolves_for_its_python(extra, tpu_python, tmp_path):
     # pip reads each candidate's metadata through HTTP range requests (fast-deps) instead of downloading whole wheels:
     # the registry serves no separate metadata files, and the xla extra's full download (torch's CUDA build and its
