@@ -273,9 +273,13 @@ class WeightWriter:
 
 def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one dtype and shape hold the same bytes: libc's memcmp for contiguous host tensors
-    (2-2.5x torch.equal's speed on a model's worth of weights), torch.equal otherwise."""
+    (2-2.5x torch.equal's speed on a model's worth of weights), torch.equal otherwise. Tensors on two devices (a
+    GPU engine's parameter, the host tensor it was written from) are compared on the host, one tensor's copy at a
+    time: torch.equal refuses mixed devices, and a copy onto the GPU could take memory vLLM claimed."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
     if a.device.type != "cpu" or b.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()):
         return torch.equal(a, b)
     return _memcmp()(a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()) == 0
@@ -421,6 +425,7 @@ def _check_adapters(writes: list, slot: int) -> None:
             for index, tensor in enumerate(given):
                 held = stacked[index][slot, 0]
                 rows, cols = tensor.shape if tensor is not None else (0, 0)  # a part without an adapter: zero
-                if not (torch.equal(held[:rows, :cols], tensor) and not held[rows:].any() and not held[:, cols:].any()):
+                same = tensor is None or _equal_bytes(held[:rows, :cols], tensor)
+                if not (same and not held[rows:].any() and not held[:, cols:].any()):
                     raise SyncError(f"after the write the LoRA buffers of {getattr(module.base_layer, 'prefix', '')} "
                                     f"do not hold the adapter as it was given; the write went wrong")
