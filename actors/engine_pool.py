@@ -16,6 +16,7 @@ from rlpipe.actors.calls import CallTimeout, WorkerLost, reason
 from rlpipe.actors.cluster import compute_env
 from rlpipe.actors.placement import PlacedRole
 from rlpipe.actors.rollout import RolloutActor
+from rlpipe.hardware.gpu_layout import engine_memory_fraction
 from rlpipe.config import Config
 from rlpipe.reporting.logs import LogSetup
 from rlpipe.types import Completion, Prompt
@@ -72,8 +73,10 @@ class EnginePool:
 
     def _start(self, index: int):
         log = None if self.log is None else replace(self.log, who=f"rollout-{index}")
+        # On a share of a GPU, vLLM claims its memory fraction of that share.
+        rollout = replace(self.cfg.rollout, gpu_memory_utilization=engine_memory_fraction(self.cfg))
         return RolloutActor.options(**self.placement.options(index, compute_env(self.cfg))).remote(
-            self.model_path, self.cfg.rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync, log,
+            self.model_path, rollout, self.cfg.run.seed + index, self.tokenizer_path, self.cfg.sync, log,
             self.cfg.model.kernels, self.form,
         )
 

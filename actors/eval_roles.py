@@ -38,7 +38,7 @@ class EvalRoles(EngineRoles):
     def _start(self, model_path: str, tokenizer_path: str | None, columns: list[str] | None) -> None:
         cfg = self.cfg
         engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel,
-                              share=slice_shares(cfg.placement).get("rollout"))
+                              gpus_per_actor=gpu_layout(cfg).rollout, share=slice_shares(cfg.placement).get("rollout"))
         rewarders = self._place("reward", cfg.reward.num_workers)
         # Engines that only evaluate take no sync: they serve the folder's weights whole (the pool's default form).
         self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log)

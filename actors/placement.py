@@ -40,7 +40,7 @@ class Slot:
     bundle_index: int
     env: dict[str, str] = field(default_factory=dict)
     tpu_chips: int = 0
-    gpus: int = 0
+    gpus: float = 0  # a fraction shares one GPU
 
 
 @dataclass
@@ -65,8 +65,11 @@ class PlacedRole:
         if slot.tpu_chips:  # actors share a host's bundle, so they take chips, not the host's CPU
             options.update(num_cpus=0, resources={"TPU": slot.tpu_chips})
         else:
-            # A GPU actor's GPU comes with its bundle; Ray makes it the one device the actor sees.
+            # A GPU actor's GPU comes with its bundle; Ray makes it the one device the actor sees. Ray leaves the
+            # variable unset for an actor of no GPU, which would then see (and take) every GPU of its node.
             options.update(num_cpus=1, num_gpus=slot.gpus)
+            if not slot.gpus:
+                runtime_env["env_vars"]["CUDA_VISIBLE_DEVICES"] = ""
         return options
 
     def hosts(self) -> list[str]:
@@ -84,17 +87,23 @@ class PlacedRole:
 
 
 def place_role(
-    role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int = 1, gpus_per_actor: int = 0,
-    learner_device: str | None = None, share: SliceShare | None = None, sharing: PlacedRole | None = None,
+    role: str, spec: RolePlacement, actors: int, timeout_s: float, chips_per_actor: int = 1,
+    gpus_per_actor: float = 0, learner_device: str | None = None, share: SliceShare | None = None,
+    sharing: PlacedRole | None = None, paired: int = 0,
 ) -> PlacedRole:
-    """Reserve the placement for `actors` actors of `role` (each with `gpus_per_actor` GPUs on GPU nodes), waiting
-    at most `timeout_s` for it. On a TPU slice: `share`, the chips the role takes (rlpipe/hardware/tpu_layout.py), and
-    `sharing`, the other role's placement when both share one slice's chips; `learner_device`: the learner's
-    `learner.device` (the learner role only), which decides the process contract its ranks get."""
+    """Reserve the placement for `actors` actors of `role` (each with `gpus_per_actor` GPUs, a fraction a share of
+    one), waiting at most `timeout_s` for it. `sharing`: the other role's placement whose bundles this role's actors
+    join: on a TPU slice when both share one host's chips (`share`, the chips this role takes,
+    rlpipe/hardware/tpu_layout.py), else engines sharing the learner ranks' GPUs (actor i in rank i's bundle); `paired`:
+    how many of this role's bundles (the first) also hold such an engine, each reserving a whole GPU and a CPU more
+    (rlpipe/hardware/gpu_layout.py). `learner_device`: the learner's `learner.device` (the learner role only), which
+    decides the process contract its ranks get."""
     if share is not None:
         placed = _place_on_slice(role, share, actors, timeout_s, chips_per_actor, learner_device, spec.python, sharing)
+    elif sharing is not None:
+        placed = PlacedRole(role, sharing.group, [Slot(index, gpus=gpus_per_actor) for index in range(actors)])
     else:
-        bundles = cpu_bundles(spec, actors, gpus_per_actor)
+        bundles = cpu_bundles(spec, actors, gpus_per_actor, paired)
         group = placement_group(bundles, strategy=spec.strategy, name=f"rlpipe-{role}")
         _wait(group, role, timeout_s, f"{actors} bundle(s) of {bundles[0]} ({spec.strategy})")
         placed = PlacedRole(role, group, [Slot(index, gpus=gpus_per_actor) for index in range(actors)])
@@ -103,9 +112,15 @@ def place_role(
     return placed
 
 
-def cpu_bundles(spec: RolePlacement, actors: int, gpus: int = 0) -> list[dict[str, float]]:
-    extra = {"GPU": float(gpus)} if gpus else {}
-    return [{"CPU": 1.0, **extra, **{str(k): float(v) for k, v in spec.resources.items()}} for _ in range(actors)]
+def cpu_bundles(spec: RolePlacement, actors: int, gpus: float = 0, paired: int = 0) -> list[dict[str, float]]:
+    """One bundle per actor: a CPU, its GPUs and the role's resources; with `paired`, every bundle holds a whole GPU
+    (rank and engine share it) and the first `paired` a CPU for the engine too."""
+    custom = {str(k): float(v) for k, v in spec.resources.items()}
+    bundles = []
+    for index in range(actors):
+        gpu = 1.0 if paired else float(gpus)
+        bundles.append({"CPU": 2.0 if index < paired else 1.0, **({"GPU": gpu} if gpu else {}), **custom})
+    return bundles
 
 
 class PlacementTimeout(ConfigError):

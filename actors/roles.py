@@ -26,6 +26,7 @@ from rlpipe.actors.scorer import ScorerActor
 from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import Config, first_line
 from rlpipe.hardware.device import learner_variables, learner_processes
+from rlpipe.hardware.gpu_layout import gpu_layout
 from rlpipe.startup.preflight import check_cluster_resources
 from rlpipe.scoring.served import ServedModel, served_models
 from rlpipe.rewards.specs import reward_names
@@ -51,15 +52,30 @@ class EngineRoles:
         self.regenerated = 0  # prompts generated again so far (an engine's death lost them, a sync aborted them)
 
     def _place(
-        self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: int = 0,
+        self, role: str, actors: int, chips_per_actor: int = 1, gpus_per_actor: float = 0,
         learner_device: str | None = None, share: SliceShare | None = None, sharing: PlacedRole | None = None,
+        paired: int = 0,
     ) -> PlacedRole:
         placed = place_role(
             role, getattr(self.cfg.placement, role), actors, self.cfg.ray.placement_timeout_s, chips_per_actor,
-            gpus_per_actor, learner_device, share, sharing,
+            gpus_per_actor, learner_device, share, sharing, paired,
         )
         self.placements.append(placed)
         return placed
+
+    def place_learner_and_engines(self) -> tuple[PlacedRole, PlacedRole]:
+        """The learner ranks' placement and the engines': TPU chips, GPUs (an engine sharing a rank's GPU goes in
+        that rank's bundle, rlpipe/hardware/gpu_layout.py) or CPUs."""
+        cfg = self.cfg
+        shares, gpus = slice_shares(cfg.placement), gpu_layout(cfg)
+        ranks = learner_processes(cfg.learner.device, cfg.learner.ranks)
+        learners = self._place("learner", ranks, chips_per_actor=cfg.learner.ranks // ranks, gpus_per_actor=gpus.learner, learner_device=cfg.learner.device,
+                               share=shares.get("learner"), paired=gpus.engines if gpus.colocated else 0)
+        one_host = learners.share is not None and learners.share.shared  # both roles on one TPU VM's chips
+        engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel,
+                              gpus_per_actor=gpus.rollout, share=shares.get("rollout"),
+                              sharing=learners if one_host or gpus.colocated else None)
+        return learners, engines
 
     def _start_rewards(self, placed: PlacedRole, columns: list[str] | None) -> None:
         """The reward workers on `placed`, the scorer role where a model scores entries of reward.functions, and the
@@ -197,13 +213,7 @@ class Roles(EngineRoles):
     def _start(self, model_path: str, tokenizer_path: str | None, resume: dict | None, columns: list[str] | None):
         cfg = self.cfg
         ranks = learner_processes(cfg.learner.device, cfg.learner.ranks)
-        shares = slice_shares(cfg.placement)
-        learners = self._place("learner", ranks, chips_per_actor=cfg.learner.ranks // ranks,
-                               gpus_per_actor=1 if cfg.learner.device == "cuda" else 0,
-                               learner_device=cfg.learner.device, share=shares.get("learner"))
-        one_host = learners.share is not None and learners.share.shared  # both roles on one TPU VM's chips
-        engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel,
-                              share=shares.get("rollout"), sharing=learners if one_host else None)
+        learners, engines = self.place_learner_and_engines()
         rewarders = self._place("reward", cfg.reward.num_workers)
         self.pool = EnginePool(cfg, engines, model_path, tokenizer_path, self.note, self.log, self.form)
         # Before any actor starts: a route the cluster cannot take fails here.

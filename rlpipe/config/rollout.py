@@ -47,7 +47,10 @@ class RolloutConfig:
     dtype: Literal["float32", "bfloat16"] = key("float32", "rollout engine dtype")
     num_engines: int = key(1, "number of vLLM rollout engines (one Ray actor each)")
     kv_cache_gib: int = key(1, "KV-cache space per CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE)")
-    gpu_memory_utilization: float = key(0.3, "vLLM memory fraction (on CPU, of the NUMA node)")
+    gpu_memory_utilization: float = key(
+        0.3, "vLLM memory fraction: on CPU of the NUMA node, on a TPU chip or GPU of its memory, on a share of a GPU "
+        "(placement.rollout.gpus below 1) of that share's"
+    )
     max_model_len: int = key(512, "vLLM context length (prompt + completion)")
     kv_block_size: int | None = key(
         None,

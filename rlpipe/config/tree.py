@@ -67,9 +67,14 @@ class Config:
 
     @property
     def engine_platform(self) -> EnginePlatform:
-        """The vLLM the rollout engines run: vLLM on TorchTPU where they are placed on TPU chips, else vLLM for CPU
-        (engine actors take no GPU). Every rule that depends on the engines' platform reads this value."""
-        return "vllm-torchtpu" if self.placement.rollout.tpu is not None else "vllm-cpu"
+        """The vLLM the rollout engines run: vLLM on TorchTPU where they are placed on TPU chips, vLLM for CUDA where
+        they take GPUs (placement.rollout.gpus, whose null means GPUs beside a cuda learner:
+        rlpipe/hardware/gpu_layout.py), else vLLM for CPU. Every rule that depends on the engines' platform reads
+        this value."""
+        if self.placement.rollout.tpu is not None:
+            return "vllm-torchtpu"
+        gpus = self.placement.rollout.gpus
+        return "vllm" if (gpus if gpus is not None else self.learner.device == "cuda") else "vllm-cpu"
 
     @property
     def run_dir(self) -> Path:

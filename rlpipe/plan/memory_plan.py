@@ -1,6 +1,7 @@
 """`rlpipe plan`: per-chip memory of the learner and the rollout engines against the TPU slices' HBM, and the
 peaks outside the steady step (the learner's load per chip, a learner host's RAM, an engine host's RAM at a sync)
-against the chip's HBM and the pod memory limits of the deploy manifests.
+against the chip's HBM and the pod memory limits of the deploy manifests; on GPUs, what one GPU holds (gpu.py) against
+placement.gpu_memory_gib.
 
 Pure arithmetic on the config and the model's Hugging Face `config.json` (from `model.path` when that folder
 exists here, or a Hub id's snapshot in the Hugging Face cache, else `configs/models/<basename of model.path>.json`);
@@ -24,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlpipe.config import Config
+from rlpipe.hardware.gpu_layout import gpu_layout, gpu_problems
 from rlpipe.plan.engine import rollout_peak, rollout_side
+from rlpipe.plan.gpu import gpu_peak, gpu_problems_of_plan
 from rlpipe.plan.learner import learner_peaks, learner_side
 from rlpipe.plan.model_size import ModelSize, load_architecture
 from rlpipe.plan.parts import DTYPE_BYTES, GIB, Peak, SidePlan, _keyed
@@ -88,10 +91,13 @@ def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = No
     context = cfg.rollout.max_model_len
 
     # --- consistency
+    gpus = gpu_layout(cfg)
     for role, share in (("learner", learner_share), ("rollout", rollout_share)):
-        if share is None:
+        if share is None and not getattr(gpus, role):
             notes.append(f"{role}: no placement.{role}.tpu, so no HBM to compare against")
     problems.extend(slice_problems(cfg))
+    problems.extend(gpu_problems(cfg))
+    problems.extend(gpu_problems_of_plan(cfg, rollout))
     limit = arch.max_position_embeddings
     if limit and context > limit:
         problems.append(f"rollout.max_model_len {context} exceeds the model's max_position_embeddings {limit}")
@@ -107,6 +113,8 @@ def plan(cfg: Config, arch: ModelSize | None = None, manifests: Path | None = No
     scorer = scorer_peak(cfg)
     peaks = (load_peak, host_peak, rollout_peak(cfg, arch, rollout_share, manifests), *shm)
     peaks += (scorer,) if scorer else ()
+    gpu = gpu_peak(cfg, learner, rollout)
+    peaks += (gpu,) if gpu else ()
     for peak in peaks:
         if peak.fits is None and peak.missing and peak.key != "learner_load":
             notes.append(f"{peak.name}: {peak.missing}")

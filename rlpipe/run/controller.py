@@ -247,6 +247,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
         chat_render.start_renderer()
     check_trackers_installed(cfg.metrics)
     preflight.check_tpu_slices(cfg)
+    preflight.check_gpu_layout(cfg)
     interpreters = preflight.check_role_environments(cfg)
     if not cfg.ray.address:  # the run's own cluster is this machine; a cluster's resources are checked on joining
         preflight.check_learner_device(cfg, interpreters.get("learner"))

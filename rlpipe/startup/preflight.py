@@ -29,6 +29,7 @@ from rlpipe.models.builtin import resolve_model_path
 from rlpipe.rewards import RewardRunner
 from rlpipe.rewards.specs import scored_by_a_model
 from rlpipe.scoring.served import served_models
+from rlpipe.hardware.gpu_layout import gpu_layout, gpu_problems, gpus_of_cluster_needed
 from rlpipe.hardware.tpu_layout import slice_problems
 
 # ---------------------------------------------------------------- the TPU slices
@@ -37,6 +38,13 @@ from rlpipe.hardware.tpu_layout import slice_problems
 def check_tpu_slices(cfg: Config) -> None:
     """The roles' actors fill the chips their slices give them (what `rlpipe plan` reports as problems)."""
     problems = slice_problems(cfg)
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def check_gpu_layout(cfg: Config) -> None:
+    """The learner ranks' and engines' GPUs make a layout Ray can place (rlpipe/hardware/gpu_layout.py)."""
+    problems = gpu_problems(cfg)
     if problems:
         raise ConfigError(problems[0])
 
@@ -132,9 +140,11 @@ def check_cluster_resources(cfg: Config, resources: dict[str, float], address: s
             f"{key}: {where} has {resources.get('CPU', 0):g} CPUs but the roles need {needed} "
             f"(one each per learner process, rollout engine, reward worker and scorer)"
         )
-    if cfg.learner.device == "cuda" and resources.get("GPU", 0) < cfg.learner.ranks:
+    layout = gpu_layout(cfg)
+    if layout.on_gpus and resources.get("GPU", 0) < layout.gpus - 1e-9:
+        key = "learner.device" if cfg.learner.device == "cuda" else "placement.rollout.gpus"
         raise ConfigError(
-            f"learner.device: 'cuda' needs {cfg.learner.ranks} GPU(s) (learner.ranks), {where} has "
+            f"{key}: the roles need {gpus_of_cluster_needed(cfg)} GPU(s) ({layout.describe()}), {where} has "
             f"{resources.get('GPU', 0):g}"
         )
     if on_tpu and not resources.get("TPU", 0):

@@ -250,7 +250,8 @@ def test_cpu_bundles_and_actor_options():
     group = PlacedRole("learner", PlacementGroup.empty(), [Slot(0), Slot(1, {"TPU_VISIBLE_CHIPS": "3"}, tpu_chips=1)])
     cpu = group.options(0, {"OMP_NUM_THREADS": "2"})
     assert cpu["num_cpus"] == 1 and cpu["scheduling_strategy"].placement_group_bundle_index == 0
-    assert cpu["runtime_env"] == {"env_vars": {"OMP_NUM_THREADS": "2"}}
+    # An actor of no GPU is shown none: Ray leaves CUDA_VISIBLE_DEVICES unset at zero GPUs.
+    assert cpu["runtime_env"] == {"env_vars": {"OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": ""}}
     tpu = group.options(1, {"OMP_NUM_THREADS": "2"})
     assert tpu["num_cpus"] == 0 and tpu["resources"] == {"TPU": 1}
     assert tpu["runtime_env"]["env_vars"] == {"OMP_NUM_THREADS": "2", "TPU_VISIBLE_CHIPS": "3"}
