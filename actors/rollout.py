@@ -31,6 +31,7 @@ from rlpipe.reporting.logs import FILE_ONLY, LogSetup, configure_worker
 from rlpipe.hardware.tpu_env import keep_only_given_tpu_env
 from rlpipe.models.hf import read_hf_config
 from rlpipe.rollout.engine import RolloutEngine, workers_in_process
+from rlpipe.rollout.vllm_worker import vllm_platform
 from rlpipe.rollout.vllm_files import (
     ENGINE_RECORD_PREFIX, record_engine_files, remove_engine_files, shm_names, sweep_engine_files,
 )
@@ -60,6 +61,19 @@ def engine_failure(llm) -> str | None:
     return None
 
 
+def platform_refusal(platform: str, gpu_ids: list) -> str | None:
+    """Why an engine whose vLLM runs on `platform` cannot serve with the GPUs Ray gave it (`gpu_ids`), or None: vLLM
+    for CPU would hold a GPU reservation and compute on the host, vLLM for CUDA finds no device without one."""
+    if gpu_ids and platform != "cuda":
+        return (f"rollout: Ray gave this engine GPU(s) {', '.join(map(str, gpu_ids))} (placement.rollout.gpus) but "
+                f"its environment's vLLM runs on {platform}; install the cuda extra there, or set "
+                f"placement.rollout.gpus: 0")
+    if platform == "cuda" and not gpu_ids:
+        return ("rollout: this engine's vLLM is for CUDA but Ray gave it no GPU; set placement.rollout.gpus (or "
+                "learner.device: cuda, whose default gives the engines GPUs)")
+    return None
+
+
 def end_process(why: str) -> None:
     """End this actor's process at once (no cleanup that could wait on the dead engine): the driver replaces it."""
     # The driver's line says it on the terminal (actors/engine_pool.py); this one is for the log file.
@@ -86,6 +100,9 @@ class RolloutActor:
             tied = bool(read_hf_config(model_path).get("tie_word_embeddings", False))
             configure_worker(replace(log, tied_output_layer=tied), vllm=True)
         progress_bars = log is None or log.verbose  # vLLM's bar for loading the weights
+        refused = platform_refusal(vllm_platform(), ray.get_gpu_ids())
+        if refused:
+            raise RuntimeError(refused)
         sweep_engine_files()  # what engines killed before their close left on this host
         before = shm_names()
         self._closing = False

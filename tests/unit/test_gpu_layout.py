@@ -133,3 +133,13 @@ def test_the_plan_counts_a_gpus_learner_rank_and_engine_against_its_memory():
     assert unknown.part("gpu_engine").bytes == plan(_cfg("learner.device=cuda"), model).rollout.total_bytes
     with pytest.raises(KeyError):
         plan(_cfg(), model).peak("gpu")
+
+
+def test_an_engine_refuses_gpus_its_vllm_cannot_use_and_a_cuda_vllm_without_a_gpu():
+    from actors.rollout import platform_refusal
+
+    assert platform_refusal("cuda", ["0"]) is None and platform_refusal("cpu", []) is None
+    assert platform_refusal("torchtpu", []) is None
+    on_cpu = platform_refusal("cpu", ["1"])
+    assert on_cpu.startswith("rollout: Ray gave this engine GPU(s) 1") and "placement.rollout.gpus: 0" in on_cpu
+    assert platform_refusal("cuda", []).startswith("rollout: this engine's vLLM is for CUDA but Ray gave it no GPU")
