@@ -254,6 +254,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     model_path = resolve_model_path(cfg.model.path)
     weight_shapes = preflight.check_model(model_path)
     preflight.check_model_impl(cfg, model_path, weight_shapes)
+    preflight.check_gpu_memory(cfg, model_path)
     tokenizer_path, tokenizer = preflight.check_tokenizer(cfg.model, model_path)
     train_rows, eval_rows = load_rows(cfg.data, cfg.run.seed)
     columns = reward_columns(train_rows, cfg.data.prompt_field)

@@ -49,6 +49,27 @@ def check_gpu_layout(cfg: Config) -> None:
         raise ConfigError(problems[0])
 
 
+def check_gpu_memory(cfg: Config, model_path: str) -> None:
+    """Where placement.gpu_memory_gib states the GPUs' memory: an engine's weights and KV cache fit in what its vLLM
+    claims, and the fullest GPU's learner rank and engine in the GPU (`rlpipe plan`'s GPU figures)."""
+    if cfg.placement.gpu_memory_gib is None or not gpu_layout(cfg).on_gpus:
+        return
+    from rlpipe.models import read_hf_config
+    from rlpipe.plan import plan
+    from rlpipe.plan.gpu import gpu_problems_of_plan
+    from rlpipe.plan.model_size import ModelSize
+
+    result = plan(cfg, ModelSize.from_hf(read_hf_config(model_path), Path(model_path).name))
+    problems = gpu_problems_of_plan(cfg, result.rollout)
+    if problems:
+        raise ConfigError(problems[0])
+    gpu = result.peak("gpu")
+    if gpu.fits is False:
+        held = " + ".join(f"{part.label} {part.gib:.2f}" for part in gpu.parts)
+        raise ConfigError(f"placement.gpu_memory_gib: the fullest GPU would hold {gpu.total_gib:.2f} GiB ({held}) of "
+                          f"{cfg.placement.gpu_memory_gib:g} GiB")
+
+
 # ---------------------------------------------------------------- the roles' environments and the learner's device
 
 

@@ -143,3 +143,19 @@ def test_an_engine_refuses_gpus_its_vllm_cannot_use_and_a_cuda_vllm_without_a_gp
     on_cpu = platform_refusal("cpu", ["1"])
     assert on_cpu.startswith("rollout: Ray gave this engine GPU(s) 1") and "placement.rollout.gpus: 0" in on_cpu
     assert platform_refusal("cuda", []).startswith("rollout: this engine's vLLM is for CUDA but Ray gave it no GPU")
+
+
+def test_a_run_whose_gpus_cannot_hold_its_roles_stops_before_anything_starts(tmp_path):
+    from rlpipe.startup.preflight import check_gpu_memory
+    from bench.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", "qwen3")
+    check_gpu_memory(_cfg("learner.device=cuda", "placement.gpu_memory_gib=80"), model)
+    check_gpu_memory(_cfg("learner.device=cuda", "rollout.gpu_memory_utilization=0.0001"), model)  # no size: no check
+    with pytest.raises(ConfigError, match=r"^rollout.gpu_memory_utilization: an engine's weights and KV cache take"):
+        check_gpu_memory(_cfg("learner.device=cuda", "placement.gpu_memory_gib=1",
+                              "rollout.gpu_memory_utilization=0.0001"), model)
+    # The engine claims half of 1 GiB, and the learner rank needs more than the other half.
+    with pytest.raises(ConfigError, match=r"^placement.gpu_memory_gib: the fullest GPU would hold .* of 1 GiB$"):
+        check_gpu_memory(_cfg("learner.device=cuda", "placement.gpu_memory_gib=1",
+                              "rollout.gpu_memory_utilization=1.0"), model)
