@@ -13,6 +13,7 @@ from rlpipe.actors.engine_pool import EnginePool
 from rlpipe.actors.roles import EngineRoles
 from rlpipe.config import Config
 from rlpipe.reporting.logs import LogSetup
+from rlpipe.hardware.gpu_layout import gpu_layout
 from rlpipe.hardware.tpu_layout import slice_shares
 
 

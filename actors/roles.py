@@ -69,7 +69,8 @@ class EngineRoles:
         cfg = self.cfg
         shares, gpus = slice_shares(cfg.placement), gpu_layout(cfg)
         ranks = learner_processes(cfg.learner.device, cfg.learner.ranks)
-        learners = self._place("learner", ranks, chips_per_actor=cfg.learner.ranks // ranks, gpus_per_actor=gpus.learner, learner_device=cfg.learner.device,
+        learners = self._place("learner", ranks, chips_per_actor=cfg.learner.ranks // ranks,
+                               gpus_per_actor=gpus.learner, learner_device=cfg.learner.device,
                                share=shares.get("learner"), paired=gpus.engines if gpus.colocated else 0)
         one_host = learners.share is not None and learners.share.shared  # both roles on one TPU VM's chips
         engines = self._place("rollout", cfg.rollout.num_engines, chips_per_actor=cfg.rollout.tensor_parallel,
