@@ -87,8 +87,8 @@ def gpu_problems(cfg: Config) -> list[str]:
         problems.append(f"placement.learner.gpus: the learner takes GPUs with learner.device cuda, not "
                         f"{cfg.learner.device!r}; set it to null")
     if cfg.learner.device == "cuda" and not 0 < learner <= 1:
-        problems.append(f"placement.learner.gpus: a cuda learner rank runs on one GPU or a share of one (0 < gpus <= 1),"
-                        f" got {learner:g}")
+        problems.append(f"placement.learner.gpus: a cuda learner rank runs on one GPU or a share of one "
+                        f"(0 < gpus <= 1), got {learner:g}")
     if rollout and cfg.placement.rollout.tpu is not None:
         problems.append("placement.rollout.gpus: the engines are on a TPU slice (placement.rollout.tpu); set it to 0")
     if rollout > 1 or (rollout == 1 and tp > 1):
