@@ -1,7 +1,8 @@
 """The roles' GPUs on a Ray cluster that declares GPUs (this machine has none; Ray hands out the ids it declares and
 sets CUDA_VISIBLE_DEVICES as it would on a GPU node): the placement a run makes
-(`EngineRoles.place_learner_and_engines`) gives an engine the GPU of the learner rank it shares, two ranks two GPUs, engines of their own GPUs other GPUs, and
-an actor of no GPU none; a layout the cluster cannot hold is refused before anything is placed."""
+(`EngineRoles.place_learner_and_engines`) gives an engine the GPU of the learner rank it shares, two ranks two GPUs,
+engines of their own GPUs other GPUs, and an actor of no GPU none; a layout the cluster cannot hold is refused before
+anything is placed."""
 
 from __future__ import annotations
 
