@@ -21,7 +21,10 @@ def _add_bench_learner(benches) -> argparse.ArgumentParser:
     learner.add_argument("--seq", type=int, help="tokens a row (default 256, or the preset's)")
     learner.add_argument("--batch", type=int, help="rows a step (default 8, or the preset's)")
     learner.add_argument(
-        "--preset", help="a released model's shape with random weights: qwen3-0.6b (28 x 1024, 2048-token rows)"
+        "--preset",
+        help="a released model's shape with random weights: qwen3-0.6b (28 x 1024, 8 rows of 2048 tokens), "
+        "qwen3-1.7b (28 x 2048, 4 rows of 2048), smollm2-135m (30 x 576, 32 rows of 128); or tiny (2 x 64, 4 rows of "
+        "64), a moment's step on a CPU",
     )
     learner.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu",

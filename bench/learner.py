@@ -95,6 +95,17 @@ PRESETS = {
         family="qwen3", layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072,
         vocab=151936, tied=True, seq=2048, batch=8,
     ),
+    # Half the rows of qwen3-0.6b: master weights, AdamW state and activations stay far inside one 141 GB H200.
+    "qwen3-1.7b": dict(
+        family="qwen3", layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=6144,
+        vocab=151936, tied=True, seq=2048, batch=4,
+    ),
+    # No released model: Qwen3's layout at a size whose step takes a moment on a CPU, for checking the tooling
+    # (scripts/device-check.sh with RLPIPE_CHECK_DEVICE=cpu).
+    "tiny": dict(
+        family="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=192, vocab=1024,
+        tied=True, seq=64, batch=4,
+    ),
 }
 
 # On cuda the learner keeps float32 master weights and AdamW state and computes in bf16 (SimpleFSDP's

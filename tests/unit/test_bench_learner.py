@@ -52,13 +52,18 @@ def test_cli_rejects_a_group_size_that_does_not_divide_the_batch(capsys):
     assert "--group-size" in capsys.readouterr().err
 
 
-def test_qwen3_preset_has_the_released_models_shape_and_flop_count():
+# Parameters of each Qwen3 preset's config.json shape, counted by transformers' Qwen3 as by rlpipe's model.
+QWEN3_PARAMETERS = {"qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976}
+
+
+@pytest.mark.parametrize("preset", QWEN3_PARAMETERS)
+def test_qwen3_presets_have_the_released_models_shape_and_flop_count(preset):
     import torch
     import transformers
 
     from rlpipe.bench.learner import PRESETS
 
-    shape = LearnerBenchShape(**PRESETS["qwen3-0.6b"])
+    shape = LearnerBenchShape(**PRESETS[preset])
     config = shape.hf_config()
     assert (config["model_type"], config["head_dim"], config["tie_word_embeddings"]) == ("qwen3", 128, True)
     with torch.device("meta"):
@@ -67,7 +72,7 @@ def test_qwen3_preset_has_the_released_models_shape_and_flop_count():
             transformers.Qwen3Config(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
         )
     params = sum(p.numel() for p in model.parameters())
-    assert params == sum(p.numel() for p in reference.parameters()) == 596_049_920  # Qwen3-0.6B
+    assert params == sum(p.numel() for p in reference.parameters()) == QWEN3_PARAMETERS[preset]
     # Every matrix is one matmul a token (the tied embedding once, as the output projection); norms are no matmul.
     matmul_weights = sum(p.numel() for p in model.parameters() if p.dim() == 2)
     attention = 2 * shape.layers * shape.heads * shape.head_dim * shape.seq
