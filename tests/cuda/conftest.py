@@ -1,9 +1,11 @@
-"""The CUDA lane: its tests run only where torch sees a GPU (scripts/device-check.sh runs them there)."""
+"""The CUDA lane: its tests run only where torch sees a GPU (scripts/device-check.sh runs them there), or on the CPU
+under RLPIPE_CHECK_DEVICE=cpu."""
 
 import pytest
-import torch
+
+from tests.cuda import NO_GPU, gpu_missing
 
 
 def pytest_runtest_setup(item):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if gpu_missing():
+        pytest.skip(NO_GPU)
