@@ -17,6 +17,7 @@ here; each TPU process's environment is in rlpipe/hardware/tpu_env.py.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,35 @@ def device_unavailable(kind: str) -> str | None:
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if accelerator is None or accelerator.type != "tpu":
             return "torch_tpu finds no TPU on this host"
+    return None
+
+
+# The oldest and newest torch (major, minor) the learner has run on: 2.13 in .venv (the cpu and tpu extras: eager and
+# captured steps) and 2.9 in .venv-xla (eager steps on xla only). Versions between are taken to work; none outside.
+LEARNER_TORCH = ((2, 9), (2, 13))
+
+
+def torch_unsupported(version: str | None = None) -> str | None:
+    """Why the learner does not support this torch version (default: the one imported), in one line; None when it
+    does. Asked by scripts/device-check.sh before it runs anything on a machine's own torch."""
+    version = version or torch.__version__
+    found = re.match(r"(\d+)\.(\d+)", version)
+    release = tuple(map(int, found.groups())) if found else None
+    low, high = LEARNER_TORCH
+    if release is None or not low <= release <= high:
+        supported = f"torch {low[0]}.{low[1]} to {high[0]}.{high[1]}"
+        return f"torch {version} is outside the versions the learner runs on ({supported})"
+    return None
+
+
+def captured_step_unsupported() -> str | None:
+    """Why this torch cannot capture the learner's step (learner.graph) as one graph, or None: the step traces
+    `torch.autograd.grad`, which Dynamo does only with its `trace_autograd_ops` switch (torch 2.9 has none)."""
+    import torch._dynamo
+
+    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        version = torch.__version__
+        return f"torch {version}: Dynamo lacks trace_autograd_ops, which the captured step (learner.graph) needs"
     return None
 
 

@@ -27,3 +27,14 @@ def test_bad_torchtpu_placements_are_named():
         torchtpu_process_env(["h"], 4, 1, 0)
     with pytest.raises(ValueError, match="needs its topology"):
         torchtpu_process_env(["h", "i"], 4, 1, 0)
+
+
+def test_torch_versions_outside_the_learners_are_named_in_one_line():
+    from rlpipe.hardware.device import captured_step_unsupported, torch_unsupported
+
+    for version in ("2.9.0", "2.13.0+cpu", "2.11.1+cu128"):
+        assert torch_unsupported(version) is None, version
+    for version in ("2.8.2+cu126", "2.14.0", "3.0.0", "unknown"):
+        message = torch_unsupported(version)
+        assert message == f"torch {version} is outside the versions the learner runs on (torch 2.9 to 2.13)"
+    assert torch_unsupported() is None and captured_step_unsupported() is None  # this environment's torch
