@@ -1,6 +1,7 @@
 """The CUDA lane (scripts/device-check.sh). RLPIPE_CHECK_DEVICE=cpu runs the same tests on the CPU at the sizes a CPU
-takes in seconds, so that the lane and the script are exercised where no GPU is (tests/unit/test_device_check.py).
-Nothing here needs pytest: where it is missing, each module runs itself (`python -m tests.cuda.test_cuda_learner`)."""
+takes in seconds, so that the lane and the script are exercised where no GPU is
+(tests/integration/test_device_check.py). Nothing here needs pytest: where it is missing, each module runs itself
+(`python -m tests.cuda.test_cuda_learner`)."""
 
 from __future__ import annotations
 
