@@ -21,7 +21,8 @@ MACHINE_WIDE = pytest.mark.xdist_group("machine-wide")
 # Integration modules that start no Ray actor and kill no process, and whose shared memory stays their own (named by
 # their engine's prefix, freed by live processes): they run as a second group, beside the first on the other worker,
 # which would otherwise sit idle once the unit tests are done.
-BESIDE_MACHINE_WIDE = {"test_weight_sync.py", "test_tool_formats.py", "test_tpu_contract.py", "test_xla_lane.py"}
+BESIDE_MACHINE_WIDE = {"test_weight_sync.py", "test_tool_formats.py", "test_tpu_contract.py", "test_xla_lane.py",
+                       "test_device_check.py"}
 # Ray starts its worker processes (every actor) at niceness 15, which with the other worker's tests running would
 # starve them; at 0 they share the cores evenly. Read by every Ray node the tests start, in-process or `ray start`.
 os.environ.setdefault("RAY_worker_niceness", "0")
