@@ -21,7 +21,10 @@
 # RLPIPE_CHECK_DEVICE=cpu runs the same parts on the CPU instead, at sizes a CPU takes in seconds (the tests/cuda
 # modules read it; the bench runs the `tiny` preset, eager): about a minute on 2 cores, so that the script itself is
 # tested where there is no GPU (tests/integration/test_device_check.py).
-# Writes $OUT/device-check.json (every figure; "parts" lists each part's key, each with its "outcome") and
+# Not yet run on a GPU: only the CPU run has passed, so the GPU limits above are estimates and there are no GPU
+# figures yet.
+# Writes $OUT/device-check.json (every figure; "parts" lists each part's key: cuda_tests, kernel_tests,
+# bench_learner for the first preset and bench_learner_PRESET for the others, each with its "outcome") and
 # $OUT/device-check.log (all output); $OUT defaults to ./device-check-out. Exit status: 0 when every part passed,
 # 2 when the check cannot run here (the reason as the JSON's "error", one line), 1 otherwise.
 set -uo pipefail  # no -e: a failing part is reported, and the next part still runs
