@@ -6,9 +6,11 @@
 # used: the script prints its version and refuses, in one line, a torch outside the learner's range (2.9 to 2.13,
 # rlpipe/hardware/device.py) or one whose Dynamo cannot capture the step; RLPIPE_CHECK_ANY_TORCH=1 runs anyway.
 # The parts, in order, each under its own time limit (seconds; the environment variable changes it):
-#   1. tests/cuda/test_cuda_learner.py (RLPIPE_CHECK_TESTS_S, 100): eager vs captured graph on the GPU (float32,
-#      3 updates, equal to 1e-4); a bf16 mixed-precision step (float32 master weights) that trains; and that step
-#      against the float32 step (log-probs within 2 % of their scale, loss within 1e-3, gradient norm within 3 %);
+#   1. every tests/cuda module but the kernels' (RLPIPE_CHECK_TESTS_S, 100): test_cuda_learner.py, eager vs
+#      captured graph on the GPU (float32, 3 updates, equal to 1e-4), a bf16 mixed-precision step (float32 master
+#      weights) that trains, and that step against the float32 step (log-probs within 2 % of their scale, loss
+#      within 1e-3, gradient norm within 3 %); test_cuda_written_weights.py, the engine's written-weights check on
+#      a GPU parameter (skipped on the CPU);
 #   2. tests/cuda/test_cuda_kernels.py (RLPIPE_CHECK_KERNELS_S, 35): the log-prob kernel the learner runs
 #      (chunked) against its reference at Qwen3's vocabulary of 151,936, 384 tokens x 1024, values and gradients:
 #      float32 to 1e-4 of each output's scale, bf16 to 2 % of the float32 results;
@@ -135,20 +137,28 @@ run() {  # KEY LIMIT COMMAND...: one part under its limit, its output in the log
   echo "${PIPESTATUS[0]}" >"$scratch/$key.rc"
 }
 
-test_module() {  # KEY LIMIT MODULE: a tests/cuda module, with pytest where it is installed
+test_modules() {  # KEY LIMIT MODULE...: tests/cuda modules, with pytest where it is installed
+  local key="$1" limit="$2"
+  shift 2
   if [ -z "$(missing pytest)" ]; then
-    run "$1" "$2" "$python" -m pytest -v -p no:cacheprovider -rfEs "tests/cuda/$3.py"
+    run "$key" "$limit" "$python" -m pytest -v -p no:cacheprovider -rfEs "${@/#/tests/cuda/}"
   else
-    echo "(pytest is missing: running the module directly)"
-    run "$1" "$2" "$python" -m "tests.cuda.$3"
+    echo "(pytest is missing: running each module directly)"
+    # One module after another under the part's one limit; the last line counts them as pytest's would (a module
+    # that skips itself exits 0, so it counts as passed).
+    run "$key" "$limit" bash -c 'failed=0
+      for module in "${@:2}"; do "$1" -m "tests.cuda.${module%.py}" || failed=$((failed + 1)); done
+      echo "modules: $(($# - 1 - failed)) passed, $failed failed"; [ "$failed" = 0 ]' _ "$python" "$@"
   fi
 }
 
-echo "== 1. tests/cuda/test_cuda_learner.py on $device (limit ${tests_limit_s}s)"
-test_module cuda_tests "$tests_limit_s" test_cuda_learner
+kernel_module=test_cuda_kernels.py
+learner_modules="$(echo $(cd tests/cuda && ls test_*.py | grep -vx "$kernel_module"))"
+echo "== 1. tests/cuda: $learner_modules on $device (limit ${tests_limit_s}s)"
+test_modules cuda_tests "$tests_limit_s" $learner_modules
 
-echo "== 2. tests/cuda/test_cuda_kernels.py on $device (limit ${kernels_limit_s}s)"
-test_module kernel_tests "$kernels_limit_s" test_cuda_kernels
+echo "== 2. tests/cuda/$kernel_module on $device (limit ${kernels_limit_s}s)"
+test_modules kernel_tests "$kernels_limit_s" "$kernel_module"
 
 for bench in $benches; do
   IFS=: read -r preset modes limit <<<"$bench"

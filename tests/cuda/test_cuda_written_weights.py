@@ -31,5 +31,9 @@ def test_a_gpu_parameter_equals_the_host_tensor_it_holds_and_one_changed_element
 
 
 if __name__ == "__main__":  # where pytest is missing (scripts/device-check.sh)
-    test_a_gpu_parameter_equals_the_host_tensor_it_holds_and_one_changed_element_differs()
-    print("test_cuda_written_weights: passed")
+    # A GPU's property: skipped without one, RLPIPE_CHECK_DEVICE=cpu included (the test itself skips through pytest).
+    if not torch.cuda.is_available():
+        print("SKIPPED: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    else:
+        test_a_gpu_parameter_equals_the_host_tensor_it_holds_and_one_changed_element_differs()
+        print("test_cuda_written_weights: passed")
