@@ -145,7 +145,7 @@ def actors_needed(cfg: Config) -> int:
 
 def check_cluster_resources(cfg: Config, resources: dict[str, float], address: str | None = None) -> None:
     """Raise a one-line ConfigError unless `resources` (a cluster's totals, as `ray.cluster_resources()` gives
-    them) can hold the roles: their CPUs, a GPU per cuda learner rank, TPU chips where a device or slice needs
+    them) can hold the roles: their CPUs, the learner ranks' and engines' GPUs, TPU chips where a device or slice needs
     them. `address` names a cluster the run is submitted to; None: the one the run is on. Custom resources and
     slice shapes are the placement's to check (it waits for them, then says which)."""
     where = f"the cluster at {address}" if address else "the cluster"
