@@ -15,6 +15,8 @@ from dataclasses import asdict, replace
 
 import ray
 
+from concurrent.futures import ThreadPoolExecutor
+
 from rlpipe.actors.calls import WorkerLost, get_all, settle
 from rlpipe.actors.cluster import compute_env
 from rlpipe.actors.engine_pool import EnginePool, Generation
@@ -22,13 +24,15 @@ from rlpipe.actors.learner import LearnerActor
 from rlpipe.actors.placement import PlacedRole, place_role
 from rlpipe.actors.reward import RewardActor
 from rlpipe.actors.reward_pool import RewardPool
-from rlpipe.actors.scorer import ScorerActor
+from rlpipe.actors.scorer import ScorerActor, teacher_call
+from rlpipe.rewards.child import CallFailed
 from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import Config, first_line
 from rlpipe.hardware.device import learner_variables, learner_processes
 from rlpipe.hardware.gpu_layout import gpu_layout
 from rlpipe.startup.preflight import check_cluster_resources
-from rlpipe.scoring.served import ServedModel, served_models
+from rlpipe.scoring.served import ServedModel, served_models, served_teacher
+from rlpipe.scoring.teacher import TEACHER
 from rlpipe.rewards.specs import reward_names
 from rlpipe.training.learner import combine_rank_metrics
 from rlpipe.reporting.logs import LogSetup
@@ -83,7 +87,7 @@ class EngineRoles:
         pool that shares samples out to the workers."""
         cfg = self.cfg
         specs = [asdict(spec) for spec in cfg.reward.functions]
-        self._start_scorers(served_models(specs))
+        self._start_scorers(self._served(specs))
         # Reward actors hold no state a step needs, so Ray restarts a dead one and re-runs its call there: the share
         # it was scoring is scored once, by the new process (tests/integration/test_grpo_e2e.py kills one).
         restarts = cfg.reward.max_restarts
@@ -97,6 +101,10 @@ class EngineRoles:
         self.rewards = RewardPool(
             self.rewarders, cfg.rollout.max_tokens, restarts, cfg.reward.deadline_s, reward_names(specs)
         )
+
+    def _served(self, specs: list[dict]) -> dict[str, ServedModel]:
+        """What the scorer role serves: the models that score entries of reward.functions (`specs`)."""
+        return served_models(specs)
 
     def _start_scorers(self, served: dict[str, ServedModel]) -> None:
         """`scorer.num_workers` scorer actors, each loading the models of `served`; none without them. A dead one is
@@ -262,6 +270,39 @@ class Roles(EngineRoles):
 
     def _learning(self, refs: list, call: str) -> list:
         return get_all(refs, self.cfg.learner.call_timeout_s, "a learner rank", call, "learner.call_timeout_s")
+
+    def _served(self, specs: list[dict]) -> dict[str, ServedModel]:
+        """The reward functions' models and the distillation teacher (algo.distill_teacher)."""
+        return super()._served(specs) | served_teacher(self.cfg.algo.distill_teacher)
+
+    def score(self, groups: list[Group], trainer_state: dict | None = None) -> StepScores:
+        """The rewards, and with a teacher each sample's teacher log-probs (`_teach`)."""
+        scores = super().score(groups, trainer_state)
+        if self.cfg.algo.distill_teacher is not None:
+            self._teach(groups)
+        return scores
+
+    def _teach(self, groups: list[Group]) -> None:
+        """Fill in every completion's `teacher_logprobs`: the samples shared out evenly over the scorers, one call
+        each within reward.timeout_s; a call that fails leaves its share without (no distillation signal) and says
+        so in a line."""
+        samples = [(group.prompt, completion) for group in groups for completion in group.completions]
+        count = len(self.scorers)
+        shares = [samples[index::count] for index in range(count)]
+
+        def ask(index: int) -> None:
+            sequences = [(completion.prompt_ids or prompt.token_ids, completion.token_ids)
+                         for prompt, completion in shares[index]]
+            try:
+                found = teacher_call(self.scorers[index])(TEACHER, sequences, self.cfg.reward.timeout_s)
+            except CallFailed as err:
+                self.note(f"teacher: {err}; {len(sequences)} samples of this step have no distillation signal")
+                found = [None] * len(sequences)
+            for (_, completion), logprobs in zip(shares[index], found):
+                completion.teacher_logprobs = logprobs
+
+        with ThreadPoolExecutor(max_workers=count) as pool:
+            list(pool.map(ask, range(count)))
 
     # ------------------------------------------------------------------ what the GRPO loop reads
 

@@ -49,6 +49,9 @@ class Completion:
     turns: int = 1
     tool_calls: int = 0
     tool_errors: int = 0
+    # With a teacher (algo.distill_teacher): its log-prob of each token of `token_ids` given the ones before it;
+    # None where it gave none (its call failed), and then the sample carries no distillation signal.
+    teacher_logprobs: list[float] | None = None
 
     @property
     def model_tokens(self) -> int:
@@ -112,6 +115,9 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor  # [N, T] float32, 0 outside the completion
     advantages: torch.Tensor  # [N] float32
     lengths: torch.Tensor  # [N] long: prompt + completion tokens
+    # [N, T] float32: a teacher's log-probs of the completion tokens (on-policy distillation), equal to
+    # rollout_logprobs where it gave none; None without a teacher
+    teacher_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -119,7 +125,7 @@ class TrainBatch:
     def __reduce__(self):
         # Pickled (sent to a learner actor) as numpy arrays, never as torch objects: a learner in an environment of
         # its own may run another torch version than the driver, and torch's pickles are not promised across them.
-        arrays = {name: getattr(self, name).numpy() for name in _TRAIN_BATCH_FIELDS}
+        arrays = {name: getattr(self, name).numpy() for name in _TRAIN_BATCH_FIELDS if getattr(self, name) is not None}
         return _train_batch_from_arrays, (arrays,)
 
     def slice(self, start: int, stop: int) -> "TrainBatch":
@@ -135,6 +141,7 @@ class TrainBatch:
             rollout_logprobs=self.rollout_logprobs[rows, :width],
             advantages=self.advantages[rows],
             lengths=self.lengths[rows],
+            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[rows, :width],
         )
 
     @classmethod
@@ -146,9 +153,11 @@ class TrainBatch:
         advantages: list[float],
         pad_id: int = 0,
         masks: list[list[int] | None] | None = None,
+        teacher_logprobs: list[list[float]] | None = None,
     ) -> "TrainBatch":
         """`masks`: per completion, which of its tokens the policy sampled (1) and which a tool or environment added
-        (0, never trained on); None: all of them."""
+        (0, never trained on); None: all of them. `teacher_logprobs`: per completion, a teacher's log-prob of each
+        of its tokens (on-policy distillation); None: no teacher."""
         n = len(prompts)
         masks = masks or [None] * n
         lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
@@ -156,12 +165,17 @@ class TrainBatch:
         input_ids = torch.full((n, width), pad_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.bool)
         logprobs = torch.zeros((n, width), dtype=torch.float32)
+        teacher = None if teacher_logprobs is None else torch.zeros((n, width), dtype=torch.float32)
         for row, (prompt, completion, lps, sampled) in enumerate(zip(prompts, completions, rollout_logprobs, masks)):
             start, stop = len(prompt), len(prompt) + len(completion)
             input_ids[row, :start] = torch.tensor(prompt, dtype=torch.long)
             if completion:
                 input_ids[row, start:stop] = torch.tensor(completion, dtype=torch.long)
                 logprobs[row, start:stop] = torch.tensor(lps, dtype=torch.float32)
+                if teacher is not None:
+                    taught = teacher_logprobs[row]
+                    teacher[row, start:stop] = logprobs[row, start:stop] if taught is None else torch.tensor(
+                        taught, dtype=torch.float32)
             mask[row, start:stop] = True if sampled is None else torch.tensor(sampled, dtype=torch.bool)
         return cls(
             input_ids=input_ids,
@@ -169,10 +183,11 @@ class TrainBatch:
             rollout_logprobs=logprobs,
             advantages=torch.tensor(advantages, dtype=torch.float32),
             lengths=torch.tensor(lengths, dtype=torch.long),
+            teacher_logprobs=teacher,
         )
 
 
-_TRAIN_BATCH_FIELDS = ("input_ids", "completion_mask", "rollout_logprobs", "advantages", "lengths")
+_TRAIN_BATCH_FIELDS = ("input_ids", "completion_mask", "rollout_logprobs", "advantages", "lengths", "teacher_logprobs")
 
 
 def _train_batch_from_arrays(arrays: dict) -> TrainBatch:
@@ -194,6 +209,7 @@ class LossInputs:
     old_logprobs: torch.Tensor | None = None  # [B, T]: the policy before the step's first update, when it moves
     # within a step (several optimizer steps); None: the training forward's own, detached
     ref_logprobs: torch.Tensor | None = None  # [B, T]: a frozen reference model's (a KL term)
+    teacher_logprobs: torch.Tensor | None = None  # [B, T]: a teacher's (on-policy distillation)
 
     def map_rows(self, change: Callable[[torch.Tensor], torch.Tensor]) -> LossInputs:
         """`change` applied to every per-row and per-token tensor (cut, pad); the totals stay as they are."""
@@ -251,6 +267,8 @@ class LossStats:
     gap_max: Tensor = _stat("logprob_gap/max_abs", maximum=True)
     gap_kl: Tensor = _stat("logprob_gap/kl")  # k3 estimate of KL(rollout || learner) on its samples
     kl: Tensor | None = _stat("kl", optional=True)  # KL(policy || reference), the KL term's estimator
+    # log p - log q on the sampled tokens: an estimate of KL(policy || teacher) (on-policy distillation)
+    teacher_kl: Tensor | None = _stat("distill/teacher_kl", optional=True)
     # tokens masked importance sampling left out
     mis_dropped: Tensor | None = _stat("mis/dropped_fraction", optional=True)
     router_tokens: Tensor | None = _stat(optional=True)  # [MoE layers, experts]: routed copies of the trained tokens

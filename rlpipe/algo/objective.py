@@ -1,6 +1,6 @@
 """Training objectives as small objects: a policy loss (GRPO, Dr. GRPO, DAPO, GSPO), importance corrections that
-weight its tokens (TIS, MIS) and terms added to it (KL to a reference model, an entropy bonus, the MoE router's
-balance loss).
+weight its tokens (TIS, MIS) and terms added to it (KL to a reference model, an entropy bonus, the reverse KL to a
+teacher, the MoE router's balance loss).
 
 An `Objective` is what the train engine runs on every micro-batch: `objective(outputs, inputs) -> (loss, stats)`.
 `outputs` is what the model computed (`ModelOutputs`); `inputs` is the micro-batch's `LossInputs` — `mask` ([B, T],
@@ -194,6 +194,28 @@ class EntropyBonus:
 
 
 @dataclass
+class TeacherKL:
+    """On-policy distillation: coef x KL(policy || teacher), the reverse KL to a teacher model, through its estimator
+    on the tokens the policy sampled. The log-ratio log p(x) - log q(x) of each token (p the policy that sampled it,
+    q the teacher, whose log-probs the scorer role computed) is a per-token advantage of minus itself: the term is
+    the log-ratio, detached, times the policy loss's importance ratio p / p_old, whose gradient at p = p_old is
+    log-ratio x grad log p, and over tokens sampled from p that is the reverse KL's gradient (the score function's
+    mean is zero). Reduced as the policy loss reduces; tokens where the teacher gave nothing have log-ratio 0."""
+
+    coef: float
+    every_row_counts: ClassVar[bool] = True  # a sample with advantage 0 still learns from the teacher
+    needs_reference: ClassVar[bool] = False
+
+    def __call__(self, outputs: ModelOutputs, inputs: LossInputs, policy, stats: LossStats) -> Tensor:
+        mask = inputs.mask
+        old = old_logprobs(outputs, inputs)
+        log_ratio = torch.where(mask, old - inputs.teacher_logprobs, torch.zeros_like(old)).detach()
+        stats.teacher_kl = log_ratio.sum()
+        ratio = policy.importance_ratio(outputs.logprobs, old, mask)
+        return self.coef * policy.aggregate(log_ratio * ratio, mask, inputs)
+
+
+@dataclass
 class RouterBalance:
     """A mixture-of-experts model's load-balancing loss (coefficient x transformers' switch loss), and the router
     statistics as sums over the trained tokens: routed copies per (MoE layer, expert) and router probability per
@@ -301,6 +323,8 @@ def build_objective(algo, *, max_tokens: int, moe=None) -> Objective:
         terms.append(KLPenalty(algo.kl_beta, algo.kl_estimator, algo.kl_bias_correction))
     if algo.entropy_coef != 0:
         terms.append(EntropyBonus(algo.entropy_coef))
+    if algo.distill_teacher is not None:
+        terms.append(TeacherKL(algo.distill_coef))
     if moe is not None:
         experts_per_token, coef = moe
         terms.append(RouterBalance(coef, experts_per_token))

@@ -41,6 +41,16 @@ class AlgoConfig:
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = key(
         None, "how grpo averages per-token losses (null: token-mean); the other losses fix their own"
     )
+    distill_teacher: str | None = key(
+        None, "on-policy distillation: a teacher model (folder, Hub id or builtin:NAME, with the policy's tokenizer) "
+        "whose log-probs of the policy's sampled tokens add coef x KL(policy || teacher) to the loss, served by the "
+        "scorer role (docs/algorithms.md); null: none"
+    )
+    distill_coef: float = key(1.0, "with algo.distill_teacher: the weight of the reverse KL to the teacher")
+    distill_rewards: bool = key(
+        True, "with algo.distill_teacher: keep the rewards' advantages beside the teacher's signal (false: the "
+        "teacher's alone; reward functions still score, for the metrics)"
+    )
     kl_beta: float = key(0.0, "weight of the KL penalty to a frozen reference model (0: no reference model)")
     kl_estimator: Literal["k1", "k2", "k3"] = key("k3", "KL estimator")
     kl_bias_correction: bool = key(
@@ -100,6 +110,7 @@ class AlgoConfig:
             f"algo.loss_agg: only grpo takes an aggregation; {self.loss} fixes its own (set it to null)",
         )
         require(self.kl_beta >= 0, "algo.kl_beta: must be >= 0")
+        require(self.distill_coef > 0 and math.isfinite(self.distill_coef), "algo.distill_coef: must be > 0")
         require(math.isfinite(self.entropy_coef), "algo.entropy_coef: must be a finite number")
         require(
             self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,

@@ -2,7 +2,8 @@
 what it holds to score: one forward pass of scorer.batch_size samples of the run's longest sequence for a reward
 model (the hidden states of a layer and, as eager attention holds them, its attention scores), a judge engine's KV
 cache (scorer.kv_cache_gib). Read from the models' config.json and safetensors headers, where their folders are here
-(a built-in model once converted, a Hub id once in the Hugging Face cache)."""
+(a built-in model once converted, a Hub id once in the Hugging Face cache). A distillation teacher counts as a judge:
+its weights and its engine's KV cache."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def scorer_peak(cfg: Config) -> Peak | None:
             models.setdefault(function.name, False)
         elif function.name == JUDGE and isinstance(function.kwargs.get("model"), str):
             models[function.kwargs["model"]] = True
+    if cfg.algo.distill_teacher is not None:  # a vLLM engine, as a judge's
+        models[cfg.algo.distill_teacher] = True
     if not models:
         return None
     dtype_bytes = DTYPE_BYTES[cfg.scorer.dtype]
@@ -38,7 +41,7 @@ def scorer_peak(cfg: Config) -> Peak | None:
         params = sum(math.prod(tensor.shape) for tensor in stored_tensors(folder).values())
         parts.append(MemoryItem(f"weights:{name}", f"{model_reward_name(name)} weights", params * dtype_bytes))
         if judged:
-            parts.append(MemoryItem(f"kv_cache:{name}", f"{model_reward_name(name)} KV cache (judge)",
+            parts.append(MemoryItem(f"kv_cache:{name}", f"{model_reward_name(name)} KV cache (vLLM engine)",
                                     cfg.scorer.kv_cache_gib * GIB))
             continue
         config = json.loads((folder / "config.json").read_text())

@@ -261,6 +261,7 @@ def prepare(cfg: Config, resume: str | None = None) -> Run:
     if cfg.rollout.environment_factory:  # reward functions also get each episode's environment (TRL's)
         columns = [*columns, *EPISODE_COLUMNS]
     preflight.check_reward_functions(cfg.reward, columns)
+    preflight.check_teacher(cfg, tokenizer)
     preflight.check_rollout_tools(cfg.rollout, tokenizer, cfg.data.chat_template_kwargs)
     limit = cfg.max_prompt_tokens
     train_set = PromptSet(train_rows, tokenizer, cfg.data, max_prompt_tokens=limit)
@@ -359,6 +360,9 @@ def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[Tra
     }
     if not chosen:
         return None, stats
+    distilling = cfg.algo.distill_teacher is not None
+    if distilling and not cfg.algo.distill_rewards:  # the teacher's signal alone
+        advantages = torch.zeros_like(advantages)
     batch = TrainBatch.from_sequences(
         [samples[i][1].prompt_ids or samples[i][0].token_ids for i in chosen],  # an episode's prompt has its tools
         [samples[i][1].token_ids for i in chosen],
@@ -366,7 +370,10 @@ def make_train_batch(groups: list[Group], cfg: Config, pad_id: int) -> tuple[Tra
         advantages[chosen].tolist(),
         pad_id=pad_id,
         masks=[samples[i][1].mask for i in chosen],
+        teacher_logprobs=[samples[i][1].teacher_logprobs for i in chosen] if distilling else None,
     )
+    if distilling:
+        stats["distill/untaught_samples"] = float(sum(samples[i][1].teacher_logprobs is None for i in chosen))
     if cfg.algo.mask_truncated_completions:
         # Their rewards stay in their groups' statistics; their tokens leave the loss and its token count, and
         # advantage 0 lets the learner skip the rows (they still count as sequences, as TRL counts them).

@@ -1,5 +1,5 @@
 """What the scorer role serves: each entry of reward.functions that a model scores (a reward model, the judge), by the
-name its scores go by, with its model's local folder."""
+name its scores go by, and a distillation teacher (algo.distill_teacher), each with its model's local folder."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from rlpipe.rewards.specs import JUDGE, is_model_reward, reward_names
 from rlpipe.scoring.judge import JudgeSpec, judge_spec
 from rlpipe.scoring.reward_model import check_reward_model, checked_tokenizer, model_folder
+from rlpipe.scoring.teacher import TEACHER, WHERE
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,8 @@ class ServedModel:
     folder: str
     judge: JudgeSpec | None = None
     """The judge's settings; None for a reward model."""
+    teacher: bool = False
+    """A distillation teacher (rlpipe/scoring/teacher.py)."""
 
 
 def served_models(functions: list, columns: list[str] | None = None, check: bool = False) -> dict[str, ServedModel]:
@@ -35,6 +38,13 @@ def served_models(functions: list, columns: list[str] | None = None, check: bool
             if check:
                 check_judge_model(served[name].folder, f"{where} kwargs.model")
     return served
+
+
+def served_teacher(teacher: str | None) -> dict[str, ServedModel]:
+    """The teacher algo.distill_teacher names, under its name among the scorer's models; none without one."""
+    if teacher is None:
+        return {}
+    return {TEACHER: ServedModel(model_folder(teacher, WHERE), teacher=True)}
 
 
 def check_judge_model(folder: str, where: str) -> None:

@@ -137,8 +137,9 @@ def check_learner_device(cfg: Config, python: str | None, timeout_s: float = 180
 
 def actors_needed(cfg: Config) -> int:
     """The CPU bundles the roles reserve off TPU slices: one per learner process, rollout engine, reward worker and,
-    where reward.functions names a reward model, scorer."""
-    scorers = cfg.scorer.num_workers if any(scored_by_a_model(f.name) for f in cfg.reward.functions) else 0
+    where reward.functions names a reward model or algo.distill_teacher a teacher, scorer."""
+    scored = any(scored_by_a_model(f.name) for f in cfg.reward.functions) or cfg.algo.distill_teacher is not None
+    scorers = cfg.scorer.num_workers if scored else 0
     return (learner_processes(cfg.learner.device, cfg.learner.ranks) + cfg.rollout.num_engines
             + cfg.reward.num_workers + scorers)
 
@@ -286,6 +287,16 @@ def check_reward_functions(reward: RewardConfig, columns: list[str]) -> None:
     usable; raises the reward registry's RewardConfigError (reported as a config error) naming the entry."""
     RewardRunner([asdict(f) for f in reward.functions], timeout_s=reward.timeout_s, columns=columns)
     served_models(reward.functions, columns, check=True)
+
+
+def check_teacher(cfg: Config, tokenizer) -> None:
+    """A distillation teacher (algo.distill_teacher) has the policy's tokenizer (`tokenizer`) and a folder vLLM can
+    start from; raises a one-line RewardConfigError naming the key."""
+    from rlpipe.scoring.served import served_teacher
+    from rlpipe.scoring.teacher import check_teacher as check_teacher_model
+
+    for model in served_teacher(cfg.algo.distill_teacher).values():
+        check_teacher_model(model.folder, tokenizer)
 
 
 def check_rollout_tools(rollout, tokenizer, template_kwargs: dict) -> None:

@@ -279,6 +279,8 @@ def compile_recipe_step(cfg, generation: str, layers: int = 2) -> StepReport:
                 inputs = LossInputs(
                     mask=rows.completion_mask, advantages=rows.advantages, rollout_logprobs=rows.rollout_logprobs,
                     total_tokens=rows.completion_mask.sum().float(), total_seqs=torch.tensor(float(len(rows))),
+                    # A teacher's log-probs are a tensor like the rollout's: the compiled program is the same.
+                    teacher_logprobs=rows.rollout_logprobs if cfg.algo.distill_teacher is not None else None,
                 )
                 shares = engine._micro_batch_shares(0, len(rows))
                 host_micro_batches = engine.forward.micro_batches(rows, inputs, shares, 0)

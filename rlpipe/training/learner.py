@@ -117,6 +117,7 @@ class Learner:
                 mask=rows.completion_mask,
                 advantages=rows.advantages,
                 rollout_logprobs=rows.rollout_logprobs,
+                teacher_logprobs=rows.teacher_logprobs,
                 # The loss's denominators count the rows left out as well.
                 total_tokens=batch.completion_mask[first:last].sum().float(),
                 total_seqs=torch.tensor(float(last - first)),
