@@ -16,9 +16,12 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: the tests' tiny-model helpers
 
 QUESTION = "Calculate {a} + {b}."
 
@@ -32,7 +35,7 @@ def sums() -> list[dict]:
 def build_tokenizer(folder: Path, rows: list[dict]):
     from tokenizers import pre_tokenizers
 
-    from bench.tiny_model import CHATML, train_tokenizer
+    from rlpipe.bench.tiny_model import CHATML, train_tokenizer
 
     corpus = [f"user\n{row['question']}\nassistant\n{row['answer']}\n" for row in rows]
     digits_apart = pre_tokenizers.Sequence(
@@ -60,7 +63,8 @@ def model(folder: Path, tokenizer, rows: list[dict], seed: int, steps: int) -> s
     return train_tiny_qwen3(folder, tokenizer, sft_rows(tokenizer, rows), len(tokenizer), seed, steps, 5e-3)
 
 
-def train_run(root: Path, name: str, student: str, data: Path, seed: int, steps: int, teacher: str | None) -> dict:
+def train_run(root: Path, name: str, student: str, data: Path, seed: int, steps: int, lr: float,
+              teacher: str | None) -> dict:
     from rlpipe.config import load_config
     from rlpipe.run.controller import train
 
@@ -69,7 +73,7 @@ def train_run(root: Path, name: str, student: str, data: Path, seed: int, steps:
         "data.source=file", f"data.path={data}", "data.eval_size=80",
         "reward.functions=[{name: 'rlpipe.rewards.math:exact_match'}]", "rollout.group_size=8",
         "rollout.max_tokens=6", "rollout.max_model_len=64", "train.prompts_per_step=8", "train.micro_batch_size=16",
-        f"train.steps={steps}", "train.lr=2e-3", "eval.every=0", "metrics.export=false", "metrics.tensorboard=false",
+        f"train.steps={steps}", f"train.lr={lr}", "eval.every=0", "metrics.export=false", "metrics.tensorboard=false",
         "metrics.plot=false", "ray.num_cpus=4",
     ]
     if teacher:
@@ -99,6 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--teacher-steps", type=int, default=1500)
     parser.add_argument("--student-steps", type=int, default=150)
     parser.add_argument("--out", type=Path)
@@ -117,7 +122,7 @@ def main() -> None:
         print(f"teacher {report['teacher_held_out']:.3f}, student {report['student_held_out']:.3f} held-out")
         for seed in args.seeds:
             for arm, taught_by in (("grpo", None), ("grpo+distill", teacher)):
-                run = train_run(root / "runs", f"{arm}-{seed}", student, data, seed, args.steps, taught_by)
+                run = train_run(root / "runs", f"{arm}-{seed}", student, data, seed, args.steps, args.lr, taught_by)
                 report["runs"].append({"arm": arm, "seed": seed, **run})
                 print(f"{arm:>13} seed {seed}: held-out {run['eval_before']:.3f} -> {run['eval_after']:.3f} "
                       f"({run['seconds']:.0f} s)", flush=True)
