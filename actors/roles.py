@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 
 import ray
-
-from concurrent.futures import ThreadPoolExecutor
 
 from rlpipe.actors.calls import WorkerLost, get_all, settle
 from rlpipe.actors.cluster import compute_env
@@ -25,7 +24,6 @@ from rlpipe.actors.placement import PlacedRole, place_role
 from rlpipe.actors.reward import RewardActor
 from rlpipe.actors.reward_pool import RewardPool
 from rlpipe.actors.scorer import ScorerActor, teacher_call
-from rlpipe.rewards.child import CallFailed
 from rlpipe.actors.sync_channel import SyncChannel
 from rlpipe.config import Config, first_line
 from rlpipe.hardware.device import learner_variables, learner_processes
@@ -33,6 +31,7 @@ from rlpipe.hardware.gpu_layout import gpu_layout
 from rlpipe.startup.preflight import check_cluster_resources
 from rlpipe.scoring.served import ServedModel, served_models, served_teacher
 from rlpipe.scoring.teacher import TEACHER
+from rlpipe.rewards.child import CallFailed
 from rlpipe.rewards.specs import reward_names
 from rlpipe.training.learner import combine_rank_metrics
 from rlpipe.reporting.logs import LogSetup

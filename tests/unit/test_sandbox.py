@@ -288,17 +288,21 @@ def _whole_sandbox_bound():
 
 
 def test_memory_is_bounded_for_the_sandbox_as_a_whole():
-    # Four processes of 120 MiB each, every one within its own address-space limit: together past memory_mb.
+    # Four processes of 120 MiB each, every one within its own address-space limit: together past memory_mb. Each
+    # holds its memory for 6 s, so that all four overlap even on a loaded machine (where, holding it 3 s, the first
+    # had once exited before the last allocated).
     _whole_sandbox_bound()
     outcome = attack(
         "import os, time\nfor index in range(4):\n    if os.fork() == 0:\n"
         "        hog = bytearray(120 * 2**20)\n        print('allocated', index, flush=True)\n"
-        "        time.sleep(3)\n        os._exit(0)\n"
+        "        time.sleep(6)\n        os._exit(0)\n"
         "finished = sum(os.waitstatus_to_exitcode(os.wait()[1]) == 0 for _ in range(4))\nprint('finished', finished)\n",
-        limits=Limits(cpu_s=5, wall_s=8, memory_mb=256, processes=16),
+        limits=Limits(cpu_s=5, wall_s=12, memory_mb=256, processes=16),
     )
-    finished = [line for line in outcome.stdout.splitlines() if line.startswith("finished")]
-    assert finished != ["finished 4"] and outcome.stdout.count("allocated") < 4, outcome
+    # At most two of them fit at once; which are killed is the kernel's choice (one that already allocated and said
+    # so, at times), so what is counted is how many finished, not how many allocated.
+    finished = [int(line.split()[1]) for line in outcome.stdout.splitlines() if line.startswith("finished")]
+    assert finished in ([], [0], [1], [2]), outcome
 
 
 def test_many_empty_files_stop_at_the_memory_limit():
