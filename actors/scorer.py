@@ -88,4 +88,3 @@ def answer(send, limit_s: float):
             raise CallFailed(f"the scorer stopped ({str(err).splitlines()[0]})") from None
         except ray.exceptions.RayTaskError as err:
             raise CallFailed(f"the scorer failed: {str(err.cause or err).splitlines()[0]}") from None
-

@@ -172,10 +172,9 @@ class TrainBatch:
             if completion:
                 input_ids[row, start:stop] = torch.tensor(completion, dtype=torch.long)
                 logprobs[row, start:stop] = torch.tensor(lps, dtype=torch.float32)
-                if teacher is not None:
+                if teacher is not None:  # none from the teacher: the rollout's own, a log-ratio of 0
                     taught = teacher_logprobs[row]
-                    teacher[row, start:stop] = logprobs[row, start:stop] if taught is None else torch.tensor(
-                        taught, dtype=torch.float32)
+                    teacher[row, start:stop] = torch.tensor(lps if taught is None else taught, dtype=torch.float32)
             mask[row, start:stop] = True if sampled is None else torch.tensor(sampled, dtype=torch.bool)
         return cls(
             input_ids=input_ids,

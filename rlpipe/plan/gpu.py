@@ -32,8 +32,9 @@ def gpu_peak(cfg: Config, learner: SidePlan, rollout: SidePlan) -> Peak | None:
             need = f"engine's weights + KV cache{f' x {engines}' if engines > 1 else ''}"
             parts.append(MemoryItem("gpu_engine", need, engines * rollout.total_bytes))
         else:
-            claim = engine_memory_fraction(cfg) * gpu_bytes
-            label = f"engine's vLLM claim ({engine_memory_fraction(cfg):.3g} of the GPU)"
+            fraction = engine_memory_fraction(cfg)
+            claim = fraction * gpu_bytes
+            label = f"engine's vLLM claim ({fraction:.3g} of the GPU)"
             parts.append(MemoryItem("gpu_engine", label + (f" x {engines}" if engines > 1 else ""), engines * claim))
     # A rank and an engine sharing a GPU add up; on GPUs of their own, the fuller one is the peak.
     apart = not layout.colocated

@@ -87,6 +87,23 @@ def sampling_params(cfg: RolloutConfig, n: int, *, temperature: float | None = N
 POLICY_ADAPTER = ("rlpipe-policy", 1)
 
 
+def given_sequence_logprobs(llm, sequences: list[list[int]], lora_request=None) -> list[list[float] | None]:
+    """vLLM's log-prob of each token of each sequence given the ones before it (position 0 gets 0.0), read from the
+    sequence sent as a prompt (its prompt log-probs; one token generated, unused); None for a sequence the engine
+    returns none for (vLLM on TorchTPU)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False,
+                           lora_request=lora_request)
+    return [
+        None if output.prompt_logprobs is None
+        else [0.0] + [float(step[token].logprob) for step, token in zip(output.prompt_logprobs[1:], ids[1:])]
+        for output, ids in zip(outputs, sequences)
+    ]
+
+
 def decoding_params():
     """vLLM's sampling parameters of a decoded probe: greedy, DECODE_TOKENS tokens whatever they are."""
     from vllm import SamplingParams
@@ -257,15 +274,10 @@ class RolloutEngine:
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """The engine's logprob of each token given the ones before it (position 0 gets 0.0)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False,
-                                      lora_request=self.writer.lora_request)
-        if output.prompt_logprobs is None:
+        (logprobs,) = given_sequence_logprobs(self.llm, [token_ids], lora_request=self.writer.lora_request)
+        if logprobs is None:
             raise SyncError("this engine returns no log-probs of a given sequence (vLLM on TorchTPU); decode instead")
-        return [0.0] + [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], token_ids[1:])]
+        return logprobs
 
     def decoded_probe(self, token_ids: list[int]) -> DecodedProbe:
         """DECODE_TOKENS tokens decoded greedily after `token_ids`, with their log-probs (the probe of an engine

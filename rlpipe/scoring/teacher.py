@@ -54,19 +54,12 @@ class Teacher:
     def logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float] | None]:
         """Per (prompt ids, completion ids): the teacher's log-prob of each completion token given every token before
         it; None for a sequence longer than its context or with no completion."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from rlpipe.rollout.engine import given_sequence_logprobs
 
         asked = [index for index, (prompt, completion) in enumerate(sequences)
                  if prompt and completion and len(prompt) + len(completion) < self.context]
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=sequences[index][0] + sequences[index][1]) for index in asked], params,
-            use_tqdm=False,
-        ) if asked else []
+        whole = [sequences[index][0] + sequences[index][1] for index in asked]
         found: list[list[float] | None] = [None] * len(sequences)
-        for index, output in zip(asked, outputs):
-            prompt, completion = sequences[index]
-            steps = output.prompt_logprobs[len(prompt):]
-            found[index] = [float(step[token].logprob) for step, token in zip(steps, completion)]
+        for index, logprobs in zip(asked, given_sequence_logprobs(self.llm, whole) if whole else []):
+            found[index] = None if logprobs is None else logprobs[len(sequences[index][0]):]
         return found

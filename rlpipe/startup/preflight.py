@@ -54,12 +54,11 @@ def check_gpu_memory(cfg: Config, model_path: str) -> None:
     claims, and the fullest GPU's learner rank and engine in the GPU (`rlpipe plan`'s GPU figures)."""
     if cfg.placement.gpu_memory_gib is None or not gpu_layout(cfg).on_gpus:
         return
-    from rlpipe.models import read_hf_config
     from rlpipe.plan import plan
     from rlpipe.plan.gpu import gpu_problems_of_plan
-    from rlpipe.plan.model_size import ModelSize
+    from rlpipe.plan.model_size import load_architecture
 
-    result = plan(cfg, ModelSize.from_hf(read_hf_config(model_path), Path(model_path).name))
+    result = plan(cfg, load_architecture(model_path)[0])
     problems = gpu_problems_of_plan(cfg, result.rollout)
     if problems:
         raise ConfigError(problems[0])
